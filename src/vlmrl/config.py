@@ -1,0 +1,316 @@
+"""Typed configuration: one YAML file, one section per stage, every field documented once, here.
+
+A config is loaded from a preset shipped in ``vlmrl/presets/`` (``demo``, ``seed``, ``gspo-paper``) or a
+YAML file, then command-line overrides (``--set train.learning_rate=1e-5``) are applied, then the whole
+thing is validated. Validation happens before any model loads: unknown keys are named with the closest
+valid key, and cross-field contradictions say how to fix them.
+
+Deliberately left out: a mirror of all of ``GRPOConfig``. ``train.trl_overrides`` passes anything else
+straight to TRL.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+PRESETS = ("demo", "seed", "gspo-paper")
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the file, the field and the fix."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(_Section):
+    name: str = Field("demo", description="Run name; artifacts land in `<output_dir>/<name>/`.")
+    output_dir: str = Field("runs", description="Parent folder of run directories.")
+    seed: int = Field(0, description="Seed for data splits, sampling and training.")
+
+
+class ModelConfig(_Section):
+    name: str = Field(
+        "tiny:qwen3_vl",
+        description="Hub id, local folder, or `tiny:<arch>` (an offline random-weight model built into the run, "
+        "arch in qwen3_vl|qwen2_5_vl|gemma3), or `demo-policy` (the project's small warm-started policy).",
+    )
+    backend: Literal["auto", "unsloth", "transformers"] = Field(
+        "auto", description="`auto`: Unsloth FastVisionModel when installed and CUDA is present, else transformers."
+    )
+    load_in_4bit: bool = Field(False, description="bitsandbytes 4-bit base weights (CUDA only; an error on CPU).")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="Weight dtype; `auto` is bfloat16 on CUDA and float32 on CPU."
+    )
+    attn_implementation: Literal["auto", "eager", "sdpa", "flash_attention_2"] = Field(
+        "auto", description="Attention kernel; `auto` lets transformers choose (sdpa where supported)."
+    )
+    max_seq_length: int = Field(
+        16384, gt=0, description="Longest sequence (image tokens + prompt + completion) the model must hold."
+    )
+
+
+class LoraConfig(_Section):
+    r: int = Field(16, gt=0, description="LoRA rank; higher adds capacity and memory.")
+    alpha: int = Field(16, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
+    attention: bool = Field(True, description="Adapt the language model's attention projections.")
+    mlp: bool = Field(True, description="Adapt the language model's MLP projections.")
+    vision: bool = Field(
+        False,
+        description="Also adapt the vision tower. Off by default: the task is reasoning about what the model sees, "
+        "and vLLM's LoRA cannot serve vision layers.",
+    )
+
+
+class DataConfig(_Section):
+    source: str = Field(
+        "synthetic",
+        description="`synthetic` (built-in procedural visual math), a hub id (`AI4Math/MathVista`), "
+        "or a local Parquet/JSONL file or folder.",
+    )
+    split: str = Field("testmini", description="Dataset split for hub or folder sources.")
+    answer_types: list[Literal["integer", "float"]] = Field(
+        ["integer", "float"], description="MathVista answer types kept (free-form numeric by default)."
+    )
+    include_multi_choice: bool = Field(False, description="Also keep multiple-choice items with numeric choices.")
+    prompt_field: Literal["question", "query"] = Field(
+        "question",
+        description="`question` as the write-up does, or MathVista's `query` (which carries hints, units, choices).",
+    )
+    columns: dict[str, str] = Field(
+        default_factory=dict,
+        description="Column mapping for other datasets: keys image, question, answer, precision, choices, id.",
+    )
+    image_size: int = Field(512, gt=0, description="Side of the normalised image (squash/fit policies).")
+    resize: Literal["squash", "fit", "max_pixels"] = Field(
+        "squash",
+        description="`squash` to image_size x image_size ignoring aspect (the write-up's choice), `fit` keeps aspect "
+        "and pads, `max_pixels` only shrinks to at most image_size^2 pixels.",
+    )
+    holdout_size: int = Field(100, gt=0, description="Held-out items for baseline/after evaluation.")
+    max_prompt_tokens: int = Field(
+        2048, gt=0, description="Prompts longer than this (image tokens included) are dropped with the reason."
+    )
+    num_synthetic: int = Field(400, gt=0, description="Items generated when source is `synthetic`.")
+    difficulty: int = Field(1, ge=1, le=3, description="Synthetic difficulty: 1 easy .. 3 hard.")
+    families: list[str] = Field(
+        default_factory=list, description="Synthetic families to draw from; empty means all."
+    )
+    max_items: int | None = Field(None, gt=0, description="Cap on source rows read (for quick runs).")
+
+
+class EvalConfig(_Section):
+    batch_size: int = Field(8, gt=0, description="Held-out items generated together.")
+    max_new_tokens: int = Field(1024, gt=0, description="Completion token limit for evaluation.")
+    do_sample: bool = Field(False, description="Greedy by default so before/after differ only by the weights.")
+    temperature: float = Field(1.0, gt=0.0, description="Sampling temperature when do_sample.")
+    num_samples: int = Field(1, gt=0, description="Samples per item when do_sample (gives pass@k, majority vote).")
+    compile: Literal["auto", "on", "off"] = Field(
+        "auto", description="Static KV cache + torch.compile decode; `auto` turns it on for CUDA only."
+    )
+
+
+class TrainConfig(_Section):
+    algorithm: Literal["grpo", "gspo"] = Field(
+        "gspo", description="`gspo` = sequence-level importance ratio (arXiv:2507.18671); `grpo` = token level."
+    )
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = Field("dr_grpo", description="TRL loss aggregation.")
+    learning_rate: float = Field(5e-6, gt=0.0, description="Peak learning rate of the LoRA parameters.")
+    lr_scheduler_type: str = Field("cosine", description="transformers scheduler name.")
+    warmup_ratio: float = Field(0.0, ge=0.0, lt=1.0, description="Fraction of steps spent warming up.")
+    optim: str = Field(
+        "adamw_8bit",
+        description="Optimizer; `adamw_8bit` needs bitsandbytes on CUDA and falls back to `adamw_torch` otherwise "
+        "(the fallback is logged).",
+    )
+    per_device_train_batch_size: int = Field(8, gt=0, description="Completions per device per micro-step.")
+    gradient_accumulation_steps: int = Field(4, gt=0, description="Micro-steps per optimizer step.")
+    num_generations: int = Field(4, ge=2, description="Completions sampled per prompt (the GRPO group).")
+    steps_per_generation: int | None = Field(
+        None, gt=0, description="Optimizer micro-steps per generation batch; None = gradient_accumulation_steps."
+    )
+    num_iterations: int = Field(1, gt=0, description="Policy updates per generation batch (mu in the papers).")
+    max_completion_length: int = Field(1024, gt=0, description="Completion token limit during training.")
+    temperature: float = Field(1.0, gt=0.0, description="Sampling temperature of rollouts.")
+    epsilon: float = Field(0.2, gt=0.0, description="Lower clip range of the importance ratio.")
+    epsilon_high: float | None = Field(None, gt=0.0, description="Upper clip range; None = epsilon.")
+    beta: float = Field(0.0, ge=0.0, description="KL coefficient (0 skips the reference model).")
+    num_train_epochs: float = Field(1.0, gt=0.0, description="Passes over the training set.")
+    max_steps: int = Field(-1, description="Optimizer steps; -1 = derived from num_train_epochs.")
+    max_grad_norm: float = Field(0.1, gt=0.0, description="Gradient clipping norm.")
+    mask_truncated_completions: bool = Field(False, description="Exclude truncated completions from the loss.")
+    reward_weights: list[float] = Field(
+        [0.3, 1.0], description="Weights of [format_reward, correctness_reward], passed to GRPOConfig."
+    )
+    gradient_checkpointing: bool = Field(True, description="Trade compute for activation memory.")
+    logging_steps: int = Field(1, gt=0, description="Log every N optimizer steps.")
+    save_steps: int = Field(50, gt=0, description="Checkpoint every N optimizer steps.")
+    save_total_limit: int = Field(2, gt=0, description="Checkpoints kept on disk.")
+    generation_backend: Literal["hf", "vllm"] = Field("hf", description="Rollout engine; vLLM when installed.")
+    trl_overrides: dict[str, Any] = Field(
+        default_factory=dict, description="Extra GRPOConfig fields passed through unchanged (escape hatch)."
+    )
+
+
+class HealthConfig(_Section):
+    max_gibberish_rate: float = Field(0.2, ge=0, le=1, description="Warn when more completions are degenerate.")
+    min_format_rate: float = Field(0.0, ge=0, le=1, description="Warn when fewer completions follow the format.")
+    max_truncation_rate: float = Field(0.5, ge=0, le=1, description="Warn when more completions hit the limit.")
+    max_zero_variance_groups: float = Field(
+        0.9, ge=0, le=1, description="Warn when more groups have identical rewards (no learning signal)."
+    )
+    stop_on_gibberish_steps: int | None = Field(
+        None, gt=0, description="Stop when the gibberish rate stays above max_gibberish_rate this many steps."
+    )
+
+
+class ExportConfig(_Section):
+    merged_16bit: bool = Field(False, description="Also write `merged-16bit/` and verify it against the adapter.")
+    merged_4bit: bool = Field(False, description="Also write `merged-4bit/` through bitsandbytes (CUDA only).")
+    gguf: bool = Field(False, description="Also export GGUF through Unsloth + llama.cpp when present.")
+    logits_atol: float = Field(1e-3, gt=0, description="Tolerance for reload-reproduces-logits checks.")
+
+
+class Config(_Section):
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    health: HealthConfig = Field(default_factory=HealthConfig)
+    export: ExportConfig = Field(default_factory=ExportConfig)
+
+    @model_validator(mode="after")
+    def _check_invariants(self) -> Config:
+        t = self.train
+        generation_batch = t.per_device_train_batch_size * (t.steps_per_generation or t.gradient_accumulation_steps)
+        if generation_batch % t.num_generations:
+            raise ValueError(
+                f"train: the generation batch (per_device_train_batch_size x steps_per_generation = {generation_batch}) "
+                f"is not divisible by num_generations={t.num_generations}; every prompt needs a whole group. "
+                f"Change per_device_train_batch_size to a multiple of {t.num_generations}."
+            )
+        if len(t.reward_weights) != 2:
+            raise ValueError(
+                f"train.reward_weights has {len(t.reward_weights)} values; it needs exactly 2 "
+                "([format_reward, correctness_reward]), e.g. [0.3, 1.0]."
+            )
+        if t.generation_backend == "vllm" and self.lora.vision:
+            raise ValueError(
+                "train.generation_backend=vllm with lora.vision=true: vLLM cannot serve LoRA on vision layers. "
+                "Set lora.vision=false or train.generation_backend=hf."
+            )
+        if t.epsilon_high is not None and t.epsilon_high < t.epsilon:
+            raise ValueError("train.epsilon_high must be >= train.epsilon (it is the upper clip range).")
+        if not (self.lora.attention or self.lora.mlp or self.lora.vision):
+            raise ValueError("lora: attention, mlp and vision are all false; nothing would train.")
+        return self
+
+    def fingerprint(self, *sections: str) -> str:
+        """A short stable hash of the named sections (all when none): used to tell whether a stage's outputs
+        were produced by this config."""
+        data = self.model_dump(mode="json")
+        if sections:
+            data = {k: data[k] for k in sections}
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.output_dir) / self.run.name
+
+
+def load_config(source: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Load a preset name or YAML path (None = `demo`), apply `key.path=value` overrides, validate."""
+    source = source or "demo"
+    raw, origin = _read_source(str(source))
+    for item in overrides or []:
+        _apply_override(raw, item)
+    return validate_config(raw, origin)
+
+
+def validate_config(raw: Any, origin: str = "<config>") -> Config:
+    """Validate a parsed mapping, turning pydantic's errors into one readable ConfigError."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{origin}: the top level must be a mapping of sections, got {type(raw).__name__}.")
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(_describe_errors(exc, origin)) from None
+
+
+def dump_config(config: Config) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+def _read_source(source: str) -> tuple[dict, str]:
+    if source in PRESETS:
+        text = resources.files("vlmrl.presets").joinpath(f"{source}.yaml").read_text()
+        origin = f"preset {source}"
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise ConfigError(f"{source}: no such config file and not a preset (presets: {', '.join(PRESETS)}).")
+        text = path.read_text(errors="replace")
+        origin = str(path)
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{origin}: not valid YAML ({str(exc).splitlines()[0]}).") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{origin}: the top level must be a mapping of sections, got {type(raw).__name__}.")
+    return raw, origin
+
+
+def _apply_override(raw: dict, item: str) -> None:
+    key, sep, value = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {item!r}: expected section.field=value, e.g. train.learning_rate=1e-5.")
+    parts = key.strip().split(".")
+    node = raw
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {item!r}: {part} is not a section.")
+        node = child
+    try:
+        node[parts[-1]] = yaml.safe_load(value)
+    except yaml.YAMLError:
+        node[parts[-1]] = value
+
+
+def _describe_errors(exc: ValidationError, origin: str) -> str:
+    lines = [f"{origin}: invalid configuration"]
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        if err["type"] == "extra_forbidden":
+            lines.append(f"  unknown key {loc!r}{_suggest(err['loc'])}")
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(f"  {loc or '(config)'}: {msg}" + (f" (got {err['input']!r})" if loc else ""))
+    return "\n".join(lines)
+
+
+def _suggest(loc: tuple) -> str:
+    model: type[BaseModel] = Config
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return ""
+        model = annotation
+    close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1, cutoff=0.5)
+    prefix = ".".join(str(p) for p in loc[:-1])
+    return f"; did you mean '{prefix + '.' if prefix else ''}{close[0]}'?" if close else ""

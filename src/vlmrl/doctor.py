@@ -1,0 +1,85 @@
+"""Stage 1, environment check: what this machine can run, written to `env.json`.
+
+Only facts are collected here (versions, devices, which optional backends import, free disk); the CLI
+decides how to show them. Nothing here needs a GPU or the network.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import platform
+import shutil
+import sys
+from pathlib import Path
+
+CORE_PACKAGES = ("torch", "torchvision", "transformers", "trl", "peft", "accelerate", "datasets", "pydantic")
+OPTIONAL_BACKENDS = {
+    "unsloth": "unsloth",
+    "bitsandbytes": "bitsandbytes",
+    "vllm": "vllm",
+    "flash-attn": "flash_attn",
+}
+
+
+def collect_environment(path_for_disk: str | Path = ".") -> dict:
+    """Versions, accelerator, optional backends and free disk, as one JSON-ready dict."""
+    return {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "packages": {name: _version(name) for name in CORE_PACKAGES},
+        "cuda": _cuda_info(),
+        "backends": {name: _importable(module) for name, module in OPTIONAL_BACKENDS.items()},
+        "disk_free_gib": round(shutil.disk_usage(_existing_parent(Path(path_for_disk))).free / 2**30, 1),
+        "cpu_count": _cpu_count(),
+    }
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _importable(module: str) -> bool:
+    # find_spec first: importing unsloth or vllm is slow and has side effects, and a missing one is common.
+    if importlib.util.find_spec(module) is None:
+        return False
+    try:
+        importlib.import_module(module)
+        return True
+    except Exception:  # a broken optional install counts as unavailable, not as a crash of doctor
+        return False
+
+
+def _cuda_info() -> dict:
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"available": False, "devices": []}
+    devices = []
+    for index in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(index)
+        devices.append(
+            {
+                "index": index,
+                "name": props.name,
+                "memory_gib": round(props.total_memory / 2**30, 1),
+                "capability": f"{props.major}.{props.minor}",
+            }
+        )
+    return {"available": True, "version": torch.version.cuda, "bf16": torch.cuda.is_bf16_supported(), "devices": devices}
+
+
+def _existing_parent(path: Path) -> Path:
+    path = path.resolve()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def _cpu_count() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -1,0 +1,90 @@
+"""Config: presets load, the seed preset is the write-up's recipe, bad configs fail clearly."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from vlmrl.config import PRESETS, ConfigError, load_config, validate_config
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_shipped_preset_loads(preset):
+    config = load_config(preset)
+    assert config.run.name == preset
+
+
+def test_seed_preset_is_the_write_up_recipe_field_for_field():
+    c = load_config("seed")
+    assert c.model.name == "unsloth/Qwen3-VL-8B-Instruct-unsloth-bnb-4bit" and c.model.load_in_4bit
+    assert (c.lora.r, c.lora.alpha, c.lora.attention, c.lora.mlp, c.lora.vision) == (16, 16, True, True, False)
+    t = c.train
+    assert (t.learning_rate, t.lr_scheduler_type, t.optim) == (5e-6, "cosine", "adamw_8bit")
+    assert (t.per_device_train_batch_size, t.gradient_accumulation_steps, t.num_generations) == (8, 4, 4)
+    assert (t.max_completion_length, t.num_train_epochs, t.max_grad_norm) == (1024, 1.0, 0.1)
+    assert (t.algorithm, t.loss_type, t.reward_weights) == ("gspo", "dr_grpo", [0.3, 1.0])
+    assert t.mask_truncated_completions is False
+    d = c.data
+    assert (d.source, d.split, d.holdout_size, d.image_size, d.resize) == ("AI4Math/MathVista", "testmini", 100, 512, "squash")
+
+
+def test_gspo_paper_preset():
+    t = load_config("gspo-paper").train
+    assert (t.loss_type, t.epsilon, t.epsilon_high, t.beta) == ("grpo", 3e-4, 4e-4, 0.0)
+    # four optimizer steps per generation batch
+    assert t.steps_per_generation // t.gradient_accumulation_steps == 4
+
+
+def test_override_applies_and_is_typed():
+    c = load_config("demo", ["train.learning_rate=1e-5", "run.name=x", "data.families=[bar_value]"])
+    assert c.train.learning_rate == 1e-5 and c.run.name == "x" and c.data.families == ["bar_value"]
+
+
+def test_misspelt_key_is_named_with_a_suggestion():
+    with pytest.raises(ConfigError) as err:
+        load_config("demo", ["train.learnin_rate=1e-5"])
+    assert "train.learnin_rate" in str(err.value) and "train.learning_rate" in str(err.value)
+
+
+def test_unknown_section_is_named(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"trian": {"learning_rate": 1e-5}}))
+    with pytest.raises(ConfigError, match="'trian'.*did you mean 'train'"):
+        load_config(str(path))
+
+
+def test_wrong_type_names_field():
+    with pytest.raises(ConfigError, match="train.learning_rate"):
+        load_config("demo", ["train.learning_rate=fast"])
+
+
+def test_generation_batch_must_hold_whole_groups():
+    with pytest.raises(ConfigError, match="not divisible by num_generations=3"):
+        load_config("seed", ["train.num_generations=3"])
+
+
+def test_reward_weights_length():
+    with pytest.raises(ConfigError, match="exactly 2"):
+        load_config("seed", ["train.reward_weights=[1.0]"])
+
+
+def test_vllm_with_vision_lora_is_contradictory():
+    with pytest.raises(ConfigError, match="vLLM cannot serve LoRA on vision layers"):
+        load_config("seed", ["train.generation_backend=vllm", "lora.vision=true"])
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config(str(tmp_path / "nope.yaml"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(str(bad))
+    with pytest.raises(ConfigError, match="mapping"):
+        validate_config([1, 2])
+
+
+def test_fingerprint_changes_with_the_section_it_covers():
+    a, b = load_config("demo"), load_config("demo", ["train.learning_rate=1e-3"])
+    assert a.fingerprint("data") == b.fingerprint("data")
+    assert a.fingerprint("train") != b.fingerprint("train")
