@@ -225,6 +225,12 @@ class Config(_Section):
             data = {k: data[k] for k in sections}
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
+    def data_fingerprint(self) -> str:
+        """What the prepared data depends on: the data section, the split seed and the model (its processor
+        counts prompt tokens). The run's name and folder are left out so a copied run stays valid."""
+        data = {"data": self.data.model_dump(mode="json"), "seed": self.run.seed, "model": self.model.name}
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
     @property
     def run_dir(self) -> Path:
         return Path(self.run.output_dir) / self.run.name

@@ -102,7 +102,11 @@ def _unwrap(text: str) -> str:
     while peeled:
         peeled = False
         for opening, closing in _WRAPPERS:
-            if len(text) > len(opening) + len(closing) - 1 and text.startswith(opening) and text.endswith(closing):
+            if (
+                len(text) > len(opening) + len(closing) - 1
+                and text.startswith(opening)
+                and text.endswith(closing)
+            ):
                 text = text[len(opening) : len(text) - len(closing)].strip()
                 peeled = True
     return text
@@ -166,7 +170,7 @@ def normalize_mathvista(
     *,
     question_type: str,
     answer_type: str,
-    precision: float | int | None = None,
+    precision: float | None = None,
     choices: list[str] | None = None,
 ) -> str | None:
     """What MathVista's ``normalize_extracted_answer`` turns an extracted answer into.
@@ -220,7 +224,7 @@ def _normalize_choice(extraction: object, choices: list[str] | None) -> str:
     return choices[distances.index(min(distances))]
 
 
-def _ndigits(precision: float | int | None) -> int | None:
+def _ndigits(precision: float | None) -> int | None:
     """Digits for ``round``; None keeps the official ``round(x, None)`` (an int) for items without one."""
     if precision is None or (isinstance(precision, float) and math.isnan(precision)):
         return None

@@ -1,0 +1,270 @@
+"""Stages 5 and 7, evaluation: the held-out set, one record per item, written as each batch finishes.
+
+A record keeps the raw completion *and* everything derived from it (extracted answer, each reward, our
+verdict and MathVista's), plus the ids and hashes that join a baseline record to its after-training twin.
+An interrupted evaluation resumes at the first missing id; records from a different evaluation setting are
+refused rather than mixed.
+
+Checks that need no model (holdout present, non-empty and from this config; adapter folder present and
+made for this base model) run first, so a mistake costs seconds, not a model load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from PIL import Image
+
+from vlmrl import stats
+from vlmrl.config import Config
+from vlmrl.generation import generate_batch, use_compiled_decode
+from vlmrl.grading import mathvista_correct, normalize_mathvista
+from vlmrl.io import append_jsonl, read_json, read_jsonl, write_json_atomic
+from vlmrl.rewards import score_completion
+
+log = logging.getLogger(__name__)
+STAGES = ("baseline", "after")
+
+
+class EvalError(RuntimeError):
+    """The evaluation cannot start; the message names the path and the fix."""
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    records_path: Path
+    summary_path: Path
+    summary: dict
+
+
+def evaluate(
+    config: Config,
+    run_dir: Path,
+    stage: str,
+    *,
+    adapter: Path | None = None,
+    progress: Callable[[int, int, int], None] | None = None,
+) -> EvalResult:
+    """Evaluate the held-out set of `run_dir` at `stage` (baseline: no adapter; after: the trained one)."""
+    # step 1: every check that needs no model
+    if stage not in STAGES:
+        raise EvalError(f"--stage {stage!r}: choose baseline or after.")
+    items = load_holdout(config, run_dir)
+    if stage == "after":
+        adapter = adapter or default_adapter_dir(run_dir)
+    if adapter is not None:
+        check_adapter(adapter, config, run_dir)
+    records_path = run_dir / f"{stage}_records.jsonl"
+    settings = generation_settings(config, adapter)
+    done = _existing_records(records_path, settings)
+    todo = [item for item in items if item["id"] not in done]
+
+    # step 2: generate what is missing, a batch at a time, appending records as each batch finishes
+    if todo:
+        loaded = _load_for_eval(config, run_dir, adapter)
+        compiled = use_compiled_decode(config.eval.compile)
+        size = config.eval.batch_size
+        started, tokens = time.perf_counter(), 0
+        for start in range(0, len(todo), size):
+            batch = todo[start : start + size]
+            t0 = time.perf_counter()
+            generations = generate_batch(
+                loaded.model,
+                loaded.processor,
+                [item["prompt"] for item in batch],
+                [_open_image(run_dir, item) for item in batch],
+                max_new_tokens=config.eval.max_new_tokens,
+                do_sample=config.eval.do_sample,
+                temperature=config.eval.temperature,
+                num_return_sequences=config.eval.num_samples if config.eval.do_sample else 1,
+                compiled=compiled,
+            )
+            seconds = time.perf_counter() - t0
+            rows = [make_record(item, gens, settings, seconds / len(batch), stage) for item, gens in zip(batch, generations)]
+            append_jsonl(records_path, rows)
+            tokens += sum(r["generated_tokens"] for r in rows)
+            if progress:
+                progress(len(done) + start + len(batch), len(items), tokens)
+        log.info("%s eval: %d items in %.1fs", stage, len(todo), time.perf_counter() - started)
+
+    # step 3: the summary is recomputed from the records on disk, so it always matches them
+    records = read_jsonl(records_path)
+    summary = summarize(records, stage=stage, seed=config.run.seed)
+    summary_path = run_dir / f"{stage}_summary.json"
+    write_json_atomic(summary_path, summary)
+    return EvalResult(records_path, summary_path, summary)
+
+
+def load_holdout(config: Config, run_dir: Path) -> list[dict]:
+    path = run_dir / "data" / "holdout.jsonl"
+    if not path.exists():
+        raise EvalError(f"{path}: no held-out set; run `vlmrl prepare` for this config first.")
+    summary_path = run_dir / "data" / "summary.json"
+    if summary_path.exists():
+        recorded = read_json(summary_path).get("fingerprint")
+        if recorded and recorded != data_fingerprint(config):
+            raise EvalError(
+                f"{path}: this held-out set was prepared with a different data config "
+                f"(fingerprint {recorded} vs {data_fingerprint(config)}); re-run `vlmrl prepare` or use that run's config."
+            )
+    items = read_jsonl(path)
+    if not items:
+        raise EvalError(f"{path}: the held-out set is empty; check data.holdout_size and the drop report.")
+    return items
+
+
+def data_fingerprint(config: Config) -> str:
+    return config.data_fingerprint()
+
+
+def default_adapter_dir(run_dir: Path) -> Path:
+    return run_dir / "train" / "final"
+
+
+def check_adapter(adapter: Path, config: Config, run_dir: Path) -> None:
+    adapter_config = adapter / "adapter_config.json"
+    if not adapter_config.is_file():
+        raise EvalError(f"{adapter}: no adapter here (adapter_config.json missing); train first or pass --adapter DIR.")
+    recorded = json.loads(adapter_config.read_text()).get("base_model_name_or_path")
+    from vlmrl.models.loading import resolve_model_source
+
+    expected = resolve_model_source(config.model.name, run_dir)
+    if recorded and Path(recorded).name != Path(expected).name and recorded != expected:
+        raise EvalError(
+            f"{adapter}: this adapter was trained on {recorded!r}, but model.name resolves to {expected!r}."
+        )
+
+
+def generation_settings(config: Config, adapter: Path | None) -> dict:
+    e = config.eval
+    return {
+        "max_new_tokens": e.max_new_tokens,
+        "do_sample": e.do_sample,
+        "temperature": e.temperature if e.do_sample else None,
+        "num_samples": e.num_samples if e.do_sample else 1,
+        "model": config.model.name,
+        "adapter": str(adapter) if adapter else None,
+    }
+
+
+def make_record(item: dict, generations: list, settings: dict, seconds: float, stage: str) -> dict:
+    samples = [_score(item, g) for g in generations]
+    first = samples[0]
+    record = {
+        "id": item["id"],
+        "stage": stage,
+        "question": item["question"],
+        "gold": item["answer"],
+        "answer_type": item.get("answer_type"),
+        "precision": item.get("precision"),
+        **first,
+        "image_sha256": item.get("image_sha256"),
+        "prompt_sha256": hashlib.sha256(item["prompt"].encode()).hexdigest()[:16],
+        "category": item.get("category"),
+        "metadata": item.get("metadata") or {},
+        "generation": settings,
+        "seconds": round(seconds, 4),
+    }
+    if len(samples) > 1:
+        votes = Counter(s["pred"] for s in samples if s["pred"] is not None)
+        majority = votes.most_common(1)[0][0] if votes else None
+        record["samples"] = samples
+        record["pass_at_k"] = any(s["correct"] for s in samples)
+        record["majority_pred"] = majority
+        record["majority_correct"] = majority is not None and score_completion(
+            f"<SOLUTION>{majority}</SOLUTION>", item["answer"]
+        )["correct"]
+    return record
+
+
+def _score(item: dict, generation) -> dict:
+    scored = score_completion(generation.text, item["answer"])
+    question_type = "multi_choice" if item.get("choices") else "free_form"
+    normalized = normalize_mathvista(
+        scored["pred"],
+        question_type=question_type,
+        answer_type=item.get("answer_type") or "integer",
+        precision=item.get("precision"),
+        choices=item.get("choices"),
+    )
+    return {
+        "completion": generation.text,
+        "pred": scored["pred"],
+        "format_ok": scored["format_ok"],
+        "format_reward": scored["format"],
+        "correctness_reward": scored["correctness"],
+        "total_reward": scored["total"],
+        "correct": scored["correct"],
+        "exact_match": scored["exact_match"],
+        "degenerate": scored["degenerate"],
+        "mathvista_normalized": normalized,
+        "mathvista_correct": mathvista_correct(normalized, item["answer"]),
+        "generated_tokens": generation.tokens,
+        "truncated": generation.truncated,
+    }
+
+
+def summarize(records: list[dict], *, stage: str, seed: int = 0) -> dict:
+    """Headline numbers with 95% bootstrap intervals, computed from records only."""
+
+    def metric(values: list[float]) -> dict:
+        lo, hi = stats.bootstrap_ci(values, seed=seed)
+        return {"mean": stats.mean(values), "ci95": [lo, hi]}
+
+    seconds = sum(r.get("seconds", 0.0) for r in records)
+    tokens = sum(r["generated_tokens"] for r in records)
+    summary = {
+        "stage": stage,
+        "n": len(records),
+        "accuracy": metric([float(r["correct"]) for r in records]),
+        "mathvista_accuracy": metric([float(r["mathvista_correct"]) for r in records]),
+        "exact_match": metric([float(r["exact_match"]) for r in records]),
+        "format_compliance": metric([float(r["format_ok"]) for r in records]),
+        "format_reward": metric([r["format_reward"] for r in records]),
+        "correctness_reward": metric([r["correctness_reward"] for r in records]),
+        "total_reward": metric([r["total_reward"] for r in records]),
+        "truncation_rate": stats.mean([float(r["truncated"]) for r in records]),
+        "gibberish_rate": stats.mean([float(r["degenerate"]) for r in records]),
+        "mean_generated_tokens": stats.mean([r["generated_tokens"] for r in records]),
+        "tokens_per_second": tokens / seconds if seconds else None,
+        "items_per_second": len(records) / seconds if seconds else None,
+    }
+    if records and "pass_at_k" in records[0]:
+        summary["pass_at_k"] = metric([float(r["pass_at_k"]) for r in records])
+        summary["majority_accuracy"] = metric([float(r["majority_correct"]) for r in records])
+    return summary
+
+
+def _existing_records(path: Path, settings: dict) -> set[str]:
+    records = read_jsonl(path)
+    for record in records:
+        if record.get("generation") != settings:
+            raise EvalError(
+                f"{path}: holds records made with other generation settings ({record.get('generation')}); "
+                "delete the file or restore the settings to resume."
+            )
+    return {r["id"] for r in records}
+
+
+def _open_image(run_dir: Path, item: dict) -> Image.Image:
+    with Image.open(run_dir / item["image"]) as img:
+        return img.convert("RGB")
+
+
+def _load_for_eval(config: Config, run_dir: Path, adapter: Path | None):
+    from vlmrl.models.loading import load_model
+
+    loaded = load_model(config.model, run_dir)
+    if adapter is not None:
+        from peft import PeftModel
+
+        loaded.model = PeftModel.from_pretrained(loaded.model, str(adapter))
+    loaded.model.eval()
+    return loaded

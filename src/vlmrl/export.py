@@ -1,0 +1,175 @@
+"""Stage 8, export: save the LoRA adapter, then verify it from disk rather than assume it.
+
+Checks (each with its figure, all written to `export.json`):
+  - every LoRA B matrix is non-zero: B starts at zero, so a zero B is a module that never trained;
+  - every A and B value is finite;
+  - the base model recorded in the adapter is the configured one;
+  - a fresh base model + the saved adapter reproduces the in-memory model's logits on a held-out item;
+  - optional `merged-16bit/`: merged, saved, reloaded, and its logits match the adapter model;
+  - optional `merged-4bit/` (CUDA + bitsandbytes) and GGUF (Unsloth + llama.cpp): done when possible,
+    otherwise recorded as skipped with the reason and the manual route.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vlmrl.config import Config
+from vlmrl.io import read_jsonl, write_json_atomic
+
+log = logging.getLogger(__name__)
+
+
+class ExportError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    passed: bool | None  # None = skipped
+    value: Any = None
+    detail: str = ""
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "passed": self.passed, "value": self.value, "detail": self.detail}
+
+
+def export_adapter(config: Config, run_dir: Path, *, source: Path | None = None) -> dict:
+    """Save `train/final` (or `source`) to `run_dir/adapter/`, verify it, write `export.json`."""
+    from vlmrl.evaluate import check_adapter, default_adapter_dir
+    from vlmrl.models.loading import resolve_model_source
+
+    source = source or default_adapter_dir(run_dir)
+    check_adapter(source, config, run_dir)
+    out = run_dir / "adapter"
+    trained = _load_with_adapter(config, run_dir, source)
+    if out.exists():
+        shutil.rmtree(out)
+    trained.model.save_pretrained(str(out))
+    checks = verify_adapter_weights(out)
+    expected_base = resolve_model_source(config.model.name, run_dir)
+    checks.append(check_base_model(out, expected_base))
+
+    item = _probe_item(run_dir)
+    reference = _logits(trained, run_dir, item)
+    reloaded = _load_with_adapter(config, run_dir, out)
+    diff = (reference - _logits(reloaded, run_dir, item)).abs().max().item()
+    checks.append(Check("reload_reproduces_logits", diff <= config.export.logits_atol, diff,
+                        f"max |logit difference| on item {item['id']}, tolerance {config.export.logits_atol}"))
+    del reloaded
+    if config.export.merged_16bit:
+        checks.append(_merged_16bit(config, run_dir, trained, item, reference))
+    checks.append(_merged_4bit_check(config))
+    checks.append(_gguf_check(config))
+
+    report = {
+        "adapter_dir": str(out),
+        "source": str(source),
+        "base_model": expected_base,
+        "checks": [c.as_dict() for c in checks],
+        "all_passed": all(c.passed is not False for c in checks),
+    }
+    write_json_atomic(run_dir / "export.json", report)
+    if not report["all_passed"]:
+        failed = ", ".join(c.name for c in checks if c.passed is False)
+        raise ExportError(f"export verification failed ({failed}); see {run_dir / 'export.json'}.")
+    return report
+
+
+def verify_adapter_weights(adapter_dir: Path) -> list[Check]:
+    """Non-zero B and finite A/B, read from the saved safetensors file."""
+    from safetensors.torch import load_file
+
+    path = adapter_dir / "adapter_model.safetensors"
+    if not path.exists():
+        return [Check("adapter_file", False, None, f"{path} missing")]
+    tensors = load_file(str(path))
+    b_mats = {k: v for k, v in tensors.items() if "lora_B" in k}
+    zero_b = sorted(k for k, v in b_mats.items() if not torch.any(v != 0))
+    non_finite = sorted(k for k, v in tensors.items() if "lora_" in k and not torch.isfinite(v).all())
+    return [
+        Check("lora_b_nonzero", bool(b_mats) and not zero_b, f"{len(b_mats) - len(zero_b)}/{len(b_mats)}",
+              ("zero B (never trained): " + ", ".join(zero_b[:5])) if zero_b else "every B matrix has non-zero entries"),
+        Check("lora_finite", not non_finite, len(non_finite),
+              ("non-finite: " + ", ".join(non_finite[:5])) if non_finite else "all A/B values finite"),
+    ]
+
+
+def check_base_model(adapter_dir: Path, expected: str) -> Check:
+    recorded = json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    same = recorded == expected or (recorded is not None and Path(recorded).resolve() == Path(expected).resolve())
+    return Check("base_model_matches", same, recorded, f"expected {expected}")
+
+
+def _probe_item(run_dir: Path) -> dict:
+    items = read_jsonl(run_dir / "data" / "holdout.jsonl")
+    if not items:
+        raise ExportError(f"{run_dir / 'data' / 'holdout.jsonl'}: no held-out item to verify logits on.")
+    return items[0]
+
+
+@torch.inference_mode()
+def _logits(loaded: Any, run_dir: Path, item: dict) -> torch.Tensor:
+    from PIL import Image
+
+    from vlmrl.generation import encode_batch
+
+    with Image.open(run_dir / item["image"]) as img:
+        image = img.convert("RGB")
+    batch = encode_batch(loaded.processor, [item["prompt"]], [image], loaded.device)
+    return loaded.model(**batch).logits.float().cpu()
+
+
+def _load_with_adapter(config: Config, run_dir: Path, adapter: Path) -> Any:
+    from peft import PeftModel
+
+    from vlmrl.models.loading import load_model
+
+    loaded = load_model(config.model, run_dir)
+    loaded.model = PeftModel.from_pretrained(loaded.model, str(adapter))
+    loaded.model.eval()
+    return loaded
+
+
+def _merged_16bit(config: Config, run_dir: Path, trained: Any, item: dict, reference: torch.Tensor) -> Check:
+    from transformers import AutoModelForImageTextToText
+
+    if config.model.load_in_4bit:
+        return Check("merged_16bit", None, None, "merging into 4-bit weights is lossy; load the base in 16-bit to merge")
+    out = run_dir / "merged-16bit"
+    merged = trained.model.merge_and_unload()
+    merged.save_pretrained(str(out))
+    trained.processor.save_pretrained(str(out))
+    reloaded = AutoModelForImageTextToText.from_pretrained(str(out), dtype=merged.dtype).to(trained.device).eval()
+    trained.model = reloaded
+    diff = (reference - _logits(trained, run_dir, item)).abs().max().item()
+    # Merging changes the summation order, so allow a few units of the dtype's rounding.
+    tolerance = max(config.export.logits_atol, 1e-2 if merged.dtype != torch.float32 else config.export.logits_atol)
+    return Check("merged_16bit", diff <= tolerance, diff, f"{out}: max |logit difference| vs adapter, tol {tolerance}")
+
+
+def _merged_4bit_check(config: Config) -> Check:
+    if not config.export.merged_4bit:
+        return Check("merged_4bit", None, None, "not requested (export.merged_4bit=false)")
+    if not (torch.cuda.is_available() and importlib.util.find_spec("bitsandbytes")):
+        return Check("merged_4bit", None, None, "skipped: needs CUDA and bitsandbytes (pip install 'vlmrl[quant]')")
+    return Check("merged_4bit", None, None, "skipped: not implemented yet; use merged-16bit then load_in_4bit")
+
+
+def _gguf_check(config: Config) -> Check:
+    if not config.export.gguf:
+        return Check("gguf", None, None, "not requested (export.gguf=false)")
+    if importlib.util.find_spec("unsloth") is None or shutil.which("llama-quantize") is None:
+        return Check("gguf", None, None,
+                     "skipped: needs Unsloth and llama.cpp. Manual route: export merged-16bit, then run llama.cpp's "
+                     "convert_hf_to_gguf.py on it (and llama-quantize for q4_k_m).")
+    return Check("gguf", None, None, "skipped: Unsloth GGUF export for vision models is not wired yet")

@@ -1,0 +1,101 @@
+"""Batched image+question generation with Hugging Face `generate`, shared by evaluation and the SFT check.
+
+One prompt layout for every family: a user turn holding the image and the prompt text, rendered by the
+processor's own chat template (so Qwen's `<|vision_start|><|image_pad|>...` and Gemma's
+`<start_of_image>` land where each family expects them).
+
+On CUDA with `compile` on, decoding uses a static KV cache and `torch.compile` (DESIGN.md measured 4.6x
+faster decode for Qwen3-VL-8B on an H200). On the CPU the plain dynamic-cache path is used: compilation
+costs more than it saves for tiny models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from PIL import Image
+
+
+@dataclass(frozen=True)
+class Generation:
+    text: str
+    tokens: int  # generated tokens up to and including the first end-of-turn token
+    truncated: bool  # hit max_new_tokens without an end-of-turn token
+
+
+def build_messages(prompt: str) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
+
+
+def render_prompt(processor: Any, prompt: str) -> str:
+    return processor.apply_chat_template(build_messages(prompt), add_generation_prompt=True, tokenize=False)
+
+
+def encode_batch(processor: Any, prompts: list[str], images: list[Image.Image], device: torch.device) -> dict:
+    texts = [render_prompt(processor, p) for p in prompts]
+    batch = processor(text=texts, images=[[img] for img in images], padding=True, return_tensors="pt")
+    return {k: v.to(device) if hasattr(v, "to") else v for k, v in batch.items()}
+
+
+def count_prompt_tokens(processor: Any, prompt: str, image: Image.Image) -> int:
+    """Tokens the model sees for one prompt, image tokens included (the data stage's prompt budget)."""
+    batch = processor(text=[render_prompt(processor, prompt)], images=[[image]], return_tensors="pt")
+    return int(batch["input_ids"].shape[1])
+
+
+def use_compiled_decode(setting: str) -> bool:
+    return setting == "on" or (setting == "auto" and torch.cuda.is_available())
+
+
+@torch.inference_mode()
+def generate_batch(
+    model: Any,
+    processor: Any,
+    prompts: list[str],
+    images: list[Image.Image],
+    *,
+    max_new_tokens: int,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    num_return_sequences: int = 1,
+    compiled: bool = False,
+) -> list[list[Generation]]:
+    """Generate for each prompt; returns one list of `num_return_sequences` generations per prompt."""
+    device = next(model.parameters()).device
+    batch = encode_batch(processor, prompts, images, device)
+    tokenizer = processor.tokenizer
+    stop_ids = _stop_token_ids(model, tokenizer)
+    kwargs: dict[str, Any] = {
+        "max_new_tokens": max_new_tokens,
+        "do_sample": do_sample,
+        "num_return_sequences": num_return_sequences,
+        "pad_token_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0],
+        "eos_token_id": stop_ids,
+    }
+    if do_sample:
+        kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
+    else:
+        kwargs.update(temperature=None, top_k=None, top_p=None)
+    if compiled:
+        kwargs.update(cache_implementation="static", compile_config=None)
+    output = model.generate(**batch, **kwargs)
+    new_tokens = output[:, batch["input_ids"].shape[1] :]  # [B*k, T]
+    results: list[Generation] = []
+    for row in new_tokens.tolist():
+        length = next((i + 1 for i, tok in enumerate(row) if tok in stop_ids), None)
+        kept = row[: length if length is not None else len(row)]
+        text = tokenizer.decode(kept, skip_special_tokens=True)
+        results.append(Generation(text=text, tokens=len(kept), truncated=length is None and len(row) >= max_new_tokens))
+    return [results[i : i + num_return_sequences] for i in range(0, len(results), num_return_sequences)]
+
+
+def _stop_token_ids(model: Any, tokenizer: Any) -> list[int]:
+    ids = model.generation_config.eos_token_id
+    ids = list(ids) if isinstance(ids, (list, tuple)) else ([ids] if ids is not None else [])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    if not ids:
+        raise ValueError("the model has no end-of-sequence token in its generation config or tokenizer")
+    return ids

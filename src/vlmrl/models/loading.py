@@ -1,0 +1,160 @@
+"""Stage 2, model load: one function from a `ModelConfig` to a model, its processor and where they came from.
+
+Backends: Unsloth's `FastVisionModel` when it is installed and a CUDA GPU is present (`backend: auto`), else
+transformers (+ bitsandbytes for 4-bit). A 4-bit request without CUDA is an error, never a silent fallback
+to 16/32-bit, because the memory and numbers of such a run would not be the ones the user asked for.
+
+`model.name` may also be `tiny:<arch>` (a random-weight offline model built into the run directory) or
+`demo-policy` (the project's small warm-started policy, built on first use; see `vlmrl.models.demo`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vlmrl.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+FAMILIES = {"qwen3_vl": "Qwen3-VL", "qwen2_5_vl": "Qwen2.5-VL", "gemma3": "Gemma 3"}
+
+
+class ModelLoadError(RuntimeError):
+    """The model cannot be loaded as configured; the message says which field to change."""
+
+
+@dataclass
+class LoadedModel:
+    model: Any  # a transformers PreTrainedModel (possibly PEFT-wrapped later)
+    processor: Any  # the family's ProcessorMixin
+    backend: str  # "unsloth" | "transformers"
+    family: str  # a key of FAMILIES
+    source: str  # the resolved hub id or folder, recorded in every artifact
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+def resolve_model_source(name: str, run_dir: Path | None = None) -> str:
+    """Turn `tiny:<arch>` / `demo-policy` into a folder (building it offline once); anything else is unchanged."""
+    if name.startswith("tiny:"):
+        from vlmrl.models.tiny import TINY_ARCHS, build_tiny_model
+
+        arch = name.removeprefix("tiny:")
+        if arch not in TINY_ARCHS:
+            raise ModelLoadError(f"model.name={name!r}: unknown tiny arch; choose tiny:{'|tiny:'.join(TINY_ARCHS)}.")
+        folder = (run_dir or Path(".")) / "base-model"
+        if not (folder / "config.json").exists():
+            build_tiny_model(arch, folder, seed=0)
+        return str(folder.resolve())
+    if name == "demo-policy":
+        from vlmrl.models.demo import ensure_demo_policy
+
+        return str(ensure_demo_policy())
+    return name
+
+
+def choose_backend(config: ModelConfig) -> str:
+    has_cuda = torch.cuda.is_available()
+    has_unsloth = importlib.util.find_spec("unsloth") is not None
+    if config.backend == "unsloth" and not (has_cuda and has_unsloth):
+        raise ModelLoadError(
+            "model.backend=unsloth needs the `unsloth` extra and a CUDA GPU "
+            f"(unsloth installed: {has_unsloth}, CUDA: {has_cuda}); set model.backend=transformers."
+        )
+    if config.backend == "auto":
+        return "unsloth" if (has_cuda and has_unsloth) else "transformers"
+    return config.backend
+
+
+def load_model(config: ModelConfig, run_dir: Path | None = None, *, for_training: bool = False) -> LoadedModel:
+    """Load the base model and processor as configured (no adapter)."""
+    if config.load_in_4bit and not torch.cuda.is_available():
+        raise ModelLoadError(
+            "model.load_in_4bit=true needs a CUDA GPU (bitsandbytes 4-bit); this machine has none. "
+            "Set model.load_in_4bit=false to run in full precision on the CPU."
+        )
+    source = resolve_model_source(config.name, run_dir)
+    backend = choose_backend(config)
+    family = detect_family(source)
+    if backend == "unsloth":
+        model, processor = _load_unsloth(config, source)
+    else:
+        model, processor = _load_transformers(config, source)
+    if getattr(processor, "tokenizer", None) is not None:
+        processor.tokenizer.padding_side = "left"  # batched generation appends on the right
+    log.info("loaded %s (%s, %s backend)", source, FAMILIES.get(family, family), backend)
+    return LoadedModel(model=model, processor=processor, backend=backend, family=family, source=source)
+
+
+def detect_family(source: str) -> str:
+    """The model family from a local config.json, or from the hub id's name when not local."""
+    config_path = Path(source) / "config.json"
+    if config_path.is_file():
+        model_type = json.loads(config_path.read_text()).get("model_type", "")
+    else:
+        model_type = source.lower().replace("-", "_").replace(".", "_")
+    for family in ("qwen3_vl", "qwen2_5_vl", "gemma3"):
+        if family in model_type:
+            return family
+    return model_type or "unknown"
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return getattr(torch, name)
+
+
+def _load_transformers(config: ModelConfig, source: str) -> tuple[Any, Any]:
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    kwargs: dict[str, Any] = {"dtype": resolve_dtype(config.dtype)}
+    if config.attn_implementation != "auto":
+        kwargs["attn_implementation"] = config.attn_implementation
+    if config.load_in_4bit:
+        kwargs["quantization_config"] = _bnb_config(config)
+        kwargs["device_map"] = {"": torch.cuda.current_device()}
+    elif torch.cuda.is_available():
+        kwargs["device_map"] = {"": torch.cuda.current_device()}
+    try:
+        model = AutoModelForImageTextToText.from_pretrained(source, **kwargs)
+        processor = AutoProcessor.from_pretrained(source)
+    except OSError as exc:
+        raise ModelLoadError(f"model.name={source!r}: cannot load ({str(exc).splitlines()[0]}).") from None
+    return model, processor
+
+
+def _bnb_config(config: ModelConfig) -> Any:
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ModelLoadError("model.load_in_4bit=true needs bitsandbytes: pip install 'vlmrl[quant]'.")
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=resolve_dtype(config.dtype),
+        # The vision tower is frozen and small next to the language model: keep it exact.
+        llm_int8_skip_modules=["visual", "vision_tower", "multi_modal_projector", "lm_head"],
+    )
+
+
+def _load_unsloth(config: ModelConfig, source: str) -> tuple[Any, Any]:
+    from unsloth import FastVisionModel  # noqa: I001  (unsloth patches transformers on import)
+
+    model, processor = FastVisionModel.from_pretrained(
+        source,
+        load_in_4bit=config.load_in_4bit,
+        max_seq_length=config.max_seq_length,
+        dtype=None if config.dtype == "auto" else resolve_dtype(config.dtype),
+    )
+    return model, processor

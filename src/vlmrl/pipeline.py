@@ -1,0 +1,116 @@
+"""The stage order, in one place: `vlmrl run` reads top to bottom like the recipe it is.
+
+Stages talk only through files in the run directory. Each stage is skipped when its outputs exist and were
+made by this config, so re-running after a crash resumes where it stopped (evaluation and training also
+resume *within* the stage). A run directory made by a different config is refused unless `force`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vlmrl.config import Config, ConfigError, dump_config, load_config
+from vlmrl.io import read_json, write_text_atomic
+
+Say = Callable[[str], None]
+
+
+@dataclass
+class RunOutcome:
+    run_dir: Path
+    done: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+
+def run_all(config: Config, *, force: bool = False, say: Say = print, progress_factory=None) -> RunOutcome:
+    """Run stages 1-8 and the report into `config.run_dir`."""
+    from vlmrl import compare, evaluate, export, report, train
+    from vlmrl.data.prepare import is_prepared, prepare_data
+    from vlmrl.doctor import collect_environment
+    from vlmrl.io import write_json_atomic
+
+    run_dir = config.run_dir
+    claim_run_dir(config, run_dir, force=force)
+    outcome = RunOutcome(run_dir)
+
+    def stage(name: str, done: bool, action: Callable[[], object]) -> None:
+        if done:
+            outcome.skipped.append(name)
+            say(f"[skip] {name}: outputs already match this config")
+            return
+        say(f"[run]  {name}")
+        action()
+        outcome.done.append(name)
+
+    # 1 environment
+    stage("doctor", False, lambda: write_json_atomic(run_dir / "env.json", collect_environment(run_dir)))
+    # 4 data (2 and 3, model load and LoRA, happen inside the stages that need them)
+    stage("prepare", is_prepared(config, run_dir), lambda: prepare_with_budget(config, run_dir))
+    # 5 baseline evaluation
+    stage("eval baseline", eval_done(config, run_dir, "baseline"),
+          lambda: evaluate.evaluate(config, run_dir, "baseline", progress=_progress(progress_factory, "baseline")))
+    # 6 training
+    stage("train", train.is_trained(config, run_dir), lambda: train.train(config, run_dir, console_callback=say))
+    # 7 evaluation after training, and the paired comparison
+    stage("eval after", eval_done(config, run_dir, "after"),
+          lambda: evaluate.evaluate(config, run_dir, "after", progress=_progress(progress_factory, "after")))
+    stage("compare", False, lambda: compare.compare_runs(run_dir, seed=config.run.seed))
+    # 8 export, then the report
+    stage("export", False, lambda: export.export_adapter(config, run_dir))
+    stage("report", False, lambda: report.write_report(run_dir))
+    return outcome
+
+
+def prepare_with_budget(config: Config, run_dir: Path):
+    """Prepare data, counting each prompt's tokens with the model's own processor."""
+    from vlmrl.data.prepare import prepare_data
+
+    return prepare_data(config, run_dir, token_counter=prompt_token_counter(config, run_dir))
+
+
+def prompt_token_counter(config: Config, run_dir: Path):
+    from transformers import AutoProcessor
+
+    from vlmrl.generation import count_prompt_tokens
+    from vlmrl.models.loading import resolve_model_source
+
+    processor = AutoProcessor.from_pretrained(resolve_model_source(config.model.name, run_dir))
+    return lambda prompt, image: count_prompt_tokens(processor, prompt, image)
+
+
+def eval_done(config: Config, run_dir: Path, stage: str) -> bool:
+    from vlmrl.evaluate import load_holdout
+
+    summary = run_dir / f"{stage}_summary.json"
+    if not summary.exists():
+        return False
+    try:
+        return read_json(summary).get("n") == len(load_holdout(config, run_dir))
+    except Exception:
+        return False
+
+
+def claim_run_dir(config: Config, run_dir: Path, *, force: bool) -> None:
+    """Write config.yaml, refusing to reuse a directory that holds a run of a different config."""
+    path = run_dir / "config.yaml"
+    if path.exists() and not force:
+        try:
+            previous = load_config(str(path))
+        except ConfigError:
+            previous = None
+        if previous is None or previous.fingerprint() != config.fingerprint():
+            raise ConfigError(
+                f"{run_dir} holds a run made with a different config ({path}); "
+                "choose another run.name, or pass --force to overwrite it."
+            )
+    if force and run_dir.exists():
+        import shutil
+
+        shutil.rmtree(run_dir)
+    write_text_atomic(path, dump_config(config))
+
+
+def _progress(factory, label: str):
+    return factory(label) if factory else None

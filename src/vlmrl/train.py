@@ -1,0 +1,208 @@
+"""Stage 6, training: TRL's `GRPOTrainer` built from the config, GRPO or GSPO by one field.
+
+We do not write an RL loop. What this module adds around TRL: the dataset from the prepared manifests, the
+two rewards with their weights, LoRA on the language layers only (checked), an honest optimizer fallback,
+crash-safe resume, and records (`train/metrics.jsonl`, `train/rollouts.jsonl`, `train/health.jsonl`) written
+by the callbacks in `vlmrl.records`.
+
+    step 1  data      train.jsonl -> datasets.Dataset (conversational prompt, image, answer, id)
+    step 2  model     base model + LoRA, layout verified
+    step 3  trainer   GRPOConfig from the config (+ trl_overrides), callbacks
+    step 4  train     resume from the last checkpoint when one exists
+    step 5  save      train/final/ (the adapter) + train/summary.json
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vlmrl.config import Config
+from vlmrl.io import read_json, read_jsonl, write_json_atomic
+from vlmrl.rewards import correctness_reward, format_reward
+
+log = logging.getLogger(__name__)
+
+
+class TrainError(RuntimeError):
+    """Training cannot start or had to stop; the message says why and what to change."""
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    final_dir: Path
+    summary: dict
+
+
+def train_fingerprint(config: Config) -> str:
+    """What a trained adapter depends on (the run's name and folder are not part of it)."""
+    return config.fingerprint("model", "lora", "data", "train") + config.data_fingerprint()[:4] + str(config.run.seed)
+
+
+def train(config: Config, run_dir: Path, *, resume: bool = True, console_callback: Any = None) -> TrainResult:
+    """Train the LoRA adapter of `run_dir` and save it to `run_dir/train/final`."""
+    from transformers.trainer_utils import get_last_checkpoint
+    from trl import GRPOTrainer
+
+    from vlmrl.models.loading import load_model
+    from vlmrl.models.lora import apply_lora
+    from vlmrl.records import HealthMonitor, MetricsRecorder, RolloutRecorder, trim_records_after
+
+    train_dir = run_dir / "train"
+    checkpoints = train_dir / "checkpoints"
+    # step 1: data
+    dataset = build_train_dataset(run_dir)
+    # step 2: model
+    loaded = load_model(config.model, run_dir, for_training=True)
+    model, lora_report = apply_lora(loaded.model, config.lora, backend=loaded.backend, seed=config.run.seed)
+    # step 3: trainer
+    args, notes = build_grpo_config(config, checkpoints)
+    recorder = RolloutRecorder(train_dir / "rollouts.jsonl")
+    health = HealthMonitor(config.health, train_dir / "health.jsonl", console=console_callback)
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[recorder.wrap(format_reward), correctness_reward],
+        args=args,
+        train_dataset=dataset,
+        processing_class=loaded.processor,
+        callbacks=[MetricsRecorder(train_dir / "metrics.jsonl"), recorder, health],
+    )
+    recorder.attach(trainer)
+    health.attach(recorder)
+    # step 4: train, resuming from the last complete checkpoint if there is one
+    last = get_last_checkpoint(str(checkpoints)) if (resume and checkpoints.is_dir()) else None
+    start_step = int(Path(last).name.split("-")[-1]) if last else 0
+    trim_records_after(train_dir, start_step)
+    started = time.perf_counter()
+    output = trainer.train(resume_from_checkpoint=last)
+    seconds = time.perf_counter() - started
+    if health.halted:
+        raise TrainError(f"training stopped at step {trainer.state.global_step}: {health.halted} "
+                         f"(checkpoint saved under {checkpoints}; see {train_dir / 'health.jsonl'}).")
+    # step 5: save
+    final_dir = train_dir / "final"
+    trainer.save_model(str(final_dir))
+    summary = {
+        "fingerprint": train_fingerprint(config),
+        "algorithm": config.train.algorithm,
+        "importance_sampling_level": args.importance_sampling_level,
+        "loss_type": args.loss_type,
+        "optimizer": args.optim,
+        "steps": trainer.state.global_step,
+        "resumed_from_step": start_step,
+        "train_seconds": round(seconds, 2),
+        "train_loss": output.training_loss,
+        "train_items": len(dataset),
+        "lora": lora_report.as_dict(),
+        "backend": loaded.backend,
+        "base_model": loaded.source,
+        "notes": notes,
+        "health_warnings": health.warning_count,
+    }
+    write_json_atomic(train_dir / "summary.json", summary)
+    return TrainResult(final_dir, summary)
+
+
+def build_train_dataset(run_dir: Path):
+    """`data/train.jsonl` as the conversational image dataset TRL expects (images decoded lazily)."""
+    import datasets
+
+    path = run_dir / "data" / "train.jsonl"
+    rows = read_jsonl(path)
+    if not rows:
+        raise TrainError(f"{path}: no training items; run `vlmrl prepare` first and check data/dropped.jsonl.")
+    from vlmrl.data.splits import check_no_overlap
+
+    holdout = read_jsonl(run_dir / "data" / "holdout.jsonl")
+    check_no_overlap(rows, holdout)
+    table = {
+        "prompt": [[{"role": "user", "content": row["prompt"]}] for row in rows],
+        "image": [str(run_dir / row["image"]) for row in rows],
+        "answer": [str(row["answer"]) for row in rows],
+        "id": [row["id"] for row in rows],
+    }
+    return datasets.Dataset.from_dict(table).cast_column("image", datasets.Image())
+
+
+def build_grpo_config(config: Config, output_dir: Path) -> tuple[Any, list[str]]:
+    """GRPOConfig from our typed config; returns it and notes about any fallback taken."""
+    from trl import GRPOConfig
+
+    t = config.train
+    notes: list[str] = []
+    optim = t.optim
+    if "8bit" in optim and not (torch.cuda.is_available() and importlib.util.find_spec("bitsandbytes")):
+        notes.append(f"optimizer {optim} needs bitsandbytes on CUDA; using adamw_torch instead")
+        log.warning(notes[-1])
+        optim = "adamw_torch"
+    on_cuda = torch.cuda.is_available()
+    kwargs: dict[str, Any] = dict(
+        output_dir=str(output_dir),
+        seed=config.run.seed,
+        learning_rate=t.learning_rate,
+        lr_scheduler_type=t.lr_scheduler_type,
+        warmup_ratio=t.warmup_ratio,
+        optim=optim,
+        per_device_train_batch_size=t.per_device_train_batch_size,
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        steps_per_generation=t.steps_per_generation,
+        num_generations=t.num_generations,
+        num_iterations=t.num_iterations,
+        max_completion_length=t.max_completion_length,
+        temperature=t.temperature,
+        epsilon=t.epsilon,
+        epsilon_high=t.epsilon_high,
+        beta=t.beta,
+        num_train_epochs=t.num_train_epochs,
+        max_steps=t.max_steps,
+        max_grad_norm=t.max_grad_norm,
+        mask_truncated_completions=t.mask_truncated_completions,
+        reward_weights=list(t.reward_weights),
+        importance_sampling_level="sequence" if t.algorithm == "gspo" else "token",
+        loss_type=t.loss_type,
+        gradient_checkpointing=t.gradient_checkpointing,
+        logging_steps=t.logging_steps,
+        save_strategy="steps",
+        save_steps=t.save_steps,
+        save_total_limit=t.save_total_limit,
+        use_vllm=t.generation_backend == "vllm",
+        bf16=on_cuda and config.model.dtype in ("auto", "bfloat16"),
+        fp16=on_cuda and config.model.dtype == "float16",
+        use_cpu=not on_cuda,
+        report_to="none",
+        log_completions=False,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    unknown = sorted(set(t.trl_overrides) - {f.name for f in dataclasses.fields(GRPOConfig)})
+    if unknown:
+        raise TrainError(f"train.trl_overrides: {', '.join(unknown)} not GRPOConfig fields (TRL {_trl_version()}).")
+    kwargs.update(t.trl_overrides)
+    return GRPOConfig(**kwargs), notes
+
+
+def is_trained(config: Config, run_dir: Path) -> bool:
+    summary = run_dir / "train" / "summary.json"
+    final = run_dir / "train" / "final" / "adapter_config.json"
+    return final.exists() and summary.exists() and read_json(summary).get("fingerprint") == train_fingerprint(config)
+
+
+def _trl_version() -> str:
+    import trl
+
+    return trl.__version__
+
+
+def finite(value: Any) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except (TypeError, ValueError):
+        return True
