@@ -115,51 +115,179 @@ def tiny_model(
     console.print(f"wrote {path}")
 
 
+class _Progress:
+    """A rich progress bar for evaluation: items/s and generated tokens/s."""
+
+    def __init__(self, label: str):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.progress = Progress(
+            TextColumn(f"eval {label}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            TextColumn("{task.fields[rate]}"), console=console, transient=False,
+        )
+        self.task = None
+        self.started = None
+
+    def __call__(self, done: int, total: int, tokens: int) -> None:
+        import time
+
+        if self.task is None:
+            self.progress.start()
+            self.task = self.progress.add_task("eval", total=total, rate="")
+            self.started = time.perf_counter()
+        elapsed = max(time.perf_counter() - self.started, 1e-6)
+        self.progress.update(self.task, completed=done, rate=f"{tokens / elapsed:.1f} tok/s")
+        if done >= total:
+            self.progress.stop()
+
+
+def _guard(action):
+    """Run a stage, turning the project's own errors into one red line and exit 1 (no traceback)."""
+    from vlmrl.compare import CompareError
+    from vlmrl.data.items import DataError
+    from vlmrl.evaluate import EvalError
+    from vlmrl.export import ExportError
+    from vlmrl.models.loading import ModelLoadError
+    from vlmrl.models.lora import LoraLayoutError
+    from vlmrl.train import TrainError
+
+    try:
+        return action()
+    except (ConfigError, DataError, EvalError, TrainError, CompareError, ExportError, ModelLoadError,
+            LoraLayoutError) as exc:
+        _fail(str(exc))
+
+
 @app.command()
-def run(source: ConfigArg = None, set_: SetOpt = None, force: bool = False) -> None:
+def run(
+    source: ConfigArg = None,
+    set_: SetOpt = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite a run directory made by another config.")] = False,
+) -> None:
     """Every stage in order into one run directory (skips stages already done with this config)."""
-    _config(source, set_)
-    _not_implemented("run")
+    from vlmrl.pipeline import run_all
+
+    config = _config(source, set_)
+    console.print(f"vlmrl run: [bold]{config.run.name}[/bold] -> {config.run_dir}")
+    outcome = _guard(lambda: run_all(config, force=force, say=lambda m: console.print(m, highlight=False),
+                                     progress_factory=_Progress))
+    _print_comparison(outcome.run_dir / "comparison.json")
+    console.print(f"\n[bold]done[/bold]: {outcome.run_dir}")
+    for name in ("config.yaml", "data/summary.json", "baseline_records.jsonl", "train/metrics.jsonl",
+                 "train/rollouts.jsonl", "after_records.jsonl", "comparison.json", "adapter", "export.json",
+                 "report.html"):
+        if (outcome.run_dir / name).exists():
+            console.print(f"  {outcome.run_dir / name}", highlight=False)
 
 
 @app.command()
 def prepare(source: ConfigArg = None, set_: SetOpt = None, run_dir: RunDirOpt = None) -> None:
     """Stage 4: data manifests, normalised images, held-out split, drop report."""
-    _config(source, set_, run_dir)
-    _not_implemented("prepare")
+    from vlmrl.pipeline import prepare_with_budget
+
+    config = _config(source, set_, run_dir)
+    result = _guard(lambda: prepare_with_budget(config, config.run_dir))
+    summary = json.loads((config.run_dir / "data" / "summary.json").read_text())
+    console.print_json(json.dumps({k: v for k, v in summary.items() if k != "by_category"}))
+    if summary.get("comparable_to_published") is False:
+        console.print(f"[yellow]warning:[/yellow] {summary.get('message')}")
+    console.print(f"wrote {config.run_dir / 'data'}")
+    return result
 
 
 @app.command("eval")
-def eval_(source: ConfigArg = None, set_: SetOpt = None, run_dir: RunDirOpt = None) -> None:
+def eval_(
+    source: ConfigArg = None,
+    set_: SetOpt = None,
+    run_dir: RunDirOpt = None,
+    stage: Annotated[str, typer.Option(help="baseline | after")] = "baseline",
+    adapter: Annotated[Optional[Path], typer.Option(help="Adapter folder (default for after: train/final).")] = None,
+) -> None:
     """Stages 5 and 7: evaluate the held-out set, one record per item."""
-    _config(source, set_, run_dir)
-    _not_implemented("eval")
+    from vlmrl.evaluate import evaluate
+
+    config = _config(source, set_, run_dir)
+    result = _guard(lambda: evaluate(config, config.run_dir, stage, adapter=adapter, progress=_Progress(stage)))
+    s = result.summary
+    table = Table(title=f"{stage} ({s['n']} items)")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_column("95% CI", justify="right")
+    for key in ("accuracy", "mathvista_accuracy", "format_compliance", "total_reward"):
+        lo, hi = s[key]["ci95"]
+        table.add_row(key, f"{s[key]['mean']:.3f}", f"[{lo:.3f}, {hi:.3f}]")
+    table.add_row("truncation_rate", f"{s['truncation_rate']:.3f}", "")
+    table.add_row("gibberish_rate", f"{s['gibberish_rate']:.3f}", "")
+    console.print(table)
+    console.print(f"records: {result.records_path}")
 
 
 @app.command()
-def train(source: ConfigArg = None, set_: SetOpt = None, run_dir: RunDirOpt = None) -> None:
+def train(
+    source: ConfigArg = None,
+    set_: SetOpt = None,
+    run_dir: RunDirOpt = None,
+    resume: Annotated[bool, typer.Option("--resume/--no-resume", help="Continue from the last checkpoint.")] = True,
+) -> None:
     """Stage 6: GRPO / GSPO through TRL's GRPOTrainer."""
-    _config(source, set_, run_dir)
-    _not_implemented("train")
+    from vlmrl.train import train as train_stage
+
+    config = _config(source, set_, run_dir)
+    result = _guard(lambda: train_stage(config, config.run_dir, resume=resume,
+                                        console_callback=lambda m: console.print(m, highlight=False)))
+    console.print_json(json.dumps(result.summary, default=str))
+    console.print(f"adapter: {result.final_dir}")
 
 
 @app.command()
-def compare(run_dir: Annotated[Optional[Path], typer.Argument()] = None) -> None:
+def compare(run_dir: Annotated[Path, typer.Argument(help="Run directory.")] = Path("runs/demo")) -> None:
     """Stage 7: before/after diff with paired statistics."""
-    _not_implemented("compare")
+    from vlmrl.compare import compare_runs
+
+    result = _guard(lambda: compare_runs(run_dir))
+    _print_comparison(result.path)
+
+
+def _print_comparison(path: Path) -> None:
+    if not path.exists():
+        return
+    comparison = json.loads(path.read_text())
+    table = Table(title=f"before -> after ({comparison['n_paired']} held-out items)")
+    for column in ("metric", "before", "after", "delta", "95% CI", "McNemar p"):
+        table.add_column(column, justify="right" if column != "metric" else "left")
+    for name, m in comparison["metrics"].items():
+        lo, hi = m["delta_ci95"]
+        p = f"{m['mcnemar_p']:.3g}" if "mcnemar_p" in m else ""
+        table.add_row(name, f"{m['before']:.3f}", f"{m['after']:.3f}", f"{m['delta']:+.3f}", f"[{lo:+.3f}, {hi:+.3f}]", p)
+    console.print(table)
+    flips = comparison["flip_counts"]
+    console.print(", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in flips.items()), highlight=False)
 
 
 @app.command()
 def export(source: ConfigArg = None, set_: SetOpt = None, run_dir: RunDirOpt = None) -> None:
     """Stage 8: save and verify the adapter (optional merges)."""
-    _config(source, set_, run_dir)
-    _not_implemented("export")
+    from vlmrl.export import export_adapter
+
+    config = _config(source, set_, run_dir)
+    report_ = _guard(lambda: export_adapter(config, config.run_dir))
+    table = Table(title="export checks")
+    for column in ("check", "result", "value", "detail"):
+        table.add_column(column)
+    for c in report_["checks"]:
+        verdict = {True: "[green]pass[/green]", False: "[red]FAIL[/red]", None: "skipped"}[c["passed"]]
+        table.add_row(c["name"], verdict, str(c["value"]), c["detail"])
+    console.print(table)
 
 
 @app.command()
-def report(run_dir: Annotated[Optional[Path], typer.Argument()] = None) -> None:
+def report(run_dir: Annotated[Path, typer.Argument(help="Run directory.")] = Path("runs/demo")) -> None:
     """Write report.html for a run directory."""
-    _not_implemented("report")
+    from vlmrl.report import write_report
+
+    if not run_dir.is_dir():
+        _fail(f"{run_dir}: no such run directory")
+    console.print(f"wrote {write_report(run_dir)}")
 
 
 @app.command()

@@ -27,7 +27,6 @@ class RunOutcome:
 def run_all(config: Config, *, force: bool = False, say: Say = print, progress_factory=None) -> RunOutcome:
     """Run stages 1-8 and the report into `config.run_dir`."""
     from vlmrl import compare, evaluate, export, report, train
-    from vlmrl.data.prepare import is_prepared, prepare_data
     from vlmrl.doctor import collect_environment
     from vlmrl.io import write_json_atomic
 
@@ -78,6 +77,15 @@ def prompt_token_counter(config: Config, run_dir: Path):
 
     processor = AutoProcessor.from_pretrained(resolve_model_source(config.model.name, run_dir))
     return lambda prompt, image: count_prompt_tokens(processor, prompt, image)
+
+
+def is_prepared(config: Config, run_dir: Path) -> bool:
+    summary = run_dir / "data" / "summary.json"
+    return (
+        summary.exists()
+        and (run_dir / "data" / "holdout.jsonl").exists()
+        and read_json(summary).get("fingerprint") == config.data_fingerprint()
+    )
 
 
 def eval_done(config: Config, run_dir: Path, stage: str) -> bool:

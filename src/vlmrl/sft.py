@@ -1,0 +1,89 @@
+"""Supervised warm start: teach a policy the output structure before RL (a "format cold start").
+
+RL needs a policy that sometimes earns reward; a model that never writes `<SOLUTION>` gives GRPO groups with
+identical rewards and no signal. A few supervised steps on contract-shaped answers fix that. The loss is
+on the assistant turn only (prompt and padding masked), rendered with the model's own chat template so the
+end-of-turn token is learned too.
+
+Deliberately small: a plain AdamW loop over (prompt, image, target) triples, for warm starts of minutes,
+not a general SFT trainer (use TRL's `SFTTrainer` for that).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from PIL import Image
+
+from vlmrl.generation import build_messages, render_prompt
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SftExample:
+    prompt: str
+    image: Image.Image
+    target: str  # the assistant text, e.g. contract.render_answer(reasoning, solution)
+
+
+def sft_batch(processor: Any, examples: list[SftExample], device: torch.device) -> dict:
+    """Inputs with labels: -100 on padding and on every prompt token, the assistant turn kept."""
+    fulls, prompt_lengths = [], []
+    for ex in examples:
+        prompt = render_prompt(processor, ex.prompt)
+        messages = build_messages(ex.prompt) + [{"role": "assistant", "content": [{"type": "text", "text": ex.target}]}]
+        full = processor.apply_chat_template(messages, tokenize=False)
+        if not full.startswith(prompt):
+            raise ValueError("the chat template renders the prompt differently with and without an answer")
+        fulls.append(full)
+        # the prompt's token count, image tokens included
+        prompt_lengths.append(processor(text=[prompt], images=[[ex.image]], return_tensors="pt")["input_ids"].shape[1])
+    batch = processor(text=fulls, images=[[ex.image] for ex in examples], padding=True, return_tensors="pt")
+    labels = batch["input_ids"].clone()  # [B, L]
+    width = labels.shape[1]
+    for row, prompt_len in enumerate(prompt_lengths):
+        pad = width - int(batch["attention_mask"][row].sum())  # left padding
+        labels[row, : pad + prompt_len] = -100
+    batch["labels"] = labels
+    return {k: v.to(device) if hasattr(v, "to") else v for k, v in batch.items()}
+
+
+def sft_train(
+    model: Any,
+    processor: Any,
+    examples: list[SftExample],
+    *,
+    steps: int,
+    batch_size: int = 16,
+    learning_rate: float = 2e-3,
+    seed: int = 0,
+    on_step: Callable[[int, float], None] | None = None,
+) -> list[float]:
+    """Train `model` in place for `steps` AdamW steps on random batches of `examples`; returns the losses."""
+    if not examples:
+        raise ValueError("sft_train: no examples")
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=learning_rate, weight_decay=0.0)
+    device = next(model.parameters()).device
+    model.train()
+    losses = []
+    for step in range(steps):
+        batch = sft_batch(processor, rng.sample(examples, min(batch_size, len(examples))), device)
+        loss = model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+        if on_step:
+            on_step(step + 1, losses[-1])
+    model.eval()
+    return losses
