@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -55,6 +56,13 @@ def _not_implemented(command: str) -> None:
 @app.callback()
 def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if not verbose:
+        # Weight-loading and shard-writing bars from transformers would interleave with our own progress.
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+        warnings.filterwarnings("ignore", category=FutureWarning)  # library deprecation notes, not the user's
 
 
 @app.command()
@@ -169,7 +177,7 @@ def run(
 
     config = _config(source, set_)
     console.print(f"vlmrl run: [bold]{config.run.name}[/bold] -> {config.run_dir}")
-    outcome = _guard(lambda: run_all(config, force=force, say=lambda m: console.print(m, highlight=False),
+    outcome = _guard(lambda: run_all(config, force=force, say=lambda m: console.print(m, highlight=False, markup=False),
                                      progress_factory=_Progress))
     _print_comparison(outcome.run_dir / "comparison.json")
     console.print(f"\n[bold]done[/bold]: {outcome.run_dir}")

@@ -72,6 +72,8 @@ def evaluate(
         compiled = use_compiled_decode(config.eval.compile)
         size = config.eval.batch_size
         started, tokens = time.perf_counter(), 0
+        if progress:
+            progress(len(done), len(items), 0)
         for start in range(0, len(todo), size):
             batch = todo[start : start + size]
             t0 = time.perf_counter()

@@ -41,12 +41,24 @@ def trim_records_after(train_dir: Path, step: int) -> None:
 
 
 class MetricsRecorder(TrainerCallback):
-    def __init__(self, path: Path):
+    """Every logged metric to metrics.jsonl, and one short line per step to the console."""
+
+    def __init__(self, path: Path, console: Callable[[str], None] | None = None):
         self.path = path
+        self.console = console
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if state.is_world_process_zero and logs:
-            append_jsonl(self.path, [{"step": state.global_step, "epoch": state.epoch, **logs}])
+        if not (state.is_world_process_zero and logs):
+            return
+        append_jsonl(self.path, [{"step": state.global_step, "epoch": state.epoch, **logs}])
+        if self.console and "reward" in logs:
+            fmt = logs.get("rewards/format_reward/mean", float("nan"))
+            cor = logs.get("rewards/correctness_reward/mean", float("nan"))
+            self.console(
+                f"step {state.global_step}/{state.max_steps}  reward {logs['reward']:.3f}  format {fmt:.2f}  "
+                f"correct {cor:.2f}  len {logs.get('completions/mean_length', 0):.0f}  "
+                f"loss {logs.get('loss', float('nan')):.4f}"
+            )
 
 
 class _RecordingReward:
@@ -140,6 +152,8 @@ class HealthMonitor(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         logs = logs or {}
+        if "train_runtime" in logs:  # the end-of-training summary, not a step
+            return control
         row: dict[str, Any] = {"step": state.global_step}
         batch = self.recorder.last_batch if self.recorder else []
         row.update(batch_health(batch, group_size=args.num_generations, weights=args.reward_weights))
@@ -161,9 +175,10 @@ class HealthMonitor(TrainerCallback):
             append_jsonl(self.path, [row])
             for warning in warnings:
                 self.warning_count += 1
-                log.warning("step %d: %s", state.global_step, warning)
                 if self.console:
                     self.console(f"[health] step {state.global_step}: {warning}")
+                else:
+                    log.warning("step %d: %s", state.global_step, warning)
         return control
 
     def _check(self, row: dict) -> list[str]:

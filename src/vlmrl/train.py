@@ -49,6 +49,7 @@ def train_fingerprint(config: Config) -> str:
 
 def train(config: Config, run_dir: Path, *, resume: bool = True, console_callback: Any = None) -> TrainResult:
     """Train the LoRA adapter of `run_dir` and save it to `run_dir/train/final`."""
+    from transformers.trainer_callback import PrinterCallback
     from transformers.trainer_utils import get_last_checkpoint
     from trl import GRPOTrainer
 
@@ -73,8 +74,9 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
         args=args,
         train_dataset=dataset,
         processing_class=loaded.processor,
-        callbacks=[MetricsRecorder(train_dir / "metrics.jsonl"), recorder, health],
+        callbacks=[MetricsRecorder(train_dir / "metrics.jsonl", console_callback), recorder, health],
     )
+    trainer.remove_callback(PrinterCallback)  # our MetricsRecorder prints a shorter line
     recorder.attach(trainer)
     health.attach(recorder)
     # step 4: train, resuming from the last complete checkpoint if there is one
@@ -119,10 +121,11 @@ def build_train_dataset(run_dir: Path):
     rows = read_jsonl(path)
     if not rows:
         raise TrainError(f"{path}: no training items; run `vlmrl prepare` first and check data/dropped.jsonl.")
+    from vlmrl.data.items import Item
     from vlmrl.data.splits import check_no_overlap
 
     holdout = read_jsonl(run_dir / "data" / "holdout.jsonl")
-    check_no_overlap(rows, holdout)
+    check_no_overlap([Item.from_json(r) for r in rows], [Item.from_json(r) for r in holdout])
     table = {
         "prompt": [[{"role": "user", "content": row["prompt"]}] for row in rows],
         "image": [str(run_dir / row["image"]) for row in rows],
@@ -149,7 +152,7 @@ def build_grpo_config(config: Config, output_dir: Path) -> tuple[Any, list[str]]
         seed=config.run.seed,
         learning_rate=t.learning_rate,
         lr_scheduler_type=t.lr_scheduler_type,
-        warmup_ratio=t.warmup_ratio,
+        warmup_steps=t.warmup_ratio,  # transformers 5: a float in [0, 1) is a ratio of total steps
         optim=optim,
         per_device_train_batch_size=t.per_device_train_batch_size,
         gradient_accumulation_steps=t.gradient_accumulation_steps,

@@ -60,8 +60,17 @@ class Canvas:
         return _font(max(MIN_FONT_PX, int(round(self.size * fraction * self.font_scale))))
 
     def text(self, xy: tuple[float, float], text: str, fraction: float = 0.09, *, anchor: str = "mm",
-             fill: Color | None = None) -> None:  # fmt: skip
-        self.draw.text(xy, text, font=self.font(fraction), fill=fill or self.ink, anchor=anchor)
+             fill: Color | None = None, max_width: float | None = None, boxed: bool = False) -> None:  # fmt: skip
+        """Draw text; `max_width` shrinks the font (not below the legibility floor) so neighbours don't
+        collide, `boxed` paints the background behind it so grid lines don't cut through digits."""
+        font = self.font(fraction)
+        max_width = self.size * 0.98 if max_width is None else max_width
+        while font.size > MIN_FONT_PX and font.getlength(text) > max_width:
+            font = _font(font.size - 1)
+        if boxed:
+            left, top, right, bottom = self.draw.textbbox(xy, text, font=font, anchor=anchor)
+            self.draw.rectangle([left - 1, top - 1, right + 1, bottom + 1], fill=self.background)
+        self.draw.text(xy, text, font=font, fill=fill or self.ink, anchor=anchor)
 
     def colors(self, n: int) -> list[Color]:
         """n distinct palette colours, or one colour n times (single-series charts look like that too)."""

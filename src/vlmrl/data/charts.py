@@ -43,7 +43,9 @@ def _bar_chart(c: Canvas, difficulty: int) -> tuple[list[str], list[int], int | 
         x0, y0 = axes.to_px(i + (1 - width) / 2, tenths / 10)
         x1, y1 = axes.to_px(i + (1 + width) / 2, 0)
         c.draw.rectangle([x0, y0, x1, y1], fill=colors[i])
-        c.text(((x0 + x1) / 2, y0 - c.px(0.012)), format_number(tenths / 10), 0.075, anchor="mb")
+        slot = (axes.right - axes.left) / n
+        c.text(((x0 + x1) / 2, y0 - c.px(0.012)), format_number(tenths / 10), 0.075, anchor="mb",
+               max_width=0.95 * slot)  # fmt: skip
         c.text(((x0 + x1) / 2, axes.bottom + c.px(0.02)), label, 0.09, anchor="mt")
     return labels, values, 1 if decimals else None
 
@@ -94,9 +96,10 @@ def line_value(c: Canvas, difficulty: int) -> Problem:
     points = [axes.to_px(i, v / 10) for i, v in enumerate(values)]
     c.draw.line(points, fill=color, width=max(2, c.px(0.012)))
     radius = max(2, c.px(0.016))
+    slot = (axes.right - axes.left) / n
     for (x, y), v in zip(points, values):
         c.draw.ellipse([x - radius, y - radius, x + radius, y + radius], fill=color)
-        c.text((x, y - radius - c.px(0.01)), format_number(v / 10), 0.07, anchor="mb")
+        c.text((x, y - radius - c.px(0.01)), format_number(v / 10), 0.07, anchor="mb", max_width=0.95 * slot)
     k = rng.randrange(n)
     question = f"What is the value of the line at x = {xs[k]}?"
     return Problem(question, values[k] / 10, 1 if decimals else None,

@@ -80,6 +80,28 @@ class Dropped:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class Candidate:
+    """A row that passed the field checks of its source, before its image is normalised and stored.
+
+    `image` is whatever the source holds (PIL image, bytes, a `{"bytes", "path"}` dict or a path relative to
+    `base_dir`); decoding waits until the cheap checks have passed, so filtered rows never cost a decode.
+    """
+
+    id: str
+    question: str
+    answer: str
+    answer_type: AnswerType
+    precision: int | None
+    unit: str | None
+    choices: tuple[str, ...] | None
+    source: str
+    category: str
+    metadata: dict[str, Any]
+    image: Any = field(repr=False)
+    base_dir: Path | None = None
+
+
 def read_items(path: Path) -> list[Item]:
     """Read a train/holdout manifest; a bad line is an error naming the file and the line number."""
     path = Path(path)

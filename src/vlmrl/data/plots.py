@@ -24,7 +24,7 @@ def _plane(c: Canvas) -> Axes:
     ox, oy = axes.to_px(0, 0)
     c.draw.line([(axes.left, oy), (axes.right, oy)], fill=c.ink, width=c.line_width())
     c.draw.line([(ox, axes.top), (ox, axes.bottom)], fill=c.ink, width=c.line_width())
-    for k in (-4, -2, 2, 4):
+    for k in (-4, -2, 2, 4) if c.size >= 256 else (-4, 4):  # fewer labels where they would crowd
         x, y = axes.to_px(k, k)
         c.text((x, oy + c.px(0.012)), str(k), 0.06, anchor="mt")
         c.text((ox - c.px(0.012), y), str(k), 0.06, anchor="rm")
@@ -38,8 +38,8 @@ def _curve(axes: Axes, f, color) -> None:
     for i in range(121):
         x = -EXTENT + 2 * EXTENT * i / 120
         y = float(f(x))
-        if -EXTENT - 0.5 <= y <= EXTENT + 0.5:
-            segment.append(axes.to_px(x, max(-EXTENT, min(EXTENT, y))))
+        if -EXTENT <= y <= EXTENT:
+            segment.append(axes.to_px(x, y))
             continue
         if len(segment) > 1:
             c.draw.line(segment, fill=color, width=max(2, c.px(0.012)))
@@ -55,7 +55,7 @@ def _mark(axes: Axes, x: int, y: int, color) -> None:
     c.draw.ellipse([px - r, py - r, px + r, py + r], fill=color)
     right_side = px > c.size * 0.6
     anchor = "rb" if right_side else "lb"
-    c.text((px + (-r if right_side else r), py - r), f"({x}, {y})", 0.075, anchor=anchor)
+    c.text((px + (-r if right_side else r), py - r), f"({x}, {y})", 0.075, anchor=anchor, boxed=True)
 
 
 def _poly_text(coeffs: list[Fraction | int]) -> str:

@@ -10,8 +10,8 @@ Kept from each family: the architecture and its code paths (interleaved M-RoPE a
 window attention for Qwen2.5-VL, a SigLIP tower pooled to soft tokens and sliding/global layers for Gemma 3),
 the special tokens and their roles, the tokenizer pipeline (byte-level BPE with Qwen's pre-tokenizer;
 byte-fallback BPE over "▁"-joined text for Gemma) and the chat layout. Deliberately not kept: sizes. The text
-vocabulary is ~1k tokens (with a 151k vocabulary the CPU log-prob pass of one GRPO step takes ~70 s), every
-image becomes 16 tokens, and nothing is trained.
+vocabulary is ~1k tokens (with a 151k vocabulary the CPU log-prob pass of one GRPO step takes ~70 s), an
+image costs 16 tokens at the default 128x128 budget, and nothing is trained.
 """
 
 from __future__ import annotations
@@ -77,8 +77,10 @@ GEMMA_BYTE_TOKENS = tuple(f"<0x{b:02X}>" for b in range(256))  # the format toke
 HEAD_DIM = 16  # every attention head, text and vision, is 16 wide: hidden sizes must be multiples of 32
 VISION_DEPTH = 2
 QWEN_MERGE = 2  # 2x2 patches merge into one language token, as in every Qwen-VL
-GEMMA_TOKENS_PER_SIDE = 4  # mm_tokens_per_image = 16 soft tokens, pooled from the SigLIP patch grid
-GEMMA_PATCH = 16
+PATCH = 16  # Qwen3-VL's and SigLIP's patch (Qwen2.5-VL's is 14)
+# Every family gets one language token per 32x32 pixels: Qwen merges 2x2 patches, Gemma average-pools its
+# SigLIP patch grid 2x2 (the hub's 896px / 14px patches pool 4x4 into 256 tokens).
+PIXELS_PER_TOKEN = 32
 MIN_VOCAB = 512  # room for the byte alphabet, the special tokens and a few hundred merges
 
 
@@ -95,7 +97,8 @@ def build_tiny_model(
     """Write a random-weight `arch` model with its tokenizer, processor and chat template to `out_dir`.
 
     `vocab_size` is the number of embedding rows; the tokenizer is trained to fill at most that many ids.
-    `image_size` is the pixel budget per side: any input image becomes (image_size/32)^2 tokens (16 at 128).
+    `image_size` is the pixel budget per side: any input image becomes about (image_size/32)^2 image tokens,
+    16 at 128 (exactly so for a square input; Qwen2.5-VL's 14px patches round 128 down to 112).
     The same arguments and seed give the same files.
     """
     _check_sizes(arch, hidden_size, num_layers, vocab_size, image_size)
@@ -248,7 +251,9 @@ def _gemma_tokenizer(vocab_size: int) -> GemmaTokenizer:
     return GemmaTokenizer(
         vocab=vocab,
         merges=merges,
-        add_bos_token=True,  # as on the hub; the chat template writes <bos> itself, so TRL passes add_special_tokens=False
+        # As on the hub. The chat template writes <bos> itself, so prompts are tokenized without special
+        # tokens (TRL does so; the processor's apply_chat_template(tokenize=True) detects it).
+        add_bos_token=True,
         boi_token="<start_of_image>",  # these three are what Gemma3Processor reads from the tokenizer
         eoi_token="<end_of_image>",
         image_token="<image_soft_token>",
@@ -336,7 +341,7 @@ def _qwen_processor(
     arch: str, tokenizer: Qwen2Tokenizer, image_size: int
 ) -> Qwen3VLProcessor | Qwen2_5_VLProcessor:
     """Images are resized to at most image_size^2 pixels (128x128 -> 8x8 patches -> 16 merged tokens)."""
-    patch = 16 if arch == "qwen3_vl" else 14
+    patch = PATCH if arch == "qwen3_vl" else 14
     # Qwen3-VL normalises to [-1, 1]; Qwen2.5-VL keeps the CLIP statistics (the image processor's default).
     stats = {"image_mean": [0.5] * 3, "image_std": [0.5] * 3} if arch == "qwen3_vl" else {}
     pixels = {"shortest_edge": (image_size // 2) ** 2, "longest_edge": image_size**2}
@@ -356,7 +361,7 @@ def _qwen_processor(
 
 
 def _gemma_processor(tokenizer: GemmaTokenizer, image_size: int) -> Gemma3Processor:
-    """Images are squashed to image_size x image_size; the processor writes 16 soft tokens per image."""
+    """Images are squashed to image_size x image_size; the processor writes (image_size/32)^2 soft tokens."""
     image_processor = Gemma3ImageProcessor(
         size={"height": image_size, "width": image_size}, image_mean=[0.5] * 3, image_std=[0.5] * 3
     )
@@ -364,7 +369,7 @@ def _gemma_processor(tokenizer: GemmaTokenizer, image_size: int) -> Gemma3Proces
         image_processor,
         tokenizer,
         chat_template=GEMMA_CHAT_TEMPLATE,
-        image_seq_length=GEMMA_TOKENS_PER_SIDE**2,
+        image_seq_length=(image_size // PIXELS_PER_TOKEN) ** 2,
     )
 
 
@@ -408,13 +413,12 @@ def _qwen3_vl_config(
         "hidden_size": width,
         "intermediate_size": 2 * width,
         "num_heads": width // HEAD_DIM,
-        "patch_size": 16,
+        "patch_size": PATCH,
         "spatial_merge_size": QWEN_MERGE,
         "out_hidden_size": hidden_size,
-        "num_position_embeddings": (image_size // 16) ** 2,  # a learned grid, interpolated to each image
-        "deepstack_visual_indexes": [
-            0
-        ],  # an intermediate layer feeds the first text layer, as 8/16/24 do on 8B
+        "num_position_embeddings": (image_size // PATCH) ** 2,  # a learned grid, interpolated to each image
+        # An intermediate vision layer feeds the first text layer, as layers 8/16/24 do on the 8B model.
+        "deepstack_visual_indexes": [0],
     }
     return Qwen3VLConfig(
         text_config=text, vision_config=vision, **_qwen_vision_ids(ids), tie_word_embeddings=False
@@ -485,13 +489,13 @@ def _gemma3_config(
         "num_hidden_layers": VISION_DEPTH,
         "num_attention_heads": width // HEAD_DIM,
         "image_size": image_size,
-        "patch_size": GEMMA_PATCH,
+        "patch_size": PATCH,
         "vision_use_head": False,
     }
     return Gemma3Config(
         text_config=text,
         vision_config=vision,
-        mm_tokens_per_image=GEMMA_TOKENS_PER_SIDE**2,
+        mm_tokens_per_image=(image_size // PIXELS_PER_TOKEN) ** 2,
         boi_token_index=ids("<start_of_image>"),
         eoi_token_index=ids("<end_of_image>"),
         image_token_index=ids("<image_soft_token>"),
@@ -500,13 +504,27 @@ def _gemma3_config(
 
 
 def _generation_config(arch: str, tokenizer: Any) -> GenerationConfig:
-    """Greedy by default; a chat reply ends at the end-of-turn token (listed first, as on the hub)."""
+    """Greedy by default; a chat reply ends at the end-of-turn token (listed first, as on the hub).
+
+    Unlike the hub's, it also suppresses the image placeholders: a random model samples them now and then, and a
+    completion holding one breaks every later forward pass with the image (placeholders no longer match the
+    image features). TRL suppresses the image token itself; plain `generate` calls need this.
+    """
     ids = tokenizer.convert_tokens_to_ids
     if arch == "gemma3":
-        return GenerationConfig(bos_token_id=ids("<bos>"), eos_token_id=[ids("<end_of_turn>"), ids("<eos>")],
-                                pad_token_id=ids("<pad>"))  # fmt: skip
+        return GenerationConfig(
+            bos_token_id=ids("<bos>"),
+            eos_token_id=[ids("<end_of_turn>"), ids("<eos>")],
+            pad_token_id=ids("<pad>"),
+            suppress_tokens=[ids("<image_soft_token>")],
+        )
     end = ids("<|endoftext|>")
-    return GenerationConfig(bos_token_id=end, eos_token_id=[ids("<|im_end|>"), end], pad_token_id=end)
+    return GenerationConfig(
+        bos_token_id=end,
+        eos_token_id=[ids("<|im_end|>"), end],
+        pad_token_id=end,
+        suppress_tokens=[ids("<|image_pad|>"), ids("<|video_pad|>")],
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -562,8 +580,7 @@ def _check_sizes(arch: str, hidden_size: int, num_layers: int, vocab_size: int, 
         raise ValueError(
             f"vocab_size={vocab_size}: use at least {MIN_VOCAB} (bytes + special tokens + merges)."
         )
-    grid = GEMMA_PATCH * GEMMA_TOKENS_PER_SIDE if arch == "gemma3" else 16 * QWEN_MERGE
-    if image_size < grid or image_size % grid:
+    if image_size < PIXELS_PER_TOKEN or image_size % PIXELS_PER_TOKEN:
         raise ValueError(
-            f"image_size={image_size}: use a multiple of {grid} for {arch} (whole merged patches)."
+            f"image_size={image_size}: use a multiple of {PIXELS_PER_TOKEN} (one image token per 32x32 pixels)."
         )

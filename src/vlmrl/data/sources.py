@@ -1,0 +1,159 @@
+"""Reading raw rows from wherever `data.source` points: the Hugging Face Hub, a Parquet/JSON(L) file, or a folder.
+
+Every reader yields plain dicts with the dataset's own field names, and images left *undecoded* (datasets'
+`{"bytes", "path"}` storage, or a path): decoding is the image module's job, after the cheap field checks, and
+behind its size guard. Local rows carry `__base_dir__` so relative image paths resolve against their file.
+
+A bad JSONL line becomes a row `{"__error__": ...}` that the stage drops with a reason; it never stops a run.
+Deliberately left out: streaming from the Hub (MathVista testmini is 1,000 rows).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..config import DataConfig
+from .items import DataError
+
+BATCH = 64
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+ROW_FILES = (".parquet", ".jsonl", ".json")
+
+
+@dataclass
+class RowSource:
+    """Rows to convert, how many there will be (for progress and the counts), and a name for messages."""
+
+    name: str
+    total: int
+    rows: Iterator[dict[str, Any]]
+
+
+def open_rows(data: DataConfig) -> RowSource:
+    """Open `data.source` (anything but `synthetic`), capped at `data.max_items` rows."""
+    path = Path(data.source).expanduser()
+    if path.is_dir():
+        source = _open_folder(path, data.split)
+    elif path.is_file():
+        source = _open_file(path)
+    elif HUB_ID.match(data.source) and not data.source.startswith((".", "/")):
+        source = _open_hub(data.source, data.split)
+    else:
+        raise DataError(
+            f"data.source {data.source!r}: no such file or folder, and not a Hugging Face Hub id (owner/name). "
+            "Use `synthetic`, a hub id such as AI4Math/MathVista, or a local Parquet/JSONL file or folder."
+        )
+    if data.max_items is not None and source.total > data.max_items:
+        source = RowSource(source.name, data.max_items, itertools.islice(source.rows, data.max_items))
+    return source
+
+
+def _open_file(path: Path) -> RowSource:
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        return RowSource(path.stem, _parquet_rows_count(path), _parquet_rows(path))
+    if suffix == ".jsonl":
+        total = sum(1 for line in path.open(encoding="utf-8") if line.strip())
+        return RowSource(path.stem, total, _jsonl_rows(path))
+    if suffix == ".json":
+        rows = _json_rows(path)
+        return RowSource(path.stem, len(rows), iter(rows))
+    raise DataError(f"{path}: unsupported file type {suffix!r}; use .parquet, .jsonl or .json.")
+
+
+def _open_folder(folder: Path, split: str) -> RowSource:
+    if any((folder / marker).is_file() for marker in ("dataset_info.json", "state.json", "dataset_dict.json")):
+        return _open_saved(folder, split)
+    files = sorted(p for p in folder.rglob("*") if p.suffix.lower() in ROW_FILES and p.is_file())
+    files = [p for p in files if not p.name.startswith(".")]
+    if not files:
+        raise DataError(f"{folder}: no .parquet, .jsonl or .json files (and not a datasets.save_to_disk folder).")
+    # A hub snapshot holds every split (data/testmini-0000.parquet, data/test-0000.parquet): keep `split`'s.
+    chosen = [p for p in files if re.search(rf"(^|[^a-z]){re.escape(split)}([^a-z]|$)", p.name.lower())]
+    files = chosen or files
+    opened = [_open_file(p) for p in files]
+    return RowSource(folder.name, sum(s.total for s in opened), itertools.chain.from_iterable(s.rows for s in opened))
+
+
+def _open_saved(folder: Path, split: str) -> RowSource:
+    import datasets
+
+    loaded = datasets.load_from_disk(str(folder))
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise DataError(f"{folder}: no split {split!r} (splits: {', '.join(loaded)}); set data.split.")
+        loaded = loaded[split]
+    return RowSource(folder.name, len(loaded), _dataset_rows(loaded, folder))
+
+
+def _open_hub(repo_id: str, split: str) -> RowSource:
+    import datasets
+
+    try:
+        loaded = datasets.load_dataset(repo_id, split=split)
+    except Exception as exc:  # network, auth, unknown split: all need the same advice
+        raise DataError(
+            f"data.source {repo_id!r} (split {split!r}) could not be loaded from the Hugging Face Hub: {exc}. "
+            "Check the id and split, your network and HF_TOKEN, or point data.source at a local copy."
+        ) from exc
+    return RowSource(repo_id.split("/")[-1], len(loaded), _dataset_rows(loaded, None))
+
+
+def _dataset_rows(dataset: Any, base_dir: Path | None) -> Iterator[dict[str, Any]]:
+    # Arrow format yields images as their stored {"bytes", "path"} structs: no decoding here, so the size
+    # guard in images.py sees every picture before PIL allocates its pixels.
+    arrow = dataset.with_format("arrow")
+    for start in range(0, len(dataset), BATCH):
+        for row in arrow[start : start + BATCH].to_pylist():
+            row["__base_dir__"] = base_dir
+            yield row
+
+
+def _parquet_rows_count(path: Path) -> int:
+    import pyarrow.parquet as pq
+
+    return pq.ParquetFile(path).metadata.num_rows
+
+
+def _parquet_rows(path: Path) -> Iterator[dict[str, Any]]:
+    import pyarrow.parquet as pq
+
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=BATCH):
+        for row in batch.to_pylist():
+            row["__base_dir__"] = path.parent
+            yield row
+
+
+def _jsonl_rows(path: Path) -> Iterator[dict[str, Any]]:
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                yield {"__error__": f"{path.name}:{number}: not valid JSON ({exc.msg})"}
+                continue
+            if not isinstance(row, dict):
+                yield {"__error__": f"{path.name}:{number}: expected a JSON object, got {type(row).__name__}"}
+                continue
+            row["__base_dir__"] = path.parent
+            yield row
+
+
+def _json_rows(path: Path) -> list[dict[str, Any]]:
+    """A JSON list of rows, or a mapping of id -> row (MathVista's annotation files are keyed by pid)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{path}: not valid JSON ({exc}).") from None
+    rows = list(data.values()) if isinstance(data, dict) else data
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise DataError(f"{path}: expected a list of objects or a mapping of id -> object.")
+    return [{**row, "__base_dir__": path.parent} for row in rows]

@@ -1,0 +1,118 @@
+"""Shared test fixtures.
+
+Data fixtures (used by tests/test_data_*.py): a local copy of MathVista testmini in the hub's exact schema,
+built from the real 1,000 annotations in `shared/data/` with small drawn placeholder images (one distinct
+random-block pattern per pid, so the contamination guard never mistakes two of them for each other).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+from pathlib import Path
+
+import pytest
+from PIL import Image, ImageDraw, ImageFont
+
+SHARED_DATA = Path(__file__).resolve().parent.parents[1] / "shared" / "data"  # beside the repo root
+ANNOTATIONS = SHARED_DATA / "mathvista_testmini_annotations.json"
+
+
+def _load_annotations() -> dict[str, dict]:
+    if not ANNOTATIONS.is_file():
+        pytest.fail(
+            f"{ANNOTATIONS} is missing: the data tests build their MathVista fixture from it. It lives in the "
+            "`shared/data` folder beside the repository root (see shared/data/README.md).",
+            pytrace=False,
+        )
+    return json.loads(ANNOTATIONS.read_text(encoding="utf-8"))
+
+
+def placeholder_image(key: str, size: tuple[int, int] = (64, 48)) -> Image.Image:
+    """A small picture unique to `key`: an 8x6 grid of random grey/colour blocks with the key written on it."""
+    rng = random.Random(f"placeholder:{key}")
+    cols, rows = 8, 6
+    small = Image.new("RGB", (cols, rows))
+    small.putdata([tuple(rng.randrange(256) for _ in range(3)) for _ in range(cols * rows)])
+    img = small.resize(size, Image.Resampling.NEAREST)
+    ImageDraw.Draw(img).text((3, 3), key[:6], fill=(255, 255, 255), font=ImageFont.load_default(size=12))
+    return img
+
+
+def mathvista_query(row: dict) -> str:
+    """A query in the style of MathVista's (`query` is not in the annotation file)."""
+    if row["question_type"] == "multi_choice":
+        hint = "Please answer the question and provide the correct option letter, e.g., A, B, C, D, at the end."
+        letters = "ABCDEFGH"
+        options = "\n".join(f"({letters[i]}) {c}" for i, c in enumerate(row["choices"] or []))
+        return f"Hint: {hint}\nQuestion: {row['question']}\nChoices:\n{options}"
+    kind = {"integer": "an integer answer", "float": f"a floating-point number with {row['precision']} decimal places",
+            "list": "a Python list as an answer"}.get(row["answer_type"], "an answer")
+    return f"Hint: Please answer the question requiring {kind} and provide the final value at the end.\nQuestion: {row['question']}"
+
+
+def mathvista_features():
+    import datasets
+
+    strings = datasets.List(datasets.Value("string"))
+    metadata = {
+        "category": datasets.Value("string"), "context": datasets.Value("string"), "grade": datasets.Value("string"),
+        "img_height": datasets.Value("int64"), "img_width": datasets.Value("int64"),
+        "language": datasets.Value("string"), "skills": strings, "source": datasets.Value("string"),
+        "split": datasets.Value("string"), "task": datasets.Value("string"),
+    }  # fmt: skip
+    return datasets.Features({
+        "pid": datasets.Value("string"), "question": datasets.Value("string"), "image": datasets.Value("string"),
+        "decoded_image": datasets.Image(), "choices": strings, "unit": datasets.Value("string"),
+        "precision": datasets.Value("float64"), "answer": datasets.Value("string"),
+        "question_type": datasets.Value("string"), "answer_type": datasets.Value("string"),
+        "metadata": metadata, "query": datasets.Value("string"),
+    })  # fmt: skip
+
+
+def mathvista_dataset(rows: list[dict]):
+    """A `datasets.Dataset` in the hub's schema; rows are annotation dicts (decoded_image drawn if absent)."""
+    import datasets
+
+    columns: dict[str, list] = {name: [] for name in mathvista_features()}
+    for row in rows:
+        full = {**row, "query": row.get("query") or mathvista_query(row)}
+        full.setdefault("decoded_image", placeholder_image(str(row["pid"])))
+        for name in columns:
+            columns[name].append(full.get(name))
+    return datasets.Dataset.from_dict(columns, features=mathvista_features())
+
+
+@pytest.fixture(scope="session")
+def mathvista_annotations() -> dict[str, dict]:
+    """The 1,000 real testmini annotations keyed by pid (everything but the images)."""
+    return _load_annotations()
+
+
+@pytest.fixture(scope="session")
+def mathvista_parquet(mathvista_annotations, tmp_path_factory) -> Path:
+    """testmini as one Parquet file written by datasets, decoded_image stored with the Image feature."""
+    path = tmp_path_factory.mktemp("mathvista_parquet") / "testmini.parquet"
+    mathvista_dataset(list(mathvista_annotations.values())).to_parquet(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def mathvista_jsonl(mathvista_annotations, tmp_path_factory) -> Path:
+    """testmini as JSONL without decoded_image: `image` is a path (images/<pid>.jpg) relative to the file."""
+    folder = tmp_path_factory.mktemp("mathvista_jsonl")
+    (folder / "images").mkdir()
+    lines = []
+    for row in mathvista_annotations.values():
+        placeholder_image(row["pid"]).save(folder / row["image"], format="JPEG", quality=90)
+        lines.append(json.dumps({**row, "query": mathvista_query(row)}))
+    path = folder / "testmini.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def png_bytes(img: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    img.save(buffer, format="PNG")
+    return buffer.getvalue()
