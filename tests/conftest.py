@@ -10,6 +10,8 @@ from __future__ import annotations
 import io
 import json
 import random
+import struct
+import zlib
 from pathlib import Path
 
 import pytest
@@ -22,7 +24,8 @@ ANNOTATIONS = SHARED_DATA / "mathvista_testmini_annotations.json"
 def _load_annotations() -> dict[str, dict]:
     if not ANNOTATIONS.is_file():
         pytest.fail(
-            f"{ANNOTATIONS} is missing: the data tests build their MathVista fixture from it. It lives in the "
+            f"{ANNOTATIONS} is missing: the data tests build their MathVista fixture from it. "
+            "It lives in the "
             "`shared/data` folder beside the repository root (see shared/data/README.md).",
             pytrace=False,
         )
@@ -30,7 +33,7 @@ def _load_annotations() -> dict[str, dict]:
 
 
 def placeholder_image(key: str, size: tuple[int, int] = (64, 48)) -> Image.Image:
-    """A small picture unique to `key`: an 8x6 grid of random grey/colour blocks with the key written on it."""
+    """A small picture unique to `key`: an 8x6 grid of random colour blocks with the key written on it."""
     rng = random.Random(f"placeholder:{key}")
     cols, rows = 8, 6
     small = Image.new("RGB", (cols, rows))
@@ -43,13 +46,19 @@ def placeholder_image(key: str, size: tuple[int, int] = (64, 48)) -> Image.Image
 def mathvista_query(row: dict) -> str:
     """A query in the style of MathVista's (`query` is not in the annotation file)."""
     if row["question_type"] == "multi_choice":
-        hint = "Please answer the question and provide the correct option letter, e.g., A, B, C, D, at the end."
+        hint = (
+            "Please answer the question and provide the correct option letter, e.g., A, B, C, D, at the end."
+        )
         letters = "ABCDEFGH"
         options = "\n".join(f"({letters[i]}) {c}" for i, c in enumerate(row["choices"] or []))
         return f"Hint: {hint}\nQuestion: {row['question']}\nChoices:\n{options}"
-    kind = {"integer": "an integer answer", "float": f"a floating-point number with {row['precision']} decimal places",
-            "list": "a Python list as an answer"}.get(row["answer_type"], "an answer")
-    return f"Hint: Please answer the question requiring {kind} and provide the final value at the end.\nQuestion: {row['question']}"
+    kind = {
+        "integer": "an integer answer",
+        "float": f"a floating-point number with {row['precision']} decimal places",
+        "list": "a Python list as an answer",
+    }.get(row["answer_type"], "an answer")
+    hint = f"Please answer the question requiring {kind} and provide the final value at the end."
+    return f"Hint: {hint}\nQuestion: {row['question']}"
 
 
 def mathvista_features():
@@ -57,18 +66,33 @@ def mathvista_features():
 
     strings = datasets.List(datasets.Value("string"))
     metadata = {
-        "category": datasets.Value("string"), "context": datasets.Value("string"), "grade": datasets.Value("string"),
-        "img_height": datasets.Value("int64"), "img_width": datasets.Value("int64"),
-        "language": datasets.Value("string"), "skills": strings, "source": datasets.Value("string"),
-        "split": datasets.Value("string"), "task": datasets.Value("string"),
-    }  # fmt: skip
-    return datasets.Features({
-        "pid": datasets.Value("string"), "question": datasets.Value("string"), "image": datasets.Value("string"),
-        "decoded_image": datasets.Image(), "choices": strings, "unit": datasets.Value("string"),
-        "precision": datasets.Value("float64"), "answer": datasets.Value("string"),
-        "question_type": datasets.Value("string"), "answer_type": datasets.Value("string"),
-        "metadata": metadata, "query": datasets.Value("string"),
-    })  # fmt: skip
+        "category": datasets.Value("string"),
+        "context": datasets.Value("string"),
+        "grade": datasets.Value("string"),
+        "img_height": datasets.Value("int64"),
+        "img_width": datasets.Value("int64"),
+        "language": datasets.Value("string"),
+        "skills": strings,
+        "source": datasets.Value("string"),
+        "split": datasets.Value("string"),
+        "task": datasets.Value("string"),
+    }
+    return datasets.Features(
+        {
+            "pid": datasets.Value("string"),
+            "question": datasets.Value("string"),
+            "image": datasets.Value("string"),
+            "decoded_image": datasets.Image(),
+            "choices": strings,
+            "unit": datasets.Value("string"),
+            "precision": datasets.Value("float64"),
+            "answer": datasets.Value("string"),
+            "question_type": datasets.Value("string"),
+            "answer_type": datasets.Value("string"),
+            "metadata": metadata,
+            "query": datasets.Value("string"),
+        }
+    )
 
 
 def mathvista_dataset(rows: list[dict]):
@@ -79,8 +103,8 @@ def mathvista_dataset(rows: list[dict]):
     for row in rows:
         full = {**row, "query": row.get("query") or mathvista_query(row)}
         full.setdefault("decoded_image", placeholder_image(str(row["pid"])))
-        for name in columns:
-            columns[name].append(full.get(name))
+        for name, values in columns.items():
+            values.append(full.get(name))
     return datasets.Dataset.from_dict(columns, features=mathvista_features())
 
 
@@ -116,3 +140,20 @@ def png_bytes(img: Image.Image) -> bytes:
     buffer = io.BytesIO()
     img.save(buffer, format="PNG")
     return buffer.getvalue()
+
+
+def png_header_only(width: int, height: int) -> bytes:
+    """A PNG that claims width x height but holds one empty IDAT: a bomb that costs nothing to make."""
+
+    def chunk(kind: bytes, payload: bytes) -> bytes:
+        return (
+            struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
+        )
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(b""))
+        + chunk(b"IEND", b"")
+    )

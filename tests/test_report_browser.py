@@ -2,8 +2,8 @@
 
 The session fixture installs what is missing: `chromium` through apt (root only) and the `playwright` Python
 package through pip into this interpreter. It never runs `playwright install` (that downloads a browser build;
-we drive the system one through `executable_path`). The tests skip, with the reason, only when no browser can be
-installed. A full-page screenshot lands in `test-artifacts/report.png` for a human to look at.
+we drive the system one through `executable_path`). The tests skip, with the reason, only when no browser can
+be installed. A full-page screenshot lands in `test-artifacts/report.png` for a human to look at.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from vlmrl.report import write_report
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-APT_PACKAGES = ["chromium", "fonts-liberation"]  # fonts: Chromium's recommended set, so text renders everywhere
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage"]  # a container's /dev/shm can be 64 MB: too small to render in
+APT_PACKAGES = ["chromium", "fonts-liberation"]  # Chromium's recommended fonts: text renders on bare machines
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
 
 pytestmark = pytest.mark.slow
@@ -55,7 +56,8 @@ def _import_playwright():
     try:
         return importlib.import_module("playwright.sync_api")
     except ImportError:
-        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "playwright"], check=False, timeout=900)
+        command = [sys.executable, "-m", "pip", "install", "--quiet", "playwright"]
+        subprocess.run(command, check=False, timeout=900)
         importlib.invalidate_caches()
         try:
             return importlib.import_module("playwright.sync_api")
@@ -108,7 +110,7 @@ def test_page_loads_without_console_errors_or_network(report):
 
 def test_filters_and_search_change_the_visible_rows(report):
     page, _, _, _ = report
-    statuses = page.eval_on_selector_all(".sample", "cards => cards.map(c => [c.dataset.id, c.dataset.status])")
+    statuses = page.eval_on_selector_all(".sample", "cs => cs.map(c => [c.dataset.id, c.dataset.status])")
     improved = [i for i, s in statuses if s == "improved"]
     regressed = [i for i, s in statuses if s == "regressed"]
     assert improved and regressed
@@ -144,6 +146,7 @@ def test_injected_markup_does_not_execute_and_shows_as_text(report):
 def test_full_page_screenshot(report):
     page, _, _, _ = report
     page.click('[data-filter="all"]')
+    page.evaluate("document.querySelectorAll('.chosen').forEach(c => c.classList.remove('chosen'))")
     page.evaluate("window.scrollTo(0, 0)")
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "report.png"), full_page=True)

@@ -14,6 +14,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from vlmrl.config import PRESETS, Config, ConfigError, dump_config, load_config
@@ -223,7 +224,7 @@ def eval_(
     table.add_column("95% CI", justify="right")
     for key in ("accuracy", "mathvista_accuracy", "format_compliance", "total_reward"):
         lo, hi = s[key]["ci95"]
-        table.add_row(key, f"{s[key]['mean']:.3f}", f"[{lo:.3f}, {hi:.3f}]")
+        table.add_row(key, f"{s[key]['mean']:.3f}", escape(f"[{lo:.3f}, {hi:.3f}]"))
     table.add_row("truncation_rate", f"{s['truncation_rate']:.3f}", "")
     table.add_row("gibberish_rate", f"{s['gibberish_rate']:.3f}", "")
     console.print(table)
@@ -266,7 +267,8 @@ def _print_comparison(path: Path) -> None:
     for name, m in comparison["metrics"].items():
         lo, hi = m["delta_ci95"]
         p = f"{m['mcnemar_p']:.3g}" if "mcnemar_p" in m else ""
-        table.add_row(name, f"{m['before']:.3f}", f"{m['after']:.3f}", f"{m['delta']:+.3f}", f"[{lo:+.3f}, {hi:+.3f}]", p)
+        table.add_row(name, f"{m['before']:.3f}", f"{m['after']:.3f}", f"{m['delta']:+.3f}",
+                      escape(f"[{lo:+.3f}, {hi:+.3f}]"), p)
     console.print(table)
     flips = comparison["flip_counts"]
     console.print(", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in flips.items()), highlight=False)
@@ -284,7 +286,7 @@ def export(source: ConfigArg = None, set_: SetOpt = None, run_dir: RunDirOpt = N
         table.add_column(column)
     for c in report_["checks"]:
         verdict = {True: "[green]pass[/green]", False: "[red]FAIL[/red]", None: "skipped"}[c["passed"]]
-        table.add_row(c["name"], verdict, str(c["value"]), c["detail"])
+        table.add_row(c["name"], verdict, escape(str(c["value"])), escape(c["detail"]))
     console.print(table)
 
 

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from PIL import Image
 
 from vlmrl import stats
@@ -65,6 +66,7 @@ def evaluate(
     settings = generation_settings(config, adapter)
     done = _existing_records(records_path, settings)
     todo = [item for item in items if item["id"] not in done]
+    positions = {item["id"]: index for index, item in enumerate(items)}
 
     # step 2: generate what is missing, a batch at a time, appending records as each batch finishes
     if todo:
@@ -76,6 +78,8 @@ def evaluate(
             progress(len(done), len(items), 0)
         for start in range(0, len(todo), size):
             batch = todo[start : start + size]
+            # Seeded per batch from its first item, so sampled evaluations repeat exactly, resumed or not.
+            torch.manual_seed(config.run.seed * 1_000_003 + positions[batch[0]["id"]])
             t0 = time.perf_counter()
             generations = generate_batch(
                 loaded.model,

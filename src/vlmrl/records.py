@@ -55,8 +55,8 @@ class MetricsRecorder(TrainerCallback):
             fmt = logs.get("rewards/format_reward/mean", float("nan"))
             cor = logs.get("rewards/correctness_reward/mean", float("nan"))
             self.console(
-                f"step {state.global_step}/{state.max_steps}  reward {logs['reward']:.3f}  format {fmt:.2f}  "
-                f"correct {cor:.2f}  len {logs.get('completions/mean_length', 0):.0f}  "
+                f"step {state.global_step}/{state.max_steps}  reward {logs['reward']:.3f}  format_reward {fmt:.2f}  "
+                f"correctness_reward {cor:.2f}  len {logs.get('completions/mean_length', 0):.0f}  "
                 f"loss {logs.get('loss', float('nan')):.4f}"
             )
 

@@ -8,7 +8,7 @@ Content-Security-Policy forbids every fetch and every script but ours (pinned by
 that slipped past escaping could not run. All text from the model or the data goes through `html.escape`.
 
 Left out on purpose: computing statistics (that is `compare.py`'s job; the report only shows them), and
-full-size images (96 px thumbnails keep a 100-item report around half a megabyte).
+full-size images (96 px thumbnails keep a 100-item report well under a few megabytes).
 """
 
 from __future__ import annotations
@@ -98,8 +98,10 @@ class _RunFiles:
     def json(self, name: str) -> Any:
         return self._read(name, read_json)
 
-    def dict(self, name: str) -> dict | None:
+    def json_object(self, name: str) -> dict | None:
         data = self.json(name)
+        if data is not None and not isinstance(data, dict):
+            self.problems[name] = f"expected a JSON object, found {type(data).__name__}"
         return data if isinstance(data, dict) else None
 
     def jsonl(self, name: str) -> list[dict]:
@@ -118,22 +120,28 @@ class _RunFiles:
                     self.problems[name] = f"{type(exc).__name__}: {exc}"
         return self._cache[name]
 
-    def missing(self, name: str, what: str) -> str:
-        """A plain sentence for a section whose file is absent or unreadable."""
+    def missing(self, name: str, what: str, lacks: str = "what this section shows") -> str:
+        """A plain sentence for a section whose file is absent, unreadable, or lacks the section's part."""
         if name in self.problems:
-            return f'<p class="missing">{what} ({_e(name)} could not be read: {_e(self.problems[name])}).</p>'
-        return f'<p class="missing">{what} ({_e(name)} missing).</p>'
+            why = f"could not be read: {_e(self.problems[name])}"
+        elif (self.run_dir / name).is_file():
+            why = f"has no {lacks}"
+        else:
+            why = "missing"
+        return f'<p class="missing">{what} ({_e(name)} {why}).</p>'
 
     def inventory(self) -> str:
-        items = "".join(f'<li class="{"found" if (self.run_dir / n).is_file() else "absent"}">{_e(n)}</li>'
-                        for n in self.KNOWN)
+        """Each input file: found, absent or unreadable (call it after the sections have read them)."""
+        state = {n: "unreadable" if n in self.problems else "found" if (self.run_dir / n).is_file()
+                 else "absent" for n in self.KNOWN}
+        items = "".join(f'<li class="{state[n]}">{_e(n)}</li>' for n in self.KNOWN)
         return f'<details class="inventory"><summary>Input files</summary><ul>{items}</ul></details>'
 
 
 # ---- sections ------------------------------------------------------------------------------------------
 
 def _headline_section(files: _RunFiles) -> str:
-    comparison = files.dict("comparison.json")
+    comparison = files.json_object("comparison.json")
     parts = []
     if comparison and isinstance(comparison.get("metrics"), dict):
         rows = []
@@ -154,8 +162,8 @@ def _headline_section(files: _RunFiles) -> str:
             + _table(["metric", "before", "after", "delta", "delta 95% CI", "McNemar p", "flips"], rows,
                      "headline"))
     else:
-        parts.append(files.missing("comparison.json", "No before/after comparison yet"))
-    summaries = {s: files.dict(f"{s}_summary.json") for s in ("baseline", "after")}
+        parts.append(files.missing("comparison.json", "No before/after comparison yet", '"metrics"'))
+    summaries = {s: files.json_object(f"{s}_summary.json") for s in ("baseline", "after")}
     summaries = {stage: summary for stage, summary in summaries.items() if summary}
     if summaries:
         parts.append(_eval_summary_table(summaries))
@@ -185,7 +193,7 @@ def _eval_summary_table(summaries: dict[str, dict]) -> str:
 
 def _training_section(files: _RunFiles) -> str:
     metrics, health = files.jsonl("train/metrics.jsonl"), files.jsonl("train/health.jsonl")
-    summary = files.dict("train/summary.json")
+    summary = files.json_object("train/summary.json")
     parts = [f'<p class="src">From train/summary.json.</p>{_kv_table(summary)}' if summary
              else files.missing("train/summary.json", "No training summary yet")]
     plots = []
@@ -198,12 +206,12 @@ def _training_section(files: _RunFiles) -> str:
             plots.append(_figure(label, key, series))
     parts.append('<h3>Trainer log</h3><p class="src">From train/metrics.jsonl (TRL logs), against step.</p>'
                  f'<div class="plots">{"".join(plots)}</div>' if plots
-                 else files.missing("train/metrics.jsonl", "No training metrics yet"))
+                 else files.missing("train/metrics.jsonl", "No training metrics yet", "plottable metric yet"))
     plots = [_figure(label, key, {key: _series(health, key)})
              for key, label in HEALTH_KEYS if _series(health, key)[0]]
     parts.append('<h3>Health</h3><p class="src">From train/health.jsonl (our check of each step\'s '
                  f'rollouts), against step.</p><div class="plots">{"".join(plots)}</div>' if plots
-                 else files.missing("train/health.jsonl", "No training health log yet"))
+                 else files.missing("train/health.jsonl", "No training health log yet", "rows yet"))
     warnings = "".join(f"<li>step {_e(row.get('step'))}: {_e(w)}</li>" for row in health
                        for w in row.get("warnings") or [])
     if warnings:
@@ -213,9 +221,9 @@ def _training_section(files: _RunFiles) -> str:
 
 
 def _category_section(files: _RunFiles) -> str:
-    categories = (files.dict("comparison.json") or {}).get("by_category")
+    categories = (files.json_object("comparison.json") or {}).get("by_category")
     if not isinstance(categories, dict) or not categories:
-        return files.missing("comparison.json", "No per-category comparison yet")
+        return files.missing("comparison.json", "No per-category comparison yet", '"by_category"')
     rows = []
     for name, c in sorted(categories.items()):
         ab, aa = c.get("accuracy_before"), c.get("accuracy_after")
@@ -230,9 +238,9 @@ def _category_section(files: _RunFiles) -> str:
 
 
 def _flips_section(files: _RunFiles) -> str:
-    comparison = files.dict("comparison.json") or {}
+    comparison = files.json_object("comparison.json") or {}
     if not isinstance(comparison.get("flip_counts"), dict):
-        return files.missing("comparison.json", "No flips yet")
+        return files.missing("comparison.json", "No flips yet", '"flip_counts"')
     flips = comparison.get("flips") or {}
     rows = [f'<tr data-flip="{_e(kind)}"><th>{_e(kind.replace("_", " "))}</th>{_num_td(count, "d")}'
             f'<td class="ids">{" ".join(_id_link(i) for i in flips.get(kind) or [])}</td></tr>'
@@ -249,7 +257,7 @@ def _flips_section(files: _RunFiles) -> str:
 
 
 def _export_section(files: _RunFiles) -> str:
-    export = files.dict("export.json")
+    export = files.json_object("export.json")
     if not export:
         return files.missing("export.json", "No export yet")
     verdicts = {True: ("pass", "passed"), False: ("fail", "FAILED"), None: ("skip", "skipped")}
@@ -265,7 +273,7 @@ def _export_section(files: _RunFiles) -> str:
 
 
 def _data_section(files: _RunFiles) -> str:
-    summary = files.dict("data/summary.json")
+    summary = files.json_object("data/summary.json")
     if not summary:
         return files.missing("data/summary.json", "No data summary yet")
     message = f'<p>{_e(summary["message"])}</p>' if summary.get("message") else ""
@@ -274,7 +282,7 @@ def _data_section(files: _RunFiles) -> str:
 
 
 def _setup_section(files: _RunFiles) -> str:
-    config, env = files.text("config.yaml"), files.dict("env.json")
+    config, env = files.text("config.yaml"), files.json_object("env.json")
     parts = ['<h3>Config</h3><p class="src">From config.yaml (the fully resolved configuration).</p>'
              f'<pre class="config">{_e(config)}</pre>' if config is not None
              else files.missing("config.yaml", "No config recorded")]
@@ -394,11 +402,12 @@ def _figure(label: str, key: str, series: dict[str, tuple[list, list]]) -> str:
         fig = Figure(figsize=(3.3, 2.0))
         ax = fig.add_subplot()
         for name, (xs, ys) in series.items():
-            ax.plot(xs, ys, marker="o" if len(xs) <= 30 else None, markersize=2.5, linewidth=1.3, label=name)
+            ax.plot(xs, ys, marker="o" if len(xs) <= 30 else None, markersize=2.5, linewidth=1.3,
+                    label=name.removeprefix(key.removesuffix("*")))
         ax.set_xlabel("step")
         ax.ticklabel_format(axis="y", useOffset=False, style="plain" if key != "learning_rate" else "sci")
-        if len(series) > 1:
-            ax.legend(fontsize=6, loc="best")
+        if len(series) > 1:  # below the axes, where it cannot hide a line
+            ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=2, frameon=False)
         buffer = io.StringIO()
         fig.savefig(buffer, format="svg", bbox_inches="tight", metadata={"Date": None})
     svg = buffer.getvalue()
@@ -485,6 +494,7 @@ td.num{text-align:right;font-variant-numeric:tabular-nums}td.up{color:var(--up)}
 table.kv th{font-weight:500;color:var(--muted)}table.kv table.kv{margin:0}td.ids{max-width:760px}
 .inventory{font-size:12.5px;margin-top:8px}.inventory ul{columns:3;margin:6px 0}
 .inventory li.absent{color:var(--muted);text-decoration:line-through}
+.inventory li.unreadable{color:var(--down)}
 .plots{display:grid;grid-template-columns:repeat(auto-fill,minmax(270px,1fr));gap:12px}
 figure{margin:0;border:1px solid var(--line);border-radius:6px;padding:6px}
 figcaption{font-size:12.5px;font-weight:600}figcaption code{font-weight:400;color:var(--muted);font-size:11px}

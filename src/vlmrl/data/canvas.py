@@ -20,9 +20,17 @@ from PIL import Image, ImageDraw, ImageFont
 Color = tuple[int, int, int]
 
 PALETTE: tuple[Color, ...] = (
-    (31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189),
-    (140, 86, 75), (227, 119, 194), (23, 160, 180), (160, 160, 20), (90, 90, 90),
-)  # fmt: skip
+    (31, 119, 180),
+    (255, 127, 14),
+    (44, 160, 44),
+    (214, 39, 40),
+    (148, 103, 189),
+    (140, 86, 75),
+    (227, 119, 194),
+    (23, 160, 180),
+    (160, 160, 20),
+    (90, 90, 90),
+)
 BACKGROUNDS: tuple[Color, ...] = ((255, 255, 255), (246, 246, 246), (252, 249, 240), (242, 247, 255))
 INKS: tuple[Color, ...] = ((0, 0, 0), (40, 40, 40), (20, 30, 70))
 GRID: Color = (205, 205, 205)
@@ -54,13 +62,22 @@ class Canvas:
         self.draw = ImageDraw.Draw(self.image)
 
     def px(self, fraction: float) -> int:
-        return int(round(self.size * fraction))
+        return round(self.size * fraction)
 
     def font(self, fraction: float) -> ImageFont.FreeTypeFont:
-        return _font(max(MIN_FONT_PX, int(round(self.size * fraction * self.font_scale))))
+        return _font(max(MIN_FONT_PX, round(self.size * fraction * self.font_scale)))
 
-    def text(self, xy: tuple[float, float], text: str, fraction: float = 0.09, *, anchor: str = "mm",
-             fill: Color | None = None, max_width: float | None = None, boxed: bool = False) -> None:  # fmt: skip
+    def text(
+        self,
+        xy: tuple[float, float],
+        text: str,
+        fraction: float = 0.09,
+        *,
+        anchor: str = "mm",
+        fill: Color | None = None,
+        max_width: float | None = None,
+        boxed: bool = False,
+    ) -> None:
         """Draw text; `max_width` shrinks the font (not below the legibility floor) so neighbours don't
         collide, `boxed` paints the background behind it so grid lines don't cut through digits."""
         font = self.font(fraction)
@@ -76,6 +93,8 @@ class Canvas:
         """n distinct palette colours, or one colour n times (single-series charts look like that too)."""
         if self.rng.random() < 0.4:
             return [self.rng.choice(PALETTE)] * n
+        if n > len(PALETTE):
+            return [self.rng.choice(PALETTE) for _ in range(n)]
         return self.rng.sample(PALETTE, n)
 
     def line_width(self) -> int:
@@ -120,12 +139,16 @@ class Axes:
     def draw_frame(self) -> None:
         c = self.canvas
         width = c.line_width()
-        c.draw.line([(self.left, self.top), (self.left, self.bottom), (self.right, self.bottom)], fill=c.ink,
-                    width=width)  # fmt: skip
+        c.draw.line(
+            [(self.left, self.top), (self.left, self.bottom), (self.right, self.bottom)],
+            fill=c.ink,
+            width=width,
+        )
 
 
-def chart_axes(canvas: Canvas, x_range: tuple[float, float], y_range: tuple[float, float],
-               *, title_space: float = 0.12) -> Axes:  # fmt: skip
+def chart_axes(
+    canvas: Canvas, x_range: tuple[float, float], y_range: tuple[float, float], *, title_space: float = 0.12
+) -> Axes:
     """Axes that leave room for y tick labels on the left, x labels below and a title line on top."""
     return Axes(
         canvas,
@@ -163,8 +186,14 @@ def format_number(value: float, precision: int | None = None) -> str:
     return f"{value:g}"
 
 
-def place_boxes(rng: random.Random, count: int, sizes: list[int], area: tuple[int, int, int, int],
-                gap: int, attempts: int = 400) -> list[tuple[int, int, int]] | None:  # fmt: skip
+def place_boxes(
+    rng: random.Random,
+    count: int,
+    sizes: list[int],
+    area: tuple[int, int, int, int],
+    gap: int,
+    attempts: int = 400,
+) -> list[tuple[int, int, int]] | None:
     """Non-overlapping square boxes (x, y, side) inside area=(left, top, right, bottom), or None."""
     left, top, right, bottom = area
     placed: list[tuple[int, int, int]] = []
@@ -172,8 +201,10 @@ def place_boxes(rng: random.Random, count: int, sizes: list[int], area: tuple[in
         for _ in range(attempts):
             x = rng.randint(left, max(left, right - side))
             y = rng.randint(top, max(top, bottom - side))
-            if all(x + side + gap <= px or px + ps + gap <= x or y + side + gap <= py or py + ps + gap <= y
-                   for px, py, ps in placed):  # fmt: skip
+            if all(
+                x + side + gap <= px or px + ps + gap <= x or y + side + gap <= py or py + ps + gap <= y
+                for px, py, ps in placed
+            ):
                 placed.append((x, y, side))
                 break
         else:

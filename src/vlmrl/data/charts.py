@@ -44,8 +44,13 @@ def _bar_chart(c: Canvas, difficulty: int) -> tuple[list[str], list[int], int | 
         x1, y1 = axes.to_px(i + (1 + width) / 2, 0)
         c.draw.rectangle([x0, y0, x1, y1], fill=colors[i])
         slot = (axes.right - axes.left) / n
-        c.text(((x0 + x1) / 2, y0 - c.px(0.012)), format_number(tenths / 10), 0.075, anchor="mb",
-               max_width=0.95 * slot)  # fmt: skip
+        c.text(
+            ((x0 + x1) / 2, y0 - c.px(0.012)),
+            format_number(tenths / 10),
+            0.075,
+            anchor="mb",
+            max_width=0.95 * slot,
+        )
         c.text(((x0 + x1) / 2, axes.bottom + c.px(0.02)), label, 0.09, anchor="mt")
     return labels, values, 1 if decimals else None
 
@@ -53,13 +58,17 @@ def _bar_chart(c: Canvas, difficulty: int) -> tuple[list[str], list[int], int | 
 def bar_value(c: Canvas, difficulty: int) -> Problem:
     labels, values, precision = _bar_chart(c, difficulty)
     k = c.rng.randrange(len(labels))
-    question = c.rng.choice(("What is the value of bar {}?", "What value does bar {} show?")).format(labels[k])
+    question = c.rng.choice(("What is the value of bar {}?", "What value does bar {} show?")).format(
+        labels[k]
+    )
     return Problem(question, values[k] / 10, precision, {"bars": _bars(labels, values), "target": labels[k]})
 
 
 def bar_max(c: Canvas, difficulty: int) -> Problem:
     labels, values, precision = _bar_chart(c, difficulty)
-    question = c.rng.choice(("What is the largest value in the bar chart?", "What is the value of the tallest bar?"))
+    question = c.rng.choice(
+        ("What is the largest value in the bar chart?", "What is the value of the tallest bar?")
+    )
     return Problem(question, max(values) / 10, precision, {"bars": _bars(labels, values)})
 
 
@@ -102,8 +111,12 @@ def line_value(c: Canvas, difficulty: int) -> Problem:
         c.text((x, y - radius - c.px(0.01)), format_number(v / 10), 0.07, anchor="mb", max_width=0.95 * slot)
     k = rng.randrange(n)
     question = f"What is the value of the line at x = {xs[k]}?"
-    return Problem(question, values[k] / 10, 1 if decimals else None,
-                   {"points": {str(x): v / 10 for x, v in zip(xs, values)}, "target_x": xs[k]})  # fmt: skip
+    return Problem(
+        question,
+        values[k] / 10,
+        1 if decimals else None,
+        {"points": {str(x): v / 10 for x, v in zip(xs, values)}, "target_x": xs[k]},
+    )
 
 
 def pie_percentage(c: Canvas, difficulty: int) -> Problem:
@@ -133,8 +146,12 @@ def pie_percentage(c: Canvas, difficulty: int) -> Problem:
         text = f"{label}: ?" if i == target else f"{label}: {format_number(share / 10, precision)}%"
         c.text((c.px(0.69), y), text, 0.075, anchor="lm")
     question = f"What percentage of the pie does slice {labels[target]} represent?"
-    return Problem(question, shares[target] / 10, precision,
-                   {"shares": {lb: s / 10 for lb, s in zip(labels, shares)}, "target": labels[target]})  # fmt: skip
+    return Problem(
+        question,
+        shares[target] / 10,
+        precision,
+        {"shares": {lb: s / 10 for lb, s in zip(labels, shares)}, "target": labels[target]},
+    )
 
 
 def scatter_count(c: Canvas, difficulty: int) -> Problem:
@@ -177,7 +194,9 @@ def table_lookup(c: Canvas, difficulty: int) -> Problem:
     spec = {"rows": row_names, "columns": col_names, "cells": cells}
     if difficulty > 1 and rng.random() < 0.5:
         return Problem(f"What is the sum of the values in row {row_names[r]}?", sum(cells[r]), None, spec)
-    return Problem(f"What is the value in row {row_names[r]}, column {col_names[k]}?", cells[r][k], None, spec)
+    return Problem(
+        f"What is the value in row {row_names[r]}, column {col_names[k]}?", cells[r][k], None, spec
+    )
 
 
 def count_squares(c: Canvas, difficulty: int) -> Problem:
@@ -190,8 +209,9 @@ def count_squares(c: Canvas, difficulty: int) -> Problem:
     margin = c.px(0.05)
     boxes = None
     while boxes is None:  # sizes shrink until everything fits without touching
-        boxes = place_boxes(rng, n + distractors, sides, (margin, margin, c.size - margin, c.size - margin),
-                            gap=c.px(0.04))  # fmt: skip
+        boxes = place_boxes(
+            rng, n + distractors, sides, (margin, margin, c.size - margin, c.size - margin), gap=c.px(0.04)
+        )
         sides = [max(4, int(s * 0.9)) for s in sides]
     colors = c.colors(n + distractors)
     for i, (x, y, side) in enumerate(boxes):

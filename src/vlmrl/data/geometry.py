@@ -43,12 +43,17 @@ def pythagoras(c: Canvas, difficulty: int) -> Problem:
     if rng.random() < 0.5:
         a, b = b, a
     left, top, right, bottom = _box(c, a, b)
-    corner, far_x = (left, right) if rng.random() < 0.5 else (right, left)  # right angle bottom-left or -right
+    corner, far_x = (
+        (left, right) if rng.random() < 0.5 else (right, left)
+    )  # right angle bottom-left or -right
     points = [(corner, bottom), (far_x, bottom), (corner, top)]
     c.draw.polygon(points, fill=rng.choice(LIGHT_FILLS), outline=c.ink, width=max(2, c.px(0.01)))
     mark = c.px(0.05) * (1 if corner == left else -1)
-    c.draw.line([(corner + mark, bottom), (corner + mark, bottom - abs(mark)), (corner, bottom - abs(mark))],
-                fill=c.ink, width=c.line_width())  # fmt: skip
+    c.draw.line(
+        [(corner + mark, bottom), (corner + mark, bottom - abs(mark)), (corner, bottom - abs(mark))],
+        fill=c.ink,
+        width=c.line_width(),
+    )
     side_x = corner - c.px(0.03) * (1 if corner == left else -1)
     c.text(((corner + far_x) / 2, bottom + c.px(0.025)), str(a), 0.1, anchor="mt")
     c.text((side_x, (top + bottom) / 2), str(b), 0.1, anchor="rm" if corner == left else "lm")
@@ -72,8 +77,9 @@ def _rectangle(c: Canvas, difficulty: int) -> tuple[int, int, bool]:
     else:
         w, h = 10 * rng.randint(low, high), 10 * rng.randint(low, high)
     left, top, right, bottom = _box(c, w, h, max_ratio=1.8)
-    c.draw.rectangle([left, top, right, bottom], fill=rng.choice(LIGHT_FILLS), outline=c.ink,
-                     width=max(2, c.px(0.01)))  # fmt: skip
+    c.draw.rectangle(
+        [left, top, right, bottom], fill=rng.choice(LIGHT_FILLS), outline=c.ink, width=max(2, c.px(0.01))
+    )
     c.text(((left + right) / 2, bottom + c.px(0.025)), _length_label(c, w, decimals), 0.1, anchor="mt")
     c.text((right + c.px(0.025), (top + bottom) / 2), _length_label(c, h, decimals), 0.1, anchor="lm")
     return w, h, decimals
@@ -81,14 +87,22 @@ def _rectangle(c: Canvas, difficulty: int) -> tuple[int, int, bool]:
 
 def rectangle_area(c: Canvas, difficulty: int) -> Problem:
     w, h, decimals = _rectangle(c, difficulty)
-    return Problem("What is the area of the rectangle?", w * h / 100, 2 if decimals else None,
-                   {"width": w / 10, "height": h / 10})  # fmt: skip
+    return Problem(
+        "What is the area of the rectangle?",
+        w * h / 100,
+        2 if decimals else None,
+        {"width": w / 10, "height": h / 10},
+    )
 
 
 def rectangle_perimeter(c: Canvas, difficulty: int) -> Problem:
     w, h, decimals = _rectangle(c, difficulty)
-    return Problem("What is the perimeter of the rectangle?", 2 * (w + h) / 10, 1 if decimals else None,
-                   {"width": w / 10, "height": h / 10})  # fmt: skip
+    return Problem(
+        "What is the perimeter of the rectangle?",
+        2 * (w + h) / 10,
+        1 if decimals else None,
+        {"width": w / 10, "height": h / 10},
+    )
 
 
 def _circle(c: Canvas, difficulty: int) -> float:
@@ -97,11 +111,18 @@ def _circle(c: Canvas, difficulty: int) -> float:
     if difficulty == 3:
         radius, show_diameter = rng.randint(10, 120) / 10, False
     else:
-        radius, show_diameter = rng.randint(1, 10 if difficulty == 1 else 15), difficulty == 2 and rng.random() < 0.5
+        radius, show_diameter = (
+            rng.randint(1, 10 if difficulty == 1 else 15),
+            difficulty == 2 and rng.random() < 0.5,
+        )
     r = c.size * rng.uniform(0.27, 0.33)
     cx, cy = c.size / 2, c.size * 0.56
-    c.draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=rng.choice(LIGHT_FILLS), outline=c.ink,
-                   width=max(2, c.px(0.01)))  # fmt: skip
+    c.draw.ellipse(
+        [cx - r, cy - r, cx + r, cy + r],
+        fill=rng.choice(LIGHT_FILLS),
+        outline=c.ink,
+        width=max(2, c.px(0.01)),
+    )
     dot = max(2, c.px(0.012))
     c.draw.ellipse([cx - dot, cy - dot, cx + dot, cy + dot], fill=c.ink)
     start = cx - r if show_diameter else cx
@@ -150,5 +171,7 @@ def triangle_angle(c: Canvas, difficulty: int) -> Problem:
         reach = c.px(0.1) + c.px(0.08) * max(0.0, (60 - angle) / 40)  # sharp corners push the label inward
         reach = min(reach, 0.7 * norm)
         c.text((x + dx / norm * reach, y + dy / norm * reach), text, 0.09)
-    question = "Two angles of the triangle are labelled. What is the measure of the angle marked '?', in degrees?"
+    question = (
+        "Two angles of the triangle are labelled. What is the measure of the angle marked '?', in degrees?"
+    )
     return Problem(question, gamma, None, {"angles": [alpha, beta, gamma]})

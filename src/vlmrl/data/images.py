@@ -85,12 +85,16 @@ def normalize_image(img_or_bytes: Any, *, size: int, policy: ResizePolicy = "squ
         scale = size / max(width, height)
         inner = (max(1, round(width * scale)), max(1, round(height * scale)))
         canvas = Image.new("RGB", (size, size), WHITE)
-        canvas.paste(img.resize(inner, Image.Resampling.BICUBIC), ((size - inner[0]) // 2, (size - inner[1]) // 2))
+        canvas.paste(
+            img.resize(inner, Image.Resampling.BICUBIC), ((size - inner[0]) // 2, (size - inner[1]) // 2)
+        )
         img = canvas
     elif policy == "max_pixels":
         if width * height > size * size:
             scale = (size * size / (width * height)) ** 0.5
-            img = img.resize((max(1, int(width * scale)), max(1, int(height * scale))), Image.Resampling.BICUBIC)
+            img = img.resize(
+                (max(1, int(width * scale)), max(1, int(height * scale))), Image.Resampling.BICUBIC
+            )
     else:
         raise ValueError(f"unknown resize policy {policy!r}; use squash, fit or max_pixels")
     return img
@@ -168,7 +172,7 @@ def _check_size(size: tuple[int, int]) -> None:
 def _apply_exif(img: Image.Image) -> Image.Image:
     try:
         return ImageOps.exif_transpose(img)
-    except Exception:  # a malformed EXIF block should not cost the image; orientation is then as stored
+    except Exception:  # noqa: BLE001  bad EXIF should not cost the image; keep it as stored
         return img
 
 

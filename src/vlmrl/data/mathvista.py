@@ -31,8 +31,9 @@ _THOUSANDS = re.compile(r"^[-+]?\d{1,3}(,\d{3})+(\.\d+)?$")
 _WITH_UNIT = re.compile(r"^\$?\s*([-+]?(?:\d+(?:\.\d*)?|\.\d+))\s*[^\d]*$")  # "6cm", "135°", "$4"
 
 
-def convert_rows(rows: Iterator[dict[str, Any]], data: DataConfig, name: str,
-                 counters: dict[str, int]) -> Iterator[Candidate | Dropped]:  # fmt: skip
+def convert_rows(
+    rows: Iterator[dict[str, Any]], data: DataConfig, name: str, counters: dict[str, int]
+) -> Iterator[Candidate | Dropped]:
     """Convert each row; the first row decides the schema (MathVista's, or the `data.columns` mapping).
 
     `counters` counts rows that were kept after a repair (e.g. `precision_inferred`).
@@ -75,7 +76,9 @@ def _check_schema(row: dict[str, Any], data: DataConfig, name: str) -> None:
     if data.columns:
         unknown = sorted(set(data.columns) - set(COLUMN_KEYS))
         if unknown:
-            raise DataError(f"data.columns: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(COLUMN_KEYS)}.")
+            raise DataError(
+                f"data.columns: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(COLUMN_KEYS)}."
+            )
         missing = [k for k in REQUIRED_COLUMNS if k not in data.columns]
         if missing:
             raise DataError(f"data.columns: map {', '.join(missing)} too (e.g. question: problem).")
@@ -83,7 +86,8 @@ def _check_schema(row: dict[str, Any], data: DataConfig, name: str) -> None:
         if absent:
             raise DataError(
                 f"{name}: data.columns names column(s) the data does not have "
-                f"({', '.join(f'{k}: {v}' for k, v in absent.items())}); the columns are: {', '.join(fields)}."
+                f"({', '.join(f'{k}: {v}' for k, v in absent.items())}); "
+                f"the columns are: {', '.join(fields)}."
             )
     elif not all(f in row for f in MATHVISTA_FIELDS):
         raise DataError(
@@ -93,7 +97,9 @@ def _check_schema(row: dict[str, Any], data: DataConfig, name: str) -> None:
         )
 
 
-def _mathvista(row: dict[str, Any], index: int, data: DataConfig, counters: dict[str, int]) -> Candidate | Dropped:
+def _mathvista(
+    row: dict[str, Any], index: int, data: DataConfig, counters: dict[str, int]
+) -> Candidate | Dropped:
     pid = str(row.get("pid") or f"row-{index}")
     question = row.get(data.prompt_field)
     if not isinstance(question, str) or not question.strip():
@@ -112,14 +118,20 @@ def _mathvista(row: dict[str, Any], index: int, data: DataConfig, counters: dict
         if not values or any(v is None for v in values):
             return Dropped(pid, "filtered_answer_type", f"multi_choice with non-numeric choices {choices}")
         if answer not in (choices or []):
-            return Dropped(pid, "non_numeric_answer", f"answer {answer!r} is not one of the choices {choices}")
+            return Dropped(
+                pid, "non_numeric_answer", f"answer {answer!r} is not one of the choices {choices}"
+            )
         text = _number_text(values[choices.index(answer)])
         atype, precision = ("integer", None) if "." not in text else ("float", decimals_of(text))
+        if atype not in data.answer_types:
+            return Dropped(pid, "filtered_answer_type", f"multi_choice {atype} not in data.answer_types")
         if data.prompt_field == "question":  # `query` already lists the choices; `question` does not
             question = f"{question.strip()}\nChoices: {', '.join(choices)}"
     else:
         if atype not in data.answer_types:
-            return Dropped(pid, "filtered_answer_type", f"{qtype}/{atype} not in data.answer_types {data.answer_types}")
+            return Dropped(
+                pid, "filtered_answer_type", f"{qtype}/{atype} not in data.answer_types {data.answer_types}"
+            )
         value = parse_number(answer)
         if value is None or (atype == "integer" and not value.is_integer()):
             return Dropped(pid, "non_numeric_answer", f"answer {answer!r} is not a valid {atype}")
@@ -158,10 +170,13 @@ def _mathvista_image(row: dict[str, Any]) -> Any:
     return decoded if decoded is not None else row.get("image")
 
 
-def _mapped(row: dict[str, Any], index: int, data: DataConfig, name: str,
-            counters: dict[str, int]) -> Candidate | Dropped:  # fmt: skip
+def _mapped(
+    row: dict[str, Any], index: int, data: DataConfig, name: str, counters: dict[str, int]
+) -> Candidate | Dropped:
     cols = data.columns
-    item_id = str(row.get(cols["id"]) if "id" in cols and row.get(cols["id"]) is not None else f"{name}-{index}")
+    item_id = str(
+        row.get(cols["id"]) if "id" in cols and row.get(cols["id"]) is not None else f"{name}-{index}"
+    )
     question = row.get(cols["question"])
     if not isinstance(question, str) or not question.replace("<image>", "").strip():
         return Dropped(item_id, "missing_question", f"column {cols['question']!r} is missing or empty")
@@ -175,7 +190,9 @@ def _mapped(row: dict[str, Any], index: int, data: DataConfig, name: str,
     text = answer.replace(",", "")
     atype = "integer" if "." not in text else "float"
     if atype not in data.answer_types:
-        return Dropped(item_id, "filtered_answer_type", f"{atype} answer not in data.answer_types {data.answer_types}")
+        return Dropped(
+            item_id, "filtered_answer_type", f"{atype} answer not in data.answer_types {data.answer_types}"
+        )
     precision = _precision(row.get(cols["precision"]) if "precision" in cols else None, atype, text, counters)
     image = row.get(cols["image"])
     metadata: dict[str, Any] = {"row": index}

@@ -118,9 +118,11 @@ def _line(c: Canvas, difficulty: int, family: str) -> tuple[Fraction, Fraction, 
             root = -b / m
             if b == 0 or abs(root) > EXTENT - 1 or (root * (1 if difficulty < 3 else 100)).denominator != 1:
                 continue  # on the plane, and an integer (or a 2-decimal number when hard)
-        points = [(x, int(m * x + b)) for x in range(-EXTENT + 1, EXTENT)
-                  if (m * x + b).denominator == 1 and abs(m * x + b) <= EXTENT - 1
-                  and x != 0 and m * x + b != 0]  # fmt: skip
+        points = [
+            (x, int(m * x + b))
+            for x in range(-EXTENT + 1, EXTENT)
+            if (m * x + b).denominator == 1 and abs(m * x + b) <= EXTENT - 1 and x != 0 and m * x + b != 0
+        ]
         if len(points) >= 2:
             first, second = sorted(rng.sample(points, 2))
             if second[0] - first[0] >= 2:
@@ -140,7 +142,9 @@ def _line_problem(c: Canvas, difficulty: int, family: str) -> tuple[Fraction, Fr
 
 def slope(c: Canvas, difficulty: int) -> Problem:
     m, b, points = _line_problem(c, difficulty, "slope")
-    return _answer(m, "What is the slope of the line?", {"slope": str(m), "intercept": str(b), "points": points})
+    return _answer(
+        m, "What is the slope of the line?", {"slope": str(m), "intercept": str(b), "points": points}
+    )
 
 
 def intercept(c: Canvas, difficulty: int) -> Problem:

@@ -16,25 +16,18 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from PIL import Image
-
 from ..config import Config
-from ..contract import build_prompt_text
-from .images import ImageError, dhash, image_sha256, normalize_image, open_image, to_png_bytes
-from .items import Candidate, DataError, Dropped, Item, read_items, write_bytes_atomic, write_json, write_jsonl
-from .mathvista import convert_rows
-from .sources import open_rows
+from .collect import TokenCounter, collect_items
+from .items import DataError, Dropped, Item, read_items, write_json, write_jsonl
 from .splits import ImageKey, check_no_overlap, choose_holdout, find_contamination
-from .synthetic import check_families, generate_items
 
 log = logging.getLogger(__name__)
 
-TokenCounter = Callable[[str, Image.Image], int]
 TESTMINI = "mathvista-testmini"
 NOT_COMPARABLE = (
     "numbers are not comparable to published MathVista testmini results: training used testmini items "
@@ -66,9 +59,18 @@ class PrepareResult:
         return self.data_dir / "holdout.jsonl"
 
 
-def prepare_data(config: Config, run_dir: Path, *, token_counter: TokenCounter | None = None,
-                 progress: Callable[[int, int], None] | None = None) -> PrepareResult:  # fmt: skip
-    """Write `run_dir/data/` for `config.data`; see the module docstring for the steps."""
+def prepare_data(
+    config: Config,
+    run_dir: Path,
+    *,
+    token_counter: TokenCounter | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> PrepareResult:
+    """Write `run_dir/data/` for `config.data`; see the module docstring for the steps.
+
+    `token_counter(prompt_text, image)` counts a prompt's tokens with the model's processor (image tokens
+    included); without one, prompt lengths are not checked and summary.json says so.
+    """
     data, run_dir = config.data, Path(run_dir)
     data_dir = run_dir / "data"
     fingerprint = config.data_fingerprint()
@@ -76,77 +78,53 @@ def prepare_data(config: Config, run_dir: Path, *, token_counter: TokenCounter |
 
     # step 1-2: every row becomes a kept item (image stored) or a dropped row
     converted: dict[str, int] = {}
-    total, rows = _open(config, converted)
-    kept: list[Item] = []
-    dropped: list[Dropped] = []
-    hashes: dict[str, int] = {}  # id -> dHash of the kept items' images
-    seen: set[str] = set()
-    for done, row in enumerate(rows, start=1):
-        if isinstance(row, Candidate):
-            if row.id in seen:
-                row = Dropped(row.id, "duplicate_id", "an earlier row has the same id; the first one is kept")
-            else:
-                seen.add(row.id)
-                row = _keep(row, config, run_dir, token_counter, hashes)
-        (dropped if isinstance(row, Dropped) else kept).append(row)
-        if progress is not None:
-            progress(done, total)
-    input_rows = len(kept) + len(dropped)
-    if not kept:
-        raise DataError(f"data.source {data.source!r}: all {input_rows} rows were dropped. {_top_reasons(dropped)}")
-    if len(kept) <= data.holdout_size:
-        raise DataError(
-            f"data.source {data.source!r}: only {len(kept)} usable rows ({len(dropped)} dropped), and "
-            f"data.holdout_size={data.holdout_size} would leave nothing to train on. Lower data.holdout_size"
-            + (" or raise data.num_synthetic." if data.source == "synthetic" else ".")
-        )
+    kept, dropped, hashes = collect_items(config, run_dir, token_counter, progress, converted)
+    _check_enough(config, data_dir, kept, dropped)
 
     # step 3: the holdout, reused when this config made it before
-    holdout_ids = set(choose_holdout([i.id for i in kept], data.holdout_size, config.run.seed, previous_holdout))
+    holdout_ids = set(
+        choose_holdout([i.id for i in kept], data.holdout_size, config.run.seed, previous_holdout)
+    )
     holdout = [i for i in kept if i.id in holdout_ids]
     train = [i for i in kept if i.id not in holdout_ids]
-    holdout_reused = bool(previous_holdout) and set(previous_holdout) <= holdout_ids
+    reused = bool(previous_holdout) and set(previous_holdout) <= holdout_ids
 
     # step 4: no holdout image, nor a near-copy of one, in train
     near = data.source != "synthetic"  # template figures (a circle labelled r = 7 vs r = 8) share dHashes
-    found = find_contamination([_key(i, hashes) for i in train], [_key(i, hashes) for i in holdout],
-                               near_duplicates=near)  # fmt: skip
-    contaminated = {c.train_id: c for c in found}
+    keys = {i.id: ImageKey(i.id, i.image_sha256, hashes[i.id]) for i in kept}
+    found = find_contamination(
+        [keys[i.id] for i in train], [keys[i.id] for i in holdout], near_duplicates=near
+    )
     dropped += [Dropped(c.train_id, "contaminated_holdout", c.detail()) for c in found]
+    contaminated = {c.train_id for c in found}
     train = [i for i in train if i.id not in contaminated]
     check_no_overlap(train, holdout)
 
     # step 5: manifests, then the summary last
-    comparable = not (any(i.source == TESTMINI for i in train) and any(i.source == TESTMINI for i in holdout))
-    message = None if comparable else NOT_COMPARABLE
-    summary = {
-        "fingerprint": fingerprint,
-        "source": data.source,
-        "counts": {"input_rows": input_rows, "train": len(train), "holdout": len(holdout), "dropped": len(dropped)},
-        "dropped_by_reason": dict(Counter(d.reason for d in dropped).most_common()),
-        "converted": converted,
-        "train_by_category": dict(sorted(Counter(i.category for i in train).items())),
-        "holdout_by_category": dict(sorted(Counter(i.category for i in holdout).items())),
-        "holdout": {"size": len(holdout), "requested": data.holdout_size, "seed": config.run.seed,
-                    "reused": holdout_reused},  # fmt: skip
-        "contamination_check": "sha256 + dHash <= 4 bits" if near else "sha256 (synthetic figures)",
-        "token_budget": _budget_note(token_counter is not None, data.max_prompt_tokens),
-        "images": {"stored": len({i.image_sha256 for i in train + holdout}), "size": data.image_size,
-                   "resize": data.resize},  # fmt: skip
-        "comparable_to_published": comparable,
-        "message": message,
-    }
-    if len(train) + len(holdout) + len(dropped) != input_rows:
-        raise AssertionError(f"data stage lost rows: {summary['counts']}")  # a bug here, never the data
+    summary = _summary(config, fingerprint, train, holdout, dropped, converted)
+    summary["holdout"]["reused"] = reused
+    summary["contamination_check"] = "sha256 + dHash <= 4 bits" if near else "sha256 (synthetic figures)"
+    summary["token_budget"] = _budget_note(token_counter is not None, data.max_prompt_tokens)
     write_jsonl(data_dir / "train.jsonl", (i.to_json() for i in train))
     write_jsonl(data_dir / "holdout.jsonl", (i.to_json() for i in holdout))
     write_jsonl(data_dir / "dropped.jsonl", (d.to_json() for d in dropped))
     _remove_unused_images(data_dir / "images", {Path(i.image).name for i in train + holdout})
     write_json(data_dir / "summary.json", summary)
-    if message:
-        log.warning(message)
-    return PrepareResult(data_dir, input_rows, len(train), len(holdout), summary["dropped_by_reason"], comparable,
-                         message, fingerprint, holdout_reused, summary)  # fmt: skip
+    if summary["message"]:
+        log.warning(summary["message"])
+    counts = summary["counts"]
+    return PrepareResult(
+        data_dir=data_dir,
+        input_rows=counts["input_rows"],
+        num_train=counts["train"],
+        num_holdout=counts["holdout"],
+        dropped_by_reason=summary["dropped_by_reason"],
+        comparable_to_published=summary["comparable_to_published"],
+        message=summary["message"],
+        fingerprint=fingerprint,
+        holdout_reused=reused,
+        summary=summary,
+    )
 
 
 def load_prepared(run_dir: Path) -> tuple[list[Item], list[Item]]:
@@ -157,53 +135,57 @@ def load_prepared(run_dir: Path) -> tuple[list[Item], list[Item]]:
     return train, holdout
 
 
-def _open(config: Config, converted: dict[str, int]) -> tuple[int, Iterator[Candidate | Dropped]]:
+def _check_enough(config: Config, data_dir: Path, kept: list[Item], dropped: list[Dropped]) -> None:
+    """Refuse data that leaves nothing to train on; the drop report is written first so it can be read."""
     data = config.data
-    if data.source == "synthetic":
-        families = check_families(data.families)
-        count = min(data.num_synthetic, data.max_items or data.num_synthetic)
-        items = generate_items(count, seed=config.run.seed, size=data.image_size, difficulty=data.difficulty,
-                               families=families)  # fmt: skip
-        return count, (_from_synthetic(s) for s in items)
-    source = open_rows(data)
-    return source.total, convert_rows(source.rows, data, source.name, converted)
+    if kept and len(kept) > data.holdout_size:
+        return
+    write_jsonl(data_dir / "dropped.jsonl", (d.to_json() for d in dropped))
+    if not kept:
+        raise DataError(
+            f"data.source {data.source!r}: all {len(dropped)} rows were dropped. {_top_reasons(dropped)} "
+            f"Every row and its reason: {data_dir / 'dropped.jsonl'}."
+        )
+    raise DataError(
+        f"data.source {data.source!r}: only {len(kept)} usable rows ({len(dropped)} dropped), and "
+        f"data.holdout_size={data.holdout_size} would leave nothing to train on. Lower data.holdout_size"
+        + (" or raise data.num_synthetic." if data.source == "synthetic" else ".")
+    )
 
 
-def _from_synthetic(item: Any) -> Candidate:
-    metadata = {"family": item.family, "difficulty": item.difficulty, "spec": item.spec}
-    return Candidate(item.id, item.question, item.answer, item.answer_type, item.precision, None, None,
-                     "synthetic", item.family, json.loads(json.dumps(metadata)), item.image)  # fmt: skip
-
-
-def _keep(row: Candidate, config: Config, run_dir: Path, token_counter: TokenCounter | None,
-          hashes: dict[str, int]) -> Item | Dropped:  # fmt: skip
-    """Normalise and store the row's image, check the prompt budget; an Item, or why not."""
+def _summary(
+    config: Config,
+    fingerprint: str,
+    train: list[Item],
+    holdout: list[Item],
+    dropped: list[Dropped],
+    converted: dict[str, int],
+) -> dict[str, Any]:
     data = config.data
-    prompt = build_prompt_text(row.question)
-    try:
-        image = normalize_image(open_image(row.image, base_dir=row.base_dir), size=data.image_size,
-                                policy=data.resize)  # fmt: skip
-    except ImageError as exc:
-        return Dropped(row.id, exc.reason, exc.detail)
-    if token_counter is not None:
-        try:
-            tokens = token_counter(prompt, image)
-        except Exception as exc:  # one odd row must not stop the run; a systematic failure shows in the counts
-            return Dropped(row.id, "token_count_failed", f"{type(exc).__name__}: {exc}")
-        if tokens > data.max_prompt_tokens:
-            return Dropped(row.id, "prompt_too_long", f"{tokens} tokens > data.max_prompt_tokens={data.max_prompt_tokens}")
-    png = to_png_bytes(image)
-    sha = image_sha256(png)
-    relative = f"data/images/{sha[:16]}.png"
-    if not (run_dir / relative).is_file():
-        write_bytes_atomic(run_dir / relative, png)
-    hashes[row.id] = dhash(image)
-    return Item(row.id, row.question, prompt, row.answer, row.answer_type, row.precision, row.unit, row.choices,
-                row.source, row.category, relative, sha, row.metadata)  # fmt: skip
-
-
-def _key(item: Item, hashes: dict[str, int]) -> ImageKey:
-    return ImageKey(item.id, item.image_sha256, hashes[item.id])
+    input_rows = len(train) + len(holdout) + len(dropped)  # every row lands in exactly one of the three
+    comparable = not (any(i.source == TESTMINI for i in train) and any(i.source == TESTMINI for i in holdout))
+    return {
+        "fingerprint": fingerprint,
+        "source": data.source,
+        "counts": {
+            "input_rows": input_rows,
+            "train": len(train),
+            "holdout": len(holdout),
+            "dropped": len(dropped),
+        },
+        "dropped_by_reason": dict(Counter(d.reason for d in dropped).most_common()),
+        "converted": converted,
+        "train_by_category": dict(sorted(Counter(i.category for i in train).items())),
+        "holdout_by_category": dict(sorted(Counter(i.category for i in holdout).items())),
+        "holdout": {"size": len(holdout), "requested": data.holdout_size, "seed": config.run.seed},
+        "images": {
+            "stored": len({i.image_sha256 for i in train + holdout}),
+            "size": data.image_size,
+            "resize": data.resize,
+        },
+        "comparable_to_published": comparable,
+        "message": None if comparable else NOT_COMPARABLE,
+    }
 
 
 def _previous_holdout(data_dir: Path, fingerprint: str) -> list[str]:
@@ -227,9 +209,16 @@ def _top_reasons(dropped: list[Dropped], n: int = 5) -> str:
 
 def _budget_note(checked: bool, limit: int) -> dict[str, Any]:
     if checked:
-        return {"checked": True, "max_prompt_tokens": limit, "note": "prompts counted with the model's processor"}
-    return {"checked": False, "max_prompt_tokens": limit,
-            "note": "no token counter was given: prompt lengths were not checked against data.max_prompt_tokens"}  # fmt: skip
+        return {
+            "checked": True,
+            "max_prompt_tokens": limit,
+            "note": "prompts counted with the model's processor",
+        }
+    return {
+        "checked": False,
+        "max_prompt_tokens": limit,
+        "note": "no token counter was given: prompt lengths were not checked against data.max_prompt_tokens",
+    }
 
 
 def _remove_unused_images(images_dir: Path, used: set[str]) -> None:

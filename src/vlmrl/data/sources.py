@@ -1,4 +1,4 @@
-"""Reading raw rows from wherever `data.source` points: the Hugging Face Hub, a Parquet/JSON(L) file, or a folder.
+"""Reading raw rows from wherever `data.source` points: the Hub, a Parquet/JSON(L) file, or a folder.
 
 Every reader yields plain dicts with the dataset's own field names, and images left *undecoded* (datasets'
 `{"bytes", "path"}` storage, or a path): decoding is the image module's job, after the cheap field checks, and
@@ -46,7 +46,8 @@ def open_rows(data: DataConfig) -> RowSource:
         source = _open_hub(data.source, data.split)
     else:
         raise DataError(
-            f"data.source {data.source!r}: no such file or folder, and not a Hugging Face Hub id (owner/name). "
+            f"data.source {data.source!r}: no such file or folder, and not a Hugging Face Hub id "
+            "(owner/name). "
             "Use `synthetic`, a hub id such as AI4Math/MathVista, or a local Parquet/JSONL file or folder."
         )
     if data.max_items is not None and source.total > data.max_items:
@@ -68,17 +69,23 @@ def _open_file(path: Path) -> RowSource:
 
 
 def _open_folder(folder: Path, split: str) -> RowSource:
-    if any((folder / marker).is_file() for marker in ("dataset_info.json", "state.json", "dataset_dict.json")):
+    if any(
+        (folder / marker).is_file() for marker in ("dataset_info.json", "state.json", "dataset_dict.json")
+    ):
         return _open_saved(folder, split)
     files = sorted(p for p in folder.rglob("*") if p.suffix.lower() in ROW_FILES and p.is_file())
     files = [p for p in files if not p.name.startswith(".")]
     if not files:
-        raise DataError(f"{folder}: no .parquet, .jsonl or .json files (and not a datasets.save_to_disk folder).")
+        raise DataError(
+            f"{folder}: no .parquet, .jsonl or .json files (and not a datasets.save_to_disk folder)."
+        )
     # A hub snapshot holds every split (data/testmini-0000.parquet, data/test-0000.parquet): keep `split`'s.
     chosen = [p for p in files if re.search(rf"(^|[^a-z]){re.escape(split)}([^a-z]|$)", p.name.lower())]
     files = chosen or files
     opened = [_open_file(p) for p in files]
-    return RowSource(folder.name, sum(s.total for s in opened), itertools.chain.from_iterable(s.rows for s in opened))
+    return RowSource(
+        folder.name, sum(s.total for s in opened), itertools.chain.from_iterable(s.rows for s in opened)
+    )
 
 
 def _open_saved(folder: Path, split: str) -> RowSource:
@@ -99,7 +106,8 @@ def _open_hub(repo_id: str, split: str) -> RowSource:
         loaded = datasets.load_dataset(repo_id, split=split)
     except Exception as exc:  # network, auth, unknown split: all need the same advice
         raise DataError(
-            f"data.source {repo_id!r} (split {split!r}) could not be loaded from the Hugging Face Hub: {exc}. "
+            f"data.source {repo_id!r} (split {split!r}) could not be loaded from the Hugging Face Hub: "
+            f"{exc}. "
             "Check the id and split, your network and HF_TOKEN, or point data.source at a local copy."
         ) from exc
     return RowSource(repo_id.split("/")[-1], len(loaded), _dataset_rows(loaded, None))

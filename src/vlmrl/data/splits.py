@@ -53,8 +53,13 @@ def choose_holdout(ids: Sequence[str], size: int, seed: int, previous: Sequence[
     return kept + ranked[: size - len(kept)]
 
 
-def find_contamination(train: Sequence[ImageKey], holdout: Sequence[ImageKey], *, near_duplicates: bool = True,
-                       max_distance: int = NEAR_DUPLICATE_BITS) -> list[Contamination]:  # fmt: skip
+def find_contamination(
+    train: Sequence[ImageKey],
+    holdout: Sequence[ImageKey],
+    *,
+    near_duplicates: bool = True,
+    max_distance: int = NEAR_DUPLICATE_BITS,
+) -> list[Contamination]:
     """Training items whose image is in the holdout, exactly or (when `near_duplicates`) nearly."""
     if not holdout:
         return []
@@ -77,13 +82,18 @@ def check_no_overlap(train_items: Sequence[Item], holdout_items: Sequence[Item])
     holdout_ids = {item.id for item in holdout_items}
     holdout_images = {item.image_sha256: item.id for item in holdout_items}
     shared_ids = [item.id for item in train_items if item.id in holdout_ids]
-    shared_images = [(item.id, holdout_images[item.image_sha256]) for item in train_items
-                     if item.image_sha256 in holdout_images]  # fmt: skip
+    shared_images = [
+        (item.id, holdout_images[item.image_sha256])
+        for item in train_items
+        if item.image_sha256 in holdout_images
+    ]
     if not shared_ids and not shared_images:
         return
     problems = []
     if shared_ids:
-        problems.append(f"{len(shared_ids)} id(s) in both train and holdout (e.g. {', '.join(shared_ids[:5])})")
+        problems.append(
+            f"{len(shared_ids)} id(s) in both train and holdout (e.g. {', '.join(shared_ids[:5])})"
+        )
     if shared_images:
         pairs = ", ".join(f"{t} ~ {h}" for t, h in shared_images[:5])
         problems.append(f"{len(shared_images)} training image(s) identical to holdout images (e.g. {pairs})")

@@ -1,7 +1,7 @@
-"""Procedural visual math: charts, geometry figures and function plots whose answers are exact by construction.
+"""Procedural visual math: charts, geometry figures and function plots, answers exact by construction.
 
 This is the built-in data source (`data.source: synthetic`) that lets `vlmrl run` work offline on a fresh
-machine. Item `i` is drawn from `random.Random(f"{seed}:{i}")` and its family is `families[i % len(families)]`,
+machine. Item `i` is drawn from `random.Random(f"{seed}:{i}")`, its family is `families[i % len(families)]`,
 so item 17 is the same picture whether 20 or 20,000 items are generated, and families are balanced.
 
 Images are drawn with PIL at the target size directly (no resampling, so 128px labels are as crisp as the
@@ -72,8 +72,9 @@ def check_families(families: Sequence[str]) -> list[str]:
     return list(families) or list(FAMILIES)
 
 
-def generate_item(index: int, *, seed: int, size: int, difficulty: int = 1,
-                  families: Sequence[str] = ()) -> SyntheticItem:  # fmt: skip
+def generate_item(
+    index: int, *, seed: int, size: int, difficulty: int = 1, families: Sequence[str] = ()
+) -> SyntheticItem:
     """Item `index` of the stream for `seed`: the same whatever else is generated."""
     if not 1 <= difficulty <= 3:
         raise DataError(f"data.difficulty must be 1, 2 or 3, got {difficulty}.")
@@ -97,8 +98,9 @@ def generate_item(index: int, *, seed: int, size: int, difficulty: int = 1,
     )
 
 
-def generate_items(count: int, *, seed: int, size: int, difficulty: int = 1,
-                   families: Sequence[str] = ()) -> Iterator[SyntheticItem]:  # fmt: skip
+def generate_items(
+    count: int, *, seed: int, size: int, difficulty: int = 1, families: Sequence[str] = ()
+) -> Iterator[SyntheticItem]:
     """Items 0..count-1, lazily (each picture is made only when asked for)."""
     names = check_families(families)
     for index in range(count):

@@ -1,0 +1,129 @@
+"""Steps 1-2 of the data stage: read the source row by row, and keep or drop each row.
+
+A kept row has passed its source's field checks, its image has been normalised and stored once under
+`run_dir/data/images/<sha256[:16]>.png`, and its prompt fits `data.max_prompt_tokens` (when a token counter is
+given). A dropped row carries a reason code. Cheap checks run first, so a filtered row never costs a decode.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from PIL import Image
+
+from ..config import Config
+from ..contract import build_prompt_text
+from .images import ImageError, dhash, image_sha256, normalize_image, open_image, to_png_bytes
+from .items import Candidate, Dropped, Item, write_bytes_atomic
+from .mathvista import convert_rows
+from .sources import open_rows
+from .synthetic import SyntheticItem, check_families, generate_items
+
+TokenCounter = Callable[[str, Image.Image], int]
+
+
+def collect_items(
+    config: Config,
+    run_dir: Path,
+    token_counter: TokenCounter | None,
+    progress: Callable[[int, int], None] | None,
+    converted: dict[str, int],
+) -> tuple[list[Item], list[Dropped], dict[str, int]]:
+    """Kept items (images stored), dropped rows, and each kept item's dHash, in source order.
+
+    One bad row never stops the loop; `converted` counts rows kept after a repair.
+    """
+    total, rows = _open(config, converted)
+    kept: list[Item] = []
+    dropped: list[Dropped] = []
+    hashes: dict[str, int] = {}
+    seen: set[str] = set()
+    for done, row in enumerate(rows, start=1):
+        if isinstance(row, Candidate):
+            if row.id in seen:
+                row = Dropped(row.id, "duplicate_id", "an earlier row has the same id; the first one is kept")
+            else:
+                seen.add(row.id)
+                row = _keep(row, config, run_dir, token_counter, hashes)
+        (dropped if isinstance(row, Dropped) else kept).append(row)
+        if progress is not None:
+            progress(done, total)
+    return kept, dropped, hashes
+
+
+def _open(config: Config, converted: dict[str, int]) -> tuple[int, Iterator[Candidate | Dropped]]:
+    data = config.data
+    if data.source == "synthetic":
+        families = check_families(data.families)
+        count = min(data.num_synthetic, data.max_items or data.num_synthetic)
+        items = generate_items(
+            count, seed=config.run.seed, size=data.image_size, difficulty=data.difficulty, families=families
+        )
+        return count, (_from_synthetic(s) for s in items)
+    source = open_rows(data)
+    return source.total, convert_rows(source.rows, data, source.name, converted)
+
+
+def _from_synthetic(item: SyntheticItem) -> Candidate:
+    metadata = {"family": item.family, "difficulty": item.difficulty, "spec": item.spec}
+    return Candidate(
+        id=item.id,
+        question=item.question,
+        answer=item.answer,
+        answer_type=item.answer_type,
+        precision=item.precision,
+        unit=None,
+        choices=None,
+        source="synthetic",
+        category=item.family,
+        metadata=json.loads(json.dumps(metadata)),  # tuples -> lists, as they will read back from disk
+        image=item.image,
+    )
+
+
+def _keep(
+    row: Candidate, config: Config, run_dir: Path, token_counter: TokenCounter | None, hashes: dict[str, int]
+) -> Item | Dropped:
+    """Normalise and store the row's image, check the prompt budget; an Item, or why not."""
+    data = config.data
+    prompt = build_prompt_text(row.question)
+    try:
+        image = normalize_image(
+            open_image(row.image, base_dir=row.base_dir), size=data.image_size, policy=data.resize
+        )
+    except ImageError as exc:
+        return Dropped(row.id, exc.reason, exc.detail)
+    if token_counter is not None:
+        try:
+            tokens = token_counter(prompt, image)
+        except Exception as exc:  # noqa: BLE001  one odd row must not stop the run
+            return Dropped(row.id, "token_count_failed", f"{type(exc).__name__}: {exc}")
+        if tokens > data.max_prompt_tokens:
+            return Dropped(
+                row.id,
+                "prompt_too_long",
+                f"{tokens} tokens > data.max_prompt_tokens={data.max_prompt_tokens}",
+            )
+    png = to_png_bytes(image)
+    sha = image_sha256(png)
+    relative = f"data/images/{sha[:16]}.png"
+    if not (run_dir / relative).is_file():
+        write_bytes_atomic(run_dir / relative, png)
+    hashes[row.id] = dhash(image)
+    return Item(
+        id=row.id,
+        question=row.question,
+        prompt=prompt,
+        answer=row.answer,
+        answer_type=row.answer_type,
+        precision=row.precision,
+        unit=row.unit,
+        choices=row.choices,
+        source=row.source,
+        category=row.category,
+        image=relative,
+        image_sha256=sha,
+        metadata=row.metadata,
+    )

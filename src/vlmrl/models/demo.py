@@ -1,0 +1,119 @@
+"""The demo policy: a small Qwen3-VL-architecture model the project trains itself, offline, on the CPU.
+
+RL only helps a policy that sometimes earns reward. A random-weight model never writes `<SOLUTION>`, so every
+GRPO group has identical rewards and nothing moves. This module builds one that can learn: a tiny Qwen3-VL
+(4 layers, hidden 128) given a short supervised warm start (`vlmrl.sft`) on synthetic figures, *stopped
+early* on purpose, so it follows the output structure only part of the time and answers a minority right.
+The embedded `vlmrl run` then has room to show RL moving both numbers.
+
+It is built once per recipe into a cache folder (`$VLMRL_CACHE`, default `~/.cache/vlmrl`) in about a
+minute on 2 cores, and reused. The warm-start data use a different seed from any run's data stream
+(`SFT_DATA_SEED`), so the demo's held-out items are never seen in the warm start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+DEMO_RECIPE = {
+    "arch": "qwen3_vl",
+    "hidden_size": 128,
+    "num_layers": 4,
+    "image_size": 128,
+    "weight_seed": 0,
+    "families": ["bar_value", "count_squares", "rectangle_perimeter"],
+    "sft_items": 256,
+    "sft_steps": 30,  # stopped early: the structure is half-learned, the answers mostly not
+    "sft_batch_size": 16,
+    "sft_learning_rate": 2e-3,
+    "version": 1,
+}
+SFT_DATA_SEED = 1_000_003
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("VLMRL_CACHE", Path.home() / ".cache" / "vlmrl"))
+
+
+def demo_policy_dir(recipe: dict = DEMO_RECIPE) -> Path:
+    digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:10]
+    return cache_root() / f"demo-policy-{digest}"
+
+
+def ensure_demo_policy(recipe: dict = DEMO_RECIPE, say=None) -> Path:
+    """The demo policy's folder, building it first if this machine has not yet."""
+    folder = demo_policy_dir(recipe)
+    if (folder / "demo_policy.json").exists():
+        return folder
+    (say or log.warning)(f"building the demo policy once into {folder} (supervised warm start, ~1 min on CPU)")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".demo-policy-"))
+    try:
+        info = build_demo_policy(staging, recipe)
+        (staging / "demo_policy.json").write_text(json.dumps(info, indent=2))
+        if folder.exists():  # a concurrent build won; keep theirs
+            shutil.rmtree(staging)
+        else:
+            os.replace(staging, folder)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return folder
+
+
+def build_demo_policy(out_dir: Path, recipe: dict = DEMO_RECIPE) -> dict:
+    """Build the tiny model, warm-start it, save it as an ordinary HF folder; returns what was done."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from vlmrl.data.synthetic import generate_items
+    from vlmrl.models.tiny import build_tiny_model
+    from vlmrl.sft import SftExample, sft_train
+
+    torch.manual_seed(recipe["weight_seed"])
+    build_tiny_model(
+        recipe["arch"], out_dir, seed=recipe["weight_seed"], hidden_size=recipe["hidden_size"],
+        num_layers=recipe["num_layers"], image_size=recipe["image_size"],
+    )
+    model = AutoModelForImageTextToText.from_pretrained(str(out_dir), dtype=torch.float32)
+    processor = AutoProcessor.from_pretrained(str(out_dir))
+    processor.tokenizer.padding_side = "left"
+    examples = [
+        SftExample(prompt=_prompt(item.question), image=item.image, target=_target(item.family, item.answer))
+        for item in generate_items(recipe["sft_items"], seed=SFT_DATA_SEED, size=recipe["image_size"],
+                                   families=recipe["families"])
+    ]
+    started = time.perf_counter()
+    losses = sft_train(model, processor, examples, steps=recipe["sft_steps"], batch_size=recipe["sft_batch_size"],
+                       learning_rate=recipe["sft_learning_rate"], seed=recipe["weight_seed"])
+    model.save_pretrained(str(out_dir))
+    processor.save_pretrained(str(out_dir))
+    return {"recipe": recipe, "sft_seconds": round(time.perf_counter() - started, 1), "sft_losses": losses}
+
+
+def _prompt(question: str) -> str:
+    from vlmrl.contract import build_prompt_text
+
+    return build_prompt_text(question)
+
+
+REASONING_BY_FAMILY = {
+    "bar_value": "I read the height of the bar.",
+    "count_squares": "I count the squares.",
+    "rectangle_perimeter": "I add the four sides.",
+}
+
+
+def _target(family: str, answer: str) -> str:
+    from vlmrl.contract import render_answer
+
+    return render_answer(REASONING_BY_FAMILY.get(family, "I look at the figure."), answer)
