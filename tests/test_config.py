@@ -85,6 +85,6 @@ def test_missing_file_and_bad_yaml(tmp_path):
 
 
 def test_fingerprint_changes_with_the_section_it_covers():
-    a, b = load_config("demo"), load_config("demo", ["train.learning_rate=1e-3"])
+    a, b = load_config("demo"), load_config("demo", ["train.learning_rate=3e-3"])
     assert a.fingerprint("data") == b.fingerprint("data")
     assert a.fingerprint("train") != b.fingerprint("train")
