@@ -5,9 +5,10 @@ two rewards with their weights, LoRA on the language layers only (checked), an h
 crash-safe resume, and records (`train/metrics.jsonl`, `train/rollouts.jsonl`, `train/health.jsonl`) written
 by the callbacks in `vlmrl.records`.
 
-    step 1  data      train.jsonl -> datasets.Dataset (conversational prompt, image, answer, id)
+    step 1  data      train.jsonl -> datasets.Dataset (conversational prompt, image, answer, id);
+                      GRPOConfig from the config (+ trl_overrides), checked before any model loads
     step 2  model     base model + LoRA, layout verified
-    step 3  trainer   GRPOConfig from the config (+ trl_overrides), callbacks
+    step 3  trainer   GRPOTrainer with our rewards and callbacks
     step 4  train     resume from the last checkpoint when one exists
     step 5  save      train/final/ (the adapter) + train/summary.json
 """
@@ -59,13 +60,13 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
 
     train_dir = run_dir / "train"
     checkpoints = train_dir / "checkpoints"
-    # step 1: data
+    # step 1: data, and the trainer's arguments (a bad trl_overrides key fails here, before any model loads)
     dataset = build_train_dataset(run_dir)
+    args, notes = build_grpo_config(config, checkpoints)
     # step 2: model
     loaded = load_model(config.model, run_dir, for_training=True)
     model, lora_report = apply_lora(loaded.model, config.lora, backend=loaded.backend, seed=config.run.seed)
     # step 3: trainer
-    args, notes = build_grpo_config(config, checkpoints)
     recorder = RolloutRecorder(train_dir / "rollouts.jsonl")
     health = HealthMonitor(config.health, train_dir / "health.jsonl", console=console_callback)
     trainer = GRPOTrainer(

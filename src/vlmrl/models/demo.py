@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import os
+import random
 import shutil
 import tempfile
 import time
@@ -30,9 +31,12 @@ DEMO_RECIPE = {
     "num_layers": 4,
     "image_size": 128,
     "weight_seed": 0,
-    "families": ["bar_value", "count_squares", "rectangle_perimeter"],
-    "sft_items": 256,
-    "sft_steps": 30,  # stopped early: the structure is half-learned, the answers mostly not
+    "families": ["count_squares", "bar_value"],
+    "sft_items": 512,
+    # Half the warm-start answers are bare numbers without the structure, so the policy writes the structure
+    # only about half the time when sampling; stopped early, so it answers only a minority right.
+    "bare_answer_fraction": 0.5,
+    "sft_steps": 150,
     "sft_batch_size": 16,
     "sft_learning_rate": 2e-3,
     "version": 1,
@@ -87,8 +91,13 @@ def build_demo_policy(out_dir: Path, recipe: dict = DEMO_RECIPE) -> dict:
     model = AutoModelForImageTextToText.from_pretrained(str(out_dir), dtype=torch.float32)
     processor = AutoProcessor.from_pretrained(str(out_dir))
     processor.tokenizer.padding_side = "left"
+    rng = random.Random(SFT_DATA_SEED)
     examples = [
-        SftExample(prompt=_prompt(item.question), image=item.image, target=_target(item.family, item.answer))
+        SftExample(
+            prompt=_prompt(item.question),
+            image=item.image,
+            target=item.answer if rng.random() < recipe["bare_answer_fraction"] else _target(item.family, item.answer),
+        )
         for item in generate_items(recipe["sft_items"], seed=SFT_DATA_SEED, size=recipe["image_size"],
                                    families=recipe["families"])
     ]
@@ -109,7 +118,6 @@ def _prompt(question: str) -> str:
 REASONING_BY_FAMILY = {
     "bar_value": "I read the height of the bar.",
     "count_squares": "I count the squares.",
-    "rectangle_perimeter": "I add the four sides.",
 }
 
 

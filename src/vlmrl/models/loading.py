@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,8 +83,8 @@ def load_model(config: ModelConfig, run_dir: Path | None = None, *, for_training
             "model.load_in_4bit=true needs a CUDA GPU (bitsandbytes 4-bit); this machine has none. "
             "Set model.load_in_4bit=false to run in full precision on the CPU."
         )
+    backend = choose_backend(config)  # before resolving: a wrong backend should not cost a build or download
     source = resolve_model_source(config.name, run_dir)
-    backend = choose_backend(config)
     family = detect_family(source)
     if backend == "unsloth":
         model, processor = _load_unsloth(config, source)
@@ -101,9 +102,11 @@ def detect_family(source: str) -> str:
     if config_path.is_file():
         model_type = json.loads(config_path.read_text()).get("model_type", "")
     else:
-        model_type = source.lower().replace("-", "_").replace(".", "_")
-    for family in ("qwen3_vl", "qwen2_5_vl", "gemma3"):
-        if family in model_type:
+        model_type = source.lower()
+    # Hub names spell families with separators ("gemma-3", "Qwen2.5-VL"): compare with all of them removed.
+    squashed = re.sub(r"[-_./]", "", model_type.lower())
+    for family in FAMILIES:
+        if family.replace("_", "") in squashed:
             return family
     return model_type or "unknown"
 
