@@ -157,3 +157,19 @@ def png_header_only(width: int, height: int) -> bytes:
         + chunk(b"IDAT", zlib.compress(b""))
         + chunk(b"IEND", b"")
     )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def demo_cache(tmp_path_factory):
+    """One cache folder for the whole session (the demo policy is built at most once, never in $HOME);
+    exported so `vlmrl` subprocesses started by tests use it too."""
+    import os
+
+    folder = tmp_path_factory.mktemp("vlmrl-cache")
+    previous = os.environ.get("VLMRL_CACHE")
+    os.environ["VLMRL_CACHE"] = str(folder)
+    yield folder
+    if previous is None:
+        os.environ.pop("VLMRL_CACHE", None)
+    else:
+        os.environ["VLMRL_CACHE"] = previous

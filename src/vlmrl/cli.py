@@ -301,9 +301,32 @@ def report(run_dir: Annotated[Path, typer.Argument(help="Run directory.")] = Pat
 
 
 @app.command()
-def bench() -> None:
-    """Side-by-side GPU benchmark: plain TRL vs vlmrl's path."""
-    _not_implemented("bench")
+def bench(
+    shapes: Annotated[str, typer.Option(help="Shapes file in vlmrl/shapes/ (no weights are downloaded).")] = "qwen3_vl_8b",
+    steps: Annotated[int, typer.Option(help="Optimizer steps per path (the first is reported apart).")] = 2,
+    completion: Annotated[int, typer.Option(help="Completion tokens, forced.")] = 1024,
+    paths: Annotated[str, typer.Option(help="Comma-separated: plain,vlmrl")] = "plain,vlmrl",
+    load_in_4bit: Annotated[bool, typer.Option("--load-in-4bit", help="bitsandbytes 4-bit base weights.")] = False,
+    memory_cap_gib: Annotated[Optional[float], typer.Option(help="Cap this process's GPU memory.")] = None,
+    out: Annotated[Path, typer.Option(help="Where bench.json and bench.md go.")] = Path("bench-out"),
+) -> None:
+    """Side-by-side GPU benchmark: plain TRL GRPOTrainer vs vlmrl's path, same model shapes, one process."""
+    import tempfile
+
+    import torch
+
+    from vlmrl.bench import BenchSettings, run_bench
+
+    if not torch.cuda.is_available():
+        _fail("vlmrl bench needs a CUDA GPU (this machine has none); see benchmarks/README.md for the commands.")
+    settings = BenchSettings(shapes=shapes, steps=steps, completion=completion, paths=paths.split(","),
+                             load_in_4bit=load_in_4bit, memory_cap_gib=memory_cap_gib)
+    with tempfile.TemporaryDirectory(prefix="vlmrl-bench-") as work:
+        summary = run_bench(settings, out, Path(work))
+    console.print((out / "bench.md").read_text(), markup=False, highlight=False)
+    failed = [name for name, p in summary["paths"].items() if p.get("error")]
+    if failed:
+        _fail(f"bench path(s) failed: {', '.join(failed)} (details in {out / 'bench.json'})")
 
 
 if __name__ == "__main__":

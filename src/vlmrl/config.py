@@ -29,7 +29,8 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # inf/nan pass `gt=0` checks (a learning rate of .inf is "positive") and fail only hours later
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class RunConfig(_Section):
@@ -115,7 +116,7 @@ class EvalConfig(_Section):
     do_sample: bool = Field(False, description="Greedy by default so before/after differ only by the weights.")
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature when do_sample.")
     num_samples: int = Field(1, gt=0, description="Samples per item when do_sample (gives pass@k, majority vote).")
-    compile: Literal["auto", "on", "off"] = Field(
+    compile: Literal["auto", "always", "never"] = Field(
         "auto", description="Static KV cache + torch.compile decode; `auto` turns it on for CUDA only."
     )
 
@@ -157,6 +158,14 @@ class TrainConfig(_Section):
     save_steps: int = Field(50, gt=0, description="Checkpoint every N optimizer steps.")
     save_total_limit: int = Field(2, gt=0, description="Checkpoints kept on disk.")
     generation_backend: Literal["hf", "vllm"] = Field("hf", description="Rollout engine; vLLM when installed.")
+    fast_generation: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="Static KV cache + torch.compile for rollouts inside TRL's trainer (vlmrl.fastgen); `auto` is "
+        "on for CUDA only.",
+    )
+    prompt_bucket: int = Field(
+        64, gt=0, description="Prompts are left-padded to a multiple of this, so compiled decoding sees few shapes."
+    )
     trl_overrides: dict[str, Any] = Field(
         default_factory=dict, description="Extra GRPOConfig fields passed through unchanged (escape hatch)."
     )
@@ -215,6 +224,13 @@ class Config(_Section):
             raise ValueError("train.epsilon_high must be >= train.epsilon (it is the upper clip range).")
         if not (self.lora.attention or self.lora.mlp or self.lora.vision):
             raise ValueError("lora: attention, mlp and vision are all false; nothing would train.")
+        name = self.run.name
+        if name in ("", ".", "..") or any(c in name for c in "/\\\0"):
+            raise ValueError(
+                f"run.name={name!r} is not a plain folder name; the run directory is <output_dir>/<name> and "
+                "`--force` deletes it, so it must not be the output folder, its parent or a path. "
+                "Put parent folders in run.output_dir."
+            )
         return self
 
     def fingerprint(self, *sections: str) -> str:
@@ -270,9 +286,9 @@ def _read_source(source: str) -> tuple[dict, str]:
         text = path.read_text(errors="replace")
         origin = str(path)
     try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{origin}: not valid YAML ({str(exc).splitlines()[0]}).") from None
+        raw = _parse_yaml(text)
+    except Exception as exc:  # noqa: BLE001  see _parse_yaml
+        raise ConfigError(f"{origin}: not valid YAML ({(str(exc) or type(exc).__name__).splitlines()[0]}).") from None
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -292,9 +308,16 @@ def _apply_override(raw: dict, item: str) -> None:
             raise ConfigError(f"override {item!r}: {part} is not a section.")
         node = child
     try:
-        node[parts[-1]] = yaml.safe_load(value)
-    except yaml.YAMLError:
+        node[parts[-1]] = _parse_yaml(value)
+    except Exception:  # noqa: BLE001  not YAML: keep the text as typed, and let validation judge it
         node[parts[-1]] = value
+
+
+def _parse_yaml(text: str) -> Any:
+    """yaml.safe_load, whose constructors raise plain ValueError, IndexError, AttributeError or RecursionError
+    (not YAMLError) on some inputs (`2001-13-01`, `!!int`, `!!timestamp x`, 5000 nested `[`): callers treat
+    any exception here as "not valid YAML" (found by tests/test_fuzz_config.py)."""
+    return yaml.safe_load(text)
 
 
 def _describe_errors(exc: ValidationError, origin: str) -> str:

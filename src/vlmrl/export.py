@@ -106,7 +106,13 @@ def verify_adapter_weights(adapter_dir: Path) -> list[Check]:
 
 def check_base_model(adapter_dir: Path, expected: str) -> Check:
     recorded = json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
-    same = recorded == expected or (recorded is not None and Path(recorded).resolve() == Path(expected).resolve())
+    # A run directory copied or moved elsewhere records its old base-model path: accept the same folder name,
+    # as `evaluate.check_adapter` does, so a copied run that evaluates also exports.
+    same = recorded is not None and (
+        recorded == expected
+        or Path(recorded).resolve() == Path(expected).resolve()
+        or Path(recorded).name == Path(expected).name
+    )
     return Check("base_model_matches", same, recorded, f"expected {expected}")
 
 

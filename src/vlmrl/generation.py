@@ -46,7 +46,7 @@ def count_prompt_tokens(processor: Any, prompt: str, image: Image.Image) -> int:
 
 
 def use_compiled_decode(setting: str) -> bool:
-    return setting == "on" or (setting == "auto" and torch.cuda.is_available())
+    return setting == "always" or (setting == "auto" and torch.cuda.is_available())
 
 
 @torch.inference_mode()

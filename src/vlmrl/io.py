@@ -3,16 +3,20 @@
 A run can be killed at any moment (SIGKILL, OOM, a pre-empted node). Whole files go through a temp file
 and `os.replace`, which is atomic on POSIX; record files are appended one complete line at a time and a
 torn last line (the only damage a kill can do) is ignored and truncated away on the next append.
+`check_disk_space` refuses work whose output cannot fit before the work starts, not at the first save.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+_CHUNK = 1 << 16  # bytes read at a time when looking for a file's last newline
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:
@@ -74,10 +78,62 @@ def append_jsonl(path: str | Path, rows: Iterable[dict]) -> None:
 
 
 def _truncate_torn_tail(path: Path) -> None:
+    """Cut an unterminated last line, reading only the file's end (rollouts.jsonl grows to many MB).
+
+    A last line that is complete JSON and only lacks its newline (a kill between the two) is kept and
+    terminated instead: `read_jsonl` already counts it, so cutting it would lose a record it reported.
+    """
     if not path.exists() or path.stat().st_size == 0:
         return
     with open(path, "rb+") as handle:
-        data = handle.read()
-        if data.endswith(b"\n"):
+        size = handle.seek(0, os.SEEK_END)
+        handle.seek(size - 1)
+        if handle.read(1) == b"\n":
             return
-        handle.truncate(data.rfind(b"\n") + 1)
+        cut = 0
+        for end in range(size, 0, -_CHUNK):
+            start = max(0, end - _CHUNK)
+            handle.seek(start)
+            newline = handle.read(end - start).rfind(b"\n")
+            if newline >= 0:
+                cut = start + newline + 1
+                break
+        handle.seek(cut)
+        try:
+            json.loads(handle.read())
+        except ValueError:  # JSONDecodeError, or bytes that are not UTF-8
+            handle.truncate(cut)
+        else:
+            handle.seek(size)
+            handle.write(b"\n")
+
+
+class DiskSpaceError(OSError):
+    """Not enough free space for what a stage is about to write; the message names the path and both sizes."""
+
+
+def check_disk_space(path: str | Path, needed_bytes: int, *, what: str = "this stage's output") -> None:
+    """Raise DiskSpaceError unless the filesystem holding `path` has `needed_bytes` free.
+
+    `path` need not exist yet: its nearest existing parent is measured (same filesystem in practice).
+    """
+    path = Path(path)
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if free < needed_bytes:
+        raise DiskSpaceError(
+            f"{path}: {_size(free)} free, but {what} needs about {_size(needed_bytes)}. "
+            "Free some space there, or point run.output_dir at a larger disk."
+        )
+
+
+def checkpoint_bytes(trainable_params: int, *, margin_bytes: int = 64 * 2**20) -> int:
+    """Disk needed by one training checkpoint: fp32 trainable weights (4 bytes) and their two Adam moments
+    (8 bytes), plus a margin for the RNG, scheduler and trainer state and the processor files."""
+    return 12 * trainable_params + margin_bytes
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

@@ -13,8 +13,10 @@ hook: the item id, the completion length and whether it was truncated. Only the 
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,14 +30,39 @@ from vlmrl.rewards import is_degenerate
 log = logging.getLogger(__name__)
 
 
+def last_complete_checkpoint(checkpoints: Path) -> Path | None:
+    """The newest `checkpoint-N` whose trainer_state.json (written last by transformers) parses, or None.
+
+    transformers writes a checkpoint in place, so a kill mid-save leaves a folder that looks like the newest
+    checkpoint but cannot be resumed from. Such folders are removed, so neither this resume nor the trainer's
+    checkpoint rotation trusts them.
+    """
+    if not checkpoints.is_dir():
+        return None
+    found = sorted(
+        (int(p.name.removeprefix("checkpoint-")), p)
+        for p in checkpoints.iterdir()
+        if p.is_dir() and p.name.removeprefix("checkpoint-").isdigit()
+    )
+    for _, folder in reversed(found):
+        try:
+            json.loads((folder / "trainer_state.json").read_text(encoding="utf-8"))
+            return folder
+        except (OSError, ValueError):
+            log.warning("%s: incomplete checkpoint (interrupted while saving); removing it", folder)
+            shutil.rmtree(folder, ignore_errors=True)
+    return None
+
+
 def trim_records_after(train_dir: Path, step: int) -> None:
     """Drop record lines past `step` (written after the checkpoint a resume starts from), so a resumed run
-    neither duplicates nor keeps rows from steps that are about to be re-done."""
+    neither duplicates nor keeps rows from steps that are about to be re-done. An end-of-training summary row
+    (`train_runtime`) goes too: the resumed run writes its own."""
     for name in ("metrics.jsonl", "rollouts.jsonl", "health.jsonl"):
         path = train_dir / name
         if path.exists():
             rows = read_jsonl(path)
-            kept = [r for r in rows if r.get("step", 0) <= step]
+            kept = [r for r in rows if r.get("step", 0) <= step and "train_runtime" not in r]
             if len(kept) != len(rows) or path.read_bytes()[-1:] != b"\n":
                 write_jsonl_atomic(path, kept)
 
@@ -163,7 +190,8 @@ class HealthMonitor(TrainerCallback):
         warnings = self._check(row)
         row["warnings"] = warnings
         if any(w.startswith("non-finite") for w in warnings):
-            self.halted = warnings[0] + "; lower train.learning_rate or raise train.max_grad_norm discipline"
+            self.halted = (warnings[0] + "; lower train.learning_rate, or clip harder with a smaller "
+                           "train.max_grad_norm")
             control.should_save = True
             control.should_training_stop = True
         if self.config.stop_on_gibberish_steps and self._gibberish_streak >= self.config.stop_on_gibberish_steps:
@@ -171,6 +199,8 @@ class HealthMonitor(TrainerCallback):
                            "steps: the policy is collapsing")
             control.should_save = True
             control.should_training_stop = True
+        if self.halted:
+            row["halted"] = self.halted
         if state.is_world_process_zero:
             append_jsonl(self.path, [row])
             for warning in warnings:

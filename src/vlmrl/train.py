@@ -27,7 +27,14 @@ from typing import Any
 import torch
 
 from vlmrl.config import Config
-from vlmrl.io import read_json, read_jsonl, write_json_atomic
+from vlmrl.io import (
+    DiskSpaceError,
+    check_disk_space,
+    checkpoint_bytes,
+    read_json,
+    read_jsonl,
+    write_json_atomic,
+)
 from vlmrl.rewards import correctness_reward, format_reward
 
 log = logging.getLogger(__name__)
@@ -51,12 +58,19 @@ def train_fingerprint(config: Config) -> str:
 def train(config: Config, run_dir: Path, *, resume: bool = True, console_callback: Any = None) -> TrainResult:
     """Train the LoRA adapter of `run_dir` and save it to `run_dir/train/final`."""
     from transformers.trainer_callback import PrinterCallback
-    from transformers.trainer_utils import get_last_checkpoint
     from trl import GRPOTrainer
 
+    from vlmrl.fastgen import FastGeneration, enable_fast_generation
+    from vlmrl.fastgen import wanted as fastgen_wanted
     from vlmrl.models.loading import load_model
     from vlmrl.models.lora import apply_lora
-    from vlmrl.records import HealthMonitor, MetricsRecorder, RolloutRecorder, trim_records_after
+    from vlmrl.records import (
+        HealthMonitor,
+        MetricsRecorder,
+        RolloutRecorder,
+        last_complete_checkpoint,
+        trim_records_after,
+    )
 
     train_dir = run_dir / "train"
     checkpoints = train_dir / "checkpoints"
@@ -66,6 +80,10 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
     # step 2: model
     loaded = load_model(config.model, run_dir, for_training=True)
     model, lora_report = apply_lora(loaded.model, config.lora, backend=loaded.backend, seed=config.run.seed)
+    try:  # a full disk found at the first save would cost every step before it
+        check_disk_space(checkpoints, checkpoint_bytes(lora_report.trainable_params), what="one checkpoint")
+    except DiskSpaceError as exc:
+        raise TrainError(str(exc)) from None
     # step 3: trainer
     recorder = RolloutRecorder(train_dir / "rollouts.jsonl")
     health = HealthMonitor(config.health, train_dir / "health.jsonl", console=console_callback)
@@ -78,14 +96,19 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
         callbacks=[MetricsRecorder(train_dir / "metrics.jsonl", console_callback), recorder, health],
     )
     trainer.remove_callback(PrinterCallback)  # our MetricsRecorder prints a shorter line
+    fast = (
+        enable_fast_generation(trainer, bucket=config.train.prompt_bucket)
+        if fastgen_wanted(config.train.fast_generation)
+        else FastGeneration(False, f"train.fast_generation={config.train.fast_generation}")
+    )
     recorder.attach(trainer)
     health.attach(recorder)
     # step 4: train, resuming from the last complete checkpoint if there is one
-    last = get_last_checkpoint(str(checkpoints)) if (resume and checkpoints.is_dir()) else None
-    start_step = int(Path(last).name.split("-")[-1]) if last else 0
+    last = last_complete_checkpoint(checkpoints) if resume else None
+    start_step = int(last.name.split("-")[-1]) if last else 0
     trim_records_after(train_dir, start_step)
     started = time.perf_counter()
-    output = trainer.train(resume_from_checkpoint=last)
+    output = trainer.train(resume_from_checkpoint=str(last) if last else None)
     seconds = time.perf_counter() - started
     if health.halted:
         raise TrainError(f"training stopped at step {trainer.state.global_step}: {health.halted} "
@@ -109,6 +132,7 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
         "base_model": loaded.source,
         "notes": notes,
         "health_warnings": health.warning_count,
+        "fast_generation": fast.as_dict(),
     }
     write_json_atomic(train_dir / "summary.json", summary)
     return TrainResult(final_dir, summary)
@@ -174,6 +198,7 @@ def build_grpo_config(config: Config, output_dir: Path) -> tuple[Any, list[str]]
         loss_type=t.loss_type,
         gradient_checkpointing=t.gradient_checkpointing,
         logging_steps=t.logging_steps,
+        logging_nan_inf_filter=False,  # the default logs a NaN loss as the mean of earlier ones, hiding it
         save_strategy="steps",
         save_steps=t.save_steps,
         save_total_limit=t.save_total_limit,

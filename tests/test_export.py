@@ -1,0 +1,230 @@
+"""Stage 8, export: the adapter is saved and verified from disk, and the checks fail when they should.
+
+One tiny model is trained once per module (2 GSPO steps, with a length-based stand-in for the correctness
+reward so that advantages are non-zero and every LoRA B matrix moves off zero), then exported.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file, save_file
+
+from vlmrl.config import Config, load_config
+from vlmrl.contract import completion_text
+from vlmrl.evaluate import EvalError
+from vlmrl.export import ExportError, check_base_model, export_adapter, verify_adapter_weights
+from vlmrl.generation import encode_batch
+from vlmrl.io import read_json, read_jsonl
+from vlmrl.models.loading import load_model
+from vlmrl.pipeline import prepare_with_budget
+from vlmrl.train import train
+
+PASSING = ("lora_b_nonzero", "lora_finite", "base_model_matches", "reload_reproduces_logits", "merged_16bit")
+
+
+def quick_config(output_dir: Path, *extra: str) -> Config:
+    return load_config(
+        "demo",
+        [
+            "model.name=tiny:qwen3_vl",
+            f"run.output_dir={output_dir}",
+            "data.num_synthetic=40",
+            "data.holdout_size=6",
+            "train.max_completion_length=12",
+            "train.max_steps=2",
+            "train.per_device_train_batch_size=8",
+            "train.save_steps=1",
+            "export.merged_16bit=true",
+            *extra,
+        ],
+    )
+
+
+def varied_reward(completions, answer, **kwargs) -> list[float]:
+    """Stands in for correctness_reward, which a random model never earns: 0..2 by completion length."""
+    return [(len(completion_text(c) or "") % 5) / 2 for c in completions]
+
+
+varied_reward.__name__ = "correctness_reward"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[Config, Path]:
+    config = quick_config(tmp_path_factory.mktemp("export"))
+    prepare_with_budget(config, config.run_dir)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("vlmrl.train.correctness_reward", varied_reward)
+        train(config, config.run_dir)
+    return config, config.run_dir
+
+
+@pytest.fixture(scope="module")
+def exported(trained) -> tuple[Config, Path, dict]:
+    config, run_dir = trained
+    return config, run_dir, export_adapter(config, run_dir)
+
+
+def copy_trained_run(run_dir: Path, output_dir: Path) -> Path:
+    """The trained run without checkpoints or exports, under output_dir (a config there finds it)."""
+    target = output_dir / run_dir.name
+    skip = shutil.ignore_patterns("checkpoints", "adapter", "merged-16bit", "export.json")
+    shutil.copytree(run_dir, target, symlinks=True, ignore=skip)
+    return target
+
+
+def checks_by_name(report: dict) -> dict[str, dict]:
+    return {c["name"]: c for c in report["checks"]}
+
+
+def holdout_logits(model, processor, run_dir: Path) -> torch.Tensor:
+    item = read_jsonl(run_dir / "data" / "holdout.jsonl")[0]
+    with Image.open(run_dir / item["image"]) as img:
+        batch = encode_batch(processor, [item["prompt"]], [img.convert("RGB")], next(model.parameters()).device)
+    with torch.inference_mode():
+        return model(**batch).logits.float().cpu()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a trained adapter exports with every check passed
+
+
+def test_export_writes_the_adapter_and_every_check_passes(exported) -> None:
+    _, run_dir, report = exported
+    adapter = run_dir / "adapter"
+    assert (adapter / "adapter_config.json").is_file() and (adapter / "adapter_model.safetensors").is_file()
+    assert read_json(run_dir / "export.json") == report
+    checks = checks_by_name(report)
+    for name in PASSING:
+        assert checks[name]["passed"] is True, checks[name]
+    assert checks["reload_reproduces_logits"]["value"] <= 1e-3
+    assert checks["merged_16bit"]["value"] <= 1e-3
+    assert checks["merged_4bit"]["passed"] is None and checks["gguf"]["passed"] is None  # not requested
+    assert report["all_passed"] is True
+    assert report["base_model"] == str((run_dir / "base-model").resolve())
+    # the exported B matrices are the trained ones
+    saved = load_file(str(adapter / "adapter_model.safetensors"))
+    final = load_file(str(run_dir / "train" / "final" / "adapter_model.safetensors"))
+    assert saved.keys() == final.keys() and all(torch.equal(saved[k], final[k]) for k in saved)
+    b = [k for k in saved if "lora_B" in k]
+    assert checks["lora_b_nonzero"]["value"] == f"{len(b)}/{len(b)}"
+
+
+def test_the_adapter_changes_the_models_output_and_the_merged_model_matches(exported) -> None:
+    """The reload check compares adapter with adapter; this one makes sure the adapter does something."""
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    config, run_dir, _ = exported
+    loaded = load_model(config.model, run_dir)
+    base = holdout_logits(loaded.model.eval(), loaded.processor, run_dir)
+    with_adapter = PeftModel.from_pretrained(loaded.model, str(run_dir / "adapter")).eval()
+    adapted = holdout_logits(with_adapter, loaded.processor, run_dir)
+    assert (adapted - base).abs().max().item() > 1e-5
+
+    merged = AutoModelForImageTextToText.from_pretrained(str(run_dir / "merged-16bit")).eval()
+    assert not any("lora_" in name for name, _ in merged.named_parameters())  # a plain model, no PEFT
+    assert torch.allclose(holdout_logits(merged, loaded.processor, run_dir), adapted, atol=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# verify_adapter_weights fails on broken adapters
+
+
+def _broken_copy(adapter: Path, tmp_path: Path, damage) -> tuple[Path, str]:
+    target = tmp_path / "adapter"
+    shutil.copytree(adapter, target)
+    tensors = load_file(str(target / "adapter_model.safetensors"))
+    key = damage(tensors)
+    save_file(tensors, str(target / "adapter_model.safetensors"))
+    return target, key
+
+
+def _zero_one_b(tensors: dict) -> str:
+    key = sorted(k for k in tensors if "lora_B" in k)[0]
+    tensors[key] = torch.zeros_like(tensors[key])
+    return key
+
+
+def _nan_in_one_a(tensors: dict) -> str:
+    key = sorted(k for k in tensors if "lora_A" in k)[-1]
+    tensors[key] = tensors[key].clone()
+    tensors[key][0, 0] = float("nan")
+    return key
+
+
+def test_verify_passes_on_the_exported_adapter(exported) -> None:
+    _, run_dir, _ = exported
+    checks = {c.name: c for c in verify_adapter_weights(run_dir / "adapter")}
+    assert checks["lora_b_nonzero"].passed is True and checks["lora_finite"].passed is True
+
+
+def test_verify_fails_on_a_hand_zeroed_b(exported, tmp_path: Path) -> None:
+    _, run_dir, _ = exported
+    adapter, key = _broken_copy(run_dir / "adapter", tmp_path, _zero_one_b)
+    checks = {c.name: c for c in verify_adapter_weights(adapter)}
+    total = sum("lora_B" in k for k in load_file(str(adapter / "adapter_model.safetensors")))
+    assert checks["lora_b_nonzero"].passed is False
+    assert checks["lora_b_nonzero"].value == f"{total - 1}/{total}"
+    assert key in checks["lora_b_nonzero"].detail
+    assert checks["lora_finite"].passed is True
+
+
+def test_verify_fails_on_a_nan_injected_adapter(exported, tmp_path: Path) -> None:
+    _, run_dir, _ = exported
+    adapter, key = _broken_copy(run_dir / "adapter", tmp_path, _nan_in_one_a)
+    checks = {c.name: c for c in verify_adapter_weights(adapter)}
+    assert checks["lora_finite"].passed is False and checks["lora_finite"].value == 1
+    assert key in checks["lora_finite"].detail
+    assert checks["lora_b_nonzero"].passed is True  # NaN is non-zero: only the finiteness check catches it
+
+
+def test_verify_fails_without_the_weights_file(tmp_path: Path) -> None:
+    checks = verify_adapter_weights(tmp_path)
+    assert [(c.name, c.passed) for c in checks] == [("adapter_file", False)]
+
+
+def test_base_model_check_fails_for_another_base(tmp_path: Path) -> None:
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "google/gemma-3-4b-it"}))
+    check = check_base_model(tmp_path, "/runs/demo/base-model")
+    assert check.passed is False and check.value == "google/gemma-3-4b-it"
+    (tmp_path / "adapter_config.json").write_text(json.dumps({}))
+    assert check_base_model(tmp_path, "/runs/demo/base-model").passed is False  # nothing recorded
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# export_adapter refuses, and records, a failed check
+
+
+def test_export_raises_on_a_failed_check_and_records_it(trained, tmp_path: Path) -> None:
+    config, run_dir = trained
+    copy = copy_trained_run(run_dir, tmp_path)
+    broken, key = _broken_copy(copy / "train" / "final", tmp_path, _zero_one_b)
+    config = quick_config(tmp_path, "export.merged_16bit=false")
+    with pytest.raises(ExportError) as info:
+        export_adapter(config, copy, source=broken)
+    message = str(info.value)
+    assert "lora_b_nonzero" in message and str(copy / "export.json") in message
+    report = read_json(copy / "export.json")
+    checks = checks_by_name(report)
+    assert report["all_passed"] is False
+    assert checks["lora_b_nonzero"]["passed"] is False and key in checks["lora_b_nonzero"]["detail"]
+    # the copied run's adapter records the original run's base-model folder, and that is accepted
+    assert checks["base_model_matches"]["passed"] is True
+    assert [n for n, c in checks.items() if c["passed"] is False] == ["lora_b_nonzero"]
+
+
+def test_export_without_a_trained_adapter_loads_no_model(tmp_path: Path, monkeypatch) -> None:
+    def refuse(*args, **kwargs):
+        raise AssertionError("load_model was called before the adapter was checked")
+
+    monkeypatch.setattr("vlmrl.models.loading.load_model", refuse)
+    config = quick_config(tmp_path)
+    with pytest.raises(EvalError, match=str(config.run_dir / "train" / "final")):
+        export_adapter(config, config.run_dir)
+    assert not (config.run_dir / "export.json").exists()

@@ -1,0 +1,310 @@
+"""Stage 6, training: GRPO and GSPO through TRL change only the LoRA weights, leave complete records, resume
+after a kill without duplicating a step, and refuse bad settings before any model loads.
+
+A random-weight model never earns the real correctness reward, so every group would tie, every advantage be
+zero and nothing move. The tests that need learning swap in a reward that varies with the completion's
+length (deterministic, so a failure repeats), which is all GRPO needs to produce non-zero advantages.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from vlmrl.config import Config, ConfigError, load_config
+from vlmrl.contract import completion_text
+from vlmrl.io import read_json, read_jsonl
+from vlmrl.pipeline import prepare_with_budget
+from vlmrl.rewards import format_reward
+from vlmrl.train import TrainError, build_grpo_config, is_trained, train
+
+GENERATION_BATCH = 8  # per_device_train_batch_size x gradient_accumulation_steps (1 in the demo preset)
+NUM_GENERATIONS = 4
+COMPLETION_TOKENS = 12
+ON_CPU = not torch.cuda.is_available()
+ROLLOUT_KEYS = {"step", "id", "completion", "rewards", "advantage", "length", "truncated"}
+
+
+def quick_config(output_dir: Path, *extra: str) -> Config:
+    return load_config(
+        "demo",
+        [
+            "model.name=tiny:qwen3_vl",
+            f"run.output_dir={output_dir}",
+            "data.num_synthetic=40",
+            "data.holdout_size=6",
+            f"train.max_completion_length={COMPLETION_TOKENS}",
+            "train.max_steps=2",
+            f"train.per_device_train_batch_size={GENERATION_BATCH}",
+            "train.save_steps=1",
+            *extra,
+        ],
+    )
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> Path:
+    config = quick_config(tmp_path_factory.mktemp("train_prepared"))
+    prepare_with_budget(config, config.run_dir)
+    return config.run_dir
+
+
+def copy_run(source: Path, output_dir: Path) -> Path:
+    target = output_dir / source.name
+    shutil.copytree(source, target, symlinks=True)
+    return target
+
+
+def varied_reward(completions, answer, **kwargs) -> list[float]:
+    """Stands in for correctness_reward: 0..2 by completion length in characters, so groups rarely tie."""
+    return [(len(completion_text(c) or "") % 5) / 2 for c in completions]
+
+
+varied_reward.__name__ = "correctness_reward"  # TRL names the reward column after the function
+
+
+@pytest.fixture
+def learnable(monkeypatch):
+    monkeypatch.setattr("vlmrl.train.correctness_reward", varied_reward)
+
+
+@pytest.fixture
+def captured(monkeypatch) -> dict:
+    """The LoRA-wrapped model `train` builds, and a copy of every parameter right after wrapping."""
+    import vlmrl.models.lora as lora
+
+    seen: dict = {}
+    original = lora.apply_lora
+
+    def capture(model, config, **kwargs):
+        wrapped, report = original(model, config, **kwargs)
+        seen["model"] = wrapped
+        seen["before"] = {name: p.detach().clone() for name, p in wrapped.named_parameters()}
+        return wrapped, report
+
+    monkeypatch.setattr(lora, "apply_lora", capture)
+    return seen
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("load_model was called before the config was checked")
+
+    monkeypatch.setattr("vlmrl.models.loading.load_model", refuse)
+
+
+def step_rows(path: Path) -> list[dict]:
+    """metrics.jsonl rows of optimizer steps (the end-of-training summary row has train_runtime instead)."""
+    return [r for r in read_jsonl(path) if "train_runtime" not in r]
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GRPOConfig
+
+
+@pytest.mark.parametrize(("algorithm", "level"), [("grpo", "token"), ("gspo", "sequence")])
+def test_algorithm_sets_the_importance_sampling_level(algorithm: str, level: str, tmp_path: Path) -> None:
+    config = quick_config(tmp_path, f"train.algorithm={algorithm}", "train.loss_type=grpo")
+    args, notes = build_grpo_config(config, tmp_path / "checkpoints")
+    assert args.importance_sampling_level == level
+    assert args.loss_type == "grpo"
+    assert args.num_generations == NUM_GENERATIONS
+    assert args.max_completion_length == COMPLETION_TOKENS
+    assert list(args.reward_weights) == [0.3, 1.0]
+    assert args.output_dir == str(tmp_path / "checkpoints")
+    assert notes == []  # the demo preset's adamw_torch needs no fallback
+
+
+@pytest.mark.skipif(not ON_CPU, reason="on CUDA adamw_8bit may be available")
+def test_adamw_8bit_on_cpu_falls_back_to_adamw_torch_with_a_note(tmp_path: Path) -> None:
+    config = quick_config(tmp_path, "train.optim=adamw_8bit")
+    args, notes = build_grpo_config(config, tmp_path)
+    assert str(args.optim.value if hasattr(args.optim, "value") else args.optim) == "adamw_torch"
+    assert len(notes) == 1 and "adamw_8bit" in notes[0] and "adamw_torch" in notes[0]
+
+
+def test_trl_overrides_pass_known_fields_through(tmp_path: Path) -> None:
+    config = quick_config(tmp_path, "train.trl_overrides={top_k: 3, scale_rewards: batch}")
+    args, _ = build_grpo_config(config, tmp_path)
+    assert args.top_k == 3 and args.scale_rewards == "batch"
+
+
+def test_unknown_trl_override_is_named_before_any_model_loads(prepared, tmp_path: Path, no_model_load) -> None:
+    config = quick_config(tmp_path, "train.trl_overrides={top_k: 3, no_such_knob: 1}")
+    run_dir = copy_run(prepared, tmp_path)
+    with pytest.raises(TrainError) as info:
+        train(config, run_dir)
+    message = str(info.value)
+    assert "train.trl_overrides" in message and "no_such_knob" in message and "top_k" not in message
+    assert not (run_dir / "train" / "checkpoints").exists()
+
+
+def test_num_generations_must_divide_the_generation_batch(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        quick_config(tmp_path, "train.per_device_train_batch_size=6", "train.num_generations=4")
+    message = str(info.value)
+    assert "num_generations=4" in message and "per_device_train_batch_size" in message
+    with pytest.raises(ConfigError, match="num_generations=8"):
+        quick_config(tmp_path, "train.per_device_train_batch_size=4", "train.steps_per_generation=3",
+                     "train.num_generations=8")
+    quick_config(tmp_path, "train.per_device_train_batch_size=4", "train.steps_per_generation=2",
+                 "train.num_generations=8")  # 8 completions per generation batch: one whole group
+
+
+@pytest.mark.parametrize("weights", ["[1.0]", "[0.3, 1.0, 0.5]"])
+def test_reward_weights_of_the_wrong_length(weights: str, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"train.reward_weights has \d values; it needs exactly 2"):
+        quick_config(tmp_path, f"train.reward_weights={weights}")
+
+
+def test_training_without_prepared_data_names_the_file(tmp_path: Path, no_model_load) -> None:
+    config = quick_config(tmp_path)
+    with pytest.raises(TrainError, match=str(config.run_dir / "data" / "train.jsonl")):
+        train(config, config.run_dir)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a real run of each algorithm
+
+
+@pytest.mark.parametrize(("algorithm", "level"), [("grpo", "token"), ("gspo", "sequence")])
+def test_training_changes_only_lora_weights_and_records_everything(
+    algorithm: str, level: str, prepared, tmp_path: Path, learnable, captured
+) -> None:
+    extra = ["train.optim=adamw_8bit"] if algorithm == "gspo" else []  # the CPU fallback, end to end
+    config = quick_config(tmp_path, f"train.algorithm={algorithm}", *extra)
+    run_dir = copy_run(prepared, tmp_path)
+    base_file = run_dir / "base-model" / "model.safetensors"
+    base_hash = sha256(base_file)
+
+    result = train(config, run_dir)
+
+    # only LoRA moved: every base weight, vision and language, is bit-identical
+    model, before = captured["model"], captured["before"]
+    after = dict(model.named_parameters())
+    base_names = [n for n in before if ".lora_" not in n]
+    assert any(".visual." in n for n in base_names) and any(".language_model." in n for n in base_names)
+    on_disk = load_file(str(base_file))  # the snapshot is the base model as built, vision and language
+    assert len(on_disk) == len(base_names)
+    for key, tensor in on_disk.items():
+        name = "base_model.model." + key
+        name = name if name in before else name.replace(".weight", ".base_layer.weight").replace(".bias", ".base_layer.bias")
+        assert torch.equal(before[name], tensor), key
+    changed_base = [n for n in base_names if not torch.equal(before[n], after[n].detach())]
+    assert changed_base == []
+    assert sha256(base_file) == base_hash
+    lora_b = [n for n in before if ".lora_B." in n]
+    assert lora_b and all(torch.count_nonzero(before[n]) == 0 for n in lora_b)  # B starts at zero...
+    assert any(torch.count_nonzero(after[n]) > 0 for n in lora_b)  # ...and training moved it
+    assert all(torch.isfinite(p).all() for p in after.values())
+
+    # the saved adapter is the trained one
+    final = run_dir / "train" / "final"
+    adapter_config = json.loads((final / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == str((run_dir / "base-model").resolve())
+    saved = load_file(str(final / "adapter_model.safetensors"))
+    assert saved and all(".lora_" in k for k in saved)
+    for key, tensor in saved.items():
+        name = key.replace(".lora_A.weight", ".lora_A.default.weight").replace(".lora_B.weight", ".lora_B.default.weight")
+        assert torch.equal(tensor, after[name].detach()), key
+
+    # the summary
+    summary = read_json(run_dir / "train" / "summary.json")
+    assert summary == json.loads(json.dumps(result.summary, default=str))
+    assert summary["algorithm"] == algorithm and summary["importance_sampling_level"] == level
+    assert summary["steps"] == 2 and summary["resumed_from_step"] == 0
+    assert summary["backend"] == "transformers"
+    assert summary["base_model"] == str((run_dir / "base-model").resolve())
+    assert summary["lora"]["vision_trainable_params"] == 0 and summary["lora"]["trainable_params"] > 0
+    assert summary["train_items"] == len(read_jsonl(run_dir / "data" / "train.jsonl"))
+    if algorithm == "gspo" and ON_CPU:
+        assert summary["optimizer"] == "adamw_torch"
+        assert any("adamw_8bit" in note for note in summary["notes"])
+    else:
+        assert summary["notes"] == []
+    assert is_trained(config, run_dir)
+
+    check_records(run_dir / "train", steps=[1, 2])
+
+
+def check_records(train_dir: Path, steps: list[int]) -> None:
+    metrics = step_rows(train_dir / "metrics.jsonl")
+    assert [r["step"] for r in metrics] == steps
+    assert all("reward" in r and "loss" in r for r in metrics)
+    health = read_jsonl(train_dir / "health.jsonl")
+    assert [r["step"] for r in health] == steps
+    assert all(r["n"] == GENERATION_BATCH for r in health)
+
+    rollouts = read_jsonl(train_dir / "rollouts.jsonl")
+    assert len(rollouts) == len(steps) * GENERATION_BATCH
+    assert Counter(r["step"] for r in rollouts) == dict.fromkeys(steps, GENERATION_BATCH)
+    train_ids = {r["id"] for r in read_jsonl(train_dir.parent / "data" / "train.jsonl")}
+    for row in rollouts:
+        assert ROLLOUT_KEYS <= set(row), sorted(ROLLOUT_KEYS - set(row))
+        assert set(row["rewards"]) == {"format_reward", "correctness_reward"}
+        assert row["id"] in train_ids
+        assert isinstance(row["completion"], str)
+        assert row["rewards"]["format_reward"] == format_reward([row["completion"]])[0]
+        assert row["rewards"]["correctness_reward"] == varied_reward([row["completion"]], ["0"])[0]
+        assert 0 < row["length"] <= COMPLETION_TOKENS
+        assert isinstance(row["truncated"], bool)
+        if row["truncated"]:
+            assert row["length"] == COMPLETION_TOKENS
+    # each group of num_generations rows shares a prompt; advantages are centred and ordered by total reward
+    for start in range(0, len(rollouts), NUM_GENERATIONS):
+        group = rollouts[start : start + NUM_GENERATIONS]
+        assert len({r["id"] for r in group}) == 1
+        assert sum(r["advantage"] for r in group) == pytest.approx(0.0, abs=1e-4)
+        totals = [0.3 * r["rewards"]["format_reward"] + r["rewards"]["correctness_reward"] for r in group]
+        for a, ta in zip(group, totals):
+            for b, tb in zip(group, totals):
+                if ta > tb:
+                    assert a["advantage"] > b["advantage"]
+    assert any(r["advantage"] != 0 for r in rollouts)  # the reward gave a learning signal
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# resume
+
+
+def test_resume_continues_from_the_last_checkpoint_without_duplicating_steps(
+    prepared, tmp_path: Path, learnable
+) -> None:
+    run_dir = copy_run(prepared, tmp_path)
+    train(quick_config(tmp_path, "train.max_steps=2"), run_dir)
+    checkpoints = run_dir / "train" / "checkpoints"
+    assert (checkpoints / "checkpoint-1").is_dir() and (checkpoints / "checkpoint-2").is_dir()
+
+    longer = quick_config(tmp_path, "train.max_steps=3")
+    assert not is_trained(longer, run_dir)  # another config: the stage is not done for it
+    result = train(longer, run_dir)
+    assert result.summary["resumed_from_step"] == 2 and result.summary["steps"] == 3
+    assert read_json(run_dir / "train" / "summary.json")["resumed_from_step"] == 2
+    check_records(run_dir / "train", steps=[1, 2, 3])
+
+    # killed after step 3 was logged but before its checkpoint was complete: step 3 is redone, once
+    shutil.rmtree(checkpoints / "checkpoint-3")
+    result = train(longer, run_dir)
+    assert result.summary["resumed_from_step"] == 2 and result.summary["steps"] == 3
+    check_records(run_dir / "train", steps=[1, 2, 3])
+
+
+def test_no_resume_starts_from_step_zero(prepared, tmp_path: Path, learnable) -> None:
+    run_dir = copy_run(prepared, tmp_path)
+    config = quick_config(tmp_path, "train.max_steps=1")
+    train(config, run_dir)
+    result = train(config, run_dir, resume=False)
+    assert result.summary["resumed_from_step"] == 0 and result.summary["steps"] == 1
+    check_records(run_dir / "train", steps=[1])  # the first run's rows were replaced, not appended to
