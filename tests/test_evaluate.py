@@ -249,10 +249,14 @@ def test_resume_after_a_kill_gives_exactly_one_record_per_id(baseline, tmp_path:
     assert len(full) == HOLDOUT
     items = load_holdout(config, run_dir)
 
-    for damage in ("killed after the first batch", "killed mid-line in the second batch"):
-        kept = full[:2]  # the first batch (batch_size=2) was written
-        torn = full[2][: len(full[2]) // 2] if "mid-line" in damage else ""
-        path.write_text("".join(kept) + torn)
+    damages = {  # batch_size=2: lines 0-1 are the first batch, 2-3 the second
+        "killed after the first batch": (2, False),
+        "killed while writing the second batch's first line": (2, True),
+        "killed while writing the second batch's second line": (3, True),
+    }
+    for damage, (complete, torn) in damages.items():
+        kept = full[:complete]
+        path.write_text("".join(kept) + (full[complete][: len(full[complete]) // 2] if torn else ""))
         evaluate(config, run_dir, "baseline")
         text = path.read_text()
         assert text.startswith("".join(kept)), damage  # earlier records untouched
@@ -271,7 +275,8 @@ def test_resume_after_a_kill_gives_exactly_one_record_per_id(baseline, tmp_path:
 
 
 def test_sampled_evaluation_records_pass_at_k_and_majority(prepared, tmp_path: Path) -> None:
-    config = quick_config(tmp_path, "qwen3_vl", "eval.do_sample=true", "eval.num_samples=3", "eval.temperature=1.0")
+    sampled = ["eval.do_sample=true", "eval.num_samples=3", "eval.temperature=1.0"]
+    config = quick_config(tmp_path, "qwen3_vl", *sampled)
     run_dir = copy_run(prepared["qwen3_vl"], tmp_path)
     result = evaluate(config, run_dir, "baseline")
     records = read_jsonl(result.records_path)
@@ -295,12 +300,16 @@ def test_sampled_evaluation_records_pass_at_k_and_majority(prepared, tmp_path: P
         sum(r["majority_correct"] for r in records) / len(records)
     )
 
-    # seeded per batch: a resumed sampled evaluation regenerates exactly what was lost
+    # seeded per batch: a resumed sampled evaluation regenerates exactly what was lost, even when the kill
+    # tore the second batch's lines (its first record kept, its second cut short)
     path = result.records_path
     full = path.read_text().splitlines(keepends=True)
-    path.write_text("".join(full[:2]))
+    path.write_text("".join(full[:3]) + full[3][: len(full[3]) // 2])
     evaluate(config, run_dir, "baseline")
+    text = path.read_text()
+    assert text.startswith("".join(full[:3]))
     again = read_jsonl(path)
+    assert [r["id"] for r in again] == [i["id"] for i in items]
     assert [[s["completion"] for s in r["samples"]] for r in again] == [
         [s["completion"] for s in json.loads(line)["samples"]] for line in full
     ]
@@ -350,7 +359,8 @@ def test_our_verdict_and_mathvistas_differ_where_the_rules_differ(
     solution: str, gold: str, answer_type: str, precision: int | None, ours: bool, mathvista: bool
 ) -> None:
     completion = f"<REASONING>\nread the chart\n</REASONING>\n<SOLUTION>{solution}</SOLUTION>"
-    record = make_record(_item(gold, answer_type, precision), [_gen(completion)], {"model": "m"}, 0.5, "after")
+    item = _item(gold, answer_type, precision)
+    record = make_record(item, [_gen(completion)], {"model": "m"}, 0.5, "after")
     assert record["pred"] == solution
     assert record["correct"] is ours
     assert record["mathvista_correct"] is mathvista
@@ -359,7 +369,8 @@ def test_our_verdict_and_mathvistas_differ_where_the_rules_differ(
 
 
 def test_record_of_an_unformatted_truncated_completion() -> None:
-    record = make_record(_item("3"), [_gen("the answer is 3", tokens=12, truncated=True)], {}, 0.25, "baseline")
+    generation = _gen("the answer is 3", tokens=12, truncated=True)
+    record = make_record(_item("3"), [generation], {}, 0.25, "baseline")
     assert record["pred"] is None and record["correct"] is False and record["mathvista_correct"] is False
     assert record["format_ok"] is False and record["truncated"] is True and record["generated_tokens"] == 12
     assert record["seconds"] == 0.25

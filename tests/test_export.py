@@ -85,7 +85,8 @@ def checks_by_name(report: dict) -> dict[str, dict]:
 def holdout_logits(model, processor, run_dir: Path) -> torch.Tensor:
     item = read_jsonl(run_dir / "data" / "holdout.jsonl")[0]
     with Image.open(run_dir / item["image"]) as img:
-        batch = encode_batch(processor, [item["prompt"]], [img.convert("RGB")], next(model.parameters()).device)
+        device = next(model.parameters()).device
+        batch = encode_batch(processor, [item["prompt"]], [img.convert("RGB")], device)
     with torch.inference_mode():
         return model(**batch).logits.float().cpu()
 
@@ -146,13 +147,13 @@ def _broken_copy(adapter: Path, tmp_path: Path, damage) -> tuple[Path, str]:
 
 
 def _zero_one_b(tensors: dict) -> str:
-    key = sorted(k for k in tensors if "lora_B" in k)[0]
+    key = min(k for k in tensors if "lora_B" in k)
     tensors[key] = torch.zeros_like(tensors[key])
     return key
 
 
 def _nan_in_one_a(tensors: dict) -> str:
-    key = sorted(k for k in tensors if "lora_A" in k)[-1]
+    key = max(k for k in tensors if "lora_A" in k)
     tensors[key] = tensors[key].clone()
     tensors[key][0, 0] = float("nan")
     return key
@@ -190,7 +191,8 @@ def test_verify_fails_without_the_weights_file(tmp_path: Path) -> None:
 
 
 def test_base_model_check_fails_for_another_base(tmp_path: Path) -> None:
-    (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "google/gemma-3-4b-it"}))
+    recorded = {"base_model_name_or_path": "google/gemma-3-4b-it"}
+    (tmp_path / "adapter_config.json").write_text(json.dumps(recorded))
     check = check_base_model(tmp_path, "/runs/demo/base-model")
     assert check.passed is False and check.value == "google/gemma-3-4b-it"
     (tmp_path / "adapter_config.json").write_text(json.dumps({}))

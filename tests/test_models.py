@@ -146,7 +146,8 @@ def _lora_module_names(model) -> list[str]:
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_lora_adapts_only_language_attention_and_mlp(arch: str, run_dirs) -> None:
     loaded = _load(arch, run_dirs[arch])
-    vision_before = sum(p.numel() for n, p in loaded.model.named_parameters() if n.startswith(VISION_PREFIXES))
+    named = loaded.model.named_parameters()
+    vision_before = sum(p.numel() for n, p in named if n.startswith(VISION_PREFIXES))
     model, report = apply_lora(loaded.model, LoraConfig(r=4, alpha=8))
 
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}

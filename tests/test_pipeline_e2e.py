@@ -30,8 +30,8 @@ ARTIFACTS = (
     "config.yaml", "env.json", "data/summary.json", "data/train.jsonl", "data/holdout.jsonl",
     "baseline_records.jsonl", "baseline_summary.json", "train/metrics.jsonl", "train/rollouts.jsonl",
     "train/health.jsonl", "train/summary.json", "train/final/adapter_config.json", "after_records.jsonl",
-    "after_summary.json", "comparison.json", "adapter/adapter_config.json", "adapter/adapter_model.safetensors",
-    "export.json", "report.html",
+    "after_summary.json", "comparison.json", "adapter/adapter_config.json",
+    "adapter/adapter_model.safetensors", "export.json", "report.html",
 )  # fmt: skip
 
 
@@ -164,7 +164,7 @@ def test_default_run_on_a_fresh_machine(tmp_path: Path, vlmrl_cache: Path) -> No
     started = time.perf_counter()
     result = subprocess.run(
         [*command, "run", "--set", f"run.output_dir={tmp_path}"],
-        env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+        env=env, capture_output=True, text=True, timeout=1200, cwd=tmp_path, check=False,
     )
     seconds = time.perf_counter() - started
     print(f"vlmrl run (default): {seconds:.0f} s")
@@ -174,4 +174,4 @@ def test_default_run_on_a_fresh_machine(tmp_path: Path, vlmrl_cache: Path) -> No
     check_artifacts(run_dir)
     assert read_json(run_dir / "train" / "summary.json")["steps"] == load_config("demo").train.max_steps
     assert any(vlmrl_cache.glob("demo-policy-*/demo_policy.json"))
-    assert seconds < 600
+    assert seconds < 600, f"the default run took {seconds:.0f} s"

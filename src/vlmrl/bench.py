@@ -220,26 +220,35 @@ def run_path(path: str, settings: BenchSettings, shapes: dict, processor_dir: Pa
     from trl import GRPOConfig, GRPOTrainer
 
     from vlmrl.fastgen import enable_fast_generation
+    from vlmrl.models.loading import multimodal_token_ids
     from vlmrl.rewards import correctness_reward, format_reward
 
     _free()
     torch.cuda.reset_peak_memory_stats()
     model = build_shaped_model(shapes, processor_dir, load_in_4bit=settings.load_in_4bit, work=work)
     processor = AutoProcessor.from_pretrained(str(processor_dir))
+    # TRL re-processes prompts for the loss with the processor's own padding side but pads prompt ids on the
+    # left; with right padding and prompts of different lengths the image-token mask is shifted and Qwen's
+    # rope index crashes (TRL 1.16). vlmrl's loader always sets left; the plain path needs it to run at all.
+    processor.tokenizer.padding_side = "left"
     args = GRPOConfig(
         output_dir=str(work / f"out-{path}"),
         per_device_train_batch_size=settings.prompts,
         gradient_accumulation_steps=settings.generations,
         num_generations=settings.generations,
         max_completion_length=settings.completion,
-        generation_kwargs={"min_new_tokens": settings.completion},  # force full-length completions
+        # Full-length completions; and no image/video delimiter tokens, which a random-weight model samples
+        # (TRL suppresses only the image token; a stray <|vision_start|> crashes the next forward pass).
+        generation_kwargs={"min_new_tokens": settings.completion,
+                           "suppress_tokens": multimodal_token_ids(model.config)},
         importance_sampling_level="sequence" if settings.algorithm == "gspo" else "token",
         loss_type="dr_grpo",
         learning_rate=5e-6,
         max_grad_norm=0.1,
         max_steps=settings.steps,
         gradient_checkpointing=True,
-        bf16=True,
+        bf16=torch.cuda.is_available(),
+        use_cpu=not torch.cuda.is_available(),
         optim="adamw_8bit" if settings.load_in_4bit else "adamw_torch",
         reward_weights=[0.3, 1.0],
         logging_steps=1,

@@ -2,8 +2,8 @@
 
 A record keeps the raw completion *and* everything derived from it (extracted answer, each reward, our
 verdict and MathVista's), plus the ids and hashes that join a baseline record to its after-training twin.
-An interrupted evaluation resumes at the first missing id; records from a different evaluation setting are
-refused rather than mixed.
+An interrupted evaluation resumes at the first batch with a missing id; records from a different evaluation
+setting are refused rather than mixed.
 
 Checks that need no model (holdout present, non-empty and from this config; adapter folder present and
 made for this base model) run first, so a mistake costs seconds, not a model load.
@@ -65,21 +65,23 @@ def evaluate(
     records_path = run_dir / f"{stage}_records.jsonl"
     settings = generation_settings(config, adapter)
     done = _existing_records(records_path, settings)
-    todo = [item for item in items if item["id"] not in done]
-    positions = {item["id"]: index for index, item in enumerate(items)}
+    size = config.eval.batch_size
+    # Batches are fixed slices of the holdout, and one with any record missing is generated whole (only its
+    # missing records are kept): a kill that tore a batch's lines then changes no other batch's inputs.
+    starts = range(0, len(items), size)
+    todo = [start for start in starts if any(item["id"] not in done for item in items[start : start + size])]
 
     # step 2: generate what is missing, a batch at a time, appending records as each batch finishes
     if todo:
         loaded = _load_for_eval(config, run_dir, adapter)
         compiled = use_compiled_decode(config.eval.compile)
-        size = config.eval.batch_size
-        started, tokens = time.perf_counter(), 0
+        started, tokens, finished = time.perf_counter(), 0, len(done)
         if progress:
-            progress(len(done), len(items), 0)
-        for start in range(0, len(todo), size):
-            batch = todo[start : start + size]
-            # Seeded per batch from its first item, so sampled evaluations repeat exactly, resumed or not.
-            torch.manual_seed(config.run.seed * 1_000_003 + positions[batch[0]["id"]])
+            progress(finished, len(items), 0)
+        for start in todo:
+            batch = items[start : start + size]
+            # Seeded by its place in the holdout: a sampled evaluation repeats exactly, resumed or not.
+            torch.manual_seed(config.run.seed * 1_000_003 + start)
             t0 = time.perf_counter()
             generations = generate_batch(
                 loaded.model,
@@ -93,12 +95,14 @@ def evaluate(
                 compiled=compiled,
             )
             seconds = time.perf_counter() - t0
-            rows = [make_record(item, gens, settings, seconds / len(batch), stage) for item, gens in zip(batch, generations)]
+            rows = [make_record(item, gens, settings, seconds / len(batch), stage)
+                    for item, gens in zip(batch, generations) if item["id"] not in done]
             append_jsonl(records_path, rows)
             tokens += sum(r["generated_tokens"] for r in rows)
+            finished += len(rows)
             if progress:
-                progress(len(done) + start + len(batch), len(items), tokens)
-        log.info("%s eval: %d items in %.1fs", stage, len(todo), time.perf_counter() - started)
+                progress(finished, len(items), tokens)
+        log.info("%s eval: %d items in %.1fs", stage, finished - len(done), time.perf_counter() - started)
 
     # step 3: the summary is recomputed from the records on disk, so it always matches them
     records = read_jsonl(records_path)

@@ -76,7 +76,7 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
     checkpoints = train_dir / "checkpoints"
     # step 1: data, and the trainer's arguments (a bad trl_overrides key fails here, before any model loads)
     dataset = build_train_dataset(run_dir)
-    args, notes = build_grpo_config(config, checkpoints)
+    args, notes = build_grpo_config(config, checkpoints, suppress_tokens=_multimodal_ids(config, run_dir))
     # step 2: model
     loaded = load_model(config.model, run_dir, for_training=True)
     model, lora_report = apply_lora(loaded.model, config.lora, backend=loaded.backend, seed=config.run.seed)
@@ -160,7 +160,9 @@ def build_train_dataset(run_dir: Path):
     return datasets.Dataset.from_dict(table).cast_column("image", datasets.Image())
 
 
-def build_grpo_config(config: Config, output_dir: Path) -> tuple[Any, list[str]]:
+def build_grpo_config(
+    config: Config, output_dir: Path, *, suppress_tokens: list[int] | None = None
+) -> tuple[Any, list[str]]:
     """GRPOConfig from our typed config; returns it and notes about any fallback taken."""
     from trl import GRPOConfig
 
@@ -210,12 +212,21 @@ def build_grpo_config(config: Config, output_dir: Path) -> tuple[Any, list[str]]
         log_completions=False,
         dataloader_num_workers=0,
         disable_tqdm=True,
+        generation_kwargs={"suppress_tokens": suppress_tokens} if suppress_tokens else None,
     )
     unknown = sorted(set(t.trl_overrides) - {f.name for f in dataclasses.fields(GRPOConfig)})
     if unknown:
         raise TrainError(f"train.trl_overrides: {', '.join(unknown)} not GRPOConfig fields (TRL {_trl_version()}).")
     kwargs.update(t.trl_overrides)
     return GRPOConfig(**kwargs), notes
+
+
+def _multimodal_ids(config: Config, run_dir: Path) -> list[int]:
+    from transformers import AutoConfig
+
+    from vlmrl.models.loading import multimodal_token_ids, resolve_model_source
+
+    return multimodal_token_ids(AutoConfig.from_pretrained(resolve_model_source(config.model.name, run_dir)))
 
 
 def is_trained(config: Config, run_dir: Path) -> bool:

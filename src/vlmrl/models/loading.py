@@ -111,6 +111,20 @@ def detect_family(source: str) -> str:
     return model_type or "unknown"
 
 
+MULTIMODAL_TOKEN_FIELDS = (
+    "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id",  # Qwen-VL
+    "image_token_index", "boi_token_index", "eoi_token_index",  # Gemma 3
+)
+
+
+def multimodal_token_ids(model_config: Any) -> list[int]:
+    """Image/video placeholder and delimiter ids. A sampled one would make the next forward pass look for an
+    image that is not there (Qwen's rope index crashes on a stray `<|vision_start|>`), so rollouts suppress them.
+    TRL suppresses only `image_token_id`."""
+    ids = {getattr(model_config, name, None) for name in MULTIMODAL_TOKEN_FIELDS}
+    return sorted(i for i in ids if isinstance(i, int))
+
+
 def resolve_dtype(name: str) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if torch.cuda.is_available() else torch.float32
