@@ -69,8 +69,12 @@ def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug l
 @app.command()
 def doctor(
     run_dir: Annotated[Optional[Path], typer.Argument(help="Write env.json into this run directory.")] = None,
+    config_source: Annotated[Optional[str], typer.Option("--config", help="Also predict this config's GPU memory.")] = None,
+    set_: SetOpt = None,
+    prompt_tokens: Annotated[int, typer.Option(help="Prompt length (image tokens included) for the prediction.")] = 384,
 ) -> None:
-    """Stage 1: versions, GPU, optional backends, free disk (exit 0 on a CPU-only machine)."""
+    """Stage 1: versions, GPU, optional backends, free disk (exit 0 on a CPU-only machine); with --config, a
+    memory preflight."""
     from vlmrl.doctor import collect_environment
     from vlmrl.io import write_json_atomic
 
@@ -89,9 +93,31 @@ def doctor(
         table.add_row(name, "[green]available[/green]" if ok else "not installed")
     table.add_row("disk free", f"{env['disk_free_gib']} GiB")
     console.print(table)
+    if config_source is not None:
+        _preflight(_config(config_source, set_), env, prompt_tokens)
     if run_dir is not None:
         write_json_atomic(Path(run_dir) / "env.json", env)
         console.print(f"wrote {Path(run_dir) / 'env.json'}")
+
+
+def _preflight(config: Config, env: dict, prompt_tokens: int) -> None:
+    from vlmrl.preflight import advice, estimate_memory, shapes_for
+
+    shapes = shapes_for(config.model.name)
+    if shapes is None:
+        console.print(f"preflight: no local config.json or shipped shapes for {config.model.name!r}; "
+                      "point model.name at a downloaded folder to get a prediction.", highlight=False)
+        return
+    # The prediction is for the GPU the config is meant for, where `auto` turns fast generation on.
+    estimate = estimate_memory(config, shapes, prompt_tokens=prompt_tokens,
+                               fast_generation=config.train.fast_generation != "never")
+    table = Table(title=f"memory preflight: {config.model.name} (prompt {prompt_tokens} tokens)", show_header=False)
+    for key, value in estimate.as_dict().items():
+        table.add_row(key.removesuffix("_gib").replace("_", " "), f"{value:.1f} GiB")
+    console.print(table)
+    devices = env["cuda"]["devices"]
+    for line in advice(estimate, devices[0]["memory_gib"] if devices else None, config):
+        console.print(f"[yellow]warning:[/yellow] {escape(line)}")
 
 
 @config_app.command("show")

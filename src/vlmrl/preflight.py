@@ -1,0 +1,127 @@
+"""Memory preflight: predict a run's peak GPU memory from the config and the model's shapes, before loading.
+
+The prediction is arithmetic on the same quantities that fill the card:
+
+    weights            all parameters x bytes per parameter (bf16 2, bnb nf4 ~0.56 with its scales; the vision
+                       tower and LM head stay 16-bit under 4-bit loading)
+    LoRA + optimizer   trainable parameters x 16 bytes (fp32 weight, gradient, two Adam moments; 8-bit Adam: 10)
+    rollout KV cache   generation batch x (prompt + completion) x layers x 2 x kv heads x head dim x 2 bytes
+    training           one micro-batch: checkpointed layer inputs (tokens x hidden x 2 bytes x layers) plus one
+                       layer's recomputed activations and the log-prob pass over the completion tokens
+
+Generation and the loss pass do not overlap, so the peak is the larger of the two phases, except that vlmrl's
+static KV cache (fast generation) stays allocated between steps and is counted in both. Host RAM: the model
+is loaded through host memory once, so about the weights' size plus 4 GiB.
+
+Checked against the H200 benchmark (`docs/benchmarks.md`); the tests cover the arithmetic.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from vlmrl.config import Config
+
+GIB = 2**30
+SHAPES_BY_NAME = {"qwen3-vl-8b": "qwen3_vl_8b"}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    weights_gib: float
+    lora_and_optimizer_gib: float
+    kv_cache_gib: float
+    training_gib: float
+    peak_gib: float
+    host_ram_gib: float
+
+    def as_dict(self) -> dict:
+        return {k: round(v, 2) for k, v in self.__dict__.items()}
+
+
+def shapes_for(model_name: str) -> dict | None:
+    """The model's config: a local config.json, or a shipped shapes file for a known hub id."""
+    local = Path(model_name) / "config.json"
+    if local.is_file():
+        return json.loads(local.read_text())
+    lowered = model_name.lower()
+    for key, shapes in SHAPES_BY_NAME.items():
+        if key in lowered:
+            from vlmrl.bench import load_shapes
+
+            return load_shapes(shapes)
+    return None
+
+
+def count_params(shapes: dict) -> tuple[int, int, int]:
+    """(language decoder params incl. embeddings and head, vision params, LoRA params per rank unit)."""
+    t = shapes["text_config"]
+    h, i, layers, vocab = t["hidden_size"], t["intermediate_size"], t["num_hidden_layers"], t["vocab_size"]
+    heads, kv = t["num_attention_heads"], t["num_key_value_heads"]
+    d = t.get("head_dim") or h // heads
+    attention = h * d * (heads + 2 * kv) + heads * d * h
+    mlp = 3 * h * i
+    tied = shapes.get("tie_word_embeddings", t.get("tie_word_embeddings", False))
+    language = layers * (attention + mlp) + vocab * h * (1 if tied else 2)
+    v = shapes.get("vision_config", {})
+    vh, vi, depth = v.get("hidden_size", 0), v.get("intermediate_size", 0), v.get("depth", 0)
+    vision = depth * (4 * vh * vh + 2 * vh * vi) + vh * v.get("out_hidden_size", h) * 4
+    # LoRA A (in x r) + B (r x out) for q, k, v, o, gate, up, down, per unit of rank
+    lora_unit = layers * ((h + heads * d) + 2 * (h + kv * d) + (heads * d + h) + 2 * (h + i) + (i + h))
+    return language, vision, lora_unit
+
+
+def estimate_memory(config: Config, shapes: dict, *, prompt_tokens: int, fast_generation: bool) -> MemoryEstimate:
+    t = shapes["text_config"]
+    language, vision, lora_unit = count_params(shapes)
+    head = t["vocab_size"] * t["hidden_size"]
+    if config.model.load_in_4bit:
+        weights = (language - head) * 0.5625 + (head + vision) * 2  # nf4 + double-quantized scales
+    else:
+        weights = (language + vision) * 2
+    lora = lora_unit * config.lora.r
+    optimizer_bytes = 10 if "8bit" in config.train.optim else 16
+    tr = config.train
+    generation_batch = tr.per_device_train_batch_size * (tr.steps_per_generation or tr.gradient_accumulation_steps)
+    d = t.get("head_dim") or t["hidden_size"] // t["num_attention_heads"]
+    kv_per_token = 2 * t["num_hidden_layers"] * t["num_key_value_heads"] * d * 2
+    bucket = config.train.prompt_bucket if fast_generation else 1
+    padded_prompt = -(-prompt_tokens // bucket) * bucket
+    kv = generation_batch * (padded_prompt + tr.max_completion_length) * kv_per_token
+    tokens = tr.per_device_train_batch_size * (prompt_tokens + tr.max_completion_length)
+    checkpoints = tokens * t["hidden_size"] * 2 * t["num_hidden_layers"]
+    one_layer = tokens * (6 * t["hidden_size"] + 3 * t["intermediate_size"]) * 2
+    logprob_pass = tr.per_device_train_batch_size * tr.max_completion_length * t["vocab_size"] * 4 / 8  # chunked
+    training = (checkpoints if tr.gradient_checkpointing else checkpoints * 8) + one_layer + logprob_pass
+    fixed = weights + lora * optimizer_bytes
+    generation_phase = fixed + kv
+    training_phase = fixed + training + (kv if fast_generation else 0)
+    peak = max(generation_phase, training_phase)
+    return MemoryEstimate(
+        weights_gib=weights / GIB,
+        lora_and_optimizer_gib=lora * optimizer_bytes / GIB,
+        kv_cache_gib=kv / GIB,
+        training_gib=training / GIB,
+        peak_gib=peak / GIB,
+        host_ram_gib=((language + vision) * 2) / GIB + 4,
+    )
+
+
+def advice(estimate: MemoryEstimate, gpu_gib: float | None, config: Config) -> list[str]:
+    """What to change when the prediction does not fit (empty when it fits or there is no GPU to compare)."""
+    if gpu_gib is None or estimate.peak_gib <= 0.92 * gpu_gib:
+        return []
+    tips = []
+    if not config.model.load_in_4bit:
+        tips.append("model.load_in_4bit=true (weights to about a quarter)")
+    if estimate.kv_cache_gib > 0.2 * estimate.peak_gib:
+        tips.append("a smaller train.max_completion_length or fewer completions per step "
+                    "(per_device_train_batch_size) — the rollout KV cache is "
+                    f"{estimate.kv_cache_gib:.1f} GiB")
+    if not config.train.gradient_checkpointing:
+        tips.append("train.gradient_checkpointing=true")
+    if "8bit" not in config.train.optim:
+        tips.append("train.optim=adamw_8bit")
+    return [f"predicted peak {estimate.peak_gib:.1f} GiB exceeds this GPU ({gpu_gib:.1f} GiB); try: " + "; ".join(tips)]

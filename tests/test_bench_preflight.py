@@ -1,0 +1,93 @@
+"""Benchmark bookkeeping and the memory preflight arithmetic (the GPU runs themselves are reproduced by
+`benchmarks/gpu_bench_bf16.sh`; their tables are in docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from vlmrl.bench import (
+    BenchSettings,
+    decode_floor_ms,
+    kv_bytes_per_token,
+    language_param_count,
+    load_shapes,
+    markdown_table,
+    summarize,
+    train_floor_s,
+)
+from vlmrl.config import load_config
+from vlmrl.preflight import advice, count_params, estimate_memory, shapes_for
+
+SHAPES = load_shapes("qwen3_vl_8b")
+
+
+def test_shipped_shapes_are_qwen3_vl_8b():
+    language, vision, _ = count_params(SHAPES)
+    # Qwen3-VL-8B has 8.77B parameters: an 8.2B Qwen3-8B decoder (untied head) and a ~0.5B vision tower.
+    assert 8.1e9 < language < 8.3e9 and 0.35e9 < vision < 0.65e9
+
+
+def test_kv_bytes_per_token():
+    # 36 layers x (K and V) x 8 kv heads x 128 dims x 2 bytes
+    assert kv_bytes_per_token(SHAPES["text_config"]) == 36 * 2 * 8 * 128 * 2
+
+
+def test_floors():
+    # reading 16 GB at 4 TB/s takes 4 ms; no KV cache term when its bytes are zero
+    assert math.isclose(decode_floor_ms(16e9, 0, 32, 300, 1024, 4e12), 4.0)
+    # 6 x 1e9 params x 1e4 tokens at 6e13 FLOP/s = 1 s
+    assert math.isclose(train_floor_s(1e9, 1e4, 6e13), 1.0)
+    assert 7.4e9 < language_param_count(SHAPES["text_config"]) < 7.7e9  # embedding table not read per token
+
+
+def _raw(path, steps, peak):
+    return {"path": path, "error": None, "fast_generation": None, "peak_memory_gib": peak, "peak_reserved_gib": peak,
+            "steps": [{"seconds": s, "generate_seconds": g} for s, g in steps]}
+
+
+def test_summary_excludes_the_first_step_and_computes_ratios():
+    settings = BenchSettings(steps=3)
+    results = [_raw("plain", [(200, 190), (100, 90), (100, 90)], 24.0), _raw("vlmrl", [(300, 290), (25, 20), (25, 20)], 20.0)]
+    s = summarize(settings, SHAPES, {"matmul_tflops": 800, "copy_bandwidth_tbs": 4.0}, results, prompt_tokens=300)
+    plain, fast = s["paths"]["plain"], s["paths"]["vlmrl"]
+    assert (plain["step_seconds"], plain["first_step_seconds"], plain["generate_seconds"]) == (100, 200, 90)
+    assert math.isclose(plain["decode_ms_per_step"], 90e3 / 1024)
+    assert math.isclose(plain["decode_tokens_per_second"], 32 * 1024 / 90)
+    assert math.isclose(plain["train_tokens_per_second"], 32 * (300 + 1024) / 10)
+    assert math.isclose(s["ratios"]["step_speedup"], 4.0) and math.isclose(s["ratios"]["peak_memory_ratio"], 20 / 24)
+    table = markdown_table(s)
+    assert "| plain | 100.0 | 200.0 | 90.0 |" in table and "step 4.00x faster" in table
+
+
+def test_a_failed_path_is_reported_not_hidden():
+    results = [_raw("plain", [], 1.0) | {"error": "RuntimeError: boom"}]
+    s = summarize(BenchSettings(), SHAPES, {"matmul_tflops": 800, "copy_bandwidth_tbs": 4.0}, results, 300)
+    assert s["paths"]["plain"]["error"] == "RuntimeError: boom" and s["ratios"] == {}
+    assert "failed: RuntimeError: boom" in markdown_table(s)
+
+
+# Peaks measured on an H200 by benchmarks/gpu_bench_bf16.sh (docs/benchmarks.md): seed recipe in bf16 with
+# adamw_torch, prompt 310 tokens: plain TRL 23.9 GiB, vlmrl (static cache kept between steps) 26.3 GiB.
+@pytest.mark.parametrize("fast, measured", [(False, 23.9), (True, 26.3)])
+def test_preflight_is_within_25_percent_of_the_measured_peaks(fast, measured):
+    config = load_config("seed", ["model.load_in_4bit=false", "train.optim=adamw_torch"])
+    estimate = estimate_memory(config, SHAPES, prompt_tokens=310, fast_generation=fast)
+    assert abs(estimate.peak_gib - measured) / measured < 0.25, estimate
+
+
+def test_4bit_shrinks_weights_and_advice_names_fixes():
+    full = estimate_memory(load_config("seed", ["model.load_in_4bit=false"]), SHAPES, prompt_tokens=310,
+                           fast_generation=True)
+    quant = estimate_memory(load_config("seed"), SHAPES, prompt_tokens=310, fast_generation=True)
+    assert quant.weights_gib < 0.45 * full.weights_gib
+    tips = advice(full, 16.0, load_config("seed", ["model.load_in_4bit=false"]))
+    assert tips and "load_in_4bit=true" in tips[0]
+    assert advice(quant, 80.0, load_config("seed")) == []
+    assert advice(quant, None, load_config("seed")) == []
+
+
+def test_shapes_lookup():
+    assert shapes_for("unsloth/Qwen3-VL-8B-Instruct-unsloth-bnb-4bit") == SHAPES
+    assert shapes_for("someone/unknown-model") is None
