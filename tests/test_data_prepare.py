@@ -48,7 +48,7 @@ def test_demo_preset_runs_offline_in_seconds(tmp_path):
     summary = assert_counts_add_up(tmp_path)
     assert summary["counts"] == {"input_rows": 480, "train": 416, "holdout": 64, "dropped": 0}
     assert summary["fingerprint"] == config.data_fingerprint() == result.fingerprint
-    assert set(summary["train_by_category"]) == {"bar_value", "count_squares", "rectangle_perimeter"}
+    assert set(summary["train_by_category"]) == set(config.data.families) == {"count_squares", "bar_value"}
     assert summary["token_budget"]["checked"] is False and "not checked" in summary["token_budget"]["note"]
     assert elapsed < 10
     train, holdout = load_prepared(tmp_path)

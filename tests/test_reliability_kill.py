@@ -165,7 +165,8 @@ def test_sigkill_at_every_stage_then_rerun_loses_and_duplicates_nothing(tmp_path
         assert failed == ["lora_b_nonzero"] and "export verification failed (lora_b_nonzero)" in output, output
         assert all(r["advantage"] == 0 for r in rollouts), "zero B is only right when no step had signal"
 
-    print(f"\nfaults injected: {faults}; records lost: {lost}; duplicated: 0; seconds: {seconds:.0f}")
+    print(f"\nfaults injected: {faults}; records lost: {lost}; duplicated: 0; seconds: {seconds:.0f}; "
+          f"last run exit {final.returncode} (export checks failed: {failed or 'none'})")
     print("\n".join(landed))
     assert lost == 0
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import warnings
 from pathlib import Path
 from typing import Annotated, Optional
@@ -204,10 +205,11 @@ def run(
 
     config = _config(source, set_)
     console.print(f"vlmrl run: [bold]{config.run.name}[/bold] -> {config.run_dir}")
+    started = time.perf_counter()
     outcome = _guard(lambda: run_all(config, force=force, say=lambda m: console.print(m, highlight=False, markup=False),
                                      progress_factory=_Progress))
     _print_comparison(outcome.run_dir / "comparison.json")
-    console.print(f"\n[bold]done[/bold]: {outcome.run_dir}")
+    console.print(f"\n[bold]done[/bold] in {time.perf_counter() - started:.0f} s: {outcome.run_dir}")
     for name in ("config.yaml", "data/summary.json", "baseline_records.jsonl", "train/metrics.jsonl",
                  "train/rollouts.jsonl", "after_records.jsonl", "comparison.json", "adapter", "export.json",
                  "report.html"):

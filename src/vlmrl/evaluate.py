@@ -143,9 +143,18 @@ def check_adapter(adapter: Path, config: Config, run_dir: Path) -> None:
     if not adapter_config.is_file():
         raise EvalError(f"{adapter}: no adapter here (adapter_config.json missing); train first or pass --adapter DIR.")
     recorded = json.loads(adapter_config.read_text()).get("base_model_name_or_path")
-    from vlmrl.models.loading import resolve_model_source
+    from vlmrl.models.loading import BASE_RECORD, base_identity, resolve_model_source
 
     expected = resolve_model_source(config.model.name, run_dir)
+    identity_file = adapter / BASE_RECORD
+    if identity_file.is_file():  # written by `vlmrl train`: exact, and independent of where the run lives
+        trained_on = json.loads(identity_file.read_text())
+        if trained_on != base_identity(config.model.name, expected):
+            raise EvalError(
+                f"{adapter}: this adapter was trained on {trained_on}, but this config's base model is "
+                f"{base_identity(config.model.name, expected)}."
+            )
+        return
     if recorded and Path(recorded).name != Path(expected).name and recorded != expected:
         raise EvalError(
             f"{adapter}: this adapter was trained on {recorded!r}, but model.name resolves to {expected!r}."

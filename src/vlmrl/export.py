@@ -46,7 +46,7 @@ class Check:
 def export_adapter(config: Config, run_dir: Path, *, source: Path | None = None) -> dict:
     """Save `train/final` (or `source`) to `run_dir/adapter/`, verify it, write `export.json`."""
     from vlmrl.evaluate import check_adapter, default_adapter_dir
-    from vlmrl.models.loading import resolve_model_source
+    from vlmrl.models.loading import BASE_RECORD, resolve_model_source
 
     source = source or default_adapter_dir(run_dir)
     check_adapter(source, config, run_dir)
@@ -55,6 +55,8 @@ def export_adapter(config: Config, run_dir: Path, *, source: Path | None = None)
     if out.exists():
         shutil.rmtree(out)
     trained.model.save_pretrained(str(out))
+    if (source / BASE_RECORD).is_file():
+        shutil.copyfile(source / BASE_RECORD, out / BASE_RECORD)
     checks = verify_adapter_weights(out)
     expected_base = resolve_model_source(config.model.name, run_dir)
     checks.append(check_base_model(out, expected_base))
@@ -72,6 +74,7 @@ def export_adapter(config: Config, run_dir: Path, *, source: Path | None = None)
     checks.append(_gguf_check(config))
 
     report = {
+        "fingerprint": export_fingerprint(config),
         "adapter_dir": str(out),
         "source": str(source),
         "base_model": expected_base,
@@ -83,6 +86,20 @@ def export_adapter(config: Config, run_dir: Path, *, source: Path | None = None)
         failed = ", ".join(c.name for c in checks if c.passed is False)
         raise ExportError(f"export verification failed ({failed}); see {run_dir / 'export.json'}.")
     return report
+
+
+def export_fingerprint(config: Config) -> str:
+    from vlmrl.train import train_fingerprint
+
+    return train_fingerprint(config) + config.fingerprint("export")[:8]
+
+
+def is_exported(config: Config, run_dir: Path) -> bool:
+    path = run_dir / "export.json"
+    if not path.exists() or not (run_dir / "adapter" / "adapter_config.json").exists():
+        return False
+    report = json.loads(path.read_text())
+    return bool(report.get("all_passed")) and report.get("fingerprint") == export_fingerprint(config)
 
 
 def verify_adapter_weights(adapter_dir: Path) -> list[Check]:

@@ -57,7 +57,7 @@ def run_all(config: Config, *, force: bool = False, say: Say = print, progress_f
           lambda: evaluate.evaluate(config, run_dir, "after", progress=_progress(progress_factory, "after")))
     stage("compare", False, lambda: compare.compare_runs(run_dir, seed=config.run.seed))
     # 8 export, then the report
-    stage("export", False, lambda: export.export_adapter(config, run_dir))
+    stage("export", export.is_exported(config, run_dir), lambda: export.export_adapter(config, run_dir))
     stage("report", False, lambda: report.write_report(run_dir))
     return outcome
 
@@ -89,14 +89,14 @@ def is_prepared(config: Config, run_dir: Path) -> bool:
 
 
 def eval_done(config: Config, run_dir: Path, stage: str) -> bool:
-    from vlmrl.evaluate import load_holdout
+    from vlmrl.evaluate import EvalError, load_holdout
 
     summary = run_dir / f"{stage}_summary.json"
     if not summary.exists():
         return False
     try:
         return read_json(summary).get("n") == len(load_holdout(config, run_dir))
-    except Exception:
+    except (OSError, ValueError, AttributeError, EvalError):  # unreadable or not ours: evaluate (again)
         return False
 
 

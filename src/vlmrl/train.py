@@ -62,7 +62,7 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
 
     from vlmrl.fastgen import FastGeneration, enable_fast_generation
     from vlmrl.fastgen import wanted as fastgen_wanted
-    from vlmrl.models.loading import load_model
+    from vlmrl.models.loading import BASE_RECORD, base_identity, load_model
     from vlmrl.models.lora import apply_lora
     from vlmrl.records import (
         HealthMonitor,
@@ -116,6 +116,7 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
     # step 5: save
     final_dir = train_dir / "final"
     trainer.save_model(str(final_dir))
+    write_json_atomic(final_dir / BASE_RECORD, base_identity(config.model.name, loaded.source))
     summary = {
         "fingerprint": train_fingerprint(config),
         "algorithm": config.train.algorithm,

@@ -107,7 +107,9 @@ def to_rgb(img: Image.Image) -> Image.Image:
         return img
     if mode == "P":
         img = img.convert("RGBA" if "transparency" in img.info else "RGB")
-    elif mode in ("LA", "PA", "RGBa", "La"):
+    elif mode == "La":  # premultiplied grey + alpha: PIL converts it to RGBA only by way of LA
+        img = img.convert("LA").convert("RGBA")
+    elif mode in ("LA", "PA", "RGBa"):
         img = img.convert("RGBA")
     elif mode in ("I", "I;16", "I;16B", "I;16L", "I;16N", "F"):
         img = Image.fromarray(_to_uint8(np.asarray(img)), mode="L")

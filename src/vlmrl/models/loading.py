@@ -96,6 +96,19 @@ def load_model(config: ModelConfig, run_dir: Path | None = None, *, for_training
     return LoadedModel(model=model, processor=processor, backend=backend, family=family, source=source)
 
 
+BASE_RECORD = "vlmrl_base.json"
+
+
+def base_identity(config_name: str, source: str) -> dict:
+    """What an adapter must be loaded onto: the configured name and a hash of the base model's config.json
+    (local folders only; a hub id is identified by its name)."""
+    import hashlib
+
+    config_json = Path(source) / "config.json"
+    digest = hashlib.sha256(config_json.read_bytes()).hexdigest()[:16] if config_json.is_file() else None
+    return {"model_name": config_name, "config_sha256": digest}
+
+
 def detect_family(source: str) -> str:
     """The model family from a local config.json, or from the hub id's name when not local."""
     config_path = Path(source) / "config.json"
