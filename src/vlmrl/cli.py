@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shlex
 import time
 import warnings
 from pathlib import Path
@@ -32,6 +33,12 @@ console = Console()
 ConfigArg = Annotated[Optional[str], typer.Argument(help=f"Preset ({', '.join(PRESETS)}) or YAML file; default demo.")]
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override a field: section.field=value (repeatable).")]
 RunDirOpt = Annotated[Optional[Path], typer.Option("--run-dir", help="Run directory (default: <output_dir>/<name>).")]
+GpusOpt = Annotated[int, typer.Option(
+    "--gpus", min=1, help="Run as N processes, one per GPU of this host, through `accelerate launch` (on a machine "
+    "without CUDA: N CPU processes). Already under accelerate launch / torchrun: ignored.")]
+StrategyOpt = Annotated[str, typer.Option(
+    "--strategy", help="With --gpus N: ddp (default, LoRA) | fsdp | zero2 | zero3 (DeepSpeed), a shipped accelerate "
+    "config in vlmrl/accelerate/.")]
 
 
 def _fail(message: str, code: int = 1) -> None:
@@ -48,6 +55,47 @@ def _config(source: str | None, overrides: list[str] | None, run_dir: Path | Non
         config.run.output_dir = str(run_dir.parent)
         config.run.name = run_dir.name
     return config
+
+
+def _relaunch_if_asked(gpus: int, strategy: str, command: list[str]) -> None:
+    """With --gpus N>1 in a single process, re-run `vlmrl <command>` as N processes through accelerate launch
+    and exit with its status; otherwise return and let the command run here."""
+    import subprocess
+
+    from vlmrl.distributed import STRATEGIES, LaunchError, check_launch, launch_command, world_size
+
+    if strategy not in STRATEGIES:
+        _fail(f"--strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}.", 2)
+    if gpus == 1 or world_size() > 1:  # one process asked for, or already launched as several
+        if strategy != "ddp" and world_size() == 1:
+            _fail(f"--strategy {strategy} needs --gpus N with N > 1.", 2)
+        return
+    try:
+        note = check_launch(gpus, strategy)
+    except LaunchError as exc:
+        _fail(str(exc), 2)
+    if note:
+        console.print(f"[yellow]note:[/yellow] {escape(note)}")
+    verbose = ["--verbose"] if logging.getLogger().level == logging.DEBUG else []
+    argv = launch_command([*verbose, *command], gpus=gpus, strategy=strategy)
+    console.print(f"launching: {shlex.join(argv)}", highlight=False, markup=False, soft_wrap=True)
+    raise typer.Exit(subprocess.run(argv, check=False).returncode)
+
+
+def _stage_argv(command: str, source: str | None, overrides: list[str] | None, run_dir: Path | None) -> list[str]:
+    """The arguments that repeat `vlmrl <command> ...` (config, overrides, run dir) in a launched process."""
+    argv = [command, *([source] if source else [])]
+    for item in overrides or []:
+        argv += ["--set", item]
+    return argv + (["--run-dir", str(run_dir)] if run_dir else [])
+
+
+def _one_process_only(command: str) -> None:
+    from vlmrl.distributed import world_size
+
+    if world_size() > 1:
+        _fail(f"vlmrl {command} runs as one process (every rank would write the same files); run it without "
+              "accelerate launch / torchrun. Only train and eval take several (--gpus N).", 2)
 
 
 def _not_implemented(command: str) -> None:
@@ -203,6 +251,7 @@ def run(
     """Every stage in order into one run directory (skips stages already done with this config)."""
     from vlmrl.pipeline import run_all
 
+    _one_process_only("run")
     config = _config(source, set_)
     console.print(f"vlmrl run: [bold]{config.run.name}[/bold] -> {config.run_dir}")
     started = time.perf_counter()
@@ -222,6 +271,7 @@ def prepare(source: ConfigArg = None, set_: SetOpt = None, run_dir: RunDirOpt = 
     """Stage 4: data manifests, normalised images, held-out split, drop report."""
     from vlmrl.pipeline import prepare_with_budget
 
+    _one_process_only("prepare")
     config = _config(source, set_, run_dir)
     result = _guard(lambda: prepare_with_budget(config, config.run_dir))
     summary = json.loads((config.run_dir / "data" / "summary.json").read_text())
@@ -239,12 +289,21 @@ def eval_(
     run_dir: RunDirOpt = None,
     stage: Annotated[str, typer.Option(help="baseline | after")] = "baseline",
     adapter: Annotated[Optional[Path], typer.Option(help="Adapter folder (default for after: train/final).")] = None,
+    gpus: GpusOpt = 1,
+    strategy: StrategyOpt = "ddp",
 ) -> None:
-    """Stages 5 and 7: evaluate the held-out set, one record per item."""
+    """Stages 5 and 7: evaluate the held-out set, one record per item (sharded across --gpus N processes)."""
+    from vlmrl.distributed import is_main_process
     from vlmrl.evaluate import evaluate
 
-    config = _config(source, set_, run_dir)
-    result = _guard(lambda: evaluate(config, config.run_dir, stage, adapter=adapter, progress=_Progress(stage)))
+    config = _config(source, set_, run_dir)  # a bad config fails here, before any process is launched
+    _relaunch_if_asked(gpus, strategy, [*_stage_argv("eval", source, set_, run_dir), "--stage", stage,
+                                        *(["--adapter", str(adapter)] if adapter else [])])
+    main = is_main_process()
+    result = _guard(lambda: evaluate(config, config.run_dir, stage, adapter=adapter,
+                                     progress=_Progress(stage) if main else None))
+    if not main:
+        return
     s = result.summary
     table = Table(title=f"{stage} ({s['n']} items)")
     table.add_column("metric")
@@ -265,13 +324,20 @@ def train(
     set_: SetOpt = None,
     run_dir: RunDirOpt = None,
     resume: Annotated[bool, typer.Option("--resume/--no-resume", help="Continue from the last checkpoint.")] = True,
+    gpus: GpusOpt = 1,
+    strategy: StrategyOpt = "ddp",
 ) -> None:
-    """Stage 6: GRPO / GSPO through TRL's GRPOTrainer."""
+    """Stage 6: GRPO / GSPO through TRL's GRPOTrainer (data-parallel across --gpus N processes)."""
+    from vlmrl.distributed import is_main_process
     from vlmrl.train import train as train_stage
 
-    config = _config(source, set_, run_dir)
+    config = _config(source, set_, run_dir)  # a bad config fails here, before any process is launched
+    _relaunch_if_asked(gpus, strategy, [*_stage_argv("train", source, set_, run_dir),
+                                        *([] if resume else ["--no-resume"])])
     result = _guard(lambda: train_stage(config, config.run_dir, resume=resume,
                                         console_callback=lambda m: console.print(m, highlight=False)))
+    if not is_main_process():
+        return
     console.print_json(json.dumps(result.summary, default=str))
     console.print(f"adapter: {result.final_dir}")
 
@@ -307,6 +373,7 @@ def export(source: ConfigArg = None, set_: SetOpt = None, run_dir: RunDirOpt = N
     """Stage 8: save and verify the adapter (optional merges)."""
     from vlmrl.export import export_adapter
 
+    _one_process_only("export")
     config = _config(source, set_, run_dir)
     report_ = _guard(lambda: export_adapter(config, config.run_dir))
     table = Table(title="export checks")

@@ -7,6 +7,11 @@ setting are refused rather than mixed.
 
 Checks that need no model (holdout present, non-empty and from this config; adapter folder present and
 made for this base model) run first, so a mistake costs seconds, not a model load.
+
+Launched as several processes (`vlmrl eval --gpus N`), the batches still missing are dealt round-robin to the
+ranks; each writes its own `<stage>_records.rank<k>.jsonl`, and rank 0 merges them into the records file in
+holdout order. Batches keep their slices and seeds, so the records do not depend on the number of processes;
+shards a killed run left behind are merged by the next run, whatever its process count.
 """
 
 from __future__ import annotations
@@ -23,11 +28,11 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from vlmrl import stats
+from vlmrl import distributed, stats
 from vlmrl.config import Config
 from vlmrl.generation import generate_batch, use_compiled_decode
 from vlmrl.grading import mathvista_correct, normalize_mathvista
-from vlmrl.io import append_jsonl, read_json, read_jsonl, write_json_atomic
+from vlmrl.io import append_jsonl, read_json, read_jsonl, write_json_atomic, write_jsonl_atomic
 from vlmrl.rewards import score_completion
 
 log = logging.getLogger(__name__)
@@ -64,21 +69,29 @@ def evaluate(
         check_adapter(adapter, config, run_dir)
     records_path = run_dir / f"{stage}_records.jsonl"
     settings = generation_settings(config, adapter)
-    done = _existing_records(records_path, settings)
+    shards = _shard_files(records_path)  # left by a killed multi-process run, if any
+    done = _existing_records([records_path, *shards], settings)
     size = config.eval.batch_size
     # Batches are fixed slices of the holdout, and one with any record missing is generated whole (only its
     # missing records are kept): a kill that tore a batch's lines then changes no other batch's inputs.
     starts = range(0, len(items), size)
     todo = [start for start in starts if any(item["id"] not in done for item in items[start : start + size])]
+    world = distributed.world_size()
+    distributed.barrier()  # every rank has read the same files before any rank writes
+    mine = distributed.my_share(todo)
+    out_path = _shard_path(records_path, distributed.rank()) if world > 1 else records_path
+    live = progress if world == 1 else None  # with several ranks, one rank's count is not the run's
+    if progress and not live and todo:  # several ranks: the bar starts here and fills at the merge
+        progress(len(done), len(items), 0)
 
-    # step 2: generate what is missing, a batch at a time, appending records as each batch finishes
-    if todo:
+    # step 2: generate this rank's missing batches, appending records as each batch finishes
+    if mine:
         loaded = _load_for_eval(config, run_dir, adapter)
         compiled = use_compiled_decode(config.eval.compile)
         started, tokens, finished = time.perf_counter(), 0, len(done)
-        if progress:
-            progress(finished, len(items), 0)
-        for start in todo:
+        if live:
+            live(finished, len(items), 0)
+        for start in mine:
             batch = items[start : start + size]
             # Seeded by its place in the holdout: a sampled evaluation repeats exactly, resumed or not.
             torch.manual_seed(config.run.seed * 1_000_003 + start)
@@ -97,19 +110,42 @@ def evaluate(
             seconds = time.perf_counter() - t0
             rows = [make_record(item, gens, settings, seconds / len(batch), stage)
                     for item, gens in zip(batch, generations) if item["id"] not in done]
-            append_jsonl(records_path, rows)
+            append_jsonl(out_path, rows)
             tokens += sum(r["generated_tokens"] for r in rows)
             finished += len(rows)
-            if progress:
-                progress(finished, len(items), tokens)
-        log.info("%s eval: %d items in %.1fs", stage, finished - len(done), time.perf_counter() - started)
+            if live:
+                live(finished, len(items), tokens)
+        log.info("%s eval: %d items in %.1fs (rank %d of %d)", stage, finished - len(done),
+                 time.perf_counter() - started, distributed.rank(), world)
+    distributed.barrier()  # every shard is complete
 
-    # step 3: the summary is recomputed from the records on disk, so it always matches them
-    records = read_jsonl(records_path)
-    summary = summarize(records, stage=stage, seed=config.run.seed)
+    # step 3: rank 0 merges the shards, then writes the summary, recomputed from the records on disk
     summary_path = run_dir / f"{stage}_summary.json"
-    write_json_atomic(summary_path, summary)
-    return EvalResult(records_path, summary_path, summary)
+    if distributed.is_main_process():
+        shards = _shard_files(records_path)
+        if shards:
+            merge_shards(records_path, shards, [item["id"] for item in items])
+        records = read_jsonl(records_path)
+        if progress and not live and todo:
+            progress(len(records), len(items), sum(r["generated_tokens"] for r in records if r["id"] not in done))
+        write_json_atomic(summary_path, summarize(records, stage=stage, seed=config.run.seed))
+    distributed.barrier()  # the summary exists before any rank reads it
+    return EvalResult(records_path, summary_path, read_json(summary_path))
+
+
+def merge_shards(records_path: Path, shards: list[Path], order: list[str]) -> None:
+    """Fold per-rank shard files into `records_path` (one record per id, the first written wins, holdout
+    order), atomically, then delete the shards. A kill between the two leaves shards whose ids are all
+    in the records file already: the next merge drops them as duplicates."""
+    position = {item_id: i for i, item_id in enumerate(order)}
+    merged: dict[str, dict] = {}
+    for path in [records_path, *shards]:
+        for record in read_jsonl(path):
+            merged.setdefault(record["id"], record)
+    rows = sorted(merged.values(), key=lambda r: position.get(r["id"], len(order)))
+    write_jsonl_atomic(records_path, rows)
+    for path in shards:
+        path.unlink()
 
 
 def load_holdout(config: Config, run_dir: Path) -> list[dict]:
@@ -261,15 +297,25 @@ def summarize(records: list[dict], *, stage: str, seed: int = 0) -> dict:
     return summary
 
 
-def _existing_records(path: Path, settings: dict) -> set[str]:
-    records = read_jsonl(path)
-    for record in records:
-        if record.get("generation") != settings:
-            raise EvalError(
-                f"{path}: holds records made with other generation settings ({record.get('generation')}); "
-                "delete the file or restore the settings to resume."
-            )
-    return {r["id"] for r in records}
+def _existing_records(paths: list[Path], settings: dict) -> set[str]:
+    ids: set[str] = set()
+    for path in paths:
+        for record in read_jsonl(path):
+            if record.get("generation") != settings:
+                raise EvalError(
+                    f"{path}: holds records made with other generation settings ({record.get('generation')}); "
+                    "delete the file or restore the settings to resume."
+                )
+            ids.add(record["id"])
+    return ids
+
+
+def _shard_path(records_path: Path, rank: int) -> Path:
+    return records_path.with_name(f"{records_path.stem}.rank{rank}.jsonl")
+
+
+def _shard_files(records_path: Path) -> list[Path]:
+    return sorted(records_path.parent.glob(f"{records_path.stem}.rank*.jsonl"))
 
 
 def _open_image(run_dir: Path, item: dict) -> Image.Image:

@@ -11,6 +11,9 @@ by the callbacks in `vlmrl.records`.
     step 3  trainer   GRPOTrainer with our rewards and callbacks
     step 4  train     resume from the last checkpoint when one exists
     step 5  save      train/final/ (the adapter) + train/summary.json
+
+Launched as several processes (`vlmrl train --gpus N`), every rank runs these steps (TRL shards the prompts,
+transformers the checkpoints); only rank 0 writes the records, `train/final/vlmrl_base.json` and the summary.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any
 
 import torch
 
+from vlmrl import distributed
 from vlmrl.config import Config
 from vlmrl.io import (
     DiskSpaceError,
@@ -77,6 +81,7 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
     # step 1: data, and the trainer's arguments (a bad trl_overrides key fails here, before any model loads)
     dataset = build_train_dataset(run_dir)
     args, notes = build_grpo_config(config, checkpoints, suppress_tokens=_multimodal_ids(config, run_dir))
+    _ = args.device  # sets up the process group (several ranks) and pins this rank's GPU before the model loads
     # step 2: model
     loaded = load_model(config.model, run_dir, for_training=True)
     model, lora_report = apply_lora(loaded.model, config.lora, backend=loaded.backend, seed=config.run.seed)
@@ -106,7 +111,8 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
     # step 4: train, resuming from the last complete checkpoint if there is one
     last = last_complete_checkpoint(checkpoints) if resume else None
     start_step = int(last.name.split("-")[-1]) if last else 0
-    trim_records_after(train_dir, start_step)
+    if distributed.is_main_process():
+        trim_records_after(train_dir, start_step)
     started = time.perf_counter()
     output = trainer.train(resume_from_checkpoint=str(last) if last else None)
     seconds = time.perf_counter() - started
@@ -115,8 +121,7 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
                          f"(checkpoint saved under {checkpoints}; see {train_dir / 'health.jsonl'}).")
     # step 5: save
     final_dir = train_dir / "final"
-    trainer.save_model(str(final_dir))
-    write_json_atomic(final_dir / BASE_RECORD, base_identity(config.model.name, loaded.source))
+    trainer.save_model(str(final_dir))  # every rank: FSDP/ZeRO-3 gather the weights; rank 0 writes them
     summary = {
         "fingerprint": train_fingerprint(config),
         "algorithm": config.train.algorithm,
@@ -135,7 +140,10 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
         "health_warnings": health.warning_count,
         "fast_generation": fast.as_dict(),
     }
-    write_json_atomic(train_dir / "summary.json", summary)
+    if distributed.is_main_process():
+        write_json_atomic(final_dir / BASE_RECORD, base_identity(config.model.name, loaded.source))
+        write_json_atomic(train_dir / "summary.json", summary)
+    distributed.barrier()  # no rank returns (and maybe starts evaluating) before the adapter is complete
     return TrainResult(final_dir, summary)
 
 
