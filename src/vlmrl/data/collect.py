@@ -13,10 +13,12 @@ from pathlib import Path
 
 from PIL import Image
 
+from vlmrl.io import write_bytes_atomic
+
 from ..config import Config
 from ..contract import build_prompt_text
 from .images import ImageError, dhash, image_sha256, normalize_image, open_image, to_png_bytes
-from .items import Candidate, Dropped, Item, write_bytes_atomic
+from .items import Candidate, Dropped, Item
 from .mathvista import convert_rows
 from .sources import open_rows
 from .synthetic import SyntheticItem, check_families, generate_items

@@ -11,9 +11,6 @@ Files are JSONL, one record per line, and every file is written atomically (temp
 from __future__ import annotations
 
 import json
-import os
-import tempfile
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
@@ -121,30 +118,3 @@ def read_items(path: Path) -> list[Item]:
                 ) from None
     return items
 
-
-def write_jsonl(path: Path, records: Iterable[dict[str, Any]]) -> None:
-    """Write one JSON object per line, atomically."""
-    lines = (json.dumps(record, ensure_ascii=False, sort_keys=False) + "\n" for record in records)
-    _atomic_write(Path(path), "".join(lines))
-
-
-def write_json(path: Path, data: Any) -> None:
-    """Write a JSON document (indented, for people), atomically."""
-    _atomic_write(Path(path), json.dumps(data, indent=2, ensure_ascii=False) + "\n")
-
-
-def write_bytes_atomic(path: Path, payload: bytes) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(payload)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    write_bytes_atomic(path, text.encode("utf-8"))

@@ -21,9 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vlmrl.io import write_json_atomic, write_jsonl_atomic
+
 from ..config import Config
 from .collect import TokenCounter, collect_items
-from .items import DataError, Dropped, Item, read_items, write_json, write_jsonl
+from .items import DataError, Dropped, Item, read_items
 from .splits import ImageKey, check_no_overlap, choose_holdout, find_contamination
 
 log = logging.getLogger(__name__)
@@ -105,11 +107,11 @@ def prepare_data(
     summary["holdout"]["reused"] = reused
     summary["contamination_check"] = "sha256 + dHash <= 4 bits" if near else "sha256 (synthetic figures)"
     summary["token_budget"] = _budget_note(token_counter is not None, data.max_prompt_tokens)
-    write_jsonl(data_dir / "train.jsonl", (i.to_json() for i in train))
-    write_jsonl(data_dir / "holdout.jsonl", (i.to_json() for i in holdout))
-    write_jsonl(data_dir / "dropped.jsonl", (d.to_json() for d in dropped))
+    write_jsonl_atomic(data_dir / "train.jsonl", (i.to_json() for i in train))
+    write_jsonl_atomic(data_dir / "holdout.jsonl", (i.to_json() for i in holdout))
+    write_jsonl_atomic(data_dir / "dropped.jsonl", (d.to_json() for d in dropped))
     _remove_unused_images(data_dir / "images", {Path(i.image).name for i in train + holdout})
-    write_json(data_dir / "summary.json", summary)
+    write_json_atomic(data_dir / "summary.json", summary)
     if summary["message"]:
         log.warning(summary["message"])
     counts = summary["counts"]
@@ -140,7 +142,7 @@ def _check_enough(config: Config, data_dir: Path, kept: list[Item], dropped: lis
     data = config.data
     if kept and len(kept) > data.holdout_size:
         return
-    write_jsonl(data_dir / "dropped.jsonl", (d.to_json() for d in dropped))
+    write_jsonl_atomic(data_dir / "dropped.jsonl", (d.to_json() for d in dropped))
     if not kept:
         raise DataError(
             f"data.source {data.source!r}: all {len(dropped)} rows were dropped. {_top_reasons(dropped)} "
