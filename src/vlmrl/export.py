@@ -70,7 +70,7 @@ def export_adapter(config: Config, run_dir: Path, *, source: Path | None = None)
     del reloaded
     if config.export.merged_16bit:
         checks.append(_merged_16bit(config, run_dir, trained, item, reference))
-    checks.append(_merged_4bit_check(config))
+    checks.append(_merged_4bit(config, run_dir, trained, item, reference))
     checks.append(_gguf_check(config))
 
     report = {
@@ -180,12 +180,31 @@ def _merged_16bit(config: Config, run_dir: Path, trained: Any, item: dict, refer
     return Check("merged_16bit", diff <= tolerance, diff, f"{out}: max |logit difference| vs adapter, tol {tolerance}")
 
 
-def _merged_4bit_check(config: Config) -> Check:
+def _merged_4bit(config: Config, run_dir: Path, trained: Any, item: dict, reference: torch.Tensor) -> Check:
+    """Quantize `merged-16bit/` to bnb nf4, save, reload. 4-bit rounding moves logits by design, so the check is
+    that the reloaded model predicts the same next token as the adapter model at >= 90% of positions."""
     if not config.export.merged_4bit:
         return Check("merged_4bit", None, None, "not requested (export.merged_4bit=false)")
     if not (torch.cuda.is_available() and importlib.util.find_spec("bitsandbytes")):
         return Check("merged_4bit", None, None, "skipped: needs CUDA and bitsandbytes (pip install 'vlmrl[quant]')")
-    return Check("merged_4bit", None, None, "skipped: not implemented yet; use merged-16bit then load_in_4bit")
+    source = run_dir / "merged-16bit"
+    if not (source / "config.json").exists():
+        return Check("merged_4bit", None, None, "skipped: needs export.merged_16bit=true (it quantizes that folder)")
+    from transformers import AutoModelForImageTextToText, BitsAndBytesConfig
+
+    out = run_dir / "merged-4bit"
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                               bnb_4bit_compute_dtype=torch.bfloat16,
+                               llm_int8_skip_modules=["visual", "vision_tower", "multi_modal_projector", "lm_head"])
+    model = AutoModelForImageTextToText.from_pretrained(str(source), quantization_config=quant,
+                                                        device_map={"": torch.cuda.current_device()})
+    model.save_pretrained(str(out))
+    trained.processor.save_pretrained(str(out))
+    del model
+    trained.model = AutoModelForImageTextToText.from_pretrained(str(out), device_map={"": torch.cuda.current_device()})
+    logits = _logits(trained, run_dir, item)
+    agreement = (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()
+    return Check("merged_4bit", agreement >= 0.9, agreement, f"{out}: next-token agreement with the adapter model")
 
 
 def _gguf_check(config: Config) -> Check:

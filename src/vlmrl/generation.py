@@ -33,9 +33,12 @@ def render_prompt(processor: Any, prompt: str) -> str:
     return processor.apply_chat_template(build_messages(prompt), add_generation_prompt=True, tokenize=False)
 
 
-def encode_batch(processor: Any, prompts: list[str], images: list[Image.Image], device: torch.device) -> dict:
+def encode_batch(
+    processor: Any, prompts: list[str], images: list[Image.Image], device: torch.device, *, bucket: int | None = None
+) -> dict:
     texts = [render_prompt(processor, p) for p in prompts]
-    batch = processor(text=texts, images=[[img] for img in images], padding=True, return_tensors="pt")
+    extra = {"pad_to_multiple_of": bucket} if bucket else {}
+    batch = processor(text=texts, images=[[img] for img in images], padding=True, return_tensors="pt", **extra)
     return {k: v.to(device) if hasattr(v, "to") else v for k, v in batch.items()}
 
 
@@ -64,7 +67,8 @@ def generate_batch(
 ) -> list[list[Generation]]:
     """Generate for each prompt; returns one list of `num_return_sequences` generations per prompt."""
     device = next(model.parameters()).device
-    batch = encode_batch(processor, prompts, images, device)
+    # Compiled decoding recompiles per cache shape: bucket prompt lengths so a whole evaluation sees few.
+    batch = encode_batch(processor, prompts, images, device, bucket=64 if compiled else None)
     tokenizer = processor.tokenizer
     stop_ids = _stop_token_ids(model, tokenizer)
     kwargs: dict[str, Any] = {
@@ -79,7 +83,9 @@ def generate_batch(
     else:
         kwargs.update(temperature=None, top_k=None, top_p=None)
     if compiled:
-        kwargs.update(cache_implementation="static", compile_config=None)
+        from vlmrl.fastgen import compile_settings
+
+        kwargs.update(compile_settings())
     output = model.generate(**batch, **kwargs)
     new_tokens = output[:, batch["input_ids"].shape[1] :]  # [B*k, T]
     results: list[Generation] = []
