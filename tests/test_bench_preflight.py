@@ -52,6 +52,7 @@ def test_summary_excludes_the_first_step_and_computes_ratios():
     results = [_raw("plain", [(200, 190), (100, 90), (100, 90)], 24.0), _raw("vlmrl", [(300, 290), (25, 20), (25, 20)], 20.0)]
     s = summarize(settings, SHAPES, {"matmul_tflops": 800, "copy_bandwidth_tbs": 4.0}, results, prompt_tokens=300)
     plain, fast = s["paths"]["plain"], s["paths"]["vlmrl"]
+    assert (fast["step_seconds"], fast["first_step_seconds"]) == (25, 300)
     assert (plain["step_seconds"], plain["first_step_seconds"], plain["generate_seconds"]) == (100, 200, 90)
     assert math.isclose(plain["decode_ms_per_step"], 90e3 / 1024)
     assert math.isclose(plain["decode_tokens_per_second"], 32 * 1024 / 90)

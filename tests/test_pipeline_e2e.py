@@ -9,9 +9,8 @@ default, `vlmrl run` with nothing but an output folder, as a user on a fresh mac
 
 from __future__ import annotations
 
-import re
-
 import os
+import re
 import subprocess
 import sys
 import time

@@ -416,10 +416,10 @@ def markdown_table(summary: dict) -> str:
     f = summary["floors"]
     lines.append(f"| floor | {f['step_seconds']:.1f} | | | {f['decode_ms_per_step']:.1f} | | | |")
     c = summary["ceilings"]
-    lines += ["", f"Ceilings measured in this run: {c['matmul_tflops']:.0f} TFLOP/s bf16 matmul, "
-                  f"{c['copy_bandwidth_tbs']:.2f} TB/s device copy. Floors: decode = (weights + mean KV cache) / "
-                  f"bandwidth; training = 6 x {summary['language_params'] / 1e9:.2f}B language parameters x tokens / "
-                  "matmul rate."]
+    lines += ["", (f"Ceilings measured in this run: {c['matmul_tflops']:.0f} TFLOP/s bf16 matmul, "
+                   f"{c['copy_bandwidth_tbs']:.2f} TB/s device copy. Floors: decode = (weights + mean KV cache) / "
+                   f"bandwidth; training = 6 x {summary['language_params'] / 1e9:.2f}B language parameters x tokens / "
+                   "matmul rate.")]
     if summary["ratios"]:
         r = summary["ratios"]
         lines.append(f"Ratios: step {r['step_speedup']:.2f}x faster, decode {r['decode_speedup']:.2f}x faster, "

@@ -12,7 +12,7 @@ import shlex
 import time
 import warnings
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -30,9 +30,9 @@ config_app = typer.Typer(no_args_is_help=True, help="Show or validate a configur
 app.add_typer(config_app, name="config")
 console = Console()
 
-ConfigArg = Annotated[Optional[str], typer.Argument(help=f"Preset ({', '.join(PRESETS)}) or YAML file; default demo.")]
-SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override a field: section.field=value (repeatable).")]
-RunDirOpt = Annotated[Optional[Path], typer.Option("--run-dir", help="Run directory (default: <output_dir>/<name>).")]
+ConfigArg = Annotated[str | None, typer.Argument(help=f"Preset ({', '.join(PRESETS)}) or YAML file; default demo.")]
+SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a field: section.field=value (repeatable).")]
+RunDirOpt = Annotated[Path | None, typer.Option("--run-dir", help="Run directory (default: <output_dir>/<name>).")]
 GpusOpt = Annotated[int, typer.Option(
     "--gpus", min=1, help="Run as N processes, one per GPU of this host, through `accelerate launch` (on a machine "
     "without CUDA: N CPU processes). Already under accelerate launch / torchrun: ignored.")]
@@ -117,8 +117,8 @@ def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug l
 
 @app.command()
 def doctor(
-    run_dir: Annotated[Optional[Path], typer.Argument(help="Write env.json into this run directory.")] = None,
-    config_source: Annotated[Optional[str], typer.Option("--config", help="Also predict this config's GPU memory.")] = None,
+    run_dir: Annotated[Path | None, typer.Argument(help="Write env.json into this run directory.")] = None,
+    config_source: Annotated[str | None, typer.Option("--config", help="Also predict this config's GPU memory.")] = None,
     set_: SetOpt = None,
     prompt_tokens: Annotated[int, typer.Option(help="Prompt length (image tokens included) for the prediction.")] = 384,
 ) -> None:
@@ -288,7 +288,7 @@ def eval_(
     set_: SetOpt = None,
     run_dir: RunDirOpt = None,
     stage: Annotated[str, typer.Option(help="baseline | after")] = "baseline",
-    adapter: Annotated[Optional[Path], typer.Option(help="Adapter folder (default for after: train/final).")] = None,
+    adapter: Annotated[Path | None, typer.Option(help="Adapter folder (default for after: train/final).")] = None,
     gpus: GpusOpt = 1,
     strategy: StrategyOpt = "ddp",
 ) -> None:
@@ -402,7 +402,7 @@ def bench(
     completion: Annotated[int, typer.Option(help="Completion tokens, forced.")] = 1024,
     paths: Annotated[str, typer.Option(help="Comma-separated: plain,vlmrl")] = "plain,vlmrl",
     load_in_4bit: Annotated[bool, typer.Option("--load-in-4bit", help="bitsandbytes 4-bit base weights.")] = False,
-    memory_cap_gib: Annotated[Optional[float], typer.Option(help="Cap this process's GPU memory.")] = None,
+    memory_cap_gib: Annotated[float | None, typer.Option(help="Cap this process's GPU memory.")] = None,
     out: Annotated[Path, typer.Option(help="Where bench.json and bench.md go.")] = Path("bench-out"),
 ) -> None:
     """Side-by-side GPU benchmark: plain TRL GRPOTrainer vs vlmrl's path, same model shapes, one process."""

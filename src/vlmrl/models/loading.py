@@ -179,7 +179,7 @@ def _bnb_config(config: ModelConfig) -> Any:
 
 
 def _load_unsloth(config: ModelConfig, source: str) -> tuple[Any, Any]:
-    from unsloth import FastVisionModel  # noqa: I001  (unsloth patches transformers on import)
+    from unsloth import FastVisionModel
 
     model, processor = FastVisionModel.from_pretrained(
         source,
