@@ -305,6 +305,16 @@ def test_resume_continues_from_the_last_checkpoint_without_duplicating_steps(
     check_records(run_dir / "train", steps=[1, 2, 3])
 
 
+def test_checkpoints_of_another_training_config_are_not_resumed(prepared, tmp_path: Path, learnable) -> None:
+    run_dir = copy_run(prepared, tmp_path)
+    train(quick_config(tmp_path, "train.max_steps=1"), run_dir)
+    changed = quick_config(tmp_path, "train.max_steps=2", "train.learning_rate=3e-4")
+    with pytest.raises(TrainError, match="another training config.*--no-resume"):
+        train(changed, run_dir)
+    result = train(changed, run_dir, resume=False)  # the way out the message names
+    assert result.summary["resumed_from_step"] == 0 and result.summary["steps"] == 2
+
+
 def test_no_resume_starts_from_step_zero(prepared, tmp_path: Path, learnable) -> None:
     run_dir = copy_run(prepared, tmp_path)
     config = quick_config(tmp_path, "train.max_steps=1")

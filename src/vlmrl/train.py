@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import logging
 import math
 import time
@@ -82,6 +83,7 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
     dataset = build_train_dataset(run_dir)
     args, notes = build_grpo_config(config, checkpoints, suppress_tokens=_multimodal_ids(config, run_dir))
     _ = args.device  # sets up the process group (several ranks) and pins this rank's GPU before the model loads
+    _claim_checkpoints(config, checkpoints, resume=resume)
     # step 2: model
     loaded = load_model(config.model, run_dir, for_training=True)
     model, lora_report = apply_lora(loaded.model, config.lora, backend=loaded.backend, seed=config.run.seed)
@@ -145,6 +147,35 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
         write_json_atomic(train_dir / "summary.json", summary)
     distributed.barrier()  # no rank returns (and maybe starts evaluating) before the adapter is complete
     return TrainResult(final_dir, summary)
+
+
+def _claim_checkpoints(config: Config, checkpoints: Path, *, resume: bool) -> None:
+    """Refuse to resume checkpoints written under another training config (a changed learning rate after a NaN
+    halt, say): their optimizer state and step count belong to that config."""
+    stamp = checkpoints / "vlmrl_fingerprint.json"
+    current = _checkpoint_fingerprint(config)
+    if resume and stamp.exists() and any(checkpoints.glob("checkpoint-*")):
+        recorded = json.loads(stamp.read_text()).get("fingerprint")
+        if recorded != current:
+            raise TrainError(
+                f"{checkpoints}: checkpoints were written with another training config (fingerprint {recorded}, "
+                f"now {current}); restore that config to resume, or pass --no-resume to start over."
+            )
+    if distributed.is_main_process():
+        write_json_atomic(stamp, {"fingerprint": current})
+
+
+# Fields a resumed run may change: how long to train and how often to log or save.
+_RESUMABLE_CHANGES = ("max_steps", "num_train_epochs", "save_steps", "save_total_limit", "logging_steps")
+
+
+def _checkpoint_fingerprint(config: Config) -> str:
+    import hashlib
+
+    train = {k: v for k, v in config.train.model_dump(mode="json").items() if k not in _RESUMABLE_CHANGES}
+    data = {"train": train, "model": config.model.model_dump(mode="json"), "lora": config.lora.model_dump(mode="json"),
+            "data": config.data_fingerprint(), "seed": config.run.seed}
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def build_train_dataset(run_dir: Path):
