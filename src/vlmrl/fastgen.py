@@ -53,30 +53,8 @@ def enable_fast_generation(
     config.compile_config = _compile_config(mode, all_devices)
     trainer.generation_kwargs["cache_implementation"] = "static"
     trainer.pad_to_multiple_of = bucket
-    _without_input_grad_hooks_while_generating(trainer)
     log.info("fast generation: static KV cache + torch.compile(mode=%s), prompts bucketed to %d", mode, bucket)
     return FastGeneration(True, "static KV cache + torch.compile", bucket, mode)
-
-
-def _without_input_grad_hooks_while_generating(trainer: Any) -> None:
-    """Gradient checkpointing with LoRA puts a `make_inputs_require_grads` forward hook on the input embeddings
-    (transformers' `enable_input_require_grads`). Inside compiled decoding that hook is a graph break on every
-    token step (seen in the H200 recompile log). Rollouts need no gradients: lift the hooks while generating."""
-    inner = trainer._generate_single_turn
-
-    def generate(*args: Any, **kwargs: Any) -> Any:
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        hooked = bool(getattr(base, "_require_grads_hooks", None) or hasattr(base, "_require_grads_hook"))
-        if hooked:
-            base.disable_input_require_grads()
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            if hooked:
-                base.enable_input_require_grads()
-
-    trainer._generate_single_turn = generate
 
 
 def compile_settings(mode: str = "reduce-overhead", all_devices: bool = False) -> dict:
