@@ -82,7 +82,7 @@ def sft_train(
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if on_step:
             on_step(step + 1, losses[-1])
     model.eval()
