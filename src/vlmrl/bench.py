@@ -125,7 +125,9 @@ def build_processor(work: Path, image_size: int) -> Path:
 
 def build_shaped_model(shapes: dict, processor_dir: Path, *, load_in_4bit: bool, work: Path) -> Any:
     """Random weights with the real shapes; token ids from the small tokenizer (all inside the real vocab)."""
-    from transformers import AutoConfig, AutoModelForImageTextToText, BitsAndBytesConfig
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from vlmrl.models.loading import nf4_config
 
     tiny = AutoConfig.from_pretrained(str(processor_dir))
     config_dict = {k: v for k, v in shapes.items() if not k.startswith("_")}
@@ -144,10 +146,8 @@ def build_shaped_model(shapes: dict, processor_dir: Path, *, load_in_4bit: bool,
     model.save_pretrained(str(saved))
     del model
     _free()
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                               bnb_4bit_compute_dtype=torch.bfloat16,
-                               llm_int8_skip_modules=["visual", "lm_head"])
-    model = AutoModelForImageTextToText.from_pretrained(str(saved), quantization_config=quant, dtype=torch.bfloat16,
+    model = AutoModelForImageTextToText.from_pretrained(str(saved), quantization_config=nf4_config(torch.bfloat16),
+                                                        dtype=torch.bfloat16,
                                                         device_map={"": 0})
     model.generation_config = _generation_config(processor_dir)
     return model

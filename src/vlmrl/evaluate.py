@@ -28,11 +28,12 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from vlmrl import distributed, stats
+from vlmrl import distributed, fastgen, stats
 from vlmrl.config import Config
-from vlmrl.generation import generate_batch, use_compiled_decode
+from vlmrl.generation import generate_batch
 from vlmrl.grading import mathvista_correct, normalize_mathvista
 from vlmrl.io import append_jsonl, read_json, read_jsonl, write_json_atomic, write_jsonl_atomic
+from vlmrl.models.loading import load_with_adapter
 from vlmrl.rewards import score_completion
 
 log = logging.getLogger(__name__)
@@ -86,8 +87,8 @@ def evaluate(
 
     # step 2: generate this rank's missing batches, appending records as each batch finishes
     if mine:
-        loaded = _load_for_eval(config, run_dir, adapter)
-        compiled = use_compiled_decode(config.eval.compile)
+        loaded = load_with_adapter(config.model, run_dir, adapter)
+        compiled = fastgen.wanted(config.eval.compile)
         started, tokens, finished = time.perf_counter(), 0, len(done)
         if live:
             live(finished, len(items), 0)
@@ -155,19 +156,15 @@ def load_holdout(config: Config, run_dir: Path) -> list[dict]:
     summary_path = run_dir / "data" / "summary.json"
     if summary_path.exists():
         recorded = read_json(summary_path).get("fingerprint")
-        if recorded and recorded != data_fingerprint(config):
+        if recorded and recorded != config.data_fingerprint():
             raise EvalError(
                 f"{path}: this held-out set was prepared with a different data config "
-                f"(fingerprint {recorded} vs {data_fingerprint(config)}); re-run `vlmrl prepare` or use that run's config."
+                f"(fingerprint {recorded} vs {config.data_fingerprint()}); re-run `vlmrl prepare` or use that run's config."
             )
     items = read_jsonl(path)
     if not items:
         raise EvalError(f"{path}: the held-out set is empty; check data.holdout_size and the drop report.")
     return items
-
-
-def data_fingerprint(config: Config) -> str:
-    return config.data_fingerprint()
 
 
 def default_adapter_dir(run_dir: Path) -> Path:
@@ -322,14 +319,3 @@ def _open_image(run_dir: Path, item: dict) -> Image.Image:
     with Image.open(run_dir / item["image"]) as img:
         return img.convert("RGB")
 
-
-def _load_for_eval(config: Config, run_dir: Path, adapter: Path | None):
-    from vlmrl.models.loading import load_model
-
-    loaded = load_model(config.model, run_dir)
-    if adapter is not None:
-        from peft import PeftModel
-
-        loaded.model = PeftModel.from_pretrained(loaded.model, str(adapter))
-    loaded.model.eval()
-    return loaded

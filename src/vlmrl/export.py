@@ -46,12 +46,12 @@ class Check:
 def export_adapter(config: Config, run_dir: Path, *, source: Path | None = None) -> dict:
     """Save `train/final` (or `source`) to `run_dir/adapter/`, verify it, write `export.json`."""
     from vlmrl.evaluate import check_adapter, default_adapter_dir
-    from vlmrl.models.loading import BASE_RECORD, resolve_model_source
+    from vlmrl.models.loading import BASE_RECORD, load_with_adapter, resolve_model_source
 
     source = source or default_adapter_dir(run_dir)
     check_adapter(source, config, run_dir)
     out = run_dir / "adapter"
-    trained = _load_with_adapter(config, run_dir, source)
+    trained = load_with_adapter(config.model, run_dir, source)
     if out.exists():
         shutil.rmtree(out)
     trained.model.save_pretrained(str(out))
@@ -63,7 +63,7 @@ def export_adapter(config: Config, run_dir: Path, *, source: Path | None = None)
 
     item = _probe_item(run_dir)
     reference = _logits(trained, run_dir, item)
-    reloaded = _load_with_adapter(config, run_dir, out)
+    reloaded = load_with_adapter(config.model, run_dir, out)
     diff = (reference - _logits(reloaded, run_dir, item)).abs().max().item()
     checks.append(Check("reload_reproduces_logits", diff <= config.export.logits_atol, diff,
                         f"max |logit difference| on item {item['id']}, tolerance {config.export.logits_atol}"))
@@ -152,17 +152,6 @@ def _logits(loaded: Any, run_dir: Path, item: dict) -> torch.Tensor:
     return loaded.model(**batch).logits.float().cpu()
 
 
-def _load_with_adapter(config: Config, run_dir: Path, adapter: Path) -> Any:
-    from peft import PeftModel
-
-    from vlmrl.models.loading import load_model
-
-    loaded = load_model(config.model, run_dir)
-    loaded.model = PeftModel.from_pretrained(loaded.model, str(adapter))
-    loaded.model.eval()
-    return loaded
-
-
 def _merged_16bit(config: Config, run_dir: Path, trained: Any, item: dict, reference: torch.Tensor) -> Check:
     from transformers import AutoModelForImageTextToText
 
@@ -190,13 +179,12 @@ def _merged_4bit(config: Config, run_dir: Path, trained: Any, item: dict, refere
     source = run_dir / "merged-16bit"
     if not (source / "config.json").exists():
         return Check("merged_4bit", None, None, "skipped: needs export.merged_16bit=true (it quantizes that folder)")
-    from transformers import AutoModelForImageTextToText, BitsAndBytesConfig
+    from transformers import AutoModelForImageTextToText
+
+    from vlmrl.models.loading import nf4_config
 
     out = run_dir / "merged-4bit"
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                               bnb_4bit_compute_dtype=torch.bfloat16,
-                               llm_int8_skip_modules=["visual", "vision_tower", "multi_modal_projector", "lm_head"])
-    model = AutoModelForImageTextToText.from_pretrained(str(source), quantization_config=quant,
+    model = AutoModelForImageTextToText.from_pretrained(str(source), quantization_config=nf4_config(torch.bfloat16),
                                                         device_map={"": torch.cuda.current_device()})
     model.save_pretrained(str(out))
     trained.processor.save_pretrained(str(out))

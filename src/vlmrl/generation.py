@@ -48,9 +48,6 @@ def count_prompt_tokens(processor: Any, prompt: str, image: Image.Image) -> int:
     return int(batch["input_ids"].shape[1])
 
 
-def use_compiled_decode(setting: str) -> bool:
-    return setting == "always" or (setting == "auto" and torch.cuda.is_available())
-
 
 @torch.inference_mode()
 def generate_batch(

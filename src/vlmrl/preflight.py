@@ -22,6 +22,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from vlmrl.bench import kv_bytes_per_token, language_param_count, load_shapes
 from vlmrl.config import Config
 
 GIB = 2**30
@@ -49,8 +50,6 @@ def shapes_for(model_name: str) -> dict | None:
     lowered = model_name.lower()
     for key, shapes in SHAPES_BY_NAME.items():
         if key in lowered:
-            from vlmrl.bench import load_shapes
-
             return load_shapes(shapes)
     return None
 
@@ -61,10 +60,9 @@ def count_params(shapes: dict) -> tuple[int, int, int]:
     h, i, layers, vocab = t["hidden_size"], t["intermediate_size"], t["num_hidden_layers"], t["vocab_size"]
     heads, kv = t["num_attention_heads"], t["num_key_value_heads"]
     d = t.get("head_dim") or h // heads
-    attention = h * d * (heads + 2 * kv) + heads * d * h
-    mlp = 3 * h * i
     tied = shapes.get("tie_word_embeddings", t.get("tie_word_embeddings", False))
-    language = layers * (attention + mlp) + vocab * h * (1 if tied else 2)
+    # the decoder as read per token (layers + LM head), plus the embedding table when it is not the head
+    language = language_param_count(t) + (0 if tied else vocab * h)
     v = shapes.get("vision_config", {})
     vh, vi, depth = v.get("hidden_size", 0), v.get("intermediate_size", 0), v.get("depth", 0)
     vision = depth * (4 * vh * vh + 2 * vh * vi) + vh * v.get("out_hidden_size", h) * 4
@@ -85,8 +83,7 @@ def estimate_memory(config: Config, shapes: dict, *, prompt_tokens: int, fast_ge
     optimizer_bytes = 10 if "8bit" in config.train.optim else 16
     tr = config.train
     generation_batch = tr.per_device_train_batch_size * (tr.steps_per_generation or tr.gradient_accumulation_steps)
-    d = t.get("head_dim") or t["hidden_size"] // t["num_attention_heads"]
-    kv_per_token = 2 * t["num_hidden_layers"] * t["num_key_value_heads"] * d * 2
+    kv_per_token = kv_bytes_per_token(t)
     bucket = config.train.prompt_bucket if fast_generation else 1
     padded_prompt = -(-prompt_tokens // bucket) * bucket
     kv = generation_batch * (padded_prompt + tr.max_completion_length) * kv_per_token

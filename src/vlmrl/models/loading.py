@@ -166,16 +166,32 @@ def _load_transformers(config: ModelConfig, source: str) -> tuple[Any, Any]:
 def _bnb_config(config: ModelConfig) -> Any:
     if importlib.util.find_spec("bitsandbytes") is None:
         raise ModelLoadError("model.load_in_4bit=true needs bitsandbytes: pip install 'vlmrl[quant]'.")
+    return nf4_config(resolve_dtype(config.dtype))
+
+
+def nf4_config(compute_dtype: torch.dtype) -> Any:
+    """The one 4-bit layout used everywhere (loading, the merged-4bit export, the benchmark)."""
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type="nf4",
         bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=resolve_dtype(config.dtype),
+        bnb_4bit_compute_dtype=compute_dtype,
         # The vision tower is frozen and small next to the language model: keep it exact.
         llm_int8_skip_modules=["visual", "vision_tower", "multi_modal_projector", "lm_head"],
     )
+
+
+def load_with_adapter(config: ModelConfig, run_dir: Path | None, adapter: Path | None) -> LoadedModel:
+    """The base model with a saved LoRA adapter on top (or none), in eval mode."""
+    loaded = load_model(config, run_dir)
+    if adapter is not None:
+        from peft import PeftModel
+
+        loaded.model = PeftModel.from_pretrained(loaded.model, str(adapter))
+    loaded.model.eval()
+    return loaded
 
 
 def _load_unsloth(config: ModelConfig, source: str) -> tuple[Any, Any]:
