@@ -98,11 +98,6 @@ def _one_process_only(command: str) -> None:
               "accelerate launch / torchrun. Only train and eval take several (--gpus N).", 2)
 
 
-def _not_implemented(command: str) -> None:
-    console.print(f"vlmrl {command}: not implemented yet", highlight=False)
-    raise typer.Exit(1)
-
-
 @app.callback()
 def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
