@@ -10,6 +10,10 @@ trainer is built; TRL's loop, masks, rewards and loss are untouched.
 Compiled decoding recompiles for every new cache shape, so prompts are left-padded to a multiple of
 `bucket` tokens (TRL's `pad_to_multiple_of`): with image prompts of similar length that leaves one or two
 shapes for a whole run, each compiled once and reused across steps. The same settings serve `vlmrl eval`.
+
+Under compilation transformers' SDPA path copies the keys and values once per query head group
+(`repeat_kv`) at every token step; `vlmrl.attention` swaps in `vlmrl_sdpa`, which folds the query heads
+instead (same attention, no copies). See docs/benchmarks.md for what each piece is worth on an H200.
 """
 
 from __future__ import annotations
@@ -29,9 +33,11 @@ class FastGeneration:
     reason: str
     bucket: int | None = None
     mode: str | None = None
+    attention: str | None = None
 
     def as_dict(self) -> dict:
-        return {"enabled": self.enabled, "reason": self.reason, "bucket": self.bucket, "mode": self.mode}
+        return {"enabled": self.enabled, "reason": self.reason, "bucket": self.bucket, "mode": self.mode,
+                "attention": self.attention}
 
 
 def wanted(setting: str) -> bool:
@@ -48,13 +54,17 @@ def enable_fast_generation(
         return FastGeneration(False, "the trainer generates with vLLM, which has its own fast path")
     if getattr(trainer, "use_transformers_continuous_batching", False):
         return FastGeneration(False, "continuous batching is configured; it manages its own cache")
+    from vlmrl.attention import NAME, use_packed_gqa
+
+    folded = use_packed_gqa(trainer.model)
     config.disable_compile = False
     config.cache_implementation = "static"
     config.compile_config = _compile_config(mode, all_devices)
     trainer.generation_kwargs["cache_implementation"] = "static"
     trainer.pad_to_multiple_of = bucket
-    log.info("fast generation: static KV cache + torch.compile(mode=%s), prompts bucketed to %d", mode, bucket)
-    return FastGeneration(True, "static KV cache + torch.compile", bucket, mode)
+    log.info("fast generation: static KV cache + torch.compile(mode=%s), prompts bucketed to %d, attention %s",
+             mode, bucket, NAME if folded else "unchanged")
+    return FastGeneration(True, "static KV cache + torch.compile", bucket, mode, NAME if folded else None)
 
 
 def compile_settings(mode: str = "reduce-overhead", all_devices: bool = False) -> dict:

@@ -61,6 +61,7 @@ def generate_batch(
     temperature: float = 1.0,
     num_return_sequences: int = 1,
     compiled: bool = False,
+    compile_all_devices: bool = False,
 ) -> list[list[Generation]]:
     """Generate for each prompt; returns one list of `num_return_sequences` generations per prompt."""
     device = next(model.parameters()).device
@@ -80,9 +81,11 @@ def generate_batch(
     else:
         kwargs.update(temperature=None, top_k=None, top_p=None)
     if compiled:
+        from vlmrl.attention import use_packed_gqa
         from vlmrl.fastgen import compile_settings
 
-        kwargs.update(compile_settings())
+        use_packed_gqa(model)
+        kwargs.update(compile_settings(all_devices=compile_all_devices))
     output = model.generate(**batch, **kwargs)
     new_tokens = output[:, batch["input_ids"].shape[1] :]  # [B*k, T]
     results: list[Generation] = []

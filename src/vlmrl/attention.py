@@ -1,0 +1,104 @@
+"""Grouped-query attention without copying the KV cache: `vlmrl_sdpa`, a drop-in for transformers' `sdpa`.
+
+Qwen3-VL-8B has 32 query heads and 8 key/value heads. transformers' SDPA path serves this grouped-query
+attention in one of three ways: `enable_gqa` when there is no mask; folding the query heads onto the KV
+heads for a single query token in eager mode; and otherwise `repeat_kv`, which materializes 4 copies of
+the keys and values. The last branch is the one taken under `torch.compile` (the fold is skipped while
+dynamo traces) and for every prefill with padding, i.e. exactly the compiled static-cache decode vlmrl
+uses for rollouts. There it writes and reads 4 copies of the whole static cache per token step: for
+32 sequences x 1,344 positions x 36 layers that is ~50 GB of traffic per step, several times the
+weights themselves.
+
+`vlmrl_sdpa` folds instead, for any query length, whenever a mask shared by all heads is given: the
+G = heads / kv_heads query heads of one group become G x Q query rows against their own KV head, the mask is
+tiled G times along the query axis (a few MB, against hundreds of MB per layer for the KV copies), and the
+result is unfolded. It is the same attention, term for term: every query row meets the same keys, values
+and mask entries as before. Without a mask, or with per-head masks, it defers to transformers' `sdpa`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+NAME = "vlmrl_sdpa"
+_registered = False
+
+
+def packed_gqa_sdpa(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    foldable = (
+        groups > 1
+        and attention_mask is not None
+        and attention_mask.dim() == 4
+        and attention_mask.shape[1] == 1
+        and kwargs.get("position_bias") is None
+        and kwargs.get("softcap") is None
+        and query.shape[1] == key.shape[1] * groups
+    )
+    if not foldable:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    batch, heads, q_len, dim = query.shape
+    kv_heads = key.shape[1]
+    # Head h = k * groups + g (repeat_kv's order); row g * q_len + t of group k is query token t of head h.
+    folded = query.reshape(batch, kv_heads, groups * q_len, dim)
+    mask = attention_mask if q_len == 1 else attention_mask.repeat(1, 1, groups, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        folded, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, is_causal=False
+    )
+    out = out.reshape(out.shape[0], heads, q_len, value.shape[-1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """Make `vlmrl_sdpa` a known attention implementation (with SDPA's own mask builder)."""
+    global _registered
+    if _registered:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register(NAME, packed_gqa_sdpa)
+    AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    _registered = True
+
+
+def use_packed_gqa(model: Any) -> bool:
+    """Switch the language model of `model` from `sdpa` to `vlmrl_sdpa`; True when switched (or already on).
+
+    Only the text config changes: the vision tower keeps its own implementation. Models on eager or
+    flash attention are left alone (eager has no KV copies to save; flash handles grouped heads itself).
+    """
+    register()
+    base = model
+    while hasattr(base, "get_base_model") and base is not base.get_base_model():
+        base = base.get_base_model()
+    config = getattr(base, "config", None)
+    if config is None:
+        return False
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    current = getattr(text, "_attn_implementation", None)
+    if current == NAME:
+        return True
+    if current != "sdpa":
+        log.info("attention stays %s (vlmrl_sdpa replaces sdpa only)", current)
+        return False
+    text._attn_implementation = NAME
+    return True
