@@ -14,6 +14,7 @@ from vlmrl.bench import (
     language_param_count,
     load_shapes,
     markdown_table,
+    scaling_table,
     summarize,
     train_floor_s,
 )
@@ -58,8 +59,24 @@ def test_summary_excludes_the_first_step_and_computes_ratios():
     assert math.isclose(plain["decode_tokens_per_second"], 32 * 1024 / 90)
     assert math.isclose(plain["train_tokens_per_second"], 32 * (300 + 1024) / 10)
     assert math.isclose(s["ratios"]["step_speedup"], 4.0) and math.isclose(s["ratios"]["peak_memory_ratio"], 20 / 24)
+    assert math.isclose(fast["samples_per_second"], 32 / 25) and fast["world_size"] == 1
     table = markdown_table(s)
     assert "| plain | 100.0 | 200.0 | 90.0 |" in table and "step 4.00x faster" in table
+
+
+def test_phase_peaks_and_scaling_over_gpus():
+    settings = BenchSettings(steps=2, paths=["vlmrl"])
+    ceilings = {"matmul_tflops": 800, "copy_bandwidth_tbs": 4.0}
+    one = _raw("vlmrl", [(90, 80), (20, 15)], 22.0) | {"generation_peak_gib": 22.0, "training_peak_gib": 20.5}
+    two = _raw("vlmrl", [(95, 80), (21, 15)], 22.5) | {"world_size": 2, "peak_memory_gib_per_rank": [22.5, 22.4]}
+    s1 = summarize(settings, SHAPES, ceilings, [one], 300)
+    s2 = summarize(settings, SHAPES, ceilings, [two], 300)
+    assert "| 22.0 | 22.0 / 20.5 | 1 | 1.60 |" in markdown_table(s1)  # 32 samples / 20 s on one GPU
+    assert math.isclose(s2["paths"]["vlmrl"]["samples_per_second"], 64 / 21)
+    table, figures = scaling_table(s1, s2)
+    assert math.isclose(figures["speedup"], (64 / 21) / (32 / 20))
+    assert figures["peak_memory_gib_per_gpu"] == [[22.0], [22.5, 22.4]]
+    assert "| 2 | 21.0 | 3.05 | 22.5, 22.4 |" in table and "1.90x one GPU" in table
 
 
 def test_a_failed_path_is_reported_not_hidden():
@@ -92,3 +109,23 @@ def test_4bit_shrinks_weights_and_advice_names_fixes():
 def test_shapes_lookup():
     assert shapes_for("unsloth/Qwen3-VL-8B-Instruct-unsloth-bnb-4bit") == SHAPES
     assert shapes_for("someone/unknown-model") is None
+
+
+def test_a_saved_shaped_model_is_what_eval_loads(tmp_path):
+    """`vlmrl bench --save-model` (the multi-GPU record check) writes a folder the model loader reads."""
+    from vlmrl.bench import save_shaped_model
+    from vlmrl.config import ModelConfig
+    from vlmrl.models.loading import load_model
+
+    small = {**SHAPES,
+             "text_config": {**SHAPES["text_config"], "hidden_size": 64, "intermediate_size": 128,
+                             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                             "head_dim": 16, "vocab_size": 1024,
+                             "rope_parameters": {**SHAPES["text_config"]["rope_parameters"], "mrope_section": [4, 2, 2]}},
+             "vision_config": {**SHAPES["vision_config"], "depth": 2, "hidden_size": 32, "intermediate_size": 64,
+                               "num_heads": 2, "out_hidden_size": 64, "deepstack_visual_indexes": [1]}}
+    folder = save_shaped_model(tmp_path / "shaped", small, image_size=128)
+    loaded = load_model(ModelConfig(name=str(folder), backend="transformers", dtype="float32"))
+    text = loaded.model.config.text_config
+    assert (text.hidden_size, text.num_key_value_heads, text.vocab_size) == (64, 2, 1024)
+    assert loaded.processor.tokenizer("<REASONING>")["input_ids"]

@@ -136,7 +136,7 @@ def build_shaped_model(shapes: dict, processor_dir: Path, *, load_in_4bit: bool,
     config_dict["text_config"] = {**config_dict["text_config"], "pad_token_id": tiny.text_config.pad_token_id}
     config = AutoConfig.for_model(**config_dict)
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16)
     model.generation_config = _generation_config(processor_dir)
     if not load_in_4bit:
@@ -148,9 +148,26 @@ def build_shaped_model(shapes: dict, processor_dir: Path, *, load_in_4bit: bool,
     _free()
     model = AutoModelForImageTextToText.from_pretrained(str(saved), quantization_config=nf4_config(torch.bfloat16),
                                                         dtype=torch.bfloat16,
-                                                        device_map={"": 0})
+                                                        device_map={"": torch.cuda.current_device()})
     model.generation_config = _generation_config(processor_dir)
     return model
+
+
+def save_shaped_model(out_dir: Path, shapes: str | dict = "qwen3_vl_8b", image_size: int = 512) -> Path:
+    """A loadable model folder (random weights with the real shapes, the small processor): what `vlmrl eval`
+    reads as `model.name=<folder>` in the multi-GPU record check (benchmarks/gpu_multi.sh)."""
+    import shutil
+
+    processor_dir = build_processor(out_dir.parent / f".{out_dir.name}-processor", image_size)
+    shapes = load_shapes(shapes) if isinstance(shapes, str) else shapes
+    model = build_shaped_model(shapes, processor_dir, load_in_4bit=False, work=out_dir.parent)
+    model.save_pretrained(str(out_dir))
+    for f in processor_dir.iterdir():
+        if f.is_file() and not (out_dir / f.name).exists():  # tokenizer, processor, chat template
+            shutil.copy2(f, out_dir / f.name)
+    del model
+    _free()
+    return out_dir
 
 
 def _generation_config(processor_dir: Path) -> Any:
@@ -165,7 +182,7 @@ def bench_dataset(settings: BenchSettings) -> Any:
     from vlmrl.contract import build_prompt_text
     from vlmrl.data.synthetic import generate_items
 
-    n = settings.prompts * (settings.steps + 1)
+    n = settings.prompts * _world_size() * (settings.steps + 1)
     items = list(generate_items(n, seed=7, size=settings.image_size))
     return datasets.Dataset.from_dict({
         "prompt": [[{"role": "user", "content": build_prompt_text(i.question)}] for i in items],
@@ -177,12 +194,15 @@ def bench_dataset(settings: BenchSettings) -> Any:
 # ---- one path -------------------------------------------------------------------------------------------------
 
 class _StepClock:
-    """Wall time per optimizer step and generation time inside it (TRL generates once per step here)."""
+    """Wall time per optimizer step and generation time inside it (TRL generates once per step here), and the
+    peak GPU memory of each phase: rollouts (inside `generate`) and everything else (loss pass, optimizer)."""
 
     def __init__(self):
         self.steps: list[dict] = []
         self._start = 0.0
         self._gen = 0.0
+        self.generation_peak = 0
+        self.other_peak = 0
 
     def callback(self) -> Any:
         from transformers import TrainerCallback
@@ -205,10 +225,14 @@ class _StepClock:
 
         def timed(*args, **kwargs):
             torch.cuda.synchronize()
+            self.other_peak = max(self.other_peak, torch.cuda.max_memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
             out = inner(*args, **kwargs)
             torch.cuda.synchronize()
             self._gen += time.perf_counter() - start
+            self.generation_peak = max(self.generation_peak, torch.cuda.max_memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
             return out
 
         trainer._generate_single_turn = timed
@@ -224,8 +248,8 @@ def run_path(path: str, settings: BenchSettings, shapes: dict, processor_dir: Pa
     from vlmrl.rewards import correctness_reward, format_reward
 
     _free()
-    torch.cuda.reset_peak_memory_stats()
     model = build_shaped_model(shapes, processor_dir, load_in_4bit=settings.load_in_4bit, work=work)
+    torch.cuda.reset_peak_memory_stats()  # the peak of training, not of building the random model
     processor = AutoProcessor.from_pretrained(str(processor_dir))
     # TRL re-processes prompts for the loss with the processor's own padding side but pads prompt ids on the
     # left; with right padding and prompts of different lengths the image-token mask is shifted and Qwen's
@@ -271,19 +295,47 @@ def run_path(path: str, settings: BenchSettings, shapes: dict, processor_dir: Pa
     except Exception as exc:  # one path failing must not hide the other's numbers
         error = f"{type(exc).__name__}: {exc}"[:2000]
         log.exception("bench path %s failed", path)
+    other_peak = max(clock.other_peak, torch.cuda.max_memory_allocated())
     result = {
         "path": path,
         "error": error,
         "fast_generation": fast.as_dict() if fast else None,
         "total_seconds": time.perf_counter() - started,
         "steps": clock.steps,
-        "peak_memory_gib": torch.cuda.max_memory_allocated() / GIB,
+        "peak_memory_gib": max(clock.generation_peak, other_peak) / GIB,
+        "generation_peak_gib": clock.generation_peak / GIB,
+        "training_peak_gib": other_peak / GIB,
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB,
+        "world_size": _world_size(),
+        "peak_memory_gib_per_rank": _gather(max(clock.generation_peak, other_peak) / GIB),
         "log": [row for row in trainer.state.log_history if "loss" in row],
     }
     del trainer, model
     _free()
     return result
+
+
+def _world_size() -> int:
+    import os
+
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _rank() -> int:
+    import os
+
+    return int(os.environ.get("RANK", "0"))
+
+
+def _gather(value: float) -> list[float]:
+    """One value per rank (a one-element list in a single process)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return [value]
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
 
 
 def _free() -> None:
@@ -295,11 +347,18 @@ def _free() -> None:
 # ---- the whole benchmark -------------------------------------------------------------------------------------
 
 def run_bench(settings: BenchSettings, out_dir: Path, work: Path) -> dict:
+    """Run each path; under `accelerate launch` every rank runs it on its own GPU and rank 0 writes."""
+    import os
+
     if not torch.cuda.is_available():
         raise RuntimeError("vlmrl bench needs a CUDA GPU; the CPU tests cover its bookkeeping only.")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local_rank)
+    if _world_size() > 1:
+        work = work / f"rank{_rank()}"  # no two ranks write the same processor or weight files
     if settings.memory_cap_gib:
-        total = torch.cuda.get_device_properties(0).total_memory / GIB
-        torch.cuda.set_per_process_memory_fraction(min(1.0, settings.memory_cap_gib / total))
+        total = torch.cuda.get_device_properties(local_rank).total_memory / GIB
+        torch.cuda.set_per_process_memory_fraction(min(1.0, settings.memory_cap_gib / total), local_rank)
     shapes = load_shapes(settings.shapes)
     ceilings = measure_ceilings()
     processor_dir = build_processor(work, settings.image_size)
@@ -307,9 +366,10 @@ def run_bench(settings: BenchSettings, out_dir: Path, work: Path) -> dict:
     results = [run_path(p, settings, shapes, processor_dir, dataset, work) for p in settings.paths]
     prompt_tokens = _prompt_tokens(processor_dir, dataset)
     summary = summarize(settings, shapes, ceilings, results, prompt_tokens)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "bench.json").write_text(json.dumps(summary, indent=2, default=str))
-    (out_dir / "bench.md").write_text(markdown_table(summary))
+    if _rank() == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "bench.json").write_text(json.dumps(summary, indent=2, default=str))
+        (out_dir / "bench.md").write_text(markdown_table(summary))
     return summary
 
 
@@ -345,8 +405,11 @@ def summarize(settings: BenchSettings, shapes: dict, ceilings: dict, results: li
             continue
         step = sum(s["seconds"] for s in steps) / len(steps)
         gen = sum(s["generate_seconds"] for s in steps) / len(steps)
+        world = r.get("world_size", 1)
         paths[r["path"]] = {
             "error": r["error"],
+            "world_size": world,
+            "samples_per_second": batch * world / step,
             "first_step_seconds": r["steps"][0]["seconds"],
             "step_seconds": step,
             "generate_seconds": gen,
@@ -354,6 +417,9 @@ def summarize(settings: BenchSettings, shapes: dict, ceilings: dict, results: li
             "decode_tokens_per_second": batch * settings.completion / gen if gen else None,
             "train_tokens_per_second": tokens / (step - gen) if step > gen else None,
             "peak_memory_gib": r["peak_memory_gib"],
+            "generation_peak_gib": r.get("generation_peak_gib"),
+            "training_peak_gib": r.get("training_peak_gib"),
+            "peak_memory_gib_per_rank": r.get("peak_memory_gib_per_rank", [r["peak_memory_gib"]]),
             "peak_reserved_gib": r["peak_reserved_gib"],
             "steps_measured": len(steps),
             "fast_generation": r["fast_generation"],
@@ -401,20 +467,24 @@ def markdown_table(summary: dict) -> str:
         f"{s['algorithm'].upper()}, {'4-bit' if s['load_in_4bit'] else 'bf16'}"
         + (f", memory capped at {s['memory_cap_gib']} GiB" if s["memory_cap_gib"] else ""),
         "",
-        "| path | step s | first step s | generate s | decode ms/step | decode tok/s | train tok/s | peak GiB |",
-        "|---|---|---|---|---|---|---|---|",
+        "| path | step s | first step s | generate s | decode ms/step | decode tok/s | train tok/s | peak GiB "
+        "| peak in rollouts / rest GiB | GPUs | samples/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, p in summary["paths"].items():
         if "step_seconds" not in p:
-            lines.append(f"| {name} | failed: {p['error']} | | | | | | |")
+            lines.append(f"| {name} | failed: {p['error']} | | | | | | | | | |")
             continue
+        phases = (f"{p['generation_peak_gib']:.1f} / {p['training_peak_gib']:.1f}"
+                  if p.get("generation_peak_gib") is not None else "")
         lines.append(
             f"| {name} | {p['step_seconds']:.1f} | {p['first_step_seconds']:.1f} | {p['generate_seconds']:.1f} | "
             f"{p['decode_ms_per_step']:.1f} | {p['decode_tokens_per_second'] or 0:.0f} | "
-            f"{p['train_tokens_per_second'] or 0:.0f} | {p['peak_memory_gib']:.1f} |"
+            f"{p['train_tokens_per_second'] or 0:.0f} | {p['peak_memory_gib']:.1f} | {phases} | "
+            f"{p.get('world_size', 1)} | {p.get('samples_per_second', 0):.2f} |"
         )
     f = summary["floors"]
-    lines.append(f"| floor | {f['step_seconds']:.1f} | | | {f['decode_ms_per_step']:.1f} | | | |")
+    lines.append(f"| floor | {f['step_seconds']:.1f} | | | {f['decode_ms_per_step']:.1f} | | | | | | |")
     c = summary["ceilings"]
     lines += ["", (f"Ceilings measured in this run: {c['matmul_tflops']:.0f} TFLOP/s bf16 matmul, "
                    f"{c['copy_bandwidth_tbs']:.2f} TB/s device copy. Floors: decode = (weights + mean KV cache) / "
@@ -426,3 +496,21 @@ def markdown_table(summary: dict) -> str:
                      f"vlmrl decode {r['vlmrl_decode_vs_floor']:.2f}x the floor, peak memory "
                      f"{r['peak_memory_ratio']:.2f}x plain.")
     return "\n".join(lines) + "\n"
+
+
+def scaling_table(one: dict, many: dict, path: str = "vlmrl") -> tuple[str, dict]:
+    """Markdown and figures for the same bench on 1 GPU and on N GPUs (same per-GPU batch)."""
+    a, b = one["paths"][path], many["paths"][path]
+    figures = {
+        "gpus": [a["world_size"], b["world_size"]],
+        "samples_per_second": [a["samples_per_second"], b["samples_per_second"]],
+        "speedup": b["samples_per_second"] / a["samples_per_second"],
+        "peak_memory_gib_per_gpu": [a["peak_memory_gib_per_rank"], b["peak_memory_gib_per_rank"]],
+    }
+    lines = ["| GPUs | step s | samples/s | peak GiB per GPU |", "|---|---|---|---|"]
+    for p in (a, b):
+        peaks = ", ".join(f"{x:.1f}" for x in p["peak_memory_gib_per_rank"])
+        lines.append(f"| {p['world_size']} | {p['step_seconds']:.1f} | {p['samples_per_second']:.2f} | {peaks} |")
+    lines.append("")
+    lines.append(f"Samples per second on {b['world_size']} GPUs: {figures['speedup']:.2f}x one GPU.")
+    return "\n".join(lines) + "\n", figures

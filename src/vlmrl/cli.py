@@ -399,20 +399,31 @@ def bench(
     load_in_4bit: Annotated[bool, typer.Option("--load-in-4bit", help="bitsandbytes 4-bit base weights.")] = False,
     memory_cap_gib: Annotated[float | None, typer.Option(help="Cap this process's GPU memory.")] = None,
     out: Annotated[Path, typer.Option(help="Where bench.json and bench.md go.")] = Path("bench-out"),
+    save_model: Annotated[Path | None, typer.Option(
+        help="Only write a loadable random-weight model of these shapes to this folder, then stop.")] = None,
 ) -> None:
-    """Side-by-side GPU benchmark: plain TRL GRPOTrainer vs vlmrl's path, same model shapes, one process."""
+    """Side-by-side GPU benchmark: plain TRL GRPOTrainer vs vlmrl's path, same model shapes, one process.
+
+    Under `accelerate launch --num_processes N` every rank runs the same per-GPU batch on its own GPU; rank 0
+    writes the results (samples per second and peak memory of every GPU included)."""
+    import os
     import tempfile
 
     import torch
 
-    from vlmrl.bench import BenchSettings, run_bench
+    from vlmrl.bench import BenchSettings, run_bench, save_shaped_model
 
     if not torch.cuda.is_available():
         _fail("vlmrl bench needs a CUDA GPU (this machine has none); see benchmarks/README.md for the commands.")
+    if save_model is not None:
+        console.print(f"saved {save_shaped_model(save_model, shapes)}")
+        return
     settings = BenchSettings(shapes=shapes, steps=steps, completion=completion, paths=paths.split(","),
                              load_in_4bit=load_in_4bit, memory_cap_gib=memory_cap_gib)
     with tempfile.TemporaryDirectory(prefix="vlmrl-bench-") as work:
         summary = run_bench(settings, out, Path(work))
+    if os.environ.get("RANK", "0") != "0":
+        return
     console.print((out / "bench.md").read_text(), markup=False, highlight=False)
     failed = [name for name, p in summary["paths"].items() if p.get("error")]
     if failed:
