@@ -203,6 +203,7 @@ class _StepClock:
         self._gen = 0.0
         self.generation_peak = 0
         self.other_peak = 0
+        self.generation_peaks: list[float] = []  # per generate call, GiB: is the first (compiling) call special?
 
     def callback(self) -> Any:
         from transformers import TrainerCallback
@@ -231,7 +232,9 @@ class _StepClock:
             out = inner(*args, **kwargs)
             torch.cuda.synchronize()
             self._gen += time.perf_counter() - start
-            self.generation_peak = max(self.generation_peak, torch.cuda.max_memory_allocated())
+            peak = torch.cuda.max_memory_allocated()
+            self.generation_peak = max(self.generation_peak, peak)
+            self.generation_peaks.append(round(peak / GIB, 3))
             torch.cuda.reset_peak_memory_stats()
             return out
 
@@ -304,6 +307,7 @@ def run_path(path: str, settings: BenchSettings, shapes: dict, processor_dir: Pa
         "steps": clock.steps,
         "peak_memory_gib": max(clock.generation_peak, other_peak) / GIB,
         "generation_peak_gib": clock.generation_peak / GIB,
+        "generation_peaks_gib": clock.generation_peaks,
         "training_peak_gib": other_peak / GIB,
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB,
         "world_size": _world_size(),
