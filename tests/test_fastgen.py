@@ -152,3 +152,25 @@ def captured_model(monkeypatch) -> dict:
 
     monkeypatch.setattr(lora, "apply_lora", capture)
     return seen
+
+
+def test_rollouts_run_under_the_training_autocast_when_adapters_are_fp32():
+    from types import SimpleNamespace
+
+    from vlmrl.fastgen import _generate_under_autocast, rollout_autocast_dtype
+
+    base = torch.nn.Linear(4, 4).to(torch.bfloat16).requires_grad_(False)
+    mixed = torch.nn.Sequential(base, torch.nn.Linear(4, 4))  # frozen bf16 base + trainable fp32 adapter
+    assert rollout_autocast_dtype(mixed, SimpleNamespace(bf16=True, fp16=False)) == torch.bfloat16
+    assert rollout_autocast_dtype(mixed, SimpleNamespace(bf16=False, fp16=False)) is None  # fp32 run
+    all_bf16 = torch.nn.Sequential(base, torch.nn.Linear(4, 4).to(torch.bfloat16))
+    assert rollout_autocast_dtype(all_bf16, SimpleNamespace(bf16=True, fp16=False)) is None  # QLoRA: TRL cast them
+
+    seen = []
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    trainer = SimpleNamespace(_generate_single_turn=lambda *a: seen.append(
+        (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))) or a)
+    _generate_under_autocast(trainer, torch.bfloat16)
+    assert trainer._generate_single_turn(1, 2) == (1, 2)
+    assert seen == [(True, torch.bfloat16)]
+    assert not torch.is_autocast_enabled(device)  # only inside the rollout
