@@ -6,14 +6,19 @@ The prediction is arithmetic on the same quantities that fill the card:
                        tower and LM head stay 16-bit under 4-bit loading)
     LoRA + optimizer   trainable parameters x 16 bytes (fp32 weight, gradient, two Adam moments; 8-bit Adam: 10)
     rollout KV cache   generation batch x (prompt + completion) x layers x 2 x kv heads x head dim x 2 bytes
+    prefill            generation batch x prompt tokens x (6 x intermediate + 8 x hidden) x 2 bytes: the prompt
+                       pass's MLP and projection temporaries (with the LoRA branches)
     training           one micro-batch: checkpointed layer inputs (tokens x hidden x 2 bytes x layers) plus one
                        layer's recomputed activations and the log-prob pass over the completion tokens
 
-Generation and the loss pass do not overlap, so the peak is the larger of the two phases, except that vlmrl's
-static KV cache (fast generation) stays allocated between steps and is counted in both. Host RAM: the model
-is loaded through host memory once, so about the weights' size plus 4 GiB.
+Rollouts and the loss pass do not overlap (transformers builds a new static cache per `generate` call and frees
+it afterwards; the H200 runs measure each phase's peak apart), so the peak is the larger of the two phases.
+In the rollout phase a static cache (fast generation) is allocated whole before the prefill, so the prefill's
+temporaries sit on top of the full cache; a dynamic cache (plain TRL) grows, and is full only when the prefill
+is long over. Host RAM: the model is loaded through host memory once, so about the weights' size plus 4 GiB.
 
-Checked against the H200 benchmark (`docs/benchmarks.md`); the tests cover the arithmetic.
+Checked against the H200 benchmarks (`docs/benchmarks.md`: bf16 plain and vlmrl, 4-bit, 256-token
+completions); the tests pin those measured peaks and cover the arithmetic.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ class MemoryEstimate:
     weights_gib: float
     lora_and_optimizer_gib: float
     kv_cache_gib: float
+    prefill_gib: float
     training_gib: float
     peak_gib: float
     host_ram_gib: float
@@ -87,19 +93,24 @@ def estimate_memory(config: Config, shapes: dict, *, prompt_tokens: int, fast_ge
     bucket = config.train.prompt_bucket if fast_generation else 1
     padded_prompt = -(-prompt_tokens // bucket) * bucket
     kv = generation_batch * (padded_prompt + tr.max_completion_length) * kv_per_token
+    prefill = generation_batch * padded_prompt * (6 * t["intermediate_size"] + 8 * t["hidden_size"]) * 2
     tokens = tr.per_device_train_batch_size * (prompt_tokens + tr.max_completion_length)
     checkpoints = tokens * t["hidden_size"] * 2 * t["num_hidden_layers"]
     one_layer = tokens * (6 * t["hidden_size"] + 3 * t["intermediate_size"]) * 2
     logprob_pass = tr.per_device_train_batch_size * tr.max_completion_length * t["vocab_size"] * 4 / 8  # chunked
     training = (checkpoints if tr.gradient_checkpointing else checkpoints * 8) + one_layer + logprob_pass
     fixed = weights + lora * optimizer_bytes
-    generation_phase = fixed + kv
-    training_phase = fixed + training + (kv if fast_generation else 0)
+    if fast_generation:
+        generation_phase = fixed + kv + prefill
+    else:
+        generation_phase = fixed + max(kv, generation_batch * prompt_tokens * kv_per_token + prefill)
+    training_phase = fixed + training
     peak = max(generation_phase, training_phase)
     return MemoryEstimate(
         weights_gib=weights / GIB,
         lora_and_optimizer_gib=lora * optimizer_bytes / GIB,
         kv_cache_gib=kv / GIB,
+        prefill_gib=prefill / GIB,
         training_gib=training / GIB,
         peak_gib=peak / GIB,
         host_ram_gib=((language + vision) * 2) / GIB + 4,
