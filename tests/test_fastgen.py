@@ -15,6 +15,8 @@ from vlmrl.data.synthetic import generate_items
 from vlmrl.generation import generate_batch
 from vlmrl.models.tiny import build_tiny_model
 
+from tests.test_train import captured  # noqa: F401  (the LoRA-wrapped model `train` builds)
+
 
 class _Module(torch.nn.Module):
     def __init__(self, groups: int):
@@ -123,7 +125,7 @@ def test_greedy_generation_is_unchanged_eager_and_compiled(tiny, monkeypatch):
     assert texts(folded) == texts(baseline) == texts(compiled_plain) == texts(compiled_folded)
 
 
-def test_training_with_fast_generation_records_it_and_folds_attention(tmp_path, captured_model):
+def test_training_with_fast_generation_records_it_and_folds_attention(tmp_path, captured):
     from tests.test_train import quick_config
     from vlmrl.io import read_json, read_jsonl
     from vlmrl.pipeline import prepare_with_budget
@@ -134,24 +136,9 @@ def test_training_with_fast_generation_records_it_and_folds_attention(tmp_path, 
     train(config, config.run_dir)
     record = read_json(config.run_dir / "train" / "summary.json")
     assert record["fast_generation"]["enabled"] and record["fast_generation"]["attention"] == attention.NAME
-    assert captured_model["model"].config.text_config._attn_implementation == attention.NAME
+    assert captured["model"].config.text_config._attn_implementation == attention.NAME
     assert len(read_jsonl(config.run_dir / "train" / "rollouts.jsonl")) == 8
 
-
-@pytest.fixture
-def captured_model(monkeypatch) -> dict:
-    from vlmrl.models import lora
-
-    seen: dict = {}
-    original = lora.apply_lora
-
-    def capture(model, config, **kwargs):
-        wrapped, report = original(model, config, **kwargs)
-        seen["model"] = wrapped
-        return wrapped, report
-
-    monkeypatch.setattr(lora, "apply_lora", capture)
-    return seen
 
 
 def test_rollouts_run_under_the_training_autocast_when_adapters_are_fp32():
