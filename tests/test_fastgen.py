@@ -161,3 +161,25 @@ def test_rollouts_run_under_the_training_autocast_when_adapters_are_fp32():
     assert trainer._generate_single_turn(1, 2) == (1, 2)
     assert seen == [(True, torch.bfloat16)]
     assert not torch.is_autocast_enabled(device)  # only inside the rollout
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "gemma3"])
+def test_other_families_generate_the_same_with_folded_attention(arch, tmp_path, monkeypatch):
+    path = build_tiny_model(arch, tmp_path / arch, hidden_size=64, num_layers=2)
+    model, processor = _load(path)
+    prompts, images = _prompts(3)
+    baseline = generate_batch(model, processor, prompts, images, max_new_tokens=10)
+    assert attention.use_packed_gqa(model)
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    foldable = []
+
+    def spy(module, query, key, value, mask, **kwargs):
+        foldable.append(mask is not None and getattr(module, "num_key_value_groups", 1) > 1)
+        return attention.packed_gqa_sdpa(module, query, key, value, mask, **kwargs)
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, attention.NAME, spy)
+    folded = generate_batch(model, processor, prompts, images, max_new_tokens=10)
+    assert any(foldable), "the language model's grouped attention never reached the fold"
+    assert [g[0].text for g in folded] == [g[0].text for g in baseline]
+    assert [g[0].tokens for g in folded] == [g[0].tokens for g in baseline]
