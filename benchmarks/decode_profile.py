@@ -22,12 +22,10 @@ import torch
 from transformers import AutoProcessor, LogitsProcessor, LogitsProcessorList
 
 from vlmrl.attention import use_packed_gqa
-from vlmrl.bench import BenchSettings, bench_dataset, build_processor, build_shaped_model, load_shapes
+from vlmrl.bench import GIB, BenchSettings, bench_dataset, build_processor, build_shaped_model, load_shapes
 from vlmrl.fastgen import compile_settings
 from vlmrl.generation import encode_batch
 from vlmrl.models.loading import multimodal_token_ids
-
-GIB = 2**30
 
 
 class MemoryProbe(LogitsProcessor):

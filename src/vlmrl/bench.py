@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from vlmrl import distributed
+
 log = logging.getLogger(__name__)
 GIB = 2**30
 
@@ -182,7 +184,7 @@ def bench_dataset(settings: BenchSettings) -> Any:
     from vlmrl.contract import build_prompt_text
     from vlmrl.data.synthetic import generate_items
 
-    n = settings.prompts * _world_size() * (settings.steps + 1)
+    n = settings.prompts * distributed.world_size() * (settings.steps + 1)
     items = list(generate_items(n, seed=7, size=settings.image_size))
     return datasets.Dataset.from_dict({
         "prompt": [[{"role": "user", "content": build_prompt_text(i.question)}] for i in items],
@@ -310,25 +312,13 @@ def run_path(path: str, settings: BenchSettings, shapes: dict, processor_dir: Pa
         "generation_peaks_gib": clock.generation_peaks,
         "training_peak_gib": other_peak / GIB,
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB,
-        "world_size": _world_size(),
+        "world_size": distributed.world_size(),
         "peak_memory_gib_per_rank": _gather(max(clock.generation_peak, other_peak) / GIB),
         "log": [row for row in trainer.state.log_history if "loss" in row],
     }
     del trainer, model
     _free()
     return result
-
-
-def _world_size() -> int:
-    import os
-
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def _rank() -> int:
-    import os
-
-    return int(os.environ.get("RANK", "0"))
 
 
 def _gather(value: float) -> list[float]:
@@ -358,8 +348,8 @@ def run_bench(settings: BenchSettings, out_dir: Path, work: Path) -> dict:
         raise RuntimeError("vlmrl bench needs a CUDA GPU; the CPU tests cover its bookkeeping only.")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank)
-    if _world_size() > 1:
-        work = work / f"rank{_rank()}"  # no two ranks write the same processor or weight files
+    if distributed.world_size() > 1:
+        work = work / f"rank{distributed.rank()}"  # no two ranks write the same processor or weight files
     if settings.memory_cap_gib:
         total = torch.cuda.get_device_properties(local_rank).total_memory / GIB
         torch.cuda.set_per_process_memory_fraction(min(1.0, settings.memory_cap_gib / total), local_rank)
@@ -370,7 +360,7 @@ def run_bench(settings: BenchSettings, out_dir: Path, work: Path) -> dict:
     results = [run_path(p, settings, shapes, processor_dir, dataset, work) for p in settings.paths]
     prompt_tokens = _prompt_tokens(processor_dir, dataset)
     summary = summarize(settings, shapes, ceilings, results, prompt_tokens)
-    if _rank() == 0:
+    if distributed.is_main_process():
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "bench.json").write_text(json.dumps(summary, indent=2, default=str))
         (out_dir / "bench.md").write_text(markdown_table(summary))

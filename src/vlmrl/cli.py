@@ -406,12 +406,12 @@ def bench(
 
     Under `accelerate launch --num_processes N` every rank runs the same per-GPU batch on its own GPU; rank 0
     writes the results (samples per second and peak memory of every GPU included)."""
-    import os
     import tempfile
 
     import torch
 
     from vlmrl.bench import BenchSettings, run_bench, save_shaped_model
+    from vlmrl.distributed import is_main_process
 
     if not torch.cuda.is_available():
         _fail("vlmrl bench needs a CUDA GPU (this machine has none); see benchmarks/README.md for the commands.")
@@ -422,7 +422,7 @@ def bench(
                              load_in_4bit=load_in_4bit, memory_cap_gib=memory_cap_gib)
     with tempfile.TemporaryDirectory(prefix="vlmrl-bench-") as work:
         summary = run_bench(settings, out, Path(work))
-    if os.environ.get("RANK", "0") != "0":
+    if not is_main_process():
         return
     console.print((out / "bench.md").read_text(), markup=False, highlight=False)
     failed = [name for name, p in summary["paths"].items() if p.get("error")]
