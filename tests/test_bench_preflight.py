@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from vlmrl.bench import (
     BenchSettings,
@@ -145,3 +146,24 @@ def test_a_saved_shaped_model_is_what_eval_loads(tmp_path):
     text = loaded.model.config.text_config
     assert (text.hidden_size, text.num_key_value_heads, text.vocab_size) == (64, 2, 1024)
     assert loaded.processor.tokenizer("<REASONING>")["input_ids"]
+
+
+def test_step_clock_splits_peaks_into_rollouts_and_the_rest(monkeypatch):
+    """The allocator's peak is read and reset around every rollout, so each phase gets its own peak, and the
+    reserved peak survives the resets."""
+    from types import SimpleNamespace
+
+    from vlmrl.bench import _StepClock
+
+    allocated = iter([10, 30, 12, 25, 11])  # before rollout 1, after it, before rollout 2, after it, at the end
+    reserved = iter([40, 50, 45, 44, 41])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: next(allocated))
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: next(reserved))
+    clock = _StepClock()
+    trainer = SimpleNamespace(_generate_single_turn=lambda x: x * 2)
+    clock.wrap_generation(trainer)
+    assert trainer._generate_single_turn(1) == 2 and trainer._generate_single_turn(2) == 4
+    assert clock.generation_peaks == [30, 25] and clock.other_peak == 12
+    assert clock.take_peak() == 11 and clock.reserved_peak == 50

@@ -203,9 +203,9 @@ class _StepClock:
         self.steps: list[dict] = []
         self._start = 0.0
         self._gen = 0.0
-        self.generation_peak = 0
+        self.generation_peaks: list[int] = []  # bytes, per generate call: is the first (compiling) call special?
         self.other_peak = 0
-        self.generation_peaks: list[float] = []  # per generate call, GiB: is the first (compiling) call special?
+        self.reserved_peak = 0  # the allocator's own peak, kept across the per-phase resets
 
     def callback(self) -> Any:
         from transformers import TrainerCallback
@@ -228,19 +228,22 @@ class _StepClock:
 
         def timed(*args, **kwargs):
             torch.cuda.synchronize()
-            self.other_peak = max(self.other_peak, torch.cuda.max_memory_allocated())
-            torch.cuda.reset_peak_memory_stats()
+            self.other_peak = max(self.other_peak, self.take_peak())
             start = time.perf_counter()
             out = inner(*args, **kwargs)
             torch.cuda.synchronize()
             self._gen += time.perf_counter() - start
-            peak = torch.cuda.max_memory_allocated()
-            self.generation_peak = max(self.generation_peak, peak)
-            self.generation_peaks.append(round(peak / GIB, 3))
-            torch.cuda.reset_peak_memory_stats()
+            self.generation_peaks.append(self.take_peak())
             return out
 
         trainer._generate_single_turn = timed
+
+    def take_peak(self) -> int:
+        """Allocated-memory peak since the last call (bytes), then start a new phase."""
+        peak = torch.cuda.max_memory_allocated()
+        self.reserved_peak = max(self.reserved_peak, torch.cuda.max_memory_reserved())
+        torch.cuda.reset_peak_memory_stats()
+        return peak
 
 
 def run_path(path: str, settings: BenchSettings, shapes: dict, processor_dir: Path, dataset: Any, work: Path) -> dict:
@@ -300,20 +303,22 @@ def run_path(path: str, settings: BenchSettings, shapes: dict, processor_dir: Pa
     except Exception as exc:  # one path failing must not hide the other's numbers
         error = f"{type(exc).__name__}: {exc}"[:2000]
         log.exception("bench path %s failed", path)
-    other_peak = max(clock.other_peak, torch.cuda.max_memory_allocated())
+    other_peak = max(clock.other_peak, clock.take_peak())
+    generation_peak = max(clock.generation_peaks, default=0)
+    peak = max(generation_peak, other_peak) / GIB
     result = {
         "path": path,
         "error": error,
         "fast_generation": fast.as_dict() if fast else None,
         "total_seconds": time.perf_counter() - started,
         "steps": clock.steps,
-        "peak_memory_gib": max(clock.generation_peak, other_peak) / GIB,
-        "generation_peak_gib": clock.generation_peak / GIB,
-        "generation_peaks_gib": clock.generation_peaks,
+        "peak_memory_gib": peak,
+        "generation_peak_gib": generation_peak / GIB,
+        "generation_peaks_gib": [round(p / GIB, 3) for p in clock.generation_peaks],
         "training_peak_gib": other_peak / GIB,
-        "peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB,
+        "peak_reserved_gib": clock.reserved_peak / GIB,
         "world_size": distributed.world_size(),
-        "peak_memory_gib_per_rank": _gather(max(clock.generation_peak, other_peak) / GIB),
+        "peak_memory_gib_per_rank": _gather(peak),
         "log": [row for row in trainer.state.log_history if "loss" in row],
     }
     del trainer, model
@@ -461,8 +466,8 @@ def markdown_table(summary: dict) -> str:
         f"{s['algorithm'].upper()}, {'4-bit' if s['load_in_4bit'] else 'bf16'}"
         + (f", memory capped at {s['memory_cap_gib']} GiB" if s["memory_cap_gib"] else ""),
         "",
-        "| path | step s | first step s | generate s | decode ms/step | decode tok/s | train tok/s | peak GiB "
-        "| peak in rollouts / rest GiB | GPUs | samples/s |",
+        ("| path | step s | first step s | generate s | decode ms/step | decode tok/s | train tok/s | peak GiB "
+         "| peak in rollouts / rest GiB | GPUs | samples/s |"),
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, p in summary["paths"].items():
