@@ -17,10 +17,11 @@ instead (same attention, no copies). See docs/benchmarks.md for what each piece 
 
 PEFT keeps LoRA weights in float32 next to a bf16 base (`autocast_adapter_dtype`), and TRL's loss pass runs
 under the accelerator's bf16 autocast, but its `generate` does not: every adapter matmul of a rollout then
-runs in float32 on CUDA cores, and each LoRA output is added to the bf16 base output in float32 (measured on
-an H200: 20.3 ms per decode step with the adapter, 14.5 without; 244 float32 GEMMs per token step in the
-profile, and float32 [tokens x 12288] temporaries in the prefill). Rollouts therefore run under the same bf16
-autocast as the loss pass: the adapter's matmuls then match the numerics the policy is trained with.
+runs in float32 (244 float32 GEMMs per token step in an H200 profile) and each LoRA output is added to the
+bf16 base output in float32. Rollouts therefore run under the same bf16 autocast as the loss pass, so the
+adapter's matmuls match the numerics the policy is trained with. Measured on an H200: peak memory 0.5 GiB
+lower; decode time unchanged (22.5 vs 22.1 ms per token step), since the adapters' cost there (about 6 ms of
+it) is the number of small kernels, not their precision.
 """
 
 from __future__ import annotations
