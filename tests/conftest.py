@@ -173,3 +173,24 @@ def demo_cache(tmp_path_factory):
         os.environ.pop("VLMRL_CACHE", None)
     else:
         os.environ["VLMRL_CACHE"] = previous
+
+
+# Training tests (test_train.py, test_fastgen.py)
+
+
+@pytest.fixture
+def captured(monkeypatch) -> dict:
+    """The LoRA-wrapped model `train` builds, and a copy of every parameter right after wrapping."""
+    from vlmrl.models import lora
+
+    seen: dict = {}
+    original = lora.apply_lora
+
+    def capture(model, config, **kwargs):
+        wrapped, report = original(model, config, **kwargs)
+        seen["model"] = wrapped
+        seen["before"] = {name: p.detach().clone() for name, p in wrapped.named_parameters()}
+        return wrapped, report
+
+    monkeypatch.setattr(lora, "apply_lora", capture)
+    return seen

@@ -15,7 +15,8 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from vlmrl.config import Config, load_config
+from tests.test_train import quick_config as train_quick_config
+from vlmrl.config import Config
 from vlmrl.contract import completion_text
 from vlmrl.evaluate import EvalError
 from vlmrl.export import ExportError, check_base_model, export_adapter, verify_adapter_weights
@@ -29,21 +30,8 @@ PASSING = ("lora_b_nonzero", "lora_finite", "base_model_matches", "reload_reprod
 
 
 def quick_config(output_dir: Path, *extra: str) -> Config:
-    return load_config(
-        "demo",
-        [
-            "model.name=tiny:qwen3_vl",
-            f"run.output_dir={output_dir}",
-            "data.num_synthetic=40",
-            "data.holdout_size=6",
-            "train.max_completion_length=12",
-            "train.max_steps=2",
-            "train.per_device_train_batch_size=8",
-            "train.save_steps=1",
-            "export.merged_16bit=true",
-            *extra,
-        ],
-    )
+    """test_train's small run, exporting the merged 16-bit model too (unless `extra` says otherwise)."""
+    return train_quick_config(output_dir, "export.merged_16bit=true", *extra)
 
 
 def varied_reward(completions, answer, **kwargs) -> list[float]:

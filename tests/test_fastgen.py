@@ -15,8 +15,6 @@ from vlmrl.data.synthetic import generate_items
 from vlmrl.generation import generate_batch
 from vlmrl.models.tiny import build_tiny_model
 
-from tests.test_train import captured  # noqa: F401  (the LoRA-wrapped model `train` builds)
-
 
 class _Module(torch.nn.Module):
     def __init__(self, groups: int):
@@ -121,8 +119,8 @@ def test_greedy_generation_is_unchanged_eager_and_compiled(tiny, monkeypatch):
     assert model.config.text_config._attn_implementation == attention.NAME  # the compiled path switched it
     folded = generate_batch(model, processor, prompts, images, max_new_tokens=12)
     assert copies == [], "vlmrl_sdpa must not copy the KV heads"
-    texts = lambda gens: [g[0].text for g in gens]  # noqa: E731
-    assert texts(folded) == texts(baseline) == texts(compiled_plain) == texts(compiled_folded)
+    texts = [[g[0].text for g in gens] for gens in (folded, baseline, compiled_plain, compiled_folded)]
+    assert texts[0] == texts[1] == texts[2] == texts[3]
 
 
 def test_training_with_fast_generation_records_it_and_folds_attention(tmp_path, captured):

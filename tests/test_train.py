@@ -76,24 +76,6 @@ def learnable(monkeypatch):
 
 
 @pytest.fixture
-def captured(monkeypatch) -> dict:
-    """The LoRA-wrapped model `train` builds, and a copy of every parameter right after wrapping."""
-    from vlmrl.models import lora
-
-    seen: dict = {}
-    original = lora.apply_lora
-
-    def capture(model, config, **kwargs):
-        wrapped, report = original(model, config, **kwargs)
-        seen["model"] = wrapped
-        seen["before"] = {name: p.detach().clone() for name, p in wrapped.named_parameters()}
-        return wrapped, report
-
-    monkeypatch.setattr(lora, "apply_lora", capture)
-    return seen
-
-
-@pytest.fixture
 def no_model_load(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("load_model was called before the config was checked")
