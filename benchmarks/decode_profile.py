@@ -1,13 +1,13 @@
 """Where a compiled decode step goes (diagnostic, not a benchmark of record; docs/benchmarks.md).
 
 Outside TRL, on the same random-weight Qwen3-VL-8B shapes, batch 32 (8 prompts x 4), static cache +
-torch.compile(reduce-overhead) + vlmrl_sdpa, as in vlmrl's rollouts. Measures, each from its own generate call:
+torch.compile(reduce-overhead) + vlmrl_sdpa + the prompt pass on a dynamic cache, as in vlmrl's rollouts.
+Measures, each from its own generate call (warmed up at the measured length, so no call includes a compile):
   - ms per decode step with the LoRA adapter (r=16) active, sampling with the rollout logits processors;
-  - the same, greedy without logits processors (what sampling and the processors cost);
-  - the same without the adapter (what the LoRA layers cost; a recompile);
-  - GPU busy time per decode step from torch.profiler (kernel time / wall time) and the top kernels;
-  - peak memory in prefill vs decode (a logits processor reads the allocator after prefill).
-Usage (CUDA): python benchmarks/decode_profile.py OUTDIR
+  - the same with the adapter merged (`vlmrl.merge.RolloutMerge`, what vlmrl's rollouts run);
+  - on the merged path: GPU busy time per decode step from torch.profiler (kernel time / wall time) and the top
+    kernels; peak memory in the prompt pass vs in decoding (a logits processor reads the allocator).
+Usage (CUDA): python benchmarks/decode_profile.py OUTDIR [TOKENS]
 """
 
 from __future__ import annotations
@@ -23,13 +23,14 @@ from transformers import AutoProcessor, LogitsProcessor, LogitsProcessorList
 
 from vlmrl.attention import use_packed_gqa
 from vlmrl.bench import GIB, BenchSettings, bench_dataset, build_processor, build_shaped_model, load_shapes
-from vlmrl.fastgen import compile_settings
+from vlmrl.fastgen import compile_settings, prefill_into_dynamic_cache
 from vlmrl.generation import encode_batch
+from vlmrl.merge import RolloutMerge
 from vlmrl.models.loading import multimodal_token_ids
 
 
 class MemoryProbe(LogitsProcessor):
-    """Called once per token step; the first call comes right after prefill."""
+    """Called once per token step; the first call comes right after the prompt pass."""
 
     def __init__(self):
         self.prefill_peak = None
@@ -53,7 +54,7 @@ def timed_generate(model, batch, tokens, **kwargs) -> float:
     return 1e3 * (time.perf_counter() - start) / tokens
 
 
-def main(out: Path) -> None:
+def main(out: Path, tokens: int) -> None:
     from peft import LoraConfig, get_peft_model
 
     out.mkdir(parents=True, exist_ok=True)
@@ -65,6 +66,7 @@ def main(out: Path) -> None:
         r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)")))
     model.eval()
     use_packed_gqa(model)
+    prefill_into_dynamic_cache(model)
     processor = AutoProcessor.from_pretrained(str(processor_dir))
     processor.tokenizer.padding_side = "left"
     data = bench_dataset(settings)
@@ -73,50 +75,63 @@ def main(out: Path) -> None:
     batch = encode_batch(processor, prompts, images, torch.device("cuda"), bucket=64)
     sampling = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                     suppress_tokens=multimodal_token_ids(model.config), **compile_settings())
-    greedy = dict(do_sample=False, **compile_settings())
-    result: dict = {"batch": len(prompts), "prompt_tokens": int(batch["input_ids"].shape[1])}
+    result: dict = {"batch": len(prompts), "prompt_tokens": int(batch["input_ids"].shape[1]), "tokens": tokens}
+    merge = RolloutMerge(model)
 
-    with torch.inference_mode():
+    with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16):
         start = time.perf_counter()
-        # The static cache is sized prompt + max_new_tokens, and a new size recompiles: warm up at the measured
-        # length (the first run of this script warmed up at 16 tokens, so its sampling figure included a recompile).
-        timed_generate(model, batch, 256, **sampling)
+        timed_generate(model, batch, tokens, **sampling)
         result["first_call_seconds"] = time.perf_counter() - start
-        torch.cuda.reset_peak_memory_stats()
-        probe = MemoryProbe()
-        result["sampling_lora_ms"] = timed_generate(model, batch, 256, logits_processor=LogitsProcessorList([probe]),
-                                                    **sampling)
-        result["prefill_peak_gib"] = probe.prefill_peak / GIB
-        result["decode_peak_gib"] = probe.decode_peak / GIB
-        result["greedy_lora_ms"] = timed_generate(model, batch, 256, **greedy)
-        from torch.profiler import ProfilerActivity, profile
+        result["sampling_lora_ms"] = timed_generate(model, batch, tokens, **sampling)
+        with merge.merged():
+            start = time.perf_counter()
+            timed_generate(model, batch, tokens, **sampling)  # compiles the graph without LoRA branches
+            result["merged_first_call_seconds"] = time.perf_counter() - start
+            torch.cuda.reset_peak_memory_stats()
+            probe = MemoryProbe()
+            result["sampling_merged_ms"] = timed_generate(model, batch, tokens,
+                                                          logits_processor=LogitsProcessorList([probe]), **sampling)
+            result["prefill_peak_gib"] = probe.prefill_peak / GIB
+            result["decode_peak_gib"] = probe.decode_peak / GIB
+            from torch.profiler import ProfilerActivity, profile
 
-        steps = 256  # long enough that the prefill inside the profiled call is a small share
+            steps = 256
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                wall = timed_generate(model, batch, steps, **sampling) * steps
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            wall = timed_generate(model, batch, steps, **sampling) * steps
-        events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-        kernel_us = sum(e.self_device_time_total for e in events)
-        result["profiled_wall_ms_per_step"] = wall / steps
-        result["gpu_kernel_ms_per_step"] = kernel_us / 1e3 / steps
-        top = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:15]
-        result["top_kernels"] = [{"name": e.key[:90], "ms_per_step": e.self_device_time_total / 1e3 / steps,
-                                  "calls_per_step": e.count / steps} for e in top]
-        with model.disable_adapter():
-            timed_generate(model, batch, 256, **sampling)  # recompiles without the LoRA branches
-            result["sampling_no_lora_ms"] = timed_generate(model, batch, 256, **sampling)
+        start = time.perf_counter()
+        with merge.merged():
+            torch.cuda.synchronize()
+            result["merge_seconds"] = time.perf_counter() - start
+        torch.cuda.synchronize()
+        result["merge_and_restore_seconds"] = time.perf_counter() - start
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernel_us = sum(e.self_device_time_total for e in events)
+    result["profiled_wall_ms_per_step"] = wall / steps
+    result["gpu_kernel_ms_per_step"] = kernel_us / 1e3 / steps
+    top = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:20]
+    result["top_kernels"] = [{"name": e.key[:90], "ms_per_step": e.self_device_time_total / 1e3 / steps,
+                              "calls_per_step": e.count / steps} for e in top]
+    cpu = sorted((e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU),
+                 key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
+    result["top_cpu_ops"] = [{"name": e.key[:90], "ms_per_step": e.self_cpu_time_total / 1e3 / steps,
+                              "calls_per_step": e.count / steps} for e in cpu]
 
     (out / "decode_profile.json").write_text(json.dumps(result, indent=2))
-    lines = [f"batch {result['batch']}, prompt {result['prompt_tokens']} tokens, 256 forced tokens per call", "",
-             "| measure | value |", "|---|---|"]
-    for key in ("sampling_lora_ms", "greedy_lora_ms", "sampling_no_lora_ms", "profiled_wall_ms_per_step",
-                "gpu_kernel_ms_per_step", "prefill_peak_gib", "decode_peak_gib", "first_call_seconds"):
-        lines.append(f"| {key} | {result[key]:.2f} |")
-    lines += ["", "| kernel | ms per step | calls per step |", "|---|---|---|"]
+    lines = [f"batch {result['batch']}, prompt {result['prompt_tokens']} tokens, {tokens} forced tokens per call "
+             f"(profile: 256)", "", "| measure | value |", "|---|---|"]
+    for key in ("sampling_lora_ms", "sampling_merged_ms", "profiled_wall_ms_per_step", "gpu_kernel_ms_per_step",
+                "prefill_peak_gib", "decode_peak_gib", "first_call_seconds", "merged_first_call_seconds",
+                "merge_seconds", "merge_and_restore_seconds"):
+        lines.append(f"| {key} | {result[key]:.3f} |")
+    lines += ["", "| kernel (merged path) | ms per step | calls per step |", "|---|---|---|"]
     lines += [f"| `{k['name']}` | {k['ms_per_step']:.3f} | {k['calls_per_step']:.0f} |" for k in result["top_kernels"]]
+    lines += ["", "| CPU op (merged path) | self ms per step | calls per step |", "|---|---|---|"]
+    lines += [f"| `{k['name']}` | {k['ms_per_step']:.3f} | {k['calls_per_step']:.0f} |" for k in result["top_cpu_ops"]]
     (out / "decode_profile.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "decode-profile"))
+    main(Path(sys.argv[1] if len(sys.argv) > 1 else "decode-profile"), int(sys.argv[2]) if len(sys.argv) > 2 else 1024)

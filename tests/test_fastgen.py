@@ -123,26 +123,86 @@ def test_greedy_generation_is_unchanged_eager_and_compiled(tiny, monkeypatch):
     assert texts[0] == texts[1] == texts[2] == texts[3]
 
 
-def test_training_with_fast_generation_records_it_and_folds_attention(tmp_path, captured):
+def test_training_with_fast_generation_records_it_and_scopes_it_to_rollouts(tmp_path, captured, monkeypatch):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     from tests.test_train import quick_config
     from vlmrl.io import read_json, read_jsonl
     from vlmrl.pipeline import prepare_with_budget
     from vlmrl.train import train
 
+    seen = []  # (attention implementation, adapter merged, gradients on) at each attention call
+
+    def spy(implementation):
+        real = ALL_ATTENTION_FUNCTIONS[implementation]
+
+        def call(module, *args, **kwargs):
+            if hasattr(module, "q_proj"):  # the language model's attention (the vision tower's has qkv)
+                seen.append((implementation, module.q_proj.merged, torch.is_grad_enabled()))
+            return real(module, *args, **kwargs)
+        return call
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", spy("sdpa"))
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, attention.NAME, spy(attention.NAME))
     config = quick_config(tmp_path, "train.max_steps=1", "train.fast_generation=always")
     prepare_with_budget(config, config.run_dir)
     train(config, config.run_dir)
-    record = read_json(config.run_dir / "train" / "summary.json")
-    assert record["fast_generation"]["enabled"] and record["fast_generation"]["attention"] == attention.NAME
-    assert captured["model"].config.text_config._attn_implementation == attention.NAME
+    record = read_json(config.run_dir / "train" / "summary.json")["fast_generation"]
+    assert record["enabled"] and record["attention"] == attention.NAME
+    assert record["merge"].startswith("merged for rollouts") and record["prefill"] == "dynamic cache, then static"
+    language = {s for s in seen if s[0] == attention.NAME}
+    assert language == {(attention.NAME, True, False)}, "rollouts: folded attention on merged weights, no grad"
+    assert (("sdpa", False, True) in seen), "the loss pass runs transformers' sdpa with the LoRA branches"
+    assert captured["model"].config.text_config._attn_implementation == "sdpa"  # switched back after rollouts
+    model = captured["model"]
+    for name, param in model.named_parameters():
+        if "lora_" not in name:  # base weights: merged and restored at every rollout, bit for bit
+            assert torch.equal(param.detach(), captured["before"][name]), name
     assert len(read_jsonl(config.run_dir / "train" / "rollouts.jsonl")) == 8
 
+
+def test_attention_switch_is_scoped_to_its_block(tiny):
+    model, _ = _load(tiny)
+    with attention.packed_gqa(model):
+        assert model.config.text_config._attn_implementation == attention.NAME
+    assert model.config.text_config._attn_implementation == "sdpa"
+    eager = AutoModelForImageTextToText.from_pretrained(str(tiny), attn_implementation="eager")
+    with attention.packed_gqa(eager):
+        assert eager.config.text_config._attn_implementation == "eager"
+
+
+def test_prompt_pass_on_a_dynamic_cache_fills_the_static_cache_the_same(tiny, monkeypatch):
+    from vlmrl.fastgen import prefill_into_dynamic_cache
+    from vlmrl.generation import encode_batch
+
+    prompts, images = _prompts(3)  # different lengths: left padding
+    model, processor = _load(tiny)
+    batch = encode_batch(processor, prompts, images, torch.device("cpu"), bucket=16)
+    settings = dict(max_new_tokens=6, do_sample=False, cache_implementation="static", return_dict_in_generate=True)
+    plain = model.generate(**batch, **settings)
+    assert prefill_into_dynamic_cache(model) == "dynamic cache, then static"
+    from transformers import DynamicCache
+
+    prompt_caches = []
+    real_init = DynamicCache.__init__
+    monkeypatch.setattr(DynamicCache, "__init__", lambda self, *a, **k: prompt_caches.append(1) or real_init(self, *a, **k))
+    moved = model.generate(**batch, **settings)
+    assert prompt_caches == [1], "the prompt pass ran on a dynamic cache"
+    assert torch.equal(moved.sequences, plain.sequences)
+    for a, b in zip(plain.cache.layers, moved.cache.layers):
+        assert a.keys.shape == b.keys.shape  # the static cache keeps its full length
+        torch.testing.assert_close(a.keys, b.keys, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a.values, b.values, rtol=1e-5, atol=1e-5)
+        assert int(a.get_seq_length()) == int(b.get_seq_length())
+    prompt_caches.clear()
+    model.generate(**batch, **{**settings, "cache_implementation": "dynamic"})
+    assert prompt_caches == [1], "a dynamic-cache generate is left as it is (one cache, its own)"
 
 
 def test_rollouts_run_under_the_training_autocast_when_adapters_are_fp32():
     from types import SimpleNamespace
 
-    from vlmrl.fastgen import _generate_under_autocast, rollout_autocast_dtype
+    from vlmrl.fastgen import _wrap_rollouts, rollout_autocast_dtype
 
     base = torch.nn.Linear(4, 4).to(torch.bfloat16).requires_grad_(False)
     mixed = torch.nn.Sequential(base, torch.nn.Linear(4, 4))  # frozen bf16 base + trainable fp32 adapter
@@ -155,7 +215,7 @@ def test_rollouts_run_under_the_training_autocast_when_adapters_are_fp32():
     device = "cuda" if torch.cuda.is_available() else "cpu"
     trainer = SimpleNamespace(_generate_single_turn=lambda *a: seen.append(
         (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))) or a)
-    _generate_under_autocast(trainer, torch.bfloat16)
+    _wrap_rollouts(trainer, [None, lambda: torch.autocast(device_type=device, dtype=torch.bfloat16)])
     assert trainer._generate_single_turn(1, 2) == (1, 2)
     assert seen == [(True, torch.bfloat16)]
     assert not torch.is_autocast_enabled(device)  # only inside the rollout

@@ -18,7 +18,9 @@ and mask entries as before. Without a mask, or with per-head masks, it defers to
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -80,25 +82,48 @@ def register() -> None:
     _registered = True
 
 
-def use_packed_gqa(model: Any) -> bool:
-    """Switch the language model of `model` from `sdpa` to `vlmrl_sdpa`; True when switched (or already on).
-
-    Only the text config changes: the vision tower keeps its own implementation. Models on eager or
-    flash attention are left alone (eager has no KV copies to save; flash handles grouped heads itself).
-    """
-    register()
-    base = model
+def base_model(model: Any) -> Any:
+    """The transformers model under DDP and PEFT wrappers."""
+    base = getattr(model, "module", model)  # DDP
     while hasattr(base, "get_base_model") and base is not base.get_base_model():
         base = base.get_base_model()
-    config = getattr(base, "config", None)
+    return base
+
+
+def _text_config(model: Any) -> Any:
+    config = getattr(base_model(model), "config", None)
     if config is None:
+        return None
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def packed_gqa_applies(model: Any) -> bool:
+    """True when the language model of `model` runs `sdpa` (or already `vlmrl_sdpa`). Models on eager or flash
+    attention are left alone (eager has no KV copies to save; flash handles grouped heads itself)."""
+    text = _text_config(model)
+    return getattr(text, "_attn_implementation", None) in ("sdpa", NAME)
+
+
+def use_packed_gqa(model: Any) -> bool:
+    """Switch the language model of `model` from `sdpa` to `vlmrl_sdpa` for good; True when switched (or already
+    on). Only the text config changes: the vision tower keeps its own implementation."""
+    if not packed_gqa_applies(model):
+        log.info("attention stays %s (vlmrl_sdpa replaces sdpa only)",
+                 getattr(_text_config(model), "_attn_implementation", None))
         return False
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    current = getattr(text, "_attn_implementation", None)
-    if current == NAME:
-        return True
-    if current != "sdpa":
-        log.info("attention stays %s (vlmrl_sdpa replaces sdpa only)", current)
-        return False
-    text._attn_implementation = NAME
+    register()
+    _text_config(model)._attn_implementation = NAME
     return True
+
+
+@contextlib.contextmanager
+def packed_gqa(model: Any) -> Iterator[None]:
+    """`vlmrl_sdpa` for the body only (rollouts); the model's own implementation before and after."""
+    text = _text_config(model)
+    previous = getattr(text, "_attn_implementation", None)
+    switched = use_packed_gqa(model)
+    try:
+        yield
+    finally:
+        if switched:
+            text._attn_implementation = previous

@@ -5,8 +5,10 @@ Both paths train the same random-weight model with the real shapes of a named mo
 (the seed recipe: 8 prompts x 4 generations per step, GSPO) and completions forced to the full length
 (`min_new_tokens`), so only the generation path differs:
 
-  plain  `GRPOTrainer` exactly as a user writes it;
-  vlmrl  the same trainer after `vlmrl.fastgen.enable_fast_generation` (static cache + compiled decode).
+  plain           `GRPOTrainer` exactly as a user writes it;
+  vlmrl           the same trainer after `vlmrl.fastgen.enable_fast_generation` (static cache + compiled decode,
+                  adapter merged for rollouts);
+  vlmrl-unmerged  vlmrl with the LoRA branches kept in rollouts (what the merge is worth; optional).
 
 Measured per optimizer step: wall time, generation time (decode ms per token step, tokens/s), training
 tokens/s, peak GPU memory; and the two floors from ceilings measured on the same device in the same run:
@@ -32,6 +34,9 @@ from vlmrl import distributed
 
 log = logging.getLogger(__name__)
 GIB = 2**30
+
+
+PATHS = ("plain", "vlmrl", "vlmrl-unmerged")
 
 
 @dataclass
@@ -294,7 +299,8 @@ def run_path(path: str, settings: BenchSettings, shapes: dict, processor_dir: Pa
     trainer = GRPOTrainer(model=model, reward_funcs=[format_reward, correctness_reward], args=args,
                           train_dataset=dataset, processing_class=processor, peft_config=peft_config,
                           callbacks=[clock.callback()])
-    fast = enable_fast_generation(trainer, bucket=settings.prompt_bucket) if path == "vlmrl" else None
+    fast = (enable_fast_generation(trainer, bucket=settings.prompt_bucket, merge=path == "vlmrl")
+            if path.startswith("vlmrl") else None)
     clock.wrap_generation(trainer)
     started = time.perf_counter()
     error = None

@@ -166,6 +166,11 @@ class TrainConfig(_Section):
     prompt_bucket: int = Field(
         64, gt=0, description="Prompts are left-padded to a multiple of this, so compiled decoding sees few shapes."
     )
+    rollout_merge: bool = Field(
+        True,
+        description="With fast generation, merge the LoRA adapter into the base weights for each rollout and restore "
+        "them exactly from a pinned host copy (vlmrl.merge); skipped for 4-bit bases, DoRA and FSDP/ZeRO.",
+    )
     trl_overrides: dict[str, Any] = Field(
         default_factory=dict, description="Extra GRPOConfig fields passed through unchanged (escape hatch)."
     )

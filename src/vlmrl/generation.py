@@ -82,9 +82,10 @@ def generate_batch(
         kwargs.update(temperature=None, top_k=None, top_p=None)
     if compiled:
         from vlmrl.attention import use_packed_gqa
-        from vlmrl.fastgen import compile_settings
+        from vlmrl.fastgen import compile_settings, prefill_into_dynamic_cache
 
         use_packed_gqa(model)
+        prefill_into_dynamic_cache(model)
         kwargs.update(compile_settings(all_devices=compile_all_devices))
     output = model.generate(**batch, **kwargs)
     new_tokens = output[:, batch["input_ids"].shape[1] :]  # [B*k, T]

@@ -13,9 +13,10 @@ The prediction is arithmetic on the same quantities that fill the card:
 
 Rollouts and the loss pass do not overlap (transformers builds a new static cache per `generate` call and frees
 it afterwards; the H200 runs measure each phase's peak apart), so the peak is the larger of the two phases.
-In the rollout phase a static cache (fast generation) is allocated whole before the prefill, so the prefill's
-temporaries sit on top of the full cache; a dynamic cache (plain TRL) grows, and is full only when the prefill
-is long over. Host RAM: the model is loaded through host memory once, so about the weights' size plus 4 GiB.
+In the rollout phase the prompt pass runs on a dynamic cache in both paths (vlmrl moves it into the static
+cache afterwards, `vlmrl.fastgen`), so its temporaries meet a prompt-sized cache; the full cache is reached
+only while decoding. Host RAM: the model is loaded through host memory once, so about the weights' size plus
+4 GiB, plus the pinned copy of the adapted weights when the adapter is merged for rollouts (`vlmrl.merge`).
 
 Checked against the H200 benchmarks (`docs/benchmarks.md`: bf16 plain and vlmrl, 4-bit, 256-token
 completions); the tests pin those measured peaks and cover the arithmetic.
@@ -77,6 +78,14 @@ def count_params(shapes: dict) -> tuple[int, int, int]:
     return language, vision, lora_unit
 
 
+def adapted_weight_bytes(shapes: dict) -> int:
+    """bf16 bytes of the weights LoRA adapts (attention + MLP projections of every language layer)."""
+    t = shapes["text_config"]
+    h, i, heads, kv = t["hidden_size"], t["intermediate_size"], t["num_attention_heads"], t["num_key_value_heads"]
+    d = t.get("head_dim") or h // heads
+    return 2 * t["num_hidden_layers"] * (2 * h * heads * d + 2 * h * kv * d + 3 * h * i)
+
+
 def estimate_memory(config: Config, shapes: dict, *, prompt_tokens: int, fast_generation: bool) -> MemoryEstimate:
     t = shapes["text_config"]
     language, vision, lora_unit = count_params(shapes)
@@ -100,11 +109,10 @@ def estimate_memory(config: Config, shapes: dict, *, prompt_tokens: int, fast_ge
     logprob_pass = tr.per_device_train_batch_size * tr.max_completion_length * t["vocab_size"] * 4 / 8  # chunked
     training = (checkpoints if tr.gradient_checkpointing else checkpoints * 8) + one_layer + logprob_pass
     fixed = weights + lora * optimizer_bytes
-    if fast_generation:
-        generation_phase = fixed + kv + prefill
-    else:
-        generation_phase = fixed + max(kv, generation_batch * prompt_tokens * kv_per_token + prefill)
+    generation_phase = fixed + max(kv, generation_batch * padded_prompt * kv_per_token + prefill)
     training_phase = fixed + training
+    merged_copy = adapted_weight_bytes(shapes) if fast_generation and tr.rollout_merge and not config.model.load_in_4bit \
+        else 0
     peak = max(generation_phase, training_phase)
     return MemoryEstimate(
         weights_gib=weights / GIB,
@@ -113,7 +121,7 @@ def estimate_memory(config: Config, shapes: dict, *, prompt_tokens: int, fast_ge
         prefill_gib=prefill / GIB,
         training_gib=training / GIB,
         peak_gib=peak / GIB,
-        host_ram_gib=((language + vision) * 2) / GIB + 4,
+        host_ram_gib=((language + vision) * 2 + merged_copy) / GIB + 4,
     )
 
 

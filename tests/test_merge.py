@@ -1,0 +1,87 @@
+"""Rollouts on merged LoRA weights (`vlmrl.merge`): the merged model computes what the adapter computes, and the
+bf16 base weights come back bit for bit, where peft's merge/unmerge round trip drifts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from vlmrl.merge import RolloutMerge, host_bytes, lora_layers, unsupported_reason
+
+
+class _Net(torch.nn.Module):
+    def __init__(self, width: int = 64):
+        super().__init__()
+        self.up = torch.nn.Linear(width, 4 * width)
+        self.down = torch.nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def _lora(dtype: torch.dtype, **lora_kwargs) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = get_peft_model(_Net().to(dtype), LoraConfig(r=8, lora_alpha=16, target_modules=["up", "down"],
+                                                        **lora_kwargs))
+    for layer in lora_layers(model):  # a trained adapter: B is zero at initialisation
+        for b in layer.lora_B.values():
+            torch.nn.init.normal_(b.weight, std=0.05)
+    return model
+
+
+def _base_weights(model) -> list[torch.Tensor]:
+    return [layer.get_base_layer().weight.detach().clone() for layer in lora_layers(model)]
+
+
+def test_merged_weights_compute_the_adapters_output():
+    model = _lora(torch.float32)
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        expected = model(x)
+        merge = RolloutMerge(model)
+        with merge.merged():
+            assert all(layer.merged for layer in lora_layers(model))  # peft's forward skips the LoRA branch
+            got = model(x)
+        assert not any(layer.merged for layer in lora_layers(model))
+        again = model(x)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(again, expected, rtol=0, atol=0)
+
+
+def test_bf16_base_weights_come_back_exactly_where_peft_unmerge_drifts():
+    model = _lora(torch.bfloat16)
+    before = _base_weights(model)
+    merge = RolloutMerge(model)
+    for _ in range(3):
+        with merge.merged():
+            assert not all(torch.equal(w, b) for w, b in zip(merge.weights, before))  # really merged
+    assert all(torch.equal(w, b) for w, b in zip(merge.weights, before))
+    # control: what a merge/unmerge round trip (peft, TRL's vLLM sync) does to the same bf16 weights
+    for _ in range(3):
+        model.merge_adapter()
+        model.unmerge_adapter()
+    assert not all(torch.equal(w, b) for w, b in zip(merge.weights, before))
+
+
+def test_an_error_inside_the_rollout_still_restores_the_weights():
+    model = _lora(torch.bfloat16)
+    before = _base_weights(model)
+    merge = RolloutMerge(model)
+    with pytest.raises(RuntimeError, match="boom"), merge.merged():
+        raise RuntimeError("boom")
+    assert all(torch.equal(w, b) for w, b in zip(merge.weights, before))
+    assert not any(layer.merged for layer in lora_layers(model))
+
+
+def test_host_copy_size_and_what_is_not_merged():
+    model = _lora(torch.bfloat16)
+    assert host_bytes(model) == 2 * (64 * 256 + 256 * 64)
+    assert unsupported_reason(model) is None
+    assert unsupported_reason(_Net()) == "no LoRA layers"
+    assert "DoRA" in unsupported_reason(_lora(torch.float32, use_dora=True))
+    trainable = _lora(torch.float32)
+    lora_layers(trainable)[0].get_base_layer().weight.requires_grad_(True)
+    assert unsupported_reason(trainable) == "a LoRA base weight is trainable"
+    with pytest.raises(ValueError, match="cannot merge the adapter for rollouts: no LoRA layers"):
+        RolloutMerge(_Net())
