@@ -40,3 +40,19 @@ def test_config_validate_misspelt_key_exits_2_naming_it(tmp_path):
     result = runner.invoke(app, ["config", "validate", str(path)], terminal_width=200)
     assert result.exit_code == 2
     assert "train.num_generatons" in result.output and "num_generations" in result.output
+
+
+def test_bench_needs_a_gpu_and_one_gpu_per_process(monkeypatch):
+    import torch
+
+    result = runner.invoke(app, ["bench"], terminal_width=200)
+    if not torch.cuda.is_available():
+        assert result.exit_code != 0 and "needs a CUDA GPU" in result.output
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    result = runner.invoke(app, ["bench"], terminal_width=200)
+    assert result.exit_code != 0 and "2 GPUs are visible to one process" in result.output
+    assert "Traceback" not in result.output
+    result = runner.invoke(app, ["bench", "--paths", "plain,fast"], terminal_width=200)
+    assert result.exit_code != 0 and "unknown bench path(s) fast" in result.output

@@ -199,6 +199,23 @@ def test_prompt_pass_on_a_dynamic_cache_fills_the_static_cache_the_same(tiny, mo
     assert prompt_caches == [1], "a dynamic-cache generate is left as it is (one cache, its own)"
 
 
+def test_the_static_cache_length_is_bucketed_and_the_prompt_is_not_padded(tiny):
+    from vlmrl.fastgen import bucket_static_cache
+    from vlmrl.generation import encode_batch
+
+    prompts, images = _prompts(2)
+    model, processor = _load(tiny)
+    batch = encode_batch(processor, prompts, images, torch.device("cpu"))
+    settings = dict(do_sample=False, cache_implementation="static", return_dict_in_generate=True)
+    plain = model.generate(**batch, max_new_tokens=5, **settings)
+    width = batch["input_ids"].shape[1]
+    assert plain.cache.layers[0].keys.shape[2] == width + 4  # transformers: prompt + max_new_tokens - 1
+    assert bucket_static_cache(model, 16) and bucket_static_cache(model, 16)  # wrapping twice does not nest
+    out = model.generate(**batch, max_new_tokens=5, **settings)
+    assert out.cache.layers[0].keys.shape[2] == -(-(width + 4) // 16) * 16
+    assert out.sequences.shape[1] == width + 5 and torch.equal(out.sequences, plain.sequences)
+
+
 def test_rollouts_run_under_the_training_autocast_when_adapters_are_fp32():
     from types import SimpleNamespace
 

@@ -418,6 +418,12 @@ def bench(
         _fail(f"unknown bench path(s) {', '.join(unknown)}; choose from {', '.join(PATHS)}")
     if not torch.cuda.is_available():
         _fail("vlmrl bench needs a CUDA GPU (this machine has none); see benchmarks/README.md for the commands.")
+    from vlmrl.distributed import world_size
+
+    if torch.cuda.device_count() > 1 and world_size() == 1 and save_model is None:
+        _fail(f"{torch.cuda.device_count()} GPUs are visible to one process, and vlmrl bench measures one GPU per "
+              "process: set CUDA_VISIBLE_DEVICES=0, or run it under `accelerate launch --num_processes "
+              f"{torch.cuda.device_count()}` to measure them all (docs/multi_gpu.md).")
     if save_model is not None:
         console.print(f"saved {save_shaped_model(save_model, shapes)}")
         return

@@ -164,7 +164,9 @@ class TrainConfig(_Section):
         "on for CUDA only.",
     )
     prompt_bucket: int = Field(
-        64, gt=0, description="Prompts are left-padded to a multiple of this, so compiled decoding sees few shapes."
+        64, gt=0,
+        description="The rollout KV cache length is rounded up to a multiple of this, so compiled decoding sees few "
+        "shapes (prompts are not padded).",
     )
     rollout_merge: bool = Field(
         True,

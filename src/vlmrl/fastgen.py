@@ -7,9 +7,13 @@ forward (4.6x faster per token on an H200), but TRL builds its GenerationConfig 
 (measured: no gain). We switch compilation back on, on the trainer's own GenerationConfig, after the
 trainer is built; TRL's loop, masks, rewards and loss are untouched.
 
-Compiled decoding recompiles for every new cache shape, so prompts are left-padded to a multiple of
-`bucket` tokens (TRL's `pad_to_multiple_of`): with image prompts of similar length that leaves one or two
-shapes for a whole run, each compiled once and reused across steps. The same settings serve `vlmrl eval`.
+Compiled decoding recompiles for every new cache shape. The decode step's shapes depend on the static cache's
+length (prompt + `max_new_tokens`), not on the prompt's (transformers builds the decode masks outside the
+compiled graph), so the cache length is rounded up to a multiple of `bucket` tokens (`bucket_static_cache`) and
+the prompts themselves are not padded: the loss pass sees exactly the tokens plain TRL's does. transformers
+keeps the largest cache length seen, so a run compiles once per new bucket, typically once or twice. The same
+settings serve `vlmrl eval`. (Where transformers has no `_prepare_static_cache` to wrap, prompts are padded
+to the bucket instead, through TRL's `pad_to_multiple_of`.)
 
 Under compilation transformers' SDPA path copies the keys and values once per query head group
 (`repeat_kv`) at every token step; `vlmrl.attention` swaps in `vlmrl_sdpa`, which folds the query heads
@@ -83,7 +87,8 @@ def enable_fast_generation(
     config.cache_implementation = "static"
     config.compile_config = _compile_config(mode, all_devices)
     trainer.generation_kwargs["cache_implementation"] = "static"
-    trainer.pad_to_multiple_of = bucket
+    if not bucket_static_cache(trainer.model, bucket):
+        trainer.pad_to_multiple_of = bucket
     prefill = prefill_into_dynamic_cache(trainer.model)
     merger, merge_note = _rollout_merge(trainer) if merge else (None, "off (train.rollout_merge=false)")
     dtype = rollout_autocast_dtype(trainer.model, trainer.args)
@@ -129,6 +134,26 @@ def _wrap_rollouts(trainer: Any, contexts: list[Callable[[], Any] | None]) -> No
 
 def _device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def bucket_static_cache(model: Any, bucket: int) -> bool:
+    """Round every static cache `generate` builds for `model` up to a multiple of `bucket` positions.
+
+    Wraps the model's `_prepare_static_cache` (transformers 5.x); False when there is none to wrap."""
+    from vlmrl.attention import base_model
+
+    base = base_model(model)
+    original = getattr(base, "_prepare_static_cache", None)
+    if original is None:
+        return False
+    original = getattr(original, "_vlmrl_original", original)
+
+    def prepare(cache_implementation: str, batch_size: int, max_cache_len: int, *args: Any, **kwargs: Any) -> Any:
+        return original(cache_implementation, batch_size, -(-max_cache_len // bucket) * bucket, *args, **kwargs)
+
+    prepare._vlmrl_original = original
+    base._prepare_static_cache = prepare
+    return True
 
 
 def prefill_into_dynamic_cache(model: Any) -> str:

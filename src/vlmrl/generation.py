@@ -65,8 +65,7 @@ def generate_batch(
 ) -> list[list[Generation]]:
     """Generate for each prompt; returns one list of `num_return_sequences` generations per prompt."""
     device = next(model.parameters()).device
-    # Compiled decoding recompiles per cache shape: bucket prompt lengths so a whole evaluation sees few.
-    batch = encode_batch(processor, prompts, images, device, bucket=64 if compiled else None)
+    batch = encode_batch(processor, prompts, images, device)
     tokenizer = processor.tokenizer
     stop_ids = _stop_token_ids(model, tokenizer)
     kwargs: dict[str, Any] = {
@@ -82,10 +81,13 @@ def generate_batch(
         kwargs.update(temperature=None, top_k=None, top_p=None)
     if compiled:
         from vlmrl.attention import use_packed_gqa
-        from vlmrl.fastgen import compile_settings, prefill_into_dynamic_cache
+        from vlmrl.fastgen import bucket_static_cache, compile_settings, prefill_into_dynamic_cache
 
         use_packed_gqa(model)
         prefill_into_dynamic_cache(model)
+        # Compiled decoding recompiles per cache length: bucket it so a whole evaluation sees few (fastgen).
+        if not bucket_static_cache(model, 64):
+            batch = encode_batch(processor, prompts, images, device, bucket=64)
         kwargs.update(compile_settings(all_devices=compile_all_devices))
     output = model.generate(**batch, **kwargs)
     new_tokens = output[:, batch["input_ids"].shape[1] :]  # [B*k, T]

@@ -5,7 +5,8 @@ The prediction is arithmetic on the same quantities that fill the card:
     weights            all parameters x bytes per parameter (bf16 2, bnb nf4 ~0.56 with its scales; the vision
                        tower and LM head stay 16-bit under 4-bit loading)
     LoRA + optimizer   trainable parameters x 16 bytes (fp32 weight, gradient, two Adam moments; 8-bit Adam: 10)
-    rollout KV cache   generation batch x (prompt + completion) x layers x 2 x kv heads x head dim x 2 bytes
+    rollout KV cache   generation batch x (prompt + completion, rounded up to the bucket with fast generation)
+                       x layers x 2 x kv heads x head dim x 2 bytes
     prefill            generation batch x prompt tokens x (6 x intermediate + 8 x hidden) x 2 bytes: the prompt
                        pass's MLP and projection temporaries (with the LoRA branches)
     training           one micro-batch: checkpointed layer inputs (tokens x hidden x 2 bytes x layers) plus one
@@ -99,17 +100,17 @@ def estimate_memory(config: Config, shapes: dict, *, prompt_tokens: int, fast_ge
     tr = config.train
     generation_batch = tr.per_device_train_batch_size * (tr.steps_per_generation or tr.gradient_accumulation_steps)
     kv_per_token = kv_bytes_per_token(t)
-    bucket = config.train.prompt_bucket if fast_generation else 1
-    padded_prompt = -(-prompt_tokens // bucket) * bucket
-    kv = generation_batch * (padded_prompt + tr.max_completion_length) * kv_per_token
-    prefill = generation_batch * padded_prompt * (6 * t["intermediate_size"] + 8 * t["hidden_size"]) * 2
+    bucket = config.train.prompt_bucket if fast_generation else 1  # fast generation rounds the cache length up
+    cache_positions = -(-(prompt_tokens + tr.max_completion_length - 1) // bucket) * bucket
+    kv = generation_batch * cache_positions * kv_per_token
+    prefill = generation_batch * prompt_tokens * (6 * t["intermediate_size"] + 8 * t["hidden_size"]) * 2
     tokens = tr.per_device_train_batch_size * (prompt_tokens + tr.max_completion_length)
     checkpoints = tokens * t["hidden_size"] * 2 * t["num_hidden_layers"]
     one_layer = tokens * (6 * t["hidden_size"] + 3 * t["intermediate_size"]) * 2
     logprob_pass = tr.per_device_train_batch_size * tr.max_completion_length * t["vocab_size"] * 4 / 8  # chunked
     training = (checkpoints if tr.gradient_checkpointing else checkpoints * 8) + one_layer + logprob_pass
     fixed = weights + lora * optimizer_bytes
-    generation_phase = fixed + max(kv, generation_batch * padded_prompt * kv_per_token + prefill)
+    generation_phase = fixed + max(kv, generation_batch * prompt_tokens * kv_per_token + prefill)
     training_phase = fixed + training
     merged_copy = adapted_weight_bytes(shapes) if fast_generation and tr.rollout_merge and not config.model.load_in_4bit \
         else 0
