@@ -8,7 +8,7 @@ forward (4.6x faster per token on an H200), but TRL builds its GenerationConfig 
 trainer is built; TRL's loop, masks, rewards and loss are untouched.
 
 Compiled decoding recompiles for every new cache shape. The decode step's shapes depend on the static cache's
-length (prompt + `max_new_tokens`), not on the prompt's (transformers builds the decode masks outside the
+length (prompt + `max_new_tokens` - 1), not on the prompt's (transformers builds the decode masks outside the
 compiled graph), so the cache length is rounded up to a multiple of `bucket` tokens (`bucket_static_cache`) and
 the prompts themselves are not padded: the loss pass sees exactly the tokens plain TRL's does. transformers
 keeps the largest cache length seen, so a run compiles once per new bucket, typically once or twice. The same
@@ -26,13 +26,15 @@ bf16 base output in float32. Rollouts therefore run under the same bf16 autocast
 adapter's matmuls match the numerics the policy is trained with. Measured on an H200: peak memory 0.5 GiB
 lower; decode time unchanged (22.5 vs 22.1 ms per token step), since the adapters' cost there (about 6 ms of
 it) is the number of small kernels, not their precision. That cost is removed by merging the adapter for the
-rollout (`vlmrl.merge`: exact restore from a pinned host copy), on by default where it applies.
+rollout (`vlmrl.merge`: exact restore from a pinned host copy), on by default where it applies: 19.9 -> 14.3 ms
+per token step outside TRL, on an H200.
 
 Memory: a static cache is allocated in full before the prompt pass, so that pass's temporaries (the last
 layer's MLP and projections over every prompt token, plus the prompt embeddings and vision features) would sit
 on top of the whole cache: the rollout's peak, 1.9 GiB above plain TRL's on an H200. The prompt pass therefore
 fills a dynamic cache, which is then moved layer by layer into the static cache the compiled decode steps use
-(`prefill_into_dynamic_cache`). The peak becomes the full cache plus one decode step, as with plain TRL.
+(`prefill_into_dynamic_cache`). The peak becomes the full cache plus one decode step, as with plain TRL
+(measured: rollout peak 25.8 -> 23.9 GiB; the whole step's peak now equals plain TRL's).
 
 vlmrl_sdpa, the merge and the autocast apply for the duration of each rollout only: the loss pass runs the
 model exactly as plain TRL would.

@@ -10,8 +10,9 @@ TRL does before it syncs weights to vLLM) does not give the bf16 base weights ba
 the error accumulates over thousands of steps. A merged copy would keep them but costs a second set of weights
 on the GPU (16 GiB for an 8B model). `RolloutMerge` keeps the original base weights in pinned host memory
 instead: merge on the GPU (one rounding of W + D, computed in float32), generate, then copy the originals
-back, bit for bit. GPU memory does not grow; host memory holds one copy of the adapted weights (13 GiB for
-Qwen3-VL-8B), and each rollout adds one host-to-device copy of them (about a quarter of a second on PCIe 5).
+back, bit for bit. GPU memory does not grow; host memory holds one copy of the adapted weights (12.9 GiB for
+Qwen3-VL-8B), and each rollout adds the merge and one host-to-device copy of them (0.34 s together on an
+H200, against about 5.6 ms saved on each of 1,024 token steps: `benchmarks/results/h200_decode_profile.md`).
 
 What the rollout samples from then differs from the policy the loss scores only by the bf16 rounding of the
 merged weights, the same approximation as TRL's vLLM path. Only plain LoRA on unquantized float weights is
