@@ -119,8 +119,8 @@ def main(out: Path, tokens: int) -> None:
                               "calls_per_step": e.count / steps} for e in cpu]
 
     (out / "decode_profile.json").write_text(json.dumps(result, indent=2))
-    lines = [f"batch {result['batch']}, prompt {result['prompt_tokens']} tokens, {tokens} forced tokens per call "
-             f"(profile: 256)", "", "| measure | value |", "|---|---|"]
+    title = f"batch {result['batch']}, prompt {result['prompt_tokens']} tokens, {tokens} forced tokens per call (profile: 256)"
+    lines = [title, "", "| measure | value |", "|---|---|"]
     for key in ("sampling_lora_ms", "sampling_merged_ms", "profiled_wall_ms_per_step", "gpu_kernel_ms_per_step",
                 "prefill_peak_gib", "decode_peak_gib", "first_call_seconds", "merged_first_call_seconds",
                 "merge_seconds", "merge_and_restore_seconds"):

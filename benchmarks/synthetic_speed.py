@@ -49,7 +49,7 @@ def main() -> None:
         for name in FAMILIES:
             per_family[name] = rate(
                 40,
-                lambda i, name=name: generate_item(
+                lambda i, name=name, size=size: generate_item(
                     i, seed=1, size=size, difficulty=args.difficulty, families=[name]
                 ),
             )

@@ -178,7 +178,8 @@ def test_prompt_pass_on_a_dynamic_cache_fills_the_static_cache_the_same(tiny, mo
     prompts, images = _prompts(3)  # different lengths: left padding
     model, processor = _load(tiny)
     batch = encode_batch(processor, prompts, images, torch.device("cpu"), bucket=16)
-    settings = dict(max_new_tokens=6, do_sample=False, cache_implementation="static", return_dict_in_generate=True)
+    settings = {"max_new_tokens": 6, "do_sample": False, "cache_implementation": "static",
+                "return_dict_in_generate": True}
     plain = model.generate(**batch, **settings)
     assert prefill_into_dynamic_cache(model) == "dynamic cache, then static"
     from transformers import DynamicCache
@@ -206,7 +207,7 @@ def test_the_static_cache_length_is_bucketed_and_the_prompt_is_not_padded(tiny):
     prompts, images = _prompts(2)
     model, processor = _load(tiny)
     batch = encode_batch(processor, prompts, images, torch.device("cpu"))
-    settings = dict(do_sample=False, cache_implementation="static", return_dict_in_generate=True)
+    settings = {"do_sample": False, "cache_implementation": "static", "return_dict_in_generate": True}
     plain = model.generate(**batch, max_new_tokens=5, **settings)
     width = batch["input_ids"].shape[1]
     assert plain.cache.layers[0].keys.shape[2] == width + 4  # transformers: prompt + max_new_tokens - 1

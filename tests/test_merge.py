@@ -85,3 +85,22 @@ def test_host_copy_size_and_what_is_not_merged():
     assert unsupported_reason(trainable) == "a LoRA base weight is trainable"
     with pytest.raises(ValueError, match="cannot merge the adapter for rollouts: no LoRA layers"):
         RolloutMerge(_Net())
+
+
+def test_fast_generation_says_why_it_does_not_merge(monkeypatch):
+    from types import SimpleNamespace
+
+    from vlmrl import fastgen, merge
+
+    model = _lora(torch.bfloat16)
+    need = host_bytes(model)
+    merger, note = fastgen._rollout_merge(SimpleNamespace(model=model))
+    assert isinstance(merger, RolloutMerge) and note.startswith("merged for rollouts")
+    _, note = fastgen._rollout_merge(SimpleNamespace(model=model, is_fsdp_enabled=True))
+    assert note == "not merged: parameters are sharded (FSDP / DeepSpeed)"
+    _, note = fastgen._rollout_merge(SimpleNamespace(model=_Net()))
+    assert note == "not merged: no LoRA layers"
+    monkeypatch.setattr(merge, "available_host_bytes", lambda: 4 * need)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # four processes on this host, each pinning a copy
+    merger, note = fastgen._rollout_merge(SimpleNamespace(model=model))
+    assert merger is None and note.startswith("not merged: 4 pinned copies of")

@@ -49,7 +49,7 @@ def _importable(module: str) -> bool:
     try:
         importlib.import_module(module)
         return True
-    except Exception:  # a broken optional install counts as unavailable, not as a crash of doctor
+    except Exception:  # noqa: BLE001  (a broken optional install counts as unavailable, not a crash of doctor)
         return False
 
 

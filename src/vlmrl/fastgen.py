@@ -44,7 +44,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,7 +101,7 @@ def enable_fast_generation(
         merger.merged if merger else None,
         (lambda: torch.autocast(device_type=_device_type(), dtype=dtype)) if dtype is not None else None,
     ])
-    log.info("fast generation: static KV cache + torch.compile(mode=%s), prompts bucketed to %d, attention %s, "
+    log.info("fast generation: static KV cache + torch.compile(mode=%s), cache bucketed to %d, attention %s, "
              "autocast %s, adapter %s, prefill %s", mode, bucket, attention or "unchanged", dtype, merge_note, prefill)
     return FastGeneration(True, "static KV cache + torch.compile", bucket, mode, attention,
                           str(dtype).removeprefix("torch.") if dtype is not None else None, merge_note, prefill)
@@ -115,8 +116,10 @@ def _rollout_merge(trainer: Any) -> tuple[Any, str]:
     if reason:
         return None, f"not merged: {reason}"
     need, free = host_bytes(trainer.model), available_host_bytes()
-    if free is not None and need > free // 2:
-        return None, f"not merged: the pinned copy ({need / 2**30:.1f} GiB) exceeds half the free host memory"
+    copies = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # every process on this host pins its own copy
+    if free is not None and need * copies > free // 2:
+        return None, (f"not merged: {copies} pinned copies of {need / 2**30:.1f} GiB exceed half the free host "
+                      "memory")
     return RolloutMerge(trainer.model), f"merged for rollouts (host copy {need / 2**30:.1f} GiB)"
 
 

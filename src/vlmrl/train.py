@@ -214,7 +214,7 @@ def build_grpo_config(
         log.warning(notes[-1])
         optim = "adamw_torch"
     on_cuda = torch.cuda.is_available()
-    kwargs: dict[str, Any] = dict(
+    kwargs: dict[str, Any] = dict(  # noqa: C408  (keyword form mirrors GRPOConfig)
         output_dir=str(output_dir),
         seed=config.run.seed,
         learning_rate=t.learning_rate,
