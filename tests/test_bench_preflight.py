@@ -51,7 +51,8 @@ def _raw(path, steps, peak):
 
 def test_summary_excludes_the_first_step_and_computes_ratios():
     settings = BenchSettings(steps=3)
-    results = [_raw("plain", [(200, 190), (100, 90), (100, 90)], 24.0), _raw("vlmrl", [(300, 290), (25, 20), (25, 20)], 20.0)]
+    results = [_raw("plain", [(200, 190), (100, 90), (100, 90)], 24.0), _raw("vlmrl", [(300, 290), (25, 20), (25, 20)], 20.0),
+               _raw("vlmrl-merged", [(300, 290), (20, 15), (20, 15)], 20.0)]
     s = summarize(settings, SHAPES, {"matmul_tflops": 800, "copy_bandwidth_tbs": 4.0}, results, prompt_tokens=300)
     plain, fast = s["paths"]["plain"], s["paths"]["vlmrl"]
     assert (fast["step_seconds"], fast["first_step_seconds"]) == (25, 300)
@@ -61,8 +62,11 @@ def test_summary_excludes_the_first_step_and_computes_ratios():
     assert math.isclose(plain["train_tokens_per_second"], 32 * (300 + 1024) / 10)
     assert math.isclose(s["ratios"]["step_speedup"], 4.0) and math.isclose(s["ratios"]["peak_memory_ratio"], 20 / 24)
     assert math.isclose(fast["samples_per_second"], 32 / 25) and fast["world_size"] == 1
+    assert math.isclose(s["ratios"]["merged_step_speedup"], 5.0)
     table = markdown_table(s)
-    assert "| plain | 100.0 | 200.0 | 90.0 |" in table and "step 4.00x faster" in table
+    assert "| plain | 100.0 | 200.0 | 90.0 |" in table
+    assert "Ratios, vlmrl vs plain: step 4.00x faster" in table
+    assert "Ratios, vlmrl-merged vs plain: step 5.00x faster" in table
 
 
 def test_phase_peaks_and_scaling_over_gpus():
@@ -114,12 +118,12 @@ def test_the_prompt_pass_meets_a_prompt_sized_cache_in_both_paths():
     assert math.isclose(plain.peak_gib, fixed + plain.kv_cache_gib)  # the full cache while decoding is the peak
     assert math.isclose(fast.peak_gib, fixed + fast.kv_cache_gib)
     assert 0 < fast.kv_cache_gib - plain.kv_cache_gib < 0.1  # only the cache bucket (1334 -> 1344 positions)
-    # merging the adapter for rollouts keeps a pinned host copy of the adapted weights: 6.95B bf16 values
+    # merging the adapter for rollouts (opt-in) keeps a pinned host copy of the adapted weights: 6.95B bf16 values
     assert adapted_weight_bytes(SHAPES) == 2 * 36 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 12288)
-    assert math.isclose(fast.host_ram_gib - plain.host_ram_gib, adapted_weight_bytes(SHAPES) / 2**30)
-    unmerged = estimate_memory(load_config("seed", [*BF16, "train.rollout_merge=false"]), SHAPES, prompt_tokens=310,
-                               fast_generation=True)
-    assert math.isclose(unmerged.host_ram_gib, plain.host_ram_gib)
+    assert math.isclose(fast.host_ram_gib, plain.host_ram_gib)
+    merged = estimate_memory(load_config("seed", [*BF16, "train.rollout_merge=true"]), SHAPES, prompt_tokens=310,
+                             fast_generation=True)
+    assert math.isclose(merged.host_ram_gib - plain.host_ram_gib, adapted_weight_bytes(SHAPES) / 2**30)
 
 
 def test_4bit_shrinks_weights_and_advice_names_fixes():

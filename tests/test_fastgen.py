@@ -123,11 +123,14 @@ def test_greedy_generation_is_unchanged_eager_and_compiled(tiny, monkeypatch):
     assert texts[0] == texts[1] == texts[2] == texts[3]
 
 
-def test_training_with_fast_generation_records_it_and_scopes_it_to_rollouts(tmp_path, captured, monkeypatch):
+@pytest.mark.parametrize("merge", [False, True])
+def test_training_with_fast_generation_records_it_and_scopes_it_to_rollouts(merge, tmp_path, captured, monkeypatch):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from tests.test_train import quick_config
     from vlmrl.io import read_json, read_jsonl
+    from vlmrl.merge import lora_layers
+    from vlmrl.models import lora
     from vlmrl.pipeline import prepare_with_budget
     from vlmrl.train import train
 
@@ -142,23 +145,37 @@ def test_training_with_fast_generation_records_it_and_scopes_it_to_rollouts(tmp_
             return real(module, *args, **kwargs)
         return call
 
+    captured_apply = lora.apply_lora
+
+    def trained_adapter(model, config, **kwargs):  # non-zero B: merging really changes the base weights
+        wrapped, report = captured_apply(model, config, **kwargs)
+        with torch.no_grad():
+            for layer in lora_layers(wrapped):
+                for b in layer.lora_B.values():
+                    b.weight.normal_(std=0.05)
+        return wrapped, report
+
+    monkeypatch.setattr(lora, "apply_lora", trained_adapter)
+    attention.register()
     monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", spy("sdpa"))
     monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, attention.NAME, spy(attention.NAME))
-    config = quick_config(tmp_path, "train.max_steps=1", "train.fast_generation=always")
+    config = quick_config(tmp_path, "train.max_steps=2", "train.fast_generation=always",
+                          f"train.rollout_merge={str(merge).lower()}")
     prepare_with_budget(config, config.run_dir)
     train(config, config.run_dir)
     record = read_json(config.run_dir / "train" / "summary.json")["fast_generation"]
     assert record["enabled"] and record["attention"] == attention.NAME
-    assert record["merge"].startswith("merged for rollouts") and record["prefill"] == "dynamic cache, then static"
+    assert record["prefill"] == "dynamic cache, then static"
+    assert record["merge"].startswith("merged for rollouts" if merge else "not merged (train.rollout_merge=false)")
     language = {s for s in seen if s[0] == attention.NAME}
-    assert language == {(attention.NAME, True, False)}, "rollouts: folded attention on merged weights, no grad"
+    assert language == {(attention.NAME, merge, False)}, "rollouts: folded attention, merged only when asked, no grad"
     assert (("sdpa", False, True) in seen), "the loss pass runs transformers' sdpa with the LoRA branches"
     assert captured["model"].config.text_config._attn_implementation == "sdpa"  # switched back after rollouts
     model = captured["model"]
     for name, param in model.named_parameters():
-        if "lora_" not in name:  # base weights: merged and restored at every rollout, bit for bit
+        if "lora_" not in name:  # base weights: (merged and) restored at every rollout, bit for bit
             assert torch.equal(param.detach(), captured["before"][name]), name
-    assert len(read_jsonl(config.run_dir / "train" / "rollouts.jsonl")) == 8
+    assert len(read_jsonl(config.run_dir / "train" / "rollouts.jsonl")) == 16
 
 
 def test_attention_switch_is_scoped_to_its_block(tiny):
@@ -211,7 +228,8 @@ def test_the_static_cache_length_is_bucketed_and_the_prompt_is_not_padded(tiny):
     plain = model.generate(**batch, max_new_tokens=5, **settings)
     width = batch["input_ids"].shape[1]
     assert plain.cache.layers[0].keys.shape[2] == width + 4  # transformers: prompt + max_new_tokens - 1
-    assert bucket_static_cache(model, 16) and bucket_static_cache(model, 16)  # wrapping twice does not nest
+    assert bucket_static_cache(model, 64) and bucket_static_cache(model, 16)  # the second replaces the first
+    assert not hasattr(model._prepare_static_cache._vlmrl_original, "_vlmrl_original")  # no wrapper in a wrapper
     out = model.generate(**batch, max_new_tokens=5, **settings)
     assert out.cache.layers[0].keys.shape[2] == -(-(width + 4) // 16) * 16
     assert out.sequences.shape[1] == width + 5 and torch.equal(out.sequences, plain.sequences)

@@ -34,9 +34,10 @@ def _base_weights(model) -> list[torch.Tensor]:
     return [layer.get_base_layer().weight.detach().clone() for layer in lora_layers(model)]
 
 
-def test_merged_weights_compute_the_adapters_output():
-    model = _lora(torch.float32)
-    x = torch.randn(5, 64)
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 0.05)])
+def test_merged_weights_compute_the_adapters_output(dtype, tolerance):
+    model = _lora(dtype)
+    x = torch.randn(5, 64, dtype=dtype)
     with torch.no_grad():
         expected = model(x)
         merge = RolloutMerge(model)
@@ -45,7 +46,7 @@ def test_merged_weights_compute_the_adapters_output():
             got = model(x)
         assert not any(layer.merged for layer in lora_layers(model))
         again = model(x)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
     torch.testing.assert_close(again, expected, rtol=0, atol=0)
 
 
@@ -74,12 +75,38 @@ def test_an_error_inside_the_rollout_still_restores_the_weights():
     assert not any(layer.merged for layer in lora_layers(model))
 
 
+def test_a_peft_unmerge_inside_the_rollout_does_not_break_the_restore():
+    model = _lora(torch.bfloat16)
+    before = _base_weights(model)
+    merge = RolloutMerge(model)
+    with merge.merged():
+        model.unmerge_adapter()  # e.g. peft's disable_adapter path: subtracts the delta, clears merged_adapters
+    assert all(torch.equal(w, b) for w, b in zip(merge.weights, before))
+    assert not any(layer.merged for layer in lora_layers(model))
+
+
+def test_merged_bf16_weights_keep_large_deltas_and_lose_small_ones():
+    """Why merging is opt-in: bf16 rounding of W + D drops the elements of D below half a bf16 step of W."""
+    torch.manual_seed(0)
+    weight = (torch.randn(256, 256) * 0.02).to(torch.bfloat16)
+    x = torch.randn(64, 256)
+
+    def lost_share(scale: float) -> float:
+        delta = torch.randn(256, 256) * scale
+        merged = (weight.float() + delta).to(torch.bfloat16).float() - weight.float()
+        return float((x @ (merged - delta).T).norm() / (x @ delta.T).norm())
+
+    assert lost_share(1e-5) > 0.5  # most of an early-training adapter's effect is gone from the rollout policy
+    assert lost_share(1e-2) < 0.05  # a large delta survives the rounding
+
+
 def test_host_copy_size_and_what_is_not_merged():
     model = _lora(torch.bfloat16)
     assert host_bytes(model) == 2 * (64 * 256 + 256 * 64)
     assert unsupported_reason(model) is None
     assert unsupported_reason(_Net()) == "no LoRA layers"
     assert "DoRA" in unsupported_reason(_lora(torch.float32, use_dora=True))
+    assert "lora_bias" in unsupported_reason(_lora(torch.float32, lora_bias=True))
     trainable = _lora(torch.float32)
     lora_layers(trainable)[0].get_base_layer().weight.requires_grad_(True)
     assert unsupported_reason(trainable) == "a LoRA base weight is trainable"
@@ -96,6 +123,7 @@ def test_fast_generation_says_why_it_does_not_merge(monkeypatch):
     need = host_bytes(model)
     merger, note = fastgen._rollout_merge(SimpleNamespace(model=model))
     assert isinstance(merger, RolloutMerge) and note.startswith("merged for rollouts")
+    assert merger._originals is not None  # the host copy is made up front, before any rollout
     _, note = fastgen._rollout_merge(SimpleNamespace(model=model, is_fsdp_enabled=True))
     assert note == "not merged: parameters are sharded (FSDP / DeepSpeed)"
     _, note = fastgen._rollout_merge(SimpleNamespace(model=_Net()))

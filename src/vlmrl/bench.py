@@ -6,9 +6,10 @@ Both paths train the same random-weight model with the real shapes of a named mo
 (`min_new_tokens`), so only the generation path differs:
 
   plain           `GRPOTrainer` exactly as a user writes it;
-  vlmrl           the same trainer after `vlmrl.fastgen.enable_fast_generation` (static cache + compiled decode,
-                  adapter merged for rollouts);
-  vlmrl-unmerged  vlmrl with the LoRA branches kept in rollouts (what the merge is worth; optional).
+  vlmrl           the same trainer after `vlmrl.fastgen.enable_fast_generation` (static cache + compiled decode),
+                  as `vlmrl train` runs it by default;
+  vlmrl-merged    vlmrl with the adapter merged into the weights for rollouts (`train.rollout_merge=true`,
+                  opt-in; optional).
 
 Measured per optimizer step: wall time, generation time (decode ms per token step, tokens/s), training
 tokens/s, peak GPU memory; and the two floors from ceilings measured on the same device in the same run:
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 GIB = 2**30
 
 
-PATHS = ("plain", "vlmrl", "vlmrl-unmerged")
+PATHS = ("plain", "vlmrl", "vlmrl-merged")
 
 
 @dataclass
@@ -299,7 +300,7 @@ def run_path(path: str, settings: BenchSettings, shapes: dict, processor_dir: Pa
     trainer = GRPOTrainer(model=model, reward_funcs=[format_reward, correctness_reward], args=args,
                           train_dataset=dataset, processing_class=processor, peft_config=peft_config,
                           callbacks=[clock.callback()])
-    fast = (enable_fast_generation(trainer, bucket=settings.prompt_bucket, merge=path == "vlmrl")
+    fast = (enable_fast_generation(trainer, bucket=settings.prompt_bucket, merge=path == "vlmrl-merged")
             if path.startswith("vlmrl") else None)
     clock.wrap_generation(trainer)
     started = time.perf_counter()
@@ -430,14 +431,15 @@ def summarize(settings: BenchSettings, shapes: dict, ceilings: dict, results: li
             "fast_generation": r["fast_generation"],
         }
     ratios = {}
-    if "plain" in paths and "vlmrl" in paths and "step_seconds" in paths["plain"] and "step_seconds" in paths["vlmrl"]:
-        p, v = paths["plain"], paths["vlmrl"]
-        ratios = {
-            "step_speedup": p["step_seconds"] / v["step_seconds"],
-            "decode_speedup": p["decode_ms_per_step"] / v["decode_ms_per_step"],
-            "vlmrl_decode_vs_floor": v["decode_ms_per_step"] / floors["decode_ms_per_step"],
-            "peak_memory_ratio": v["peak_memory_gib"] / p["peak_memory_gib"],
-        }
+    for name, prefix in (("vlmrl", ""), ("vlmrl-merged", "merged_")):
+        if "step_seconds" in paths.get("plain", {}) and "step_seconds" in paths.get(name, {}):
+            p, v = paths["plain"], paths[name]
+            ratios.update({
+                f"{prefix}step_speedup": p["step_seconds"] / v["step_seconds"],
+                f"{prefix}decode_speedup": p["decode_ms_per_step"] / v["decode_ms_per_step"],
+                f"{prefix}vlmrl_decode_vs_floor": v["decode_ms_per_step"] / floors["decode_ms_per_step"],
+                f"{prefix}peak_memory_ratio": v["peak_memory_gib"] / p["peak_memory_gib"],
+            })
     return {
         "settings": asdict(settings),
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
@@ -495,11 +497,12 @@ def markdown_table(summary: dict) -> str:
                    f"{c['copy_bandwidth_tbs']:.2f} TB/s device copy. Floors: decode = (weights + mean KV cache) / "
                    f"bandwidth; training = 6 x {summary['language_params'] / 1e9:.2f}B language parameters x tokens / "
                    "matmul rate.")]
-    if summary["ratios"]:
-        r = summary["ratios"]
-        lines.append(f"Ratios: step {r['step_speedup']:.2f}x faster, decode {r['decode_speedup']:.2f}x faster, "
-                     f"vlmrl decode {r['vlmrl_decode_vs_floor']:.2f}x the floor, peak memory "
-                     f"{r['peak_memory_ratio']:.2f}x plain.")
+    r = summary["ratios"]
+    for name, prefix in (("vlmrl", ""), ("vlmrl-merged", "merged_")):
+        if f"{prefix}step_speedup" in r:
+            lines.append(f"Ratios, {name} vs plain: step {r[prefix + 'step_speedup']:.2f}x faster, decode "
+                         f"{r[prefix + 'decode_speedup']:.2f}x faster, decode {r[prefix + 'vlmrl_decode_vs_floor']:.2f}x "
+                         f"the floor, peak memory {r[prefix + 'peak_memory_ratio']:.2f}x plain.")
     return "\n".join(lines) + "\n"
 
 

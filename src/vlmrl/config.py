@@ -169,9 +169,10 @@ class TrainConfig(_Section):
         "shapes (prompts are not padded).",
     )
     rollout_merge: bool = Field(
-        True,
+        False,
         description="With fast generation, merge the LoRA adapter into the base weights for each rollout and restore "
-        "them exactly from a pinned host copy (vlmrl.merge); skipped for 4-bit bases, DoRA and FSDP/ZeRO.",
+        "them exactly from a pinned host copy (vlmrl.merge): faster decoding, but adapter deltas below half a bf16 "
+        "step of their weight are lost in rollouts; skipped for 4-bit bases, DoRA/variants and FSDP/ZeRO.",
     )
     trl_overrides: dict[str, Any] = Field(
         default_factory=dict, description="Extra GRPOConfig fields passed through unchanged (escape hatch)."

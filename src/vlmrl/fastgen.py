@@ -76,7 +76,7 @@ def wanted(setting: str) -> bool:
 
 
 def enable_fast_generation(
-    trainer: Any, *, bucket: int = 64, mode: str = "reduce-overhead", all_devices: bool = False, merge: bool = True
+    trainer: Any, *, bucket: int = 64, mode: str = "reduce-overhead", all_devices: bool = False, merge: bool = False
 ) -> FastGeneration:
     """Turn on static-cache + compiled decoding inside a built `GRPOTrainer`."""
     config = getattr(trainer, "generation_config", None)
@@ -93,7 +93,7 @@ def enable_fast_generation(
     if not bucket_static_cache(trainer.model, bucket):
         trainer.pad_to_multiple_of = bucket
     prefill = prefill_into_dynamic_cache(trainer.model)
-    merger, merge_note = _rollout_merge(trainer) if merge else (None, "off (train.rollout_merge=false)")
+    merger, merge_note = _rollout_merge(trainer) if merge else (None, "not merged (train.rollout_merge=false)")
     dtype = rollout_autocast_dtype(trainer.model, trainer.args)
     attention = NAME if packed_gqa_applies(trainer.model) else None
     _wrap_rollouts(trainer, [
@@ -120,12 +120,21 @@ def _rollout_merge(trainer: Any) -> tuple[Any, str]:
     if free is not None and need * copies > free // 2:
         return None, (f"not merged: {copies} pinned copies of {need / 2**30:.1f} GiB exceed half the free host "
                       "memory")
-    return RolloutMerge(trainer.model), f"merged for rollouts (host copy {need / 2**30:.1f} GiB)"
+    merger = RolloutMerge(trainer.model)
+    try:
+        merger.keep_originals()
+    except (RuntimeError, MemoryError) as exc:  # pinning can fail where locked memory is limited
+        return None, f"not merged: the host copy could not be made ({type(exc).__name__}: {exc})"[:300]
+    log.warning("rollouts sample from merged bf16 weights: adapter deltas below half a bf16 step of their weight "
+                "are lost in rollouts (vlmrl.merge)")
+    return merger, f"merged for rollouts (host copy {need / 2**30:.1f} GiB)"
 
 
 def _wrap_rollouts(trainer: Any, contexts: list[Callable[[], Any] | None]) -> None:
-    """Run each of TRL's rollout calls inside `contexts` (factories, entered in order; None skipped)."""
+    """Run each of TRL's rollout calls inside `contexts` (factories, entered in order; None skipped). Wrapping
+    again replaces the earlier wrapper rather than nesting in it."""
     inner = trainer._generate_single_turn
+    inner = getattr(inner, "_vlmrl_inner", inner)
     active = [c for c in contexts if c is not None]
 
     def generate(*args: Any, **kwargs: Any) -> Any:
@@ -134,6 +143,7 @@ def _wrap_rollouts(trainer: Any, contexts: list[Callable[[], Any] | None]) -> No
                 stack.enter_context(factory())
             return inner(*args, **kwargs)
 
+    generate._vlmrl_inner = inner
     trainer._generate_single_turn = generate
 
 
@@ -210,6 +220,7 @@ def _empty_full_attention_static(cache: Any) -> bool:
 
     return (
         isinstance(cache, StaticCache)
+        and not getattr(cache, "offloading", False)  # the move below bypasses the offloading hooks
         and all(type(layer) is StaticLayer for layer in cache.layers)
         and int(cache.get_seq_length()) == 0
     )

@@ -14,9 +14,18 @@ back, bit for bit. GPU memory does not grow; host memory holds one copy of the a
 Qwen3-VL-8B), and each rollout adds the merge and one host-to-device copy of them (0.34 s together on an
 H200, against about 5.6 ms saved on each of 1,024 token steps: `benchmarks/results/h200_decode_profile.md`).
 
-What the rollout samples from then differs from the policy the loss scores only by the bf16 rounding of the
-merged weights, the same approximation as TRL's vLLM path. Only plain LoRA on unquantized float weights is
-merged; quantized bases (bitsandbytes), DoRA, and sharded parameters (FSDP, ZeRO-3) are reported unsupported.
+The catch, and why it is off by default (`train.rollout_merge=false`): W + D is rounded to W's bf16 grid, so
+every element of D smaller than half a bf16 step of its W is lost. Early in LoRA training, at RL learning
+rates, most of D is that small: with W ~ N(0, 0.02) and D ~ 1e-5, about 90% of the adapter's effect on the
+outputs disappears (`tests/test_merge.py` shows it), and the rollouts sample from close to the base model
+while the loss treats them as samples of the trained policy (TRL's transformers path takes the sampling
+log-probabilities to be the current ones). TRL's vLLM path has the same rounding, and corrects for it with
+importance sampling against vLLM's own log-probabilities; TRL offers that correction to vLLM only. So the
+merge is an opt-in speed setting for runs whose adapter deltas are large against the bf16 step, not a
+default.
+
+Only plain LoRA (no bias, no variant such as DoRA or aLoRA) on unquantized float weights is merged; quantized
+bases (bitsandbytes) and sharded parameters (FSDP, ZeRO-3) are reported unsupported.
 """
 
 from __future__ import annotations
@@ -51,8 +60,14 @@ def unsupported_reason(model: Any) -> str | None:
             return "a LoRA base weight is trainable"
         if weight.numel() == 0 or weight.is_meta:
             return "a LoRA base weight is sharded or not materialized (FSDP / ZeRO-3)"
+        if not len(layer.lora_A):
+            return f"{type(layer).__name__} keeps its adapter outside lora_A/lora_B (e.g. an embedding)"
         if any(getattr(layer, "use_dora", {}).get(name) for name in layer.lora_A):
             return "DoRA adapters are not merged for rollouts"
+        if any(getattr(layer, "lora_variant", {}).get(name) is not None for name in layer.lora_A):
+            return "LoRA variants (aLoRA, ...) are not merged for rollouts"
+        if any(getattr(layer, "lora_bias", {}).get(name) for name in layer.lora_A):
+            return "LoRA with a bias (lora_bias=True) is not merged for rollouts"
     return None
 
 
@@ -83,35 +98,36 @@ class RolloutMerge:
     def weights(self) -> list[torch.Tensor]:
         return [layer.get_base_layer().weight for layer in self.layers]
 
-    def _keep_originals(self) -> list[torch.Tensor]:
+    def keep_originals(self) -> None:
+        """Copy the base weights to (pinned) host memory; done once, since frozen base weights never change
+        during LoRA training. Call it up front to meet a pinning failure before training starts."""
         if self._originals is None:
-            # Frozen base weights never change during LoRA training: one copy serves every rollout.
             self._originals = [w.detach().to("cpu", copy=True).pin_memory() if w.is_cuda else w.detach().clone()
                                for w in self.weights]
-        return self._originals
 
     @contextlib.contextmanager
     def merged(self) -> Iterator[None]:
-        merged: list[tuple[Any, list[str]]] = []
-        with torch.no_grad():
-            originals = self._keep_originals()
-            try:
-                for layer, weight in zip(self.layers, self.weights):
+        self.keep_originals()
+        saved = [list(layer.merged_adapters) for layer in self.layers]
+        merged: list[int] = []
+        try:
+            with torch.no_grad():
+                for index, (layer, weight) in enumerate(zip(self.layers, self.weights)):
                     names = [n for n in layer.active_adapters if n in layer.lora_A and n not in layer.merged_adapters]
                     if not names:
                         continue
+                    merged.append(index)
                     total = weight.float()
                     for name in names:
                         total += layer.get_delta_weight(name).float()
                     weight.copy_(total)
                     del total
                     layer.merged_adapters.extend(names)  # peft's forward then skips the LoRA branch
-                    merged.append((layer, names))
-                self.merges += 1
-                yield
-            finally:
-                for weight, original in zip(self.weights, originals):
-                    weight.copy_(original, non_blocking=True)
-                for layer, names in merged:
-                    for name in names:
-                        layer.merged_adapters.remove(name)
+            self.merges += 1
+            yield
+        finally:
+            with torch.no_grad():
+                for index in merged:
+                    self.layers[index].get_base_layer().weight.copy_(self._originals[index], non_blocking=True)
+            for layer, names in zip(self.layers, saved):
+                layer.merged_adapters[:] = names
