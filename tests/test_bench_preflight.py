@@ -92,9 +92,11 @@ def test_a_failed_path_is_reported_not_hidden():
 
 
 # Peaks measured on an H200 (benchmarks/results/, docs/benchmarks.md), prompt 310 tokens, seed recipe:
-# bf16 + adamw_torch, 1024 tokens, two steps: plain TRL 23.87 GiB, vlmrl 23.87 GiB (h200_qwen3_vl_8b_bf16);
+# bf16 + adamw_torch, 1024 tokens, two steps: plain TRL 23.87 GiB, vlmrl (adapter merged) 23.87 GiB
+# (h200_qwen3_vl_8b_bf16_merged);
 # 4-bit + 8-bit Adam, three steps: vlmrl 13.23 GiB (h200_qwen3_vl_8b_4bit_cap24);
-# bf16, 256 tokens, one step (no optimizer state yet): plain 20.63, vlmrl 20.02 GiB (h200_peak_memory_trace_256).
+# bf16, 256 tokens, one step (no optimizer state yet): plain 20.63, vlmrl (merged) 20.02 GiB
+# (h200_peak_memory_trace_256).
 BF16 = ["model.load_in_4bit=false", "train.optim=adamw_torch"]
 SHORT = [*BF16, "train.max_completion_length=256"]
 
