@@ -247,13 +247,25 @@ def test_rollouts_run_under_the_training_autocast_when_adapters_are_fp32():
     all_bf16 = torch.nn.Sequential(base, torch.nn.Linear(4, 4).to(torch.bfloat16))
     assert rollout_autocast_dtype(all_bf16, SimpleNamespace(bf16=True, fp16=False)) is None  # QLoRA: TRL cast them
 
+    from transformers import GenerationConfig
+
+    from vlmrl.fastgen import enable_fast_generation
+
     seen = []
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    trainer = SimpleNamespace(_generate_single_turn=lambda *a: seen.append(
-        (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))) or a)
-    _wrap_rollouts(trainer, [None, lambda: torch.autocast(device_type=device, dtype=torch.bfloat16)])
+
+    def rollout(*args):
+        seen.append((torch.is_autocast_enabled(device), torch.get_autocast_dtype(device),
+                     torch.is_autocast_cache_enabled()))
+        return args
+
+    trainer = SimpleNamespace(generation_config=GenerationConfig(), generation_kwargs={}, model=mixed,
+                              args=SimpleNamespace(bf16=True, fp16=False), _generate_single_turn=rollout)
+    fast = enable_fast_generation(trainer)
+    assert fast.autocast == "bfloat16" and fast.merge.startswith("not merged")
     assert trainer._generate_single_turn(1, 2) == (1, 2)
-    assert seen == [(True, torch.bfloat16)]
+    # under the training autocast, without its cast cache (it would hold a bf16 copy of every adapter weight)
+    assert seen == [(True, torch.bfloat16, False)]
     assert not torch.is_autocast_enabled(device)  # only inside the rollout
 
 
