@@ -67,6 +67,11 @@ def test_summary_excludes_the_first_step_and_computes_ratios():
     assert "| plain | 100.0 | 200.0 | 90.0 |" in table
     assert "Ratios, vlmrl vs plain: step 4.00x faster" in table
     assert "Ratios, vlmrl-merged vs plain: step 5.00x faster" in table
+    results[2]["fast_generation"] = {"enabled": True, "attention": "vlmrl_sdpa", "autocast": "bfloat16",
+                                     "prefill": "dynamic cache, then static", "merge": "merged for rollouts (1 GiB)"}
+    s = summarize(settings, SHAPES, {"matmul_tflops": 800, "copy_bandwidth_tbs": 4.0}, results, prompt_tokens=300)
+    assert ("vlmrl-merged: attention vlmrl_sdpa, autocast bfloat16, prompt pass: dynamic cache, then static, "
+            "adapter: merged for rollouts (1 GiB).") in markdown_table(s)
 
 
 def test_phase_peaks_and_scaling_over_gpus():

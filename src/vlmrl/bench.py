@@ -503,6 +503,11 @@ def markdown_table(summary: dict) -> str:
             lines.append(f"Ratios, {name} vs plain: step {r[prefix + 'step_speedup']:.2f}x faster, decode "
                          f"{r[prefix + 'decode_speedup']:.2f}x faster, decode {r[prefix + 'vlmrl_decode_vs_floor']:.2f}x "
                          f"the floor, peak memory {r[prefix + 'peak_memory_ratio']:.2f}x plain.")
+    for name, p in summary["paths"].items():  # what each fast path ran, as recorded when it was set up
+        fast = p.get("fast_generation") or {}
+        if fast.get("enabled"):
+            lines.append(f"{name}: attention {fast.get('attention')}, autocast {fast.get('autocast')}, "
+                         f"prompt pass: {fast.get('prefill')}, adapter: {fast.get('merge')}.")
     return "\n".join(lines) + "\n"
 
 
