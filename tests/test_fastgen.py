@@ -238,7 +238,7 @@ def test_the_static_cache_length_is_bucketed_and_the_prompt_is_not_padded(tiny):
 def test_rollouts_run_under_the_training_autocast_when_adapters_are_fp32():
     from types import SimpleNamespace
 
-    from vlmrl.fastgen import _wrap_rollouts, rollout_autocast_dtype
+    from vlmrl.fastgen import rollout_autocast_dtype
 
     base = torch.nn.Linear(4, 4).to(torch.bfloat16).requires_grad_(False)
     mixed = torch.nn.Sequential(base, torch.nn.Linear(4, 4))  # frozen bf16 base + trainable fp32 adapter
