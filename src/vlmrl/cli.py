@@ -395,7 +395,7 @@ def bench(
     shapes: Annotated[str, typer.Option(help="Shapes file in vlmrl/shapes/ (no weights are downloaded).")] = "qwen3_vl_8b",
     steps: Annotated[int, typer.Option(help="Optimizer steps per path (the first is reported apart).")] = 2,
     completion: Annotated[int, typer.Option(help="Completion tokens, forced.")] = 1024,
-    paths: Annotated[str, typer.Option(help="Comma-separated, of: plain, vlmrl, vlmrl-unmerged")] = "plain,vlmrl",
+    paths: Annotated[str, typer.Option(help="Comma-separated, of: plain, vlmrl, vlmrl-merged")] = "plain,vlmrl",
     load_in_4bit: Annotated[bool, typer.Option("--load-in-4bit", help="bitsandbytes 4-bit base weights.")] = False,
     memory_cap_gib: Annotated[float | None, typer.Option(help="Cap this process's GPU memory.")] = None,
     out: Annotated[Path, typer.Option(help="Where bench.json and bench.md go.")] = Path("bench-out"),
@@ -411,15 +411,13 @@ def bench(
     import torch
 
     from vlmrl.bench import PATHS, BenchSettings, run_bench, save_shaped_model
-    from vlmrl.distributed import is_main_process
+    from vlmrl.distributed import is_main_process, world_size
 
     unknown = [p for p in paths.split(",") if p not in PATHS]
     if unknown:
         _fail(f"unknown bench path(s) {', '.join(unknown)}; choose from {', '.join(PATHS)}")
     if not torch.cuda.is_available():
         _fail("vlmrl bench needs a CUDA GPU (this machine has none); see benchmarks/README.md for the commands.")
-    from vlmrl.distributed import world_size
-
     if torch.cuda.device_count() > 1 and world_size() == 1 and save_model is None:
         _fail(f"{torch.cuda.device_count()} GPUs are visible to one process, and vlmrl bench measures one GPU per "
               "process: set CUDA_VISIBLE_DEVICES=0, or run it under `accelerate launch --num_processes "

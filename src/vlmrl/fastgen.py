@@ -25,9 +25,10 @@ runs in float32 (244 float32 GEMMs per token step in an H200 profile) and each L
 bf16 base output in float32. Rollouts therefore run under the same bf16 autocast as the loss pass, so the
 adapter's matmuls match the numerics the policy is trained with. Measured on an H200: peak memory 0.5 GiB
 lower; decode time unchanged (22.5 vs 22.1 ms per token step), since the adapters' cost there (about 6 ms of
-it) is the number of small kernels, not their precision. That cost is removed by merging the adapter for the
-rollout (`vlmrl.merge`: exact restore from a pinned host copy), on by default where it applies: 19.9 -> 14.3 ms
-per token step outside TRL, on an H200.
+it) is the number of small kernels, not their precision. Merging the adapter for the
+rollout removes that cost (`vlmrl.merge`: exact restore from a pinned host copy; 19.9 -> 14.3 ms per token
+step outside TRL, on an H200), but it is opt-in (`train.rollout_merge`): bf16 rounding drops small adapter
+deltas from the rollout policy.
 
 Memory: a static cache is allocated in full before the prompt pass, so that pass's temporaries (the last
 layer's MLP and projections over every prompt token, plus the prompt embeddings and vision features) would sit

@@ -65,7 +65,6 @@ def generate_batch(
 ) -> list[list[Generation]]:
     """Generate for each prompt; returns one list of `num_return_sequences` generations per prompt."""
     device = next(model.parameters()).device
-    batch = encode_batch(processor, prompts, images, device)
     tokenizer = processor.tokenizer
     stop_ids = _stop_token_ids(model, tokenizer)
     kwargs: dict[str, Any] = {
@@ -79,16 +78,18 @@ def generate_batch(
         kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
     else:
         kwargs.update(temperature=None, top_k=None, top_p=None)
+    bucket = None
     if compiled:
         from vlmrl.attention import use_packed_gqa
         from vlmrl.fastgen import bucket_static_cache, compile_settings, prefill_into_dynamic_cache
 
         use_packed_gqa(model)
         prefill_into_dynamic_cache(model)
-        # Compiled decoding recompiles per cache length: bucket it so a whole evaluation sees few (fastgen).
-        if not bucket_static_cache(model, 64):
-            batch = encode_batch(processor, prompts, images, device, bucket=64)
+        # Compiled decoding recompiles per cache length: bucket it so a whole evaluation sees few (fastgen);
+        # where the cache cannot be bucketed, the prompts are.
+        bucket = None if bucket_static_cache(model, 64) else 64
         kwargs.update(compile_settings(all_devices=compile_all_devices))
+    batch = encode_batch(processor, prompts, images, device, bucket=bucket)
     output = model.generate(**batch, **kwargs)
     new_tokens = output[:, batch["input_ids"].shape[1] :]  # [B*k, T]
     results: list[Generation] = []

@@ -92,7 +92,6 @@ class RolloutMerge:
             raise ValueError(f"cannot merge the adapter for rollouts: {reason}")
         self.layers = lora_layers(model)
         self._originals: list[torch.Tensor] | None = None
-        self.merges = 0
 
     @property
     def weights(self) -> list[torch.Tensor]:
@@ -123,7 +122,6 @@ class RolloutMerge:
                     weight.copy_(total)
                     del total
                     layer.merged_adapters.extend(names)  # peft's forward then skips the LoRA branch
-            self.merges += 1
             yield
         finally:
             with torch.no_grad():

@@ -82,9 +82,7 @@ def count_params(shapes: dict) -> tuple[int, int, int]:
 def adapted_weight_bytes(shapes: dict) -> int:
     """bf16 bytes of the weights LoRA adapts (attention + MLP projections of every language layer)."""
     t = shapes["text_config"]
-    h, i, heads, kv = t["hidden_size"], t["intermediate_size"], t["num_attention_heads"], t["num_key_value_heads"]
-    d = t.get("head_dim") or h // heads
-    return 2 * t["num_hidden_layers"] * (2 * h * heads * d + 2 * h * kv * d + 3 * h * i)
+    return 2 * (language_param_count(t) - t["hidden_size"] * t["vocab_size"])  # the layers, without the LM head
 
 
 def estimate_memory(config: Config, shapes: dict, *, prompt_tokens: int, fast_generation: bool) -> MemoryEstimate:
