@@ -46,7 +46,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,6 +149,35 @@ def _wrap_rollouts(trainer: Any, contexts: list[Callable[[], Any] | None]) -> No
 
     generate._vlmrl_inner = inner
     trainer._generate_single_turn = generate
+
+
+@contextlib.contextmanager
+def deferred_stop_check(device_types: tuple[str, ...] = ("cuda",)) -> Iterator[None]:
+    """Let `generate` read its stop flag one token step late on `device_types`, inside the block.
+
+    transformers' decode loop checks after every token whether all sequences are done (`unfinished.max() == 0`
+    read on the host), which makes the host wait for the device at every step: the next step's launch, its
+    dynamo guard checks and the sampling ops are then never overlapped with GPU work. transformers 5.x has
+    `DeferredStopCheck`, which copies the flag asynchronously and reads it one step later (undoing the one extra
+    step at the end), but enables it only on Apple GPUs. This turns it on for CUDA; a length limit still stops
+    on time (it is checked on the host). No-op where transformers has no `DeferredStopCheck`.
+    """
+    try:
+        from transformers.generation.utils import DeferredStopCheck
+    except ImportError:
+        yield
+        return
+    original = DeferredStopCheck.__dict__["is_supported"]
+
+    def is_supported(device: torch.device, *args: Any, **kwargs: Any) -> bool:
+        # Its own conditions (returned cache croppable, not an assistant model), as if on the device it allows.
+        return original.__func__(torch.device("mps") if device.type in device_types else device, *args, **kwargs)
+
+    DeferredStopCheck.is_supported = staticmethod(is_supported)
+    try:
+        yield
+    finally:
+        DeferredStopCheck.is_supported = original
 
 
 def _device_type() -> str:

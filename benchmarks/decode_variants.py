@@ -1,0 +1,164 @@
+"""What each rollout decode setting is worth, and where the host still waits (diagnostic; docs/benchmarks.md).
+
+Outside TRL, random-weight Qwen3-VL-8B shapes, batch 32 (8 prompts x 4), LoRA r=16, the compiled static-cache
+path of vlmrl's rollouts (vlmrl_sdpa, prompt pass on a dynamic cache, cache bucketed), sampling. Each variant
+is warmed up at the measured length, so no timed call includes a compile. Variants, in one process:
+  lora            adapters in float32 under the rollout's bf16 autocast (the path before this change)
+  lora+deferred   the same, with transformers' stop check read one step late (`fastgen.deferred_stop_check`)
+  bf16            the adapters' bf16 copies swapped in (`vlmrl.adapter_cast`), no autocast
+  bf16+deferred   both
+  merged+deferred adapter merged into the weights (`vlmrl.merge`), the opt-in path
+Then, on bf16+deferred: the host syncs per token step that remain (torch.cuda sync debug mode, with the Python
+frames that caused them) and a profile (GPU kernel time per step, top kernels).
+Usage (CUDA): python benchmarks/decode_variants.py OUTDIR [TOKENS]
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+from transformers import AutoProcessor
+
+from vlmrl.adapter_cast import LowPrecisionAdapters
+from vlmrl.attention import packed_gqa, use_packed_gqa
+from vlmrl.bench import BenchSettings, bench_dataset, build_processor, build_shaped_model, load_shapes
+from vlmrl.fastgen import (
+    bucket_static_cache,
+    compile_settings,
+    deferred_stop_check,
+    prefill_into_dynamic_cache,
+)
+from vlmrl.generation import encode_batch
+from vlmrl.merge import RolloutMerge
+from vlmrl.models.loading import multimodal_token_ids
+
+
+def timed_generate(model, batch, tokens, **kwargs) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    model.generate(**batch, max_new_tokens=tokens, min_new_tokens=tokens, **kwargs)
+    torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - start) / tokens
+
+
+def host_syncs(model, batch, steps, **kwargs) -> dict:
+    """Synchronizing CUDA calls during one generate of `steps` tokens, by the innermost frames that made them."""
+    seen: collections.Counter = collections.Counter()
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if "warnings" not in f.filename]
+        seen[" <- ".join(f"{Path(f.filename).name}:{f.lineno}:{f.name}" for f in reversed(frames[-4:]))] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            model.generate(**batch, max_new_tokens=steps, min_new_tokens=steps, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return {"per_step": sum(seen.values()) / steps, "sites": {k: v / steps for k, v in seen.most_common(12)}}
+
+
+def main(out: Path, tokens: int) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp())
+    settings = BenchSettings()
+    processor_dir = build_processor(work, settings.image_size)
+    model = build_shaped_model(load_shapes(settings.shapes), processor_dir, load_in_4bit=False, work=work)
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=16, target_modules=(
+        r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)")))
+    model.eval()
+    with torch.no_grad():  # a trained-looking adapter, so the merge and the copies carry something
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 1e-3)
+    prefill_into_dynamic_cache(model)
+    bucket_static_cache(model, 64)
+    processor = AutoProcessor.from_pretrained(str(processor_dir))
+    processor.tokenizer.padding_side = "left"
+    data = bench_dataset(settings)
+    prompts = [r["prompt"][0]["content"] for r in data.select(range(8))] * 4
+    images = [r["image"] for r in data.select(range(8))] * 4
+    batch = encode_batch(processor, prompts, images, torch.device("cuda"))
+    sampling = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                    suppress_tokens=multimodal_token_ids(model.config), **compile_settings())
+    copies = LowPrecisionAdapters(model, torch.bfloat16)
+    merge = RolloutMerge(model)
+    merge.keep_originals()
+    autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False)
+    variants = {
+        "lora": [autocast],
+        "lora+deferred": [autocast, deferred_stop_check],
+        "bf16": [copies.active],
+        "bf16+deferred": [copies.active, deferred_stop_check],
+        "merged+deferred": [merge.merged, deferred_stop_check],
+    }
+    result: dict = {"batch": len(prompts), "prompt_tokens": int(batch["input_ids"].shape[1]), "tokens": tokens,
+                    "adapter_copy_gib": copies.nbytes / 2**30, "ms_per_step": {}, "first_call_seconds": {}}
+    use_packed_gqa(model)
+
+    def run(name, fn):
+        with torch.inference_mode(), contextlib.ExitStack() as stack:
+            stack.enter_context(packed_gqa(model))
+            for factory in variants[name]:
+                stack.enter_context(factory())
+            return fn()
+
+    for name in variants:
+        start = time.perf_counter()
+        run(name, lambda: timed_generate(model, batch, tokens, **sampling))
+        result["first_call_seconds"][name] = time.perf_counter() - start
+        result["ms_per_step"][name] = run(name, lambda: timed_generate(model, batch, tokens, **sampling))
+        print(name, f"{result['ms_per_step'][name]:.2f} ms/step", flush=True)
+    for name in ("lora", "bf16+deferred"):
+        result[f"host_syncs_{name}"] = run(name, lambda: host_syncs(model, batch, tokens, **sampling))
+        print(name, json.dumps(result[f"host_syncs_{name}"], indent=1), flush=True)
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        wall = run("bf16+deferred", lambda: timed_generate(model, batch, tokens, **sampling)) * tokens
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    result["profiled_wall_ms_per_step"] = wall / tokens
+    result["gpu_kernel_ms_per_step"] = sum(e.self_device_time_total for e in events) / 1e3 / tokens
+    top = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:16]
+    result["top_kernels"] = [{"name": e.key[:90], "ms_per_step": e.self_device_time_total / 1e3 / tokens,
+                              "calls_per_step": e.count / tokens} for e in top]
+    cpu = sorted((e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU),
+                 key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
+    result["top_cpu_ops"] = [{"name": e.key[:90], "ms_per_step": e.self_cpu_time_total / 1e3 / tokens,
+                              "calls_per_step": e.count / tokens} for e in cpu]
+
+    (out / "decode_variants.json").write_text(json.dumps(result, indent=2))
+    lines = [f"batch {result['batch']}, prompt {result['prompt_tokens']} tokens, {tokens} forced tokens per call", "",
+             "| variant | ms per token step | first call s |", "|---|---|---|"]
+    lines += [f"| {k} | {v:.2f} | {result['first_call_seconds'][k]:.0f} |" for k, v in result["ms_per_step"].items()]
+    lines += ["", (f"bf16+deferred under the profiler: {result['profiled_wall_ms_per_step']:.2f} ms wall, "
+              f"{result['gpu_kernel_ms_per_step']:.2f} ms GPU kernels per step"), ""]
+    for name in ("lora", "bf16+deferred"):
+        syncs = result[f"host_syncs_{name}"]
+        lines += [f"host syncs per step, {name}: {syncs['per_step']:.2f}", ""]
+        lines += [f"- {v:.2f}/step `{k}`" for k, v in syncs["sites"].items()] + [""]
+    lines += ["| kernel (bf16+deferred) | ms per step | calls per step |", "|---|---|---|"]
+    lines += [f"| `{k['name']}` | {k['ms_per_step']:.3f} | {k['calls_per_step']:.0f} |" for k in result["top_kernels"]]
+    lines += ["", "| CPU op (bf16+deferred) | self ms per step | calls per step |", "|---|---|---|"]
+    lines += [f"| `{k['name']}` | {k['ms_per_step']:.3f} | {k['calls_per_step']:.0f} |" for k in result["top_cpu_ops"]]
+    (out / "decode_variants.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1] if len(sys.argv) > 1 else "decode-variants"), int(sys.argv[2]) if len(sys.argv) > 2 else 1024)
