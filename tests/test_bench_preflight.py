@@ -71,7 +71,11 @@ def test_summary_excludes_the_first_step_and_computes_ratios():
                                      "prefill": "dynamic cache, then static", "merge": "merged for rollouts (1 GiB)"}
     s = summarize(settings, SHAPES, {"matmul_tflops": 800, "copy_bandwidth_tbs": 4.0}, results, prompt_tokens=300)
     assert ("vlmrl-merged: attention vlmrl_sdpa, autocast bfloat16, prompt pass: dynamic cache, then static, "
-            "adapter: merged for rollouts (1 GiB).") in markdown_table(s)
+            "adapter: merged for rollouts (1 GiB).") in markdown_table(s)  # a record from before stop_check
+    results[2]["fast_generation"] |= {"stop_check": "deferred one step on CUDA", "adapters": "bfloat16 copies"}
+    s = summarize(settings, SHAPES, {"matmul_tflops": 800, "copy_bandwidth_tbs": 4.0}, results, prompt_tokens=300)
+    assert ("adapter: merged for rollouts (1 GiB), adapter weights: bfloat16 copies, stop check: deferred one step "
+            "on CUDA.") in markdown_table(s)
 
 
 def test_phase_peaks_and_scaling_over_gpus():
@@ -188,3 +192,16 @@ def test_step_clock_splits_peaks_into_rollouts_and_the_rest(monkeypatch):
     assert trainer._generate_single_turn(1) == 2 and trainer._generate_single_turn(2) == 4
     assert clock.generation_peaks == [30, 25] and clock.other_peak == 12
     assert clock.take_peak() == 11 and clock.reserved_peak == 50
+
+
+def test_adapter_copies_add_two_bytes_per_adapter_parameter_to_the_prediction():
+    from vlmrl.preflight import count_params
+
+    base = estimate_memory(load_config("seed", BF16), SHAPES, prompt_tokens=310, fast_generation=True)
+    copies = estimate_memory(load_config("seed", [*BF16, "train.rollout_adapter_copies=true"]), SHAPES,
+                             prompt_tokens=310, fast_generation=True)
+    lora = count_params(SHAPES)[2] * 16
+    assert copies.peak_gib - base.peak_gib == pytest.approx(lora * 2 / 2**30)
+    plain = estimate_memory(load_config("seed", [*BF16, "train.rollout_adapter_copies=true"]), SHAPES,
+                            prompt_tokens=310, fast_generation=False)
+    assert plain.peak_gib < copies.peak_gib  # only the fast path makes them

@@ -466,6 +466,11 @@ def _versions() -> dict:
     return out
 
 
+# What each fast path ran, as the markdown table names it (fields of `FastGeneration`; absent in older records).
+SETTING_LABELS = (("attention ", "attention"), ("autocast ", "autocast"), ("prompt pass: ", "prefill"),
+                  ("adapter: ", "merge"), ("adapter weights: ", "adapters"), ("stop check: ", "stop_check"))
+
+
 def markdown_table(summary: dict) -> str:
     s = summary["settings"]
     lines = [
@@ -506,8 +511,8 @@ def markdown_table(summary: dict) -> str:
     for name, p in summary["paths"].items():  # what each fast path ran, as recorded when it was set up
         fast = p.get("fast_generation") or {}
         if fast.get("enabled"):
-            lines.append(f"{name}: attention {fast.get('attention')}, autocast {fast.get('autocast')}, "
-                         f"prompt pass: {fast.get('prefill')}, adapter: {fast.get('merge')}.")
+            ran = [f"{label}{fast[key]}" for label, key in SETTING_LABELS if fast.get(key) is not None]
+            lines.append(f"{name}: {', '.join(ran)}.")
     return "\n".join(lines) + "\n"
 
 

@@ -65,10 +65,13 @@ class FastGeneration:
     autocast: str | None = None
     merge: str | None = None  # "merged" or why not
     prefill: str | None = None  # "dynamic cache, then static" or why not
+    stop_check: str | None = None  # "deferred one step" or why not
+    adapters: str | None = None  # how the rollout reads the LoRA weights
 
     def as_dict(self) -> dict:
         return {"enabled": self.enabled, "reason": self.reason, "bucket": self.bucket, "mode": self.mode,
-                "attention": self.attention, "autocast": self.autocast, "merge": self.merge, "prefill": self.prefill}
+                "attention": self.attention, "autocast": self.autocast, "merge": self.merge, "prefill": self.prefill,
+                "stop_check": self.stop_check, "adapters": self.adapters}
 
 
 def wanted(setting: str) -> bool:
@@ -77,7 +80,8 @@ def wanted(setting: str) -> bool:
 
 
 def enable_fast_generation(
-    trainer: Any, *, bucket: int = 64, mode: str = "reduce-overhead", all_devices: bool = False, merge: bool = False
+    trainer: Any, *, bucket: int = 64, mode: str = "reduce-overhead", all_devices: bool = False, merge: bool = False,
+    adapter_copies: bool = False,
 ) -> FastGeneration:
     """Turn on static-cache + compiled decoding inside a built `GRPOTrainer`."""
     config = getattr(trainer, "generation_config", None)
@@ -97,18 +101,44 @@ def enable_fast_generation(
     merger, merge_note = _rollout_merge(trainer) if merge else (None, "not merged (train.rollout_merge=false)")
     dtype = rollout_autocast_dtype(trainer.model, trainer.args)
     attention = NAME if packed_gqa_applies(trainer.model) else None
+    copies, adapters = _adapter_copies(trainer.model, dtype, wanted=adapter_copies and merger is None)
+    stop_check = stop_check_note()
     _wrap_rollouts(trainer, [
         (lambda: packed_gqa(trainer.model)) if attention else None,
         merger.merged if merger else None,
+        copies.active if copies else None,
         # cache_enabled=False: autocast would otherwise hold a bf16 copy of every fp32 LoRA weight for the whole
         # rollout (0.08 GiB for Qwen3-VL-8B at r=16, the rollout peak's excess over the merged path's).
         (lambda: torch.autocast(device_type=_device_type(), dtype=dtype, cache_enabled=False))
         if dtype is not None else None,
+        deferred_stop_check,
     ])
     log.info("fast generation: static KV cache + torch.compile(mode=%s), cache bucketed to %d, attention %s, "
-             "autocast %s, adapter %s, prefill %s", mode, bucket, attention or "unchanged", dtype, merge_note, prefill)
+             "autocast %s, adapter %s, adapter weights %s, prefill %s, stop check %s", mode, bucket,
+             attention or "unchanged", dtype, merge_note, adapters, prefill, stop_check)
     return FastGeneration(True, "static KV cache + torch.compile", bucket, mode, attention,
-                          str(dtype).removeprefix("torch.") if dtype is not None else None, merge_note, prefill)
+                          str(dtype).removeprefix("torch.") if dtype is not None else None, merge_note, prefill,
+                          stop_check, adapters)
+
+
+def _adapter_copies(model: Any, dtype: torch.dtype | None, *, wanted: bool) -> tuple[Any, str]:
+    """The bf16 adapter copies for rollouts (`vlmrl.adapter_cast`) when asked for and useful, and what was done."""
+    if dtype is None:
+        return None, "as stored (no float32 adapters over a low-precision base)"
+    if not wanted:
+        return None, f"float32, cast to {str(dtype).removeprefix('torch.')} at each token step"
+    from vlmrl.adapter_cast import LowPrecisionAdapters
+
+    copies = LowPrecisionAdapters(model, dtype)
+    return copies, f"{str(dtype).removeprefix('torch.')} copies, refreshed per rollout ({copies.nbytes / 2**30:.2f} GiB)"
+
+
+def stop_check_note() -> str:
+    try:
+        from transformers.generation.utils import DeferredStopCheck  # noqa: F401
+    except ImportError:
+        return "every step: this transformers has no DeferredStopCheck"
+    return "deferred one step on CUDA"
 
 
 def _rollout_merge(trainer: Any) -> tuple[Any, str]:

@@ -5,12 +5,14 @@ processor's own chat template (so Qwen's `<|vision_start|><|image_pad|>...` and 
 `<start_of_image>` land where each family expects them).
 
 On CUDA with `compile` on, decoding uses a static KV cache and `torch.compile` (DESIGN.md measured 4.6x
-faster decode for Qwen3-VL-8B on an H200). On the CPU the plain dynamic-cache path is used: compilation
+faster decode for Qwen3-VL-8B on an H200), with the stop check read one step late so the host never waits on
+the device between token steps (`vlmrl.fastgen.deferred_stop_check`). On the CPU the plain dynamic-cache path is used: compilation
 costs more than it saves for tiny models.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,7 +92,10 @@ def generate_batch(
         bucket = None if bucket_static_cache(model, 64) else 64
         kwargs.update(compile_settings(all_devices=compile_all_devices))
     batch = encode_batch(processor, prompts, images, device, bucket=bucket)
-    output = model.generate(**batch, **kwargs)
+    from vlmrl.fastgen import deferred_stop_check
+
+    with deferred_stop_check() if compiled else contextlib.nullcontext():
+        output = model.generate(**batch, **kwargs)
     new_tokens = output[:, batch["input_ids"].shape[1] :]  # [B*k, T]
     results: list[Generation] = []
     for row in new_tokens.tolist():

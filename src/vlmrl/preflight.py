@@ -9,6 +9,7 @@ The prediction is arithmetic on the same quantities that fill the card:
                        x layers x 2 x kv heads x head dim x 2 bytes
     prefill            generation batch x prompt tokens x (6 x intermediate + 8 x hidden) x 2 bytes: the prompt
                        pass's MLP and projection temporaries (with the LoRA branches)
+    adapter copies     with train.rollout_adapter_copies: LoRA parameters x 2 bytes (vlmrl.adapter_cast)
     training           one micro-batch: checkpointed layer inputs (tokens x hidden x 2 bytes x layers) plus one
                        layer's recomputed activations and the log-prob pass over the completion tokens
 
@@ -107,7 +108,10 @@ def estimate_memory(config: Config, shapes: dict, *, prompt_tokens: int, fast_ge
     one_layer = tokens * (6 * t["hidden_size"] + 3 * t["intermediate_size"]) * 2
     logprob_pass = tr.per_device_train_batch_size * tr.max_completion_length * t["vocab_size"] * 4 / 8  # chunked
     training = (checkpoints if tr.gradient_checkpointing else checkpoints * 8) + one_layer + logprob_pass
-    fixed = weights + lora * optimizer_bytes
+    # bf16 adapter copies for rollouts (vlmrl.adapter_cast): only over an unquantized base, not when merged
+    copies = lora * 2 if fast_generation and tr.rollout_adapter_copies and not tr.rollout_merge \
+        and not config.model.load_in_4bit else 0
+    fixed = weights + lora * optimizer_bytes + copies
     generation_phase = fixed + max(kv, generation_batch * prompt_tokens * kv_per_token + prefill)
     training_phase = fixed + training
     merged_copy = adapted_weight_bytes(shapes) if fast_generation and tr.rollout_merge and not config.model.load_in_4bit \

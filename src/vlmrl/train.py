@@ -104,7 +104,8 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
     )
     trainer.remove_callback(PrinterCallback)  # our MetricsRecorder prints a shorter line
     fast = (
-        enable_fast_generation(trainer, bucket=config.train.prompt_bucket, merge=config.train.rollout_merge)
+        enable_fast_generation(trainer, bucket=config.train.prompt_bucket, merge=config.train.rollout_merge,
+                               adapter_copies=config.train.rollout_adapter_copies)
         if fastgen_wanted(config.train.fast_generation)
         else FastGeneration(False, f"train.fast_generation={config.train.fast_generation}")
     )

@@ -1,0 +1,150 @@
+"""Rollout-time bf16 copies of the float32 LoRA weights (`vlmrl.adapter_cast`) and the one-step-late stop check
+(`vlmrl.fastgen.deferred_stop_check`): each computes exactly what the path it replaces computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from vlmrl.adapter_cast import LowPrecisionAdapters
+
+
+class _Net(torch.nn.Module):
+    def __init__(self, width: int = 32):
+        super().__init__()
+        self.up = torch.nn.Linear(width, 2 * width)
+        self.down = torch.nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def _adapted(seed: int = 0):
+    torch.manual_seed(seed)
+    model = get_peft_model(_Net().to(torch.bfloat16), LoraConfig(r=4, target_modules=["up", "down"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.1)
+    assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {torch.float32}  # peft's default
+    return model
+
+
+def test_the_copies_compute_what_the_autocast_path_computes():
+    model = _adapted()
+    x = torch.randn(5, 32, dtype=torch.bfloat16)
+    copies = LowPrecisionAdapters(model, torch.bfloat16)
+    assert len(copies) == 4 and copies.nbytes == sum(p.numel() * 2 for n, p in model.named_parameters() if "lora_" in n)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model(x)
+    with torch.no_grad(), copies.active():
+        assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {torch.bfloat16}
+        got = model(x)
+    assert torch.equal(got, expected)
+    with torch.no_grad():
+        fp32_adapters = model(x)  # without autocast the adapter runs in float32: a different (valid) result
+    assert not torch.equal(fp32_adapters, expected)
+
+
+def test_the_trained_float32_weights_are_back_after_the_block_and_refreshed_at_the_next():
+    model = _adapted()
+    before = {n: p for n, p in model.named_parameters()}
+    copies = LowPrecisionAdapters(model, torch.bfloat16)
+    with copies.active():
+        pointers = [c.data_ptr() for _, _, c in copies.entries]
+    after = {n: p for n, p in model.named_parameters()}
+    assert all(after[n] is before[n] for n in before), "the optimizer's parameters must be the ones in the model"
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    model(torch.randn(3, 32, dtype=torch.bfloat16)).float().square().sum().backward()
+    optimizer.step()
+    with copies.active():
+        assert [c.data_ptr() for _, _, c in copies.entries] == pointers  # stable addresses for the CUDA graphs
+        for module, weight, copy in copies.entries:
+            assert module.weight is copy and torch.equal(copy, weight.detach().to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="inside"), copies.active():
+        raise RuntimeError("inside a rollout")
+    assert all(dict(model.named_parameters())[n] is before[n] for n in before)
+
+
+def test_adapters_already_in_low_precision_get_no_copies():
+    model = _adapted().to(torch.bfloat16)  # e.g. QLoRA, where TRL casts the adapters
+    assert len(LowPrecisionAdapters(model, torch.bfloat16)) == 0
+
+
+class _HostEvent:  # CPU work is synchronous: an event that is always complete
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+@pytest.mark.parametrize("stop", ["length", "eos"])
+def test_the_deferred_stop_check_generates_the_same_tokens(stop, tmp_path, monkeypatch):
+    import transformers.generation.utils as generation
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from vlmrl.data.synthetic import generate_items
+    from vlmrl.fastgen import deferred_stop_check
+    from vlmrl.generation import encode_batch
+    from vlmrl.models.tiny import build_tiny_model
+
+    path = build_tiny_model("qwen3_vl", tmp_path / "m", hidden_size=64, num_layers=2)
+    model = AutoModelForImageTextToText.from_pretrained(str(path), dtype=torch.float32).eval()
+    processor = AutoProcessor.from_pretrained(str(path))
+    processor.tokenizer.padding_side = "left"
+    items = list(generate_items(3, seed=3, size=128))
+    batch = encode_batch(processor, [i.question for i in items], [i.image for i in items], torch.device("cpu"))
+    settings = {"max_new_tokens": 16, "do_sample": False, "cache_implementation": "static", "pad_token_id": 0}
+    if stop == "eos":  # every row stops early: the deferred check runs one step more and undoes it
+        probe = model.generate(**batch, **settings, eos_token_id=None)
+        settings["eos_token_id"] = probe[:, batch["input_ids"].shape[1] + 4].tolist()
+    expected = model.generate(**batch, **settings)
+
+    built = []
+    real = generation.DeferredStopCheck.__init__
+    monkeypatch.setattr(generation.DeferredStopCheck, "__init__", lambda s, *a, **k: built.append(1) or real(s, *a, **k))
+    monkeypatch.setattr(torch, "Event", _HostEvent)
+    original = generation.DeferredStopCheck.__dict__["is_supported"]
+    with deferred_stop_check(("cpu",)):
+        got = model.generate(**batch, **settings)
+    assert built == [1], "the deferred check was not used"
+    assert torch.equal(got, expected)
+    assert (got.shape[1] < batch["input_ids"].shape[1] + 16) == (stop == "eos")
+    assert generation.DeferredStopCheck.__dict__["is_supported"] is original  # only inside the block
+    model.generate(**batch, **settings)
+    assert built == [1]
+
+
+def test_fast_generation_swaps_the_copies_in_for_rollouts_only_when_asked():
+    from types import SimpleNamespace
+
+    import transformers.generation.utils as generation
+    from transformers import GenerationConfig
+
+    from vlmrl.fastgen import enable_fast_generation
+
+    original_check = generation.DeferredStopCheck.__dict__["is_supported"]
+    for asked in (False, True):
+        model = _adapted()
+        seen = []
+
+        def rollout(*args, model=model, seen=seen):
+            seen.append(({p.dtype for n, p in model.named_parameters() if "lora_" in n},
+                         generation.DeferredStopCheck.__dict__["is_supported"] is not original_check))
+            return args
+
+        trainer = SimpleNamespace(generation_config=GenerationConfig(), generation_kwargs={}, model=model,
+                                  args=SimpleNamespace(bf16=True, fp16=False), _generate_single_turn=rollout)
+        fast = enable_fast_generation(trainer, adapter_copies=asked)
+        assert trainer._generate_single_turn(1) == (1,)
+        expected = torch.bfloat16 if asked else torch.float32
+        assert seen == [({expected}, True)], "adapter dtype in the rollout; stop check deferred there"
+        assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {torch.float32}
+        assert fast.stop_check == "deferred one step on CUDA"
+        assert fast.adapters.startswith("bfloat16 copies" if asked else "float32, cast to bfloat16")
+    assert generation.DeferredStopCheck.__dict__["is_supported"] is original_check
