@@ -125,6 +125,7 @@ def main(out: Path, tokens: int) -> None:
     for name in ("lora", "bf16+deferred"):
         result[f"host_syncs_{name}"] = run(name, lambda: host_syncs(model, batch, tokens, **sampling))
         print(name, json.dumps(result[f"host_syncs_{name}"], indent=1), flush=True)
+    (out / "decode_variants.json").write_text(json.dumps(result, indent=2))  # in case the profile runs out of time
 
     from torch.profiler import ProfilerActivity, profile
 
