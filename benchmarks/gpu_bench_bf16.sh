@@ -14,4 +14,4 @@ if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; t
 else
   bench 0 plain,vlmrl $OUT/default; bench 0 plain,vlmrl-merged $OUT/merged
 fi
-tail -6 $OUT/default/log.txt $OUT/merged/log.txt
+tail -n 6 $OUT/default/log.txt $OUT/merged/log.txt
