@@ -19,35 +19,21 @@ import collections
 import contextlib
 import json
 import sys
-import tempfile
 import time
 import traceback
 import warnings
 from pathlib import Path
 
 import torch
-from transformers import AutoProcessor
+from decode_setup import profile_summary, profile_tables, shaped_model_and_batch, timed_generate
 
 from vlmrl.adapter_cast import LowPrecisionAdapters
 from vlmrl.attention import packed_gqa, use_packed_gqa
-from vlmrl.bench import BenchSettings, bench_dataset, build_processor, build_shaped_model, load_shapes
 from vlmrl.fastgen import (
     bucket_static_cache,
-    compile_settings,
     deferred_stop_check,
-    prefill_into_dynamic_cache,
 )
-from vlmrl.generation import encode_batch
 from vlmrl.merge import RolloutMerge
-from vlmrl.models.loading import multimodal_token_ids
-
-
-def timed_generate(model, batch, tokens, **kwargs) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    model.generate(**batch, max_new_tokens=tokens, min_new_tokens=tokens, **kwargs)
-    torch.cuda.synchronize()
-    return 1e3 * (time.perf_counter() - start) / tokens
 
 
 def host_syncs(model, batch, steps, **kwargs) -> dict:
@@ -70,30 +56,10 @@ def host_syncs(model, batch, steps, **kwargs) -> dict:
 
 
 def main(out: Path, tokens: int) -> None:
-    from peft import LoraConfig, get_peft_model
-
     out.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp())
-    settings = BenchSettings()
-    processor_dir = build_processor(work, settings.image_size)
-    model = build_shaped_model(load_shapes(settings.shapes), processor_dir, load_in_4bit=False, work=work)
-    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=16, target_modules=(
-        r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)")))
-    model.eval()
-    with torch.no_grad():  # a trained-looking adapter, so the merge and the copies carry something
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 1e-3)
-    prefill_into_dynamic_cache(model)
+    # a trained-looking adapter, so the merge and the copies carry something
+    model, batch, sampling = shaped_model_and_batch(lora_b_std=1e-3)
     bucket_static_cache(model, 64)
-    processor = AutoProcessor.from_pretrained(str(processor_dir))
-    processor.tokenizer.padding_side = "left"
-    data = bench_dataset(settings)
-    prompts = [r["prompt"][0]["content"] for r in data.select(range(8))] * 4
-    images = [r["image"] for r in data.select(range(8))] * 4
-    batch = encode_batch(processor, prompts, images, torch.device("cuda"))
-    sampling = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                    suppress_tokens=multimodal_token_ids(model.config), **compile_settings())
     copies = LowPrecisionAdapters(model, torch.bfloat16)
     merge = RolloutMerge(model)
     merge.keep_originals()
@@ -105,7 +71,7 @@ def main(out: Path, tokens: int) -> None:
         "bf16+deferred": [copies.active, deferred_stop_check],
         "merged+deferred": [merge.merged, deferred_stop_check],
     }
-    result: dict = {"batch": len(prompts), "prompt_tokens": int(batch["input_ids"].shape[1]), "tokens": tokens,
+    result: dict = {"batch": len(batch["input_ids"]), "prompt_tokens": int(batch["input_ids"].shape[1]), "tokens": tokens,
                     "adapter_copy_gib": copies.nbytes / 2**30, "ms_per_step": {}, "first_call_seconds": {}}
     use_packed_gqa(model)
 
@@ -132,16 +98,8 @@ def main(out: Path, tokens: int) -> None:
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         wall = run("bf16+deferred", lambda: timed_generate(model, batch, tokens, **sampling)) * tokens
-    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     result["profiled_wall_ms_per_step"] = wall / tokens
-    result["gpu_kernel_ms_per_step"] = sum(e.self_device_time_total for e in events) / 1e3 / tokens
-    top = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:16]
-    result["top_kernels"] = [{"name": e.key[:90], "ms_per_step": e.self_device_time_total / 1e3 / tokens,
-                              "calls_per_step": e.count / tokens} for e in top]
-    cpu = sorted((e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU),
-                 key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
-    result["top_cpu_ops"] = [{"name": e.key[:90], "ms_per_step": e.self_cpu_time_total / 1e3 / tokens,
-                              "calls_per_step": e.count / tokens} for e in cpu]
+    result |= profile_summary(prof, tokens, kernels=16, cpu_ops=10)
 
     (out / "decode_variants.json").write_text(json.dumps(result, indent=2))
     lines = [f"batch {result['batch']}, prompt {result['prompt_tokens']} tokens, {tokens} forced tokens per call", "",
@@ -153,10 +111,7 @@ def main(out: Path, tokens: int) -> None:
         syncs = result[f"host_syncs_{name}"]
         lines += [f"host syncs per step, {name}: {syncs['per_step']:.2f}", ""]
         lines += [f"- {v:.2f}/step `{k}`" for k, v in syncs["sites"].items()] + [""]
-    lines += ["| kernel (bf16+deferred) | ms per step | calls per step |", "|---|---|---|"]
-    lines += [f"| `{k['name']}` | {k['ms_per_step']:.3f} | {k['calls_per_step']:.0f} |" for k in result["top_kernels"]]
-    lines += ["", "| CPU op (bf16+deferred) | self ms per step | calls per step |", "|---|---|---|"]
-    lines += [f"| `{k['name']}` | {k['ms_per_step']:.3f} | {k['calls_per_step']:.0f} |" for k in result["top_cpu_ops"]]
+    lines += profile_tables(result, "bf16+deferred")
     (out / "decode_variants.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

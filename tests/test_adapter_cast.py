@@ -7,22 +7,13 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
+from tests.test_merge import _Net
 from vlmrl.adapter_cast import LowPrecisionAdapters
-
-
-class _Net(torch.nn.Module):
-    def __init__(self, width: int = 32):
-        super().__init__()
-        self.up = torch.nn.Linear(width, 2 * width)
-        self.down = torch.nn.Linear(2 * width, width)
-
-    def forward(self, x):
-        return self.down(torch.relu(self.up(x)))
 
 
 def _adapted(seed: int = 0):
     torch.manual_seed(seed)
-    model = get_peft_model(_Net().to(torch.bfloat16), LoraConfig(r=4, target_modules=["up", "down"]))
+    model = get_peft_model(_Net(32).to(torch.bfloat16), LoraConfig(r=4, target_modules=["up", "down"]))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
