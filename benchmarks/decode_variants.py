@@ -5,7 +5,7 @@ path of vlmrl's rollouts (vlmrl_sdpa, prompt pass on a dynamic cache, cache buck
 is warmed up at the measured length, so no timed call includes a compile. Variants, in one process:
   lora            adapters in float32 under the rollout's bf16 autocast (the path before this change)
   lora+deferred   the same, with transformers' stop check read one step late (`fastgen.deferred_stop_check`)
-  bf16            the adapters' bf16 copies swapped in (`vlmrl.adapter_cast`), no autocast
+  bf16            the adapters' bf16 copies swapped in (`vlmrl.adapter_cast`), under the same autocast
   bf16+deferred   both
   merged+deferred adapter merged into the weights (`vlmrl.merge`), the opt-in path
 Then, on bf16+deferred: the host syncs per token step that remain (torch.cuda sync debug mode, with the Python
@@ -67,8 +67,8 @@ def main(out: Path, tokens: int) -> None:
     variants = {
         "lora": [autocast],
         "lora+deferred": [autocast, deferred_stop_check],
-        "bf16": [copies.active],
-        "bf16+deferred": [copies.active, deferred_stop_check],
+        "bf16": [copies.active, autocast],  # as the trainer runs them (autocast then casts nothing)
+        "bf16+deferred": [copies.active, autocast, deferred_stop_check],
         "merged+deferred": [merge.merged, deferred_stop_check],
     }
     result: dict = {"batch": len(batch["input_ids"]), "prompt_tokens": int(batch["input_ids"].shape[1]), "tokens": tokens,

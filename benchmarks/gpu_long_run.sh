@@ -3,8 +3,12 @@
 # recorded against its addresses, and are re-recorded when a new cache lands elsewhere. This runs vlmrl's
 # path for 12 steps (short completions, so the run is mostly rollouts), counts the CUDA graphs recorded in each
 # rollout, and reports each step's time.
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD/src || exit 1
-export PYTHONUNBUFFERED=1 VLMRL_CACHE=/tmp/vc
+# Run from the repository root: bash benchmarks/gpu_long_run.sh OUTDIR (wheels carried in .whl/ are installed
+# first where there is such a folder: the project's GPU machine has no network).
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD/src || exit 1
+fi
+OUT=${1:-${OUT:-long-run}}; export OUT PYTHONUNBUFFERED=1 VLMRL_CACHE=${VLMRL_CACHE:-/tmp/vc}
 mkdir -p $OUT
 python3 - > $OUT/log.txt 2>&1 <<'PY'
 import os, sys
@@ -36,6 +40,9 @@ try:
 except SystemExit:
     pass
 print("CUDA-graph recordings per rollout:", per_step)
+import json
+with open(os.path.join(os.environ["OUT"], "recordings.json"), "w") as f:
+    json.dump({"cuda_graph_recordings_per_rollout": per_step}, f)
 PY
 grep "recordings per rollout" $OUT/log.txt
 python3 -c "

@@ -139,3 +139,46 @@ def test_fast_generation_swaps_the_copies_in_for_rollouts_only_when_asked():
         assert fast.stop_check == "deferred one step on CUDA"
         assert fast.adapters.startswith("bfloat16 copies" if asked else "float32, cast to bfloat16")
     assert generation.DeferredStopCheck.__dict__["is_supported"] is original_check
+
+
+def test_the_deferred_check_keeps_transformers_own_conditions_and_is_undone_on_errors():
+    from types import SimpleNamespace
+
+    import transformers.generation.utils as generation
+
+    from vlmrl.fastgen import deferred_stop_check
+
+    check = generation.DeferredStopCheck
+    original = check.__dict__["is_supported"]
+    cpu, fixed = torch.device("cpu"), SimpleNamespace(is_croppable=False)
+    with deferred_stop_check(("cpu",)):
+        assert check.is_supported(cpu, None, False, is_assistant=False)
+        assert not check.is_supported(cpu, None, False, is_assistant=True)  # assistant models: never
+        assert not check.is_supported(cpu, fixed, True, is_assistant=False)  # a returned cache it cannot roll back
+        assert check.is_supported(cpu, fixed, False, is_assistant=False)  # ... unless it is dropped anyway
+    assert not check.is_supported(cpu, None, False, is_assistant=False)  # transformers' own choice again
+    with pytest.raises(ValueError), deferred_stop_check(("cpu",)):
+        raise ValueError("a rollout failed")
+    assert check.__dict__["is_supported"] is original
+
+
+def test_no_copies_for_sharded_parameters_and_stale_copies_are_refused():
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+
+    from vlmrl.fastgen import enable_fast_generation
+
+    model = _adapted()
+    trainer = SimpleNamespace(generation_config=GenerationConfig(), generation_kwargs={}, model=model,
+                              args=SimpleNamespace(bf16=True, fp16=False), _generate_single_turn=lambda: None,
+                              is_fsdp_enabled=True)
+    fast = enable_fast_generation(trainer, adapter_copies=True)
+    assert fast.adapters.endswith("(no copies: parameters are sharded by FSDP / DeepSpeed)")
+
+    copies = LowPrecisionAdapters(model, torch.bfloat16)
+    module, weight, _ = copies.entries[0]
+    module.weight = torch.nn.Parameter(weight.detach().clone())  # e.g. a wrapper replaced the parameters
+    with pytest.raises(RuntimeError, match="replaced after their rollout copies"), copies.active():
+        pass
+    assert module.weight is not weight and module.weight.dtype == torch.float32

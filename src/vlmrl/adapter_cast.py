@@ -52,6 +52,10 @@ class LowPrecisionAdapters:
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
         """Within the block the LoRA modules hold the refreshed low-precision copies; after it, their own weights."""
+        stale = [m for m, w, c in self.entries if m._parameters.get("weight") is not w or w.shape != c.shape]
+        if stale:  # something (a wrapper sharding the model, a reload) replaced the weights since the copies were made
+            raise RuntimeError(f"{len(stale)} LoRA weights were replaced after their rollout copies were made; "
+                               "the copies would be stale (set train.rollout_adapter_copies=false)")
         with torch.no_grad():
             for _, weight, copy in self.entries:
                 copy.copy_(weight)

@@ -178,7 +178,8 @@ class TrainConfig(_Section):
         False,
         description="With fast generation and float32 LoRA weights over a bf16 base, keep bf16 copies of the adapter "
         "weights for rollouts (vlmrl.adapter_cast): the per-token-step casts go (0.9 ms of 12.5 per step for "
-        "Qwen3-VL-8B on an H200), for 2 bytes per adapter parameter kept on the GPU (0.08 GiB at r=16).",
+        "Qwen3-VL-8B on an H200), for 2 bytes per adapter parameter kept on the GPU (0.08 GiB at r=16). Not with "
+        "the adapter merged, nor under FSDP / DeepSpeed.",
     )
     trl_overrides: dict[str, Any] = Field(
         default_factory=dict, description="Extra GRPOConfig fields passed through unchanged (escape hatch)."

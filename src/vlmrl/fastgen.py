@@ -30,7 +30,8 @@ rollout removes that cost (`vlmrl.merge`: exact restore from a pinned host copy;
 step outside TRL, on an H200), but it is opt-in (`train.rollout_merge`): bf16 rounding drops small adapter
 deltas from the rollout policy.
 
-The host never waits for the device between token steps: transformers' decode loop reads its stop flag on
+The host does not wait for the device between token steps (except under FSDP / ZeRO-3, where `generate`
+all-reduces the stop flag at every step): transformers' decode loop reads its stop flag on
 the host after every token, which stalls the host until the GPU has finished that step, so the next step's
 dynamo guard checks, launch and sampling ops ran while the GPU sat idle. transformers has a check that reads
 the flag one step late (`DeferredStopCheck`) but turns it on for Apple GPUs only; rollouts and compiled
@@ -110,7 +111,7 @@ def enable_fast_generation(
     merger, merge_note = _rollout_merge(trainer) if merge else (None, "not merged (train.rollout_merge=false)")
     dtype = rollout_autocast_dtype(trainer.model, trainer.args)
     attention = NAME if packed_gqa_applies(trainer.model) else None
-    copies, adapters = _adapter_copies(trainer.model, dtype, wanted=adapter_copies and merger is None)
+    copies, adapters = _adapter_copies(trainer, dtype, wanted=adapter_copies and merger is None)
     stop_check = stop_check_note()
     _wrap_rollouts(trainer, [
         (lambda: packed_gqa(trainer.model)) if attention else None,
@@ -130,24 +131,36 @@ def enable_fast_generation(
                           stop_check, adapters)
 
 
-def _adapter_copies(model: Any, dtype: torch.dtype | None, *, wanted: bool) -> tuple[Any, str]:
+def _adapter_copies(trainer: Any, dtype: torch.dtype | None, *, wanted: bool) -> tuple[Any, str]:
     """The bf16 adapter copies for rollouts (`vlmrl.adapter_cast`) when asked for and useful, and what was done."""
     if dtype is None:
         return None, "as stored (no float32 adapters over a low-precision base)"
+    cast = f"float32, cast to {str(dtype).removeprefix('torch.')} at each token step"
     if not wanted:
-        return None, f"float32, cast to {str(dtype).removeprefix('torch.')} at each token step"
+        return None, cast
+    if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False):
+        # accelerate shards (and replaces) the parameters after this point; copies of them would go stale
+        return None, f"{cast} (no copies: parameters are sharded by FSDP / DeepSpeed)"
     from vlmrl.adapter_cast import LowPrecisionAdapters
 
-    copies = LowPrecisionAdapters(model, dtype)
+    copies = LowPrecisionAdapters(trainer.model, dtype)
     return copies, f"{str(dtype).removeprefix('torch.')} copies, refreshed per rollout ({copies.nbytes / 2**30:.2f} GiB)"
 
 
 def stop_check_note() -> str:
-    try:
-        from transformers.generation.utils import DeferredStopCheck  # noqa: F401
-    except ImportError:
+    if _deferred_stop_check_class() is None:
         return "every step: this transformers has no DeferredStopCheck"
+    # transformers' own conditions still apply (no assistant model; a returned cache must be croppable), and
+    # with synced GPUs (FSDP / ZeRO-3) its per-step all-reduce of the stop flag still waits on the device.
     return "deferred one step on CUDA"
+
+
+def _deferred_stop_check_class() -> Any:
+    try:
+        from transformers.generation.utils import DeferredStopCheck
+    except ImportError:
+        return None
+    return DeferredStopCheck if isinstance(DeferredStopCheck.__dict__.get("is_supported"), staticmethod) else None
 
 
 def _rollout_merge(trainer: Any) -> tuple[Any, str]:
@@ -199,11 +212,13 @@ def deferred_stop_check(device_types: tuple[str, ...] = ("cuda",)) -> Iterator[N
     dynamo guard checks and the sampling ops are then never overlapped with GPU work. transformers 5.x has
     `DeferredStopCheck`, which copies the flag asynchronously and reads it one step later (undoing the one extra
     step at the end), but enables it only on Apple GPUs. This turns it on for CUDA; a length limit still stops
-    on time (it is checked on the host). No-op where transformers has no `DeferredStopCheck`.
+    on time (it is checked on the host). transformers' other conditions are kept (no assistant model; a cache
+    that is returned must be croppable). With synced GPUs (FSDP / ZeRO-3) `generate` still all-reduces the stop
+    flag on the device at every step, so the host waits there anyway. No-op where transformers has no
+    `DeferredStopCheck`.
     """
-    try:
-        from transformers.generation.utils import DeferredStopCheck
-    except ImportError:
+    DeferredStopCheck = _deferred_stop_check_class()
+    if DeferredStopCheck is None:
         yield
         return
     original = DeferredStopCheck.__dict__["is_supported"]

@@ -108,9 +108,9 @@ def estimate_memory(config: Config, shapes: dict, *, prompt_tokens: int, fast_ge
     one_layer = tokens * (6 * t["hidden_size"] + 3 * t["intermediate_size"]) * 2
     logprob_pass = tr.per_device_train_batch_size * tr.max_completion_length * t["vocab_size"] * 4 / 8  # chunked
     training = (checkpoints if tr.gradient_checkpointing else checkpoints * 8) + one_layer + logprob_pass
-    # bf16 adapter copies for rollouts (vlmrl.adapter_cast): only over an unquantized base, not when merged
-    copies = lora * 2 if fast_generation and tr.rollout_adapter_copies and not tr.rollout_merge \
-        and not config.model.load_in_4bit else 0
+    # bf16 adapter copies for rollouts (vlmrl.adapter_cast): only over an unquantized base (QLoRA's adapters are
+    # bf16 already); counted even with the merge asked for, which can be refused at run time
+    copies = lora * 2 if fast_generation and tr.rollout_adapter_copies and not config.model.load_in_4bit else 0
     fixed = weights + lora * optimizer_bytes + copies
     generation_phase = fixed + max(kv, generation_batch * prompt_tokens * kv_per_token + prefill)
     training_phase = fixed + training
