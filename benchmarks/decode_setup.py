@@ -12,7 +12,14 @@ from typing import Any
 import torch
 from transformers import AutoProcessor
 
-from vlmrl.bench import BenchSettings, bench_dataset, build_processor, build_shaped_model, load_shapes
+from vlmrl.bench import (
+    LORA_TARGETS,
+    BenchSettings,
+    bench_dataset,
+    build_processor,
+    build_shaped_model,
+    load_shapes,
+)
 from vlmrl.fastgen import compile_settings, prefill_into_dynamic_cache
 from vlmrl.generation import encode_batch
 from vlmrl.models.loading import multimodal_token_ids
@@ -38,8 +45,7 @@ def shaped_model_and_batch(*, lora_b_std: float = 0.0, pad_prompts_to: int | Non
     settings = BenchSettings()
     processor_dir = build_processor(work, settings.image_size)
     model = build_shaped_model(load_shapes(settings.shapes), processor_dir, load_in_4bit=False, work=work)
-    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=16, target_modules=(
-        r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)")))
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=16, target_modules=LORA_TARGETS))
     model.eval()
     if lora_b_std:
         with torch.no_grad():

@@ -7,6 +7,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
+from tests.test_fastgen import fake_trainer
 from tests.test_merge import _Net
 from vlmrl.adapter_cast import LowPrecisionAdapters
 
@@ -112,10 +113,7 @@ def test_the_deferred_stop_check_generates_the_same_tokens(stop, tmp_path, monke
 
 
 def test_fast_generation_swaps_the_copies_in_for_rollouts_only_when_asked():
-    from types import SimpleNamespace
-
     import transformers.generation.utils as generation
-    from transformers import GenerationConfig
 
     from vlmrl.fastgen import enable_fast_generation
 
@@ -129,8 +127,7 @@ def test_fast_generation_swaps_the_copies_in_for_rollouts_only_when_asked():
                          generation.DeferredStopCheck.__dict__["is_supported"] is not original_check))
             return args
 
-        trainer = SimpleNamespace(generation_config=GenerationConfig(), generation_kwargs={}, model=model,
-                                  args=SimpleNamespace(bf16=True, fp16=False), _generate_single_turn=rollout)
+        trainer = fake_trainer(model, rollout)
         fast = enable_fast_generation(trainer, adapter_copies=asked)
         assert trainer._generate_single_turn(1) == (1,)
         expected = torch.bfloat16 if asked else torch.float32
@@ -163,17 +160,10 @@ def test_the_deferred_check_keeps_transformers_own_conditions_and_is_undone_on_e
 
 
 def test_no_copies_for_sharded_parameters_and_stale_copies_are_refused():
-    from types import SimpleNamespace
-
-    from transformers import GenerationConfig
-
     from vlmrl.fastgen import enable_fast_generation
 
     model = _adapted()
-    trainer = SimpleNamespace(generation_config=GenerationConfig(), generation_kwargs={}, model=model,
-                              args=SimpleNamespace(bf16=True, fp16=False), _generate_single_turn=lambda: None,
-                              is_fsdp_enabled=True)
-    fast = enable_fast_generation(trainer, adapter_copies=True)
+    fast = enable_fast_generation(fake_trainer(model, lambda: None, is_fsdp_enabled=True), adapter_copies=True)
     assert fast.adapters.endswith("(no copies: parameters are sharded by FSDP / DeepSpeed)")
 
     copies = LowPrecisionAdapters(model, torch.bfloat16)

@@ -235,6 +235,16 @@ def test_the_static_cache_length_is_bucketed_and_the_prompt_is_not_padded(tiny):
     assert out.sequences.shape[1] == width + 5 and torch.equal(out.sequences, plain.sequences)
 
 
+def fake_trainer(model, rollout, **extra):
+    """What `enable_fast_generation` reads of a built bf16 `GRPOTrainer`, with `rollout` as TRL's generate call."""
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+
+    return SimpleNamespace(generation_config=GenerationConfig(), generation_kwargs={}, model=model,
+                           args=SimpleNamespace(bf16=True, fp16=False), _generate_single_turn=rollout, **extra)
+
+
 def test_rollouts_run_under_the_training_autocast_when_adapters_are_fp32():
     from types import SimpleNamespace
 
@@ -247,8 +257,6 @@ def test_rollouts_run_under_the_training_autocast_when_adapters_are_fp32():
     all_bf16 = torch.nn.Sequential(base, torch.nn.Linear(4, 4).to(torch.bfloat16))
     assert rollout_autocast_dtype(all_bf16, SimpleNamespace(bf16=True, fp16=False)) is None  # QLoRA: TRL cast them
 
-    from transformers import GenerationConfig
-
     from vlmrl.fastgen import enable_fast_generation
 
     seen = []
@@ -259,8 +267,7 @@ def test_rollouts_run_under_the_training_autocast_when_adapters_are_fp32():
                      torch.is_autocast_cache_enabled()))
         return args
 
-    trainer = SimpleNamespace(generation_config=GenerationConfig(), generation_kwargs={}, model=mixed,
-                              args=SimpleNamespace(bf16=True, fp16=False), _generate_single_turn=rollout)
+    trainer = fake_trainer(mixed, rollout)
     fast = enable_fast_generation(trainer)
     assert fast.autocast == "bfloat16" and fast.merge.startswith("not merged")
     assert trainer._generate_single_turn(1, 2) == (1, 2)

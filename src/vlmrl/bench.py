@@ -38,6 +38,10 @@ GIB = 2**30
 
 
 PATHS = ("plain", "vlmrl", "vlmrl-merged")
+# The bench's LoRA: language attention + MLP projections (the seed recipe's targets), vision tower frozen.
+LORA_TARGETS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+# Each fast path's ratios to plain are keyed with its prefix.
+RATIO_PREFIXES = {"vlmrl": "", "vlmrl-merged": "merged_"}
 
 
 @dataclass
@@ -295,7 +299,7 @@ def run_path(path: str, settings: BenchSettings, shapes: dict, processor_dir: Pa
         disable_tqdm=True,
     )
     peft_config = LoraConfig(r=settings.lora_r, lora_alpha=settings.lora_r, task_type="CAUSAL_LM",
-                             target_modules=r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)")
+                             target_modules=LORA_TARGETS)
     clock = _StepClock()
     trainer = GRPOTrainer(model=model, reward_funcs=[format_reward, correctness_reward], args=args,
                           train_dataset=dataset, processing_class=processor, peft_config=peft_config,
@@ -431,7 +435,7 @@ def summarize(settings: BenchSettings, shapes: dict, ceilings: dict, results: li
             "fast_generation": r["fast_generation"],
         }
     ratios = {}
-    for name, prefix in (("vlmrl", ""), ("vlmrl-merged", "merged_")):
+    for name, prefix in RATIO_PREFIXES.items():
         if "step_seconds" in paths.get("plain", {}) and "step_seconds" in paths.get(name, {}):
             p, v = paths["plain"], paths[name]
             ratios.update({
@@ -503,7 +507,7 @@ def markdown_table(summary: dict) -> str:
                    f"bandwidth; training = 6 x {summary['language_params'] / 1e9:.2f}B language parameters x tokens / "
                    "matmul rate.")]
     r = summary["ratios"]
-    for name, prefix in (("vlmrl", ""), ("vlmrl-merged", "merged_")):
+    for name, prefix in RATIO_PREFIXES.items():
         if f"{prefix}step_speedup" in r:
             lines.append(f"Ratios, {name} vs plain: step {r[prefix + 'step_speedup']:.2f}x faster, decode "
                          f"{r[prefix + 'decode_speedup']:.2f}x faster, decode {r[prefix + 'vlmrl_decode_vs_floor']:.2f}x "

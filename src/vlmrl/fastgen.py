@@ -127,24 +127,32 @@ def enable_fast_generation(
              "autocast %s, adapter %s, adapter weights %s, prefill %s, stop check %s", mode, bucket,
              attention or "unchanged", dtype, merge_note, adapters, prefill, stop_check)
     return FastGeneration(True, "static KV cache + torch.compile", bucket, mode, attention,
-                          str(dtype).removeprefix("torch.") if dtype is not None else None, merge_note, prefill,
-                          stop_check, adapters)
+                          _dtype_name(dtype) if dtype is not None else None, merge_note, prefill, stop_check, adapters)
 
 
 def _adapter_copies(trainer: Any, dtype: torch.dtype | None, *, wanted: bool) -> tuple[Any, str]:
     """The bf16 adapter copies for rollouts (`vlmrl.adapter_cast`) when asked for and useful, and what was done."""
     if dtype is None:
         return None, "as stored (no float32 adapters over a low-precision base)"
-    cast = f"float32, cast to {str(dtype).removeprefix('torch.')} at each token step"
+    cast = f"float32, cast to {_dtype_name(dtype)} at each token step"
     if not wanted:
         return None, cast
-    if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False):
+    if _sharded(trainer):
         # accelerate shards (and replaces) the parameters after this point; copies of them would go stale
         return None, f"{cast} (no copies: parameters are sharded by FSDP / DeepSpeed)"
     from vlmrl.adapter_cast import LowPrecisionAdapters
 
     copies = LowPrecisionAdapters(trainer.model, dtype)
-    return copies, f"{str(dtype).removeprefix('torch.')} copies, refreshed per rollout ({copies.nbytes / 2**30:.2f} GiB)"
+    return copies, f"{_dtype_name(dtype)} copies, refreshed per rollout ({copies.nbytes / 2**30:.2f} GiB)"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _sharded(trainer: Any) -> bool:
+    """FSDP or DeepSpeed: accelerate shards (and replaces) the parameters when training starts."""
+    return bool(getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False))
 
 
 def stop_check_note() -> str:
@@ -166,7 +174,7 @@ def _deferred_stop_check_class() -> Any:
 def _rollout_merge(trainer: Any) -> tuple[Any, str]:
     from vlmrl.merge import RolloutMerge, available_host_bytes, host_bytes, unsupported_reason
 
-    if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False):
+    if _sharded(trainer):
         return None, "not merged: parameters are sharded (FSDP / DeepSpeed)"
     reason = unsupported_reason(trainer.model)
     if reason:

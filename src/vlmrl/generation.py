@@ -5,9 +5,9 @@ processor's own chat template (so Qwen's `<|vision_start|><|image_pad|>...` and 
 `<start_of_image>` land where each family expects them).
 
 On CUDA with `compile` on, decoding uses a static KV cache and `torch.compile` (DESIGN.md measured 4.6x
-faster decode for Qwen3-VL-8B on an H200), with the stop check read one step late so the host never waits on
-the device between token steps (`vlmrl.fastgen.deferred_stop_check`). On the CPU the plain dynamic-cache path is used: compilation
-costs more than it saves for tiny models.
+faster decode for Qwen3-VL-8B on an H200), with the stop check read one step late so the host does not wait on
+the device between token steps (`vlmrl.fastgen.deferred_stop_check`). On the CPU the plain dynamic-cache path
+is used: compilation costs more than it saves for tiny models.
 """
 
 from __future__ import annotations
@@ -81,9 +81,15 @@ def generate_batch(
     else:
         kwargs.update(temperature=None, top_k=None, top_p=None)
     bucket = None
+    stop_check: Any = contextlib.nullcontext()
     if compiled:
         from vlmrl.attention import use_packed_gqa
-        from vlmrl.fastgen import bucket_static_cache, compile_settings, prefill_into_dynamic_cache
+        from vlmrl.fastgen import (
+            bucket_static_cache,
+            compile_settings,
+            deferred_stop_check,
+            prefill_into_dynamic_cache,
+        )
 
         use_packed_gqa(model)
         prefill_into_dynamic_cache(model)
@@ -91,10 +97,9 @@ def generate_batch(
         # where the cache cannot be bucketed, the prompts are.
         bucket = None if bucket_static_cache(model, 64) else 64
         kwargs.update(compile_settings(all_devices=compile_all_devices))
+        stop_check = deferred_stop_check()
     batch = encode_batch(processor, prompts, images, device, bucket=bucket)
-    from vlmrl.fastgen import deferred_stop_check
-
-    with deferred_stop_check() if compiled else contextlib.nullcontext():
+    with stop_check:
         output = model.generate(**batch, **kwargs)
     new_tokens = output[:, batch["input_ids"].shape[1] :]  # [B*k, T]
     results: list[Generation] = []
