@@ -34,17 +34,19 @@ def timed_generate(model: Any, batch: dict, tokens: int, **kwargs: Any) -> float
     return 1e3 * (time.perf_counter() - start) / tokens
 
 
-def shaped_model_and_batch(*, lora_b_std: float = 0.0, pad_prompts_to: int | None = None) -> tuple[Any, dict, dict]:
+def shaped_model_and_batch(*, lora_b_std: float = 0.0, pad_prompts_to: int | None = None,
+                           load_in_4bit: bool = False) -> tuple[Any, dict, dict]:
     """(PEFT model in eval mode with the prompt pass on a dynamic cache, the CUDA batch, sampling kwargs).
 
     `lora_b_std` > 0 gives the adapter a trained-looking B (PEFT starts it at zero); `pad_prompts_to` left-pads
-    the prompts to a multiple (how vlmrl bucketed before it bucketed the cache instead)."""
+    the prompts to a multiple (how vlmrl bucketed before it bucketed the cache instead); `load_in_4bit` loads the
+    base in bitsandbytes nf4, as the seed recipe does."""
     from peft import LoraConfig, get_peft_model
 
     work = Path(tempfile.mkdtemp())
     settings = BenchSettings()
     processor_dir = build_processor(work, settings.image_size)
-    model = build_shaped_model(load_shapes(settings.shapes), processor_dir, load_in_4bit=False, work=work)
+    model = build_shaped_model(load_shapes(settings.shapes), processor_dir, load_in_4bit=load_in_4bit, work=work)
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=16, target_modules=LORA_TARGETS))
     model.eval()
     if lora_b_std:

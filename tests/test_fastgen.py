@@ -296,3 +296,27 @@ def test_other_families_generate_the_same_with_folded_attention(arch, tmp_path, 
     assert any(foldable), "the language model's grouped attention never reached the fold"
     assert [g[0].text for g in folded] == [g[0].text for g in baseline]
     assert [g[0].tokens for g in folded] == [g[0].tokens for g in baseline]
+
+
+def test_compiling_over_a_4bit_base_is_allowed_only_inside_the_block(monkeypatch):
+    """transformers refuses to compile generation over a bitsandbytes base (`is_compileable` False); the
+    rollout context lifts that for its duration when bitsandbytes' matmul is a traceable torch op."""
+    from transformers import BitsAndBytesConfig
+    from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
+
+    from vlmrl import fastgen
+
+    quantizer = Bnb4BitHfQuantizer(BitsAndBytesConfig(load_in_4bit=True))
+    model = type("Model", (), {"hf_quantizer": quantizer})()
+    assert quantizer.is_compileable is False
+    monkeypatch.setattr(fastgen, "bnb_ops_traceable", lambda: False)
+    with fastgen.compile_over_4bit(model):
+        assert quantizer.is_compileable is False  # an older bitsandbytes: its layers would break the graph
+    monkeypatch.setattr(fastgen, "bnb_ops_traceable", lambda: True)
+    with pytest.raises(RuntimeError), fastgen.compile_over_4bit(model):
+        assert quantizer.is_compileable is True
+        assert isinstance(quantizer, Bnb4BitHfQuantizer)
+        raise RuntimeError("a failed rollout")
+    assert type(quantizer) is Bnb4BitHfQuantizer and quantizer.is_compileable is False
+    with fastgen.compile_over_4bit(object()):  # no quantizer: nothing to do
+        pass

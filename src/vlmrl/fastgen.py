@@ -122,6 +122,7 @@ def enable_fast_generation(
         (lambda: torch.autocast(device_type=_device_type(), dtype=dtype, cache_enabled=False))
         if dtype is not None else None,
         deferred_stop_check,
+        lambda: compile_over_4bit(trainer.model),
     ])
     log.info("fast generation: static KV cache + torch.compile(mode=%s), cache bucketed to %d, attention %s, "
              "autocast %s, adapter %s, adapter weights %s, prefill %s, stop check %s", mode, bucket,
@@ -319,6 +320,40 @@ def _empty_full_attention_static(cache: Any) -> bool:
         and all(type(layer) is StaticLayer for layer in cache.layers)
         and int(cache.get_seq_length()) == 0
     )
+
+
+@contextlib.contextmanager
+def compile_over_4bit(model: Any) -> Iterator[None]:
+    """Let transformers compile decoding over a bitsandbytes 4-bit base, for the duration of the block.
+
+    transformers refuses to compile `generate` for any quantizer whose `is_compileable` is False, which the
+    bitsandbytes 4-bit quantizer inherits; it then decodes eagerly over the static cache, one kernel launch per
+    projection and the host waiting on each (the 4-bit path ran at 143 ms per token step on an H200, its
+    matmuls needing ~22). bitsandbytes >= 0.50 runs inference matmuls through registered torch ops
+    (`bitsandbytes::gemm_4bit`, with fake implementations), which dynamo traces, so the refusal is lifted when
+    that op exists. Without gradients bitsandbytes takes the same op eagerly, so the rollout's numerics are
+    those of bitsandbytes' own inference path either way (benchmarks/decode_4bit.py compares the rollout's
+    log-probs with the loss pass's).
+    """
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is None or quantizer.is_compileable or not bnb_ops_traceable():
+        yield
+        return
+    original = type(quantizer)
+    quantizer.__class__ = type(f"Compileable{original.__name__}", (original,), {"is_compileable": True})
+    try:
+        yield
+    finally:
+        quantizer.__class__ = original
+
+
+def bnb_ops_traceable() -> bool:
+    """Whether bitsandbytes registers its 4-bit inference matmul as a torch op (0.50 and later)."""
+    try:
+        import bitsandbytes  # noqa: F401  registers torch.ops.bitsandbytes
+    except Exception:  # noqa: BLE001  missing or broken install: nothing to lift
+        return False
+    return hasattr(torch.ops.bitsandbytes, "gemm_4bit")
 
 
 def rollout_autocast_dtype(model: Any, args: Any) -> torch.dtype | None:

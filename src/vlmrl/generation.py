@@ -86,6 +86,7 @@ def generate_batch(
         from vlmrl.attention import use_packed_gqa
         from vlmrl.fastgen import (
             bucket_static_cache,
+            compile_over_4bit,
             compile_settings,
             deferred_stop_check,
             prefill_into_dynamic_cache,
@@ -97,7 +98,9 @@ def generate_batch(
         # where the cache cannot be bucketed, the prompts are.
         bucket = None if bucket_static_cache(model, 64) else 64
         kwargs.update(compile_settings(all_devices=compile_all_devices))
-        stop_check = deferred_stop_check()
+        stop_check = contextlib.ExitStack()
+        stop_check.enter_context(deferred_stop_check())
+        stop_check.enter_context(compile_over_4bit(model))
     batch = encode_batch(processor, prompts, images, device, bucket=bucket)
     with stop_check:
         output = model.generate(**batch, **kwargs)
