@@ -11,7 +11,8 @@ cache bucketed). Variants, in one process:
 For `compiled`: dynamo's graph-break count, and the rollout's log-probs of its own sampled tokens against the loss
 pass's (a forward with gradients on, under the same autocast, over the same sequences), next to the same
 comparison for the eager rollout.
-Usage (CUDA, bitsandbytes >= 0.50): python benchmarks/decode_4bit.py OUTDIR [TOKENS]
+Usage (CUDA, bitsandbytes >= 0.50): python benchmarks/decode_4bit.py OUTDIR [TOKENS [VARIANT,...]]
+(eager-dynamic runs once, with no warm-up call: it compiles nothing)
 """
 
 from __future__ import annotations
@@ -50,13 +51,16 @@ def rollout_vs_loss_logprobs(model, batch: dict, tokens: int, sampling: dict, co
     rollout = rollout.gather(-1, completion.unsqueeze(-1)).squeeze(-1)
     del out
     mask = torch.cat([small["attention_mask"], torch.ones_like(completion)], dim=1)
+    extra = {}
+    if "mm_token_type_ids" in small:  # Qwen3-VL's M-RoPE needs to know which tokens are image tokens
+        extra["mm_token_type_ids"] = torch.cat([small["mm_token_type_ids"], torch.zeros_like(completion)], dim=1)
     # as in training (gradient checkpointing makes the embeddings' output require grad): every bitsandbytes
     # layer then takes its autograd path (dequantize + matmul), not the inference op
     model.enable_input_require_grads()
     try:
         with torch.enable_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
             logits = model(input_ids=torch.cat([small["input_ids"], completion], 1), attention_mask=mask,
-                           pixel_values=small["pixel_values"], image_grid_thw=small["image_grid_thw"]).logits
+                           pixel_values=small["pixel_values"], image_grid_thw=small["image_grid_thw"], **extra).logits
     finally:
         model.disable_input_require_grads()
     loss_pass = logits[:, prompt_len - 1 : -1].float().log_softmax(-1)
@@ -66,7 +70,7 @@ def rollout_vs_loss_logprobs(model, batch: dict, tokens: int, sampling: dict, co
             "seq_logprob_max_abs": (rollout.sum(1) - loss_pass.sum(1)).abs().max().item()}
 
 
-def main(out: Path, tokens: int) -> None:
+def main(out: Path, tokens: int, names: list[str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     model, batch, sampling = shaped_model_and_batch(lora_b_std=1e-3, load_in_4bit=True)
     compiled_kwargs = {k: sampling[k] for k in ("cache_implementation", "compile_config")}
@@ -98,12 +102,13 @@ def main(out: Path, tokens: int) -> None:
             torch.cuda.synchronize()
         return 1e3 * (time.perf_counter() - start) / tokens
 
-    for name in variants:
+    for name in names:
         torch.cuda.reset_peak_memory_stats()
         torch._dynamo.utils.counters.clear()
-        start = time.perf_counter()
-        timed(name)
-        result["first_call_seconds"][name] = time.perf_counter() - start
+        if name != "eager-dynamic":  # the compiled variants are timed after a first call at the same length
+            start = time.perf_counter()
+            timed(name)
+            result["first_call_seconds"][name] = time.perf_counter() - start
         if name == "compiled":
             counters = torch._dynamo.utils.counters
             result["graph_breaks"] = {k: v for k, v in counters["graph_break"].most_common(12)}
@@ -113,7 +118,7 @@ def main(out: Path, tokens: int) -> None:
         print(name, f"{result['ms_per_step'][name]:.2f} ms/step", flush=True)
         (out / "decode_4bit.json").write_text(json.dumps(result, indent=2))
 
-    for name in ("eager-dynamic", "compiled"):
+    for name in [n for n in ("eager-dynamic", "compiled") if n in names]:
         contexts, kwargs = variants[name]
         result[f"logprobs_{name}"] = rollout_vs_loss_logprobs(model, batch, min(tokens, 128), kwargs, contexts)
         print(name, result[f"logprobs_{name}"], flush=True)
@@ -130,4 +135,5 @@ def main(out: Path, tokens: int) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "decode-4bit"), int(sys.argv[2]) if len(sys.argv) > 2 else 256)
+    main(Path(sys.argv[1] if len(sys.argv) > 1 else "decode-4bit"), int(sys.argv[2]) if len(sys.argv) > 2 else 256,
+         sys.argv[3].split(",") if len(sys.argv) > 3 else ["eager-dynamic", "refused", "compiled"])
