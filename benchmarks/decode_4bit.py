@@ -46,7 +46,7 @@ def rollout_vs_loss_logprobs(model, batch: dict, tokens: int, sampling: dict, co
         out = model.generate(**small, max_new_tokens=tokens, min_new_tokens=tokens, output_logits=True,
                              return_dict_in_generate=True, **sampling)
     prompt_len = small["input_ids"].shape[1]
-    completion = out.sequences[:, prompt_len:]  # [B, T]
+    completion = out.sequences[:, prompt_len:].clone()  # [B, T]; a normal tensor, usable under autograd
     rollout = torch.stack(out.logits, dim=1).float().log_softmax(-1)  # [B, T, V]
     rollout = rollout.gather(-1, completion.unsqueeze(-1)).squeeze(-1)
     del out
