@@ -127,6 +127,8 @@ def choice_equal(prediction: str, gold: str, choices: Sequence[str] | None) -> b
         return False
     if said == target:
         return True
+    if isinstance(choices, str):  # one string is not a list of choices (its characters are no options)
+        choices = None
     options = [normalize_text(str(choice)) for choice in choices or ()]
     if said in options:  # the text of another choice
         return False
