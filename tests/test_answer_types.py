@@ -178,3 +178,82 @@ def test_items_refuse_other_types():
               "image": "data/images/x.png", "image_sha256": "0" * 64}  # fmt: skip
     with pytest.raises(ValueError, match="answer_type must be integer, float, choice, expression or text"):
         Item.from_json(record)
+
+
+# --- the training dataset carries what the reward needs --------------------------------------------------
+
+
+def test_training_dataset_has_the_grading_columns(tmp_path):
+    import json
+
+    from PIL import Image
+
+    from vlmrl.train import build_train_dataset
+
+    def item(key: str, answer: str, answer_type: str, choices, precision, colour) -> dict:
+        image = f"data/images/{key}.png"
+        (tmp_path / "data" / "images").mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (8, 8), colour).save(tmp_path / image)
+        return {"id": key, "question": "q", "prompt": "q\n\n...", "answer": answer, "answer_type": answer_type,
+                "precision": precision, "unit": None, "choices": choices, "source": "s", "category": "c",
+                "image": image, "image_sha256": key * 64}  # fmt: skip
+
+    train = [item("a", "140°", "choice", ANGLES, None, "red"), item("b", "1.5", "float", None, 2, "blue"),
+             item("c", "\\sqrt{2}", "expression", None, None, "green")]  # fmt: skip
+    holdout = [item("d", "7", "integer", None, None, "white")]
+    for name, rows in (("train", train), ("holdout", holdout)):
+        (tmp_path / "data" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dataset = build_train_dataset(tmp_path)
+    assert dataset["answer_type"] == ["choice", "float", "expression"]
+    assert dataset["choices"] == [ANGLES, None, None]
+    assert dataset["precision"] == [None, 2, None]
+    # what TRL hands the reward, per item: the columns as lists aligned with the completions
+    columns = {k: dataset[k] for k in ("answer_type", "choices", "precision")}
+    completions = [solution("B"), solution("1.504"), solution("\\frac{\\sqrt{8}}{2}")]
+    assert correctness_reward(completions, answer=dataset["answer"], **columns) == [1.5, 1.5, 1.5]
+
+
+@pytest.mark.slow
+def test_grading_columns_reach_the_reward_inside_trl(tmp_path):
+    """TRL's GRPOTrainer hands the dataset's grading columns to the reward, and expressions grade in its call."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from tests.test_rewards import _tiny_text_policy
+
+    # The random policy cannot write answers; the wrapper scores fixed ones with the columns TRL passed.
+    fixed = {"4": solution("\\frac{8}{2}"), "140°": solution("(B)"), "7": solution("7.0")}
+    seen: list[dict] = []
+
+    def graded(completions, answer, **kwargs):
+        seen.append({k: kwargs[k] for k in ("answer_type", "choices", "precision")})
+        scores = correctness_reward([fixed[a] for a in answer], answer, **kwargs)
+        seen[-1]["scores"] = scores
+        return scores
+
+    graded.__name__ = "correctness_reward"
+    model, tokenizer = _tiny_text_policy()
+    args = GRPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=9, num_generations=3, max_completion_length=4,
+        max_steps=1, report_to="none", use_cpu=True, logging_steps=1, save_strategy="no", seed=0,
+    )  # fmt: skip
+    dataset = Dataset.from_dict(
+        {
+            "prompt": ["What is 2 + 2 ?", "How many squares are there ?", "What is 2 + 2 ?"],
+            "answer": ["4", "140°", "7"],
+            "answer_type": ["expression", "choice", "integer"],
+            "choices": [None, ANGLES, None],
+            "precision": [None, None, None],
+        }
+    )
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=[graded], args=args, train_dataset=dataset, processing_class=tokenizer
+    )
+    trainer.train()
+    assert {kind for call in seen for kind in call["answer_type"]} == {"expression", "choice", "integer"}
+    for call in seen:
+        for kind, choices, precision, score in zip(
+            call["answer_type"], call["choices"], call["precision"], call["scores"]
+        ):
+            assert choices == (ANGLES if kind == "choice" else None) and precision is None
+            assert score == 1.5  # \frac{8}{2} = 4 as an expression, (B) = 140°, 7.0 = 7
