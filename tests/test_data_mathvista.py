@@ -61,21 +61,53 @@ def test_jsonl_variant_with_relative_image_paths(mathvista_jsonl, tmp_path):
     assert (result.input_rows, result.num_train + result.num_holdout) == (1000, 458)
 
 
-def test_numeric_multiple_choice_optional(mathvista_parquet, tmp_path):
+def test_multiple_choice_kept_as_choice_when_asked(mathvista_parquet, tmp_path):
     result = prepare_data(config_for(mathvista_parquet, "data.include_multi_choice=true"), tmp_path)
     items = {i.id: i for i in read_items(result.train_path) + read_items(result.holdout_path)}
-    assert result.num_train + result.num_holdout > 458
+    assert Counter(i.answer_type for i in items.values()) == {"integer": 418, "float": 40, "choice": 540}
+    assert summary_of(tmp_path)["dropped_by_reason"] == {"filtered_answer_type": 2}  # the 2 list answers
     angle = items["3"]  # choices 135°, 140°, 145°, 150°; answer 145°
-    assert (angle.answer, angle.answer_type, angle.choices) == (
-        "145",
-        "integer",
+    assert (angle.answer, angle.answer_type, angle.choices, angle.precision) == (
+        "145°",
+        "choice",
         ("135°", "140°", "145°", "150°"),
+        None,
     )
-    assert "Choices: 135°, 140°, 145°, 150°" in angle.question
+    assert "Choices" not in angle.question  # the prompt lists the choices, the question stays as written
+    assert "\nChoices:\n(A) 135°\n(B) 140°\n(C) 145°\n(D) 150°\n" in angle.prompt
+    assert "the letter of the correct choice, or the choice's text" in angle.prompt
+    yes_no = [i for i in items.values() if i.choices == ("Yes", "No")]
+    assert yes_no and all(i.answer in ("Yes", "No") and i.answer_type == "choice" for i in yes_no)
+    assert all(i.answer in i.choices for i in items.values() if i.answer_type == "choice")
+    numeric = items["1"]  # free-form items keep today's prompt
+    assert numeric.prompt.endswith("Then give only the final numeric answer between <SOLUTION> and </SOLUTION>.")
+
+
+def test_multiple_choice_rows_without_a_usable_gold_are_dropped_with_a_reason(mathvista_annotations, tmp_path):
+    mc = [r for r in mathvista_annotations.values() if r["question_type"] == "multi_choice"][:4]
+    rows = [{**mc[0], "answer": "not a choice"}, {**mc[1], "choices": []}, *mc[2:]]
+    path = tmp_path / "mc.parquet"
+    mathvista_dataset(rows).to_parquet(str(path))
+    overrides = [f"data.source={path}", "data.image_size=48", "data.holdout_size=1", "data.include_multi_choice=true"]
+    config = load_config("demo", overrides)
+    result = prepare_data(config, tmp_path / "run")
     dropped = [json.loads(line) for line in (result.data_dir / "dropped.jsonl").read_text().splitlines()]
-    yes_no = [d for d in dropped if "non-numeric choices" in d["detail"]]
-    assert yes_no and all(d["reason"] == "filtered_answer_type" for d in yes_no)
-    assert result.input_rows == result.num_train + result.num_holdout + len(dropped)
+    assert sorted(d["reason"] for d in dropped) == ["answer_not_a_choice", "missing_choices"]
+    assert result.num_train + result.num_holdout == 2
+
+
+def test_multiple_choice_with_query_prompt_lists_the_choices_once(mathvista_annotations, tmp_path):
+    rows = [r for r in mathvista_annotations.values() if r["question_type"] == "multi_choice"][:6]
+    path = tmp_path / "mc.parquet"
+    mathvista_dataset(rows).to_parquet(str(path))
+    config = load_config(
+        "demo",
+        [f"data.source={path}", "data.image_size=48", "data.holdout_size=1", "data.include_multi_choice=true",
+         "data.prompt_field=query"],
+    )
+    result = prepare_data(config, tmp_path / "run")
+    for item in read_items(result.train_path):
+        assert item.prompt.count("(A) ") == 1 and item.prompt.count("Choices:") == 1, item.prompt
 
 
 def test_prompt_field_query(mathvista_annotations, tmp_path):

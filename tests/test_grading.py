@@ -117,10 +117,42 @@ def test_parse_number_rejects(text):
         ("1e999", "1e999", False),  # infinity never matches
         ("0", "0", True),  # zero gold
         ("1e-12", "0", False),  # zero gold needs exact zero
+        ("12345678901234567891", "12345678901234567890", False),  # 20 digits, last differs: not equal
+        ("12345678901234567890", "12345678901234567890", True),  # 20 digits, same
+        ("12,345,678,901,234,567,890.0", "12345678901234567890", True),  # same value, other notation
+        ("12.0000000001", "12", False),  # an integer gold is matched exactly, no relative tolerance
+        ("2", "4/2", True),  # a fraction gold with an integer value is matched exactly too
     ],
 )
 def test_numeric_equal(pred, gold, expected):
     assert numeric_equal(pred, gold) is expected
+
+
+@pytest.mark.parametrize(
+    ("pred", "gold", "precision", "expected"),
+    [
+        ("1.54", "1.5", None, True),  # gold's own 1 decimal: 1.54 rounds to 1.5
+        ("1.54", "1.5", 2, False),  # precision 2 reads the gold as 1.50
+        ("1.504", "1.5", 2, True),  # rounds to 1.50
+        ("3.04", "3", 1, True),  # an integral gold with precision 1 is 3.0 at one decimal
+        ("3.04", "3", None, False),  # without precision an integral gold is exact
+        ("0.33", "1/3", 2, True),  # a fraction gold is rounded to precision as well
+        ("2.68", "2.675", 2, False),  # precision below the written decimals never loosens the gold
+        ("2.675", "2.675", 2, True),
+        ("1.54", "1.5", float("nan"), True),  # NaN precision (hub float64 column) is ignored
+        ("1.54", "1.5", -1, True),  # so is a negative one
+    ],
+)
+def test_numeric_equal_with_precision(pred, gold, precision, expected):
+    assert numeric_equal(pred, gold, precision=precision) is expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(min_value=10**15, max_value=10**40), st.integers(min_value=1, max_value=9))
+def test_long_integers_compare_exactly(n, delta):
+    assert numeric_equal(str(n), str(n))
+    assert not numeric_equal(str(n + delta), str(n))
+    assert not numeric_equal(str(n), str(n + delta))
 
 
 def _scientific(n: int) -> str:

@@ -80,10 +80,14 @@ class DataConfig(_Section):
         "or a local Parquet/JSONL file or folder.",
     )
     split: str = Field("testmini", description="Dataset split for hub or folder sources.")
-    answer_types: list[Literal["integer", "float"]] = Field(
-        ["integer", "float"], description="MathVista answer types kept (free-form numeric by default)."
+    answer_types: list[Literal["integer", "float", "choice", "expression", "text"]] = Field(
+        ["integer", "float"],
+        description="Answer types kept (graded by `vlmrl.grading.grade`, docs/rewards.md); MathVista's free-form "
+        "items are integer or float, so the default keeps its free-form numeric items.",
     )
-    include_multi_choice: bool = Field(False, description="Also keep multiple-choice items with numeric choices.")
+    include_multi_choice: bool = Field(
+        False, description="Also keep MathVista's multiple-choice items, as answer type `choice` with their choices."
+    )
     prompt_field: Literal["question", "query"] = Field(
         "question",
         description="`question` as the write-up does, or MathVista's `query` (which carries hints, units, choices).",

@@ -31,7 +31,7 @@ from PIL import Image
 from vlmrl import distributed, fastgen, stats
 from vlmrl.config import Config
 from vlmrl.generation import generate_batch
-from vlmrl.grading import mathvista_correct, normalize_mathvista
+from vlmrl.grading import grade, mathvista_correct, normalize_mathvista
 from vlmrl.io import append_jsonl, read_json, read_jsonl, write_json_atomic, write_jsonl_atomic
 from vlmrl.models.loading import load_with_adapter
 from vlmrl.rewards import score_completion
@@ -225,19 +225,34 @@ def make_record(item: dict, generations: list, settings: dict, seconds: float, s
         "seconds": round(seconds, 4),
     }
     if len(samples) > 1:
-        votes = Counter(s["pred"] for s in samples if s["pred"] is not None)
+        votes = Counter(_vote_key(item, s["pred"]) for s in samples if s["pred"] is not None)
         majority = votes.most_common(1)[0][0] if votes else None
         record["samples"] = samples
         record["pass_at_k"] = any(s["correct"] for s in samples)
         record["majority_pred"] = majority
         record["majority_correct"] = majority is not None and score_completion(
-            f"<SOLUTION>{majority}</SOLUTION>", item["answer"]
+            f"<SOLUTION>{majority}</SOLUTION>", item["answer"], **_grading_fields(item)
         )["correct"]
     return record
 
 
+def _grading_fields(item: dict) -> dict:
+    """The item's answer type, choices and precision, as ``score_completion`` takes them."""
+    return {k: item.get(k) for k in ("answer_type", "choices", "precision")}
+
+
+def _vote_key(item: dict, pred: str) -> str:
+    """What a sample's answer counts as in the majority vote: a choice's letter votes for its text."""
+    choices = item.get("choices") or []
+    if item.get("answer_type") == "choice":
+        named = {c for c in choices if grade(pred, c, "choice", choices=choices)}
+        if len(named) == 1:
+            return named.pop()
+    return pred
+
+
 def _score(item: dict, generation) -> dict:
-    scored = score_completion(generation.text, item["answer"])
+    scored = score_completion(generation.text, item["answer"], **_grading_fields(item))
     question_type = "multi_choice" if item.get("choices") else "free_form"
     normalized = normalize_mathvista(
         scored["pred"],

@@ -1,28 +1,38 @@
-"""Reading numbers out of answers, and scoring answers the way MathVista's official script does.
+"""Deciding whether an answer is right: one public grader per answer type, and MathVista's official scoring.
 
-Two jobs live here because both decide whether an answer is right:
+Three jobs live here because all decide whether an answer is right:
 
+* ``grade(prediction, gold, answer_type, *, choices, precision)`` is the one grader the training reward and the
+  evaluation records use, for the five answer types ``integer | float | choice | expression | text`` (the exact
+  rules are in docs/rewards.md). It never raises on any prediction or gold and stays fast on any string a
+  policy can emit: numbers and expressions are only read from short texts, text rules are linear.
 * ``parse_number`` / ``numeric_equal`` read one number from what a policy wrote (``1,000``, ``\\frac{1}{2}``,
-  ``$30^\\circ$``, ``50%``) and compare it with the gold answer at the gold answer's own precision. The
-  training reward uses them, so they must never raise and must stay fast on any string a policy can emit:
-  only short texts are considered (a 1 MB "number" is not one number), and every regex is anchored and free
-  of nested quantifiers.
+  ``$30^\\circ$``, ``50%``) and compare it with the gold answer at the gold answer's own precision: only
+  short texts are considered (a 1 MB "number" is not one number), and every regex is anchored and free of
+  nested quantifiers. An integer gold is compared exactly, whatever its number of digits.
 * ``normalize_mathvista`` / ``mathvista_correct`` reproduce MathVista's official
   ``normalize_extracted_answer`` and ``safe_equal`` (evaluation/calculate_score.py) so our benchmark numbers
   are comparable with published ones. They are checked row by row against an oracle computed with the
   official code (tests/test_grading.py), quirks included: an empty multiple-choice extraction still picks the
   shortest choice, integers are truncated, not rounded.
 
-Deliberately left out: symbolic equivalence (``2\\sqrt{2}`` vs ``2.828``), numbers written in words, and
-non-ASCII digits; such answers score as not numerically equal.
+Symbolic equivalence (``2\\sqrt{2}`` = ``\\sqrt{8}``) is the ``expression`` type's alone, through math-verify in
+a separate process (``vlmrl.symbolic``); ``integer``/``float`` answers stay numeric. Deliberately left out:
+numbers written in words, non-ASCII digits, and Unicode normalisation of text answers (full-width letters
+differ from ASCII ones).
 """
 
 from __future__ import annotations
 
 import math
 import re
-from decimal import Decimal
+from collections.abc import Sequence
+from decimal import Context, Decimal
 from fractions import Fraction
+
+from vlmrl.symbolic import MAX_EXPRESSION_CHARS, expressions_equal
+
+ANSWER_TYPES = ("integer", "float", "choice", "expression", "text")
 
 # A solution longer than this cannot be "one number" with at most one unit; refusing it early bounds the
 # work done on adversarial completions.
@@ -30,6 +40,8 @@ MAX_NUMBER_CHARS = 200
 # Exponents beyond float range would make exact arithmetic explode (10**10**9) and mean inf or 0 anyway.
 _MAX_EXPONENT = 400
 _RELATIVE_TOLERANCE = Fraction(1, 10**9)
+# Decimal's default context keeps 28 digits; a number of up to MAX_NUMBER_CHARS digits must stay exact.
+_EXACT = Context(prec=2 * MAX_NUMBER_CHARS)
 
 _SIGN = r"[+\-\u2212]?"  # U+2212 is the minus sign typeset by LaTeX-trained models
 _MANTISSA = r"(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]*)?|\.[0-9]+"
@@ -46,6 +58,112 @@ _WRAPPERS = (("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"), ("\\boxed{", "}"))
 _OPTION_LETTER_RE = re.compile(r"\(([a-zA-Z])\)")
 
 
+def grade(
+    prediction: str,
+    gold: str,
+    answer_type: str,
+    *,
+    choices: Sequence[str] | None = None,
+    precision: int | None = None,
+) -> bool:
+    """Whether ``prediction`` is the gold answer, by the rules of ``answer_type`` (docs/rewards.md).
+
+    ``integer``/``float``: ``numeric_equal`` (``precision`` counts for floats). ``choice``: the gold choice's
+    text (as ``text`` compares) or its letter (A = first of ``choices``; ``b``, ``(B)``, ``B.``, ``B)``).
+    ``expression``: mathematical equivalence (``expression_equal``). ``text``: equal after
+    ``normalize_text``. A prediction or gold that is not a string is never right; an ``answer_type`` outside
+    ``ANSWER_TYPES`` is a ValueError (a typo must not zero every reward).
+
+    >>> grade("12.0", "12", "integer"), grade("b)", "7", "choice", choices=["6", "7"]), grade("Paris.", "paris", "text")
+    (True, True, True)
+    >>> grade("0.5", "\\\\frac{1}{2}", "expression"), grade("A", "7", "choice", choices=["6", "7"])
+    (True, False)
+    """
+    if answer_type not in ANSWER_TYPES:
+        raise ValueError(f"answer_type must be one of {', '.join(ANSWER_TYPES)}, got {answer_type!r}")
+    if not isinstance(prediction, str) or not isinstance(gold, str):
+        return False
+    if answer_type == "integer":
+        return numeric_equal(prediction, gold)
+    if answer_type == "float":
+        return numeric_equal(prediction, gold, precision=precision)
+    if answer_type == "choice":
+        return choice_equal(prediction, gold, choices)
+    if answer_type == "expression":
+        return expression_equal(prediction, gold)
+    target = normalize_text(gold)
+    return bool(target) and normalize_text(prediction) == target
+
+
+_TRAILING = ".,;:!? "
+_LETTER_RE = re.compile(
+    r"\s*(?:\((?P<inner>[A-Za-z])\)|(?P<bare>[A-Za-z])[.)]?)(?:\s+(?P<rest>.*))?\s*", re.DOTALL
+)
+
+
+def normalize_text(text: str) -> str:
+    """``text`` compared case-insensitively, whitespace runs as one space, trailing ``.,;:!?`` dropped.
+
+    >>> normalize_text("  The  Eiffel\\nTower. "), normalize_text("Yes!?"), normalize_text("C++")
+    ('the eiffel tower', 'yes', 'c++')
+    """
+    return " ".join(text.split()).casefold().rstrip(_TRAILING)
+
+
+def choice_equal(prediction: str, gold: str, choices: Sequence[str] | None) -> bool:
+    """Whether ``prediction`` names the gold choice: by its text, or by its letter (A = first choice).
+
+    The letter may be any case, in parentheses or followed by ``.`` or ``)``, and may be followed by the same
+    choice's text (``(B) 140°``). A prediction that is the text of a choice is read as that text, never as a
+    letter: with choices ``["B", "A"]``, ``B`` names the first choice.
+
+    >>> opts = ["135°", "140°", "145°"]
+    >>> [choice_equal(p, "140°", opts) for p in ("140°", "b", "(B)", "B.", "B) 140°", "C", "(B) 145°", "140")]
+    [True, True, True, True, True, False, False, False]
+    """
+    target = normalize_text(gold)
+    said = normalize_text(prediction)
+    if not target or not said:
+        return False
+    if said == target:
+        return True
+    if isinstance(choices, str):  # one string is not a list of choices (its characters are no options)
+        choices = None
+    options = [normalize_text(str(choice)) for choice in choices or ()]
+    if said in options:  # the text of another choice
+        return False
+    match = _LETTER_RE.fullmatch(prediction)
+    if not match:
+        return False
+    index = ord((match["inner"] or match["bare"]).upper()) - ord("A")
+    if index >= len(options) or options[index] != target:
+        return False
+    return match["rest"] is None or normalize_text(match["rest"]) in ("", target)
+
+
+def expression_equal(prediction: str, gold: str) -> bool:
+    """Whether two mathematical answers are equal: numbers by ``numeric_equal``, the rest by math-verify.
+
+    Identical texts are equal. When both are plain numbers (what ``parse_number`` reads, fractions and
+    ``\\frac`` included) the numeric rules decide, exactly and without a parser; otherwise math-verify compares
+    them symbolically (``vlmrl.symbolic``). Texts longer than ``MAX_EXPRESSION_CHARS`` are only equal when
+    identical.
+
+    >>> expression_equal("1/2", "\\\\frac{1}{2}"), expression_equal("0.5", "1/2"), expression_equal("0.6", "1/2")
+    (True, True, False)
+    """
+    prediction, gold = prediction.strip(), gold.strip()
+    if not prediction or not gold:
+        return False
+    if prediction == gold:
+        return True
+    if len(prediction) > MAX_EXPRESSION_CHARS or len(gold) > MAX_EXPRESSION_CHARS:
+        return False
+    if _parse_exact(prediction) is not None and _parse_exact(gold) is not None:
+        return numeric_equal(prediction, gold)
+    return expressions_equal(prediction, gold)
+
+
 def parse_number(text: str) -> float | None:
     """The single finite number ``text`` writes, or None (two numbers, words only, nan, 1e999, too long).
 
@@ -58,27 +176,49 @@ def parse_number(text: str) -> float | None:
     return None if value is None else float(value)
 
 
-def numeric_equal(pred: str, gold: str) -> bool:
+def numeric_equal(pred: str, gold: str, *, precision: int | None = None) -> bool:
     """Whether ``pred`` states the gold number, at the precision the gold answer is written with.
 
-    An integer gold must be matched exactly (within 1e-9 relative, for ``1/3`` against ``0.333333333333``);
-    a gold with d decimals is matched by any prediction that rounds (half away from zero) to it.
+    A gold whose value is an integer must be matched exactly, however many digits it has; another gold
+    written without decimals (``1/3``) within 1e-9 relative (``0.333333333333`` states it). A gold with d
+    decimals is matched by any prediction that rounds (half away from zero) to it; ``precision``, when it asks
+    for more decimals than the gold is written with, is the number of decimals used instead (gold ``1.5`` with
+    precision 2 is read as ``1.50``).
 
     >>> numeric_equal("2.675", "2.68"), numeric_equal("1/2", "0.5"), numeric_equal("12 cm", "12")
     (True, True, True)
-    >>> numeric_equal("2.4", "2"), numeric_equal("two", "2")
-    (False, False)
+    >>> numeric_equal("2.4", "2"), numeric_equal("two", "2"), numeric_equal("12345678901234567891", "12345678901234567890")
+    (False, False, False)
+    >>> numeric_equal("1.54", "1.5"), numeric_equal("1.54", "1.5", precision=2)
+    (True, False)
     """
     if not isinstance(pred, str) or not isinstance(gold, str):
         return False
     pred_value, gold_value = _parse_exact(pred), _parse_exact(gold)
     if pred_value is None or gold_value is None:
         return False
-    decimals = _decimals_written(gold)
+    decimals = max(_decimals_written(gold), _valid_precision(precision))
     if decimals == 0:
+        # An integral gold is matched exactly: a tolerance lets 20-digit integers match their neighbours.
+        if gold_value.denominator == 1:
+            return pred_value == gold_value
         tolerance = _RELATIVE_TOLERANCE * max(abs(pred_value), abs(gold_value))
         return abs(pred_value - gold_value) <= tolerance
-    return _round_half_away(pred_value, decimals) == gold_value
+    # Rounding the gold too only matters when precision asks for more decimals than a fraction gold has.
+    return _round_half_away(pred_value, decimals) == _round_half_away(gold_value, decimals)
+
+
+def _valid_precision(precision: object) -> int:
+    """Decimals asked for by an item's ``precision`` (0 when absent, NaN, negative or absurd).
+
+    >>> _valid_precision(2), _valid_precision(2.0), _valid_precision(None), _valid_precision(float("nan"))
+    (2, 2, 0, 0)
+    """
+    if isinstance(precision, bool) or not isinstance(precision, (int, float)):
+        return 0
+    if not math.isfinite(precision) or precision < 0 or precision != int(precision):
+        return 0
+    return min(int(precision), _MAX_EXPONENT)
 
 
 def _parse_exact(text: str) -> Fraction | None:
@@ -139,7 +279,7 @@ def _parse_plain(text: str) -> Fraction | None:
     exponent = int(match["exp"] or 0)
     if abs(exponent) > _MAX_EXPONENT:
         return None
-    value = Decimal(match["mantissa"].replace(",", "")).scaleb(exponent)
+    value = Decimal(match["mantissa"].replace(",", "")).scaleb(exponent, context=_EXACT)
     if value != 0 and (abs(value.adjusted()) > _MAX_EXPONENT or not math.isfinite(float(value))):
         return None
     exact = Fraction(value)
@@ -151,7 +291,8 @@ def _decimals_written(gold: str) -> int:
     match = _PLAIN_RE.fullmatch(_unwrap(_strip_unit(_unwrap(gold))))
     if not match:
         return 0
-    exponent = Decimal(match["mantissa"].replace(",", "")).scaleb(int(match["exp"] or 0)).as_tuple().exponent
+    value = Decimal(match["mantissa"].replace(",", "")).scaleb(int(match["exp"] or 0), context=_EXACT)
+    exponent = value.as_tuple().exponent
     return max(0, -int(exponent))
 
 

@@ -22,7 +22,7 @@ from vlmrl.contract import (
     SOLUTION_START,
     completion_text,
 )
-from vlmrl.grading import numeric_equal
+from vlmrl.grading import grade, numeric_equal
 
 __all__ = [
     "DEFAULT_REWARD_WEIGHTS",
@@ -87,20 +87,39 @@ def format_reward(completions: Sequence[object], **kwargs: object) -> list[float
 def correctness_reward(
     completions: Sequence[object], answer: Sequence[object], **kwargs: object
 ) -> list[float]:
-    """2.0 when the solution equals the gold answer exactly, 1.5 when it states the same number, else 0.
+    """2.0 when the solution equals the gold answer exactly, 1.5 when ``grade`` says it is right, else 0.
+
+    TRL passes every dataset column as a list aligned with ``completions``: ``answer_type``, ``choices`` and
+    ``precision`` (each optional) pick the grading rule per item (``vlmrl.grading.grade``); without
+    ``answer_type`` an item is graded as a number, as the seed recipe's are.
 
     >>> correctness_reward(["<SOLUTION>42</SOLUTION>", "<SOLUTION>42.0</SOLUTION>", "42"], ["42", "42", "42"])
     [2.0, 1.5, 0.0]
+    >>> correctness_reward(["<SOLUTION>(B)</SOLUTION>"], ["7"], answer_type=["choice"], choices=[["6", "7"]])
+    [1.5]
     """
     if len(answer) != len(completions):
         raise ValueError(
             f"correctness_reward got {len(completions)} completions but {len(answer)} answers; the dataset's "
             "`answer` column must hold one gold answer per prompt (TRL repeats it per generation)"
         )
+    columns = {}
+    for name in ("answer_type", "choices", "precision"):
+        column = kwargs.get(name)
+        columns[name] = [None] * len(completions) if column is None else column
+        if len(columns[name]) != len(completions):
+            raise ValueError(
+                f"correctness_reward got {len(completions)} completions but {len(columns[name])} values of "
+                f"`{name}`; that dataset column must hold one value per prompt, as `answer` does"
+            )
     texts = _texts(completions)
     return [
-        0.0 if text is None else _correctness_score(text, _gold_text(gold))
-        for text, gold in zip(texts, answer)
+        0.0
+        if text is None
+        else _correctness_score(text, _gold_text(gold), answer_type=kind, choices=options, precision=digits)
+        for text, gold, kind, options, digits in zip(
+            texts, answer, columns["answer_type"], columns["choices"], columns["precision"]
+        )
     ]
 
 
@@ -113,16 +132,24 @@ def reward_functions() -> list[Callable[..., list[float]]]:
 
 
 def score_completion(
-    text: str, gold: str, weights: tuple[float, float] = DEFAULT_REWARD_WEIGHTS
+    text: str,
+    gold: str,
+    weights: tuple[float, float] = DEFAULT_REWARD_WEIGHTS,
+    *,
+    answer_type: str | None = None,
+    choices: Sequence[str] | None = None,
+    precision: int | None = None,
 ) -> dict[str, object]:
     """Every reward-side fact about one completion, for evaluation records (one JSONL line per sample).
+
+    ``answer_type``, ``choices`` and ``precision`` are the item's, graded as ``correctness_reward`` does.
 
     >>> record = score_completion("<REASONING>r</REASONING><SOLUTION>7</SOLUTION>", "7")
     >>> record["total"], record["format_ok"], record["exact_match"], record["pred"]
     (2.6, True, True, '7')
     """
     format_score = _format_score(text)
-    correctness = _correctness_score(text, gold)
+    correctness = _correctness_score(text, gold, answer_type=answer_type, choices=choices, precision=precision)
     return {
         "format": format_score,
         "correctness": correctness,
@@ -146,13 +173,22 @@ def _format_score(text: str) -> float:
     return score
 
 
-def _correctness_score(text: str, gold: str) -> float:
+def _correctness_score(
+    text: str,
+    gold: str,
+    *,
+    answer_type: str | None = None,
+    choices: Sequence[str] | None = None,
+    precision: int | None = None,
+) -> float:
     pred = extract_solution(text)
     if pred is None:
         return 0.0
     if pred == gold.strip():
         return EXACT_MATCH_REWARD
-    if numeric_equal(pred, gold):
+    if answer_type is None:  # an item without a type: the seed recipe's numeric rule
+        return NUMERIC_MATCH_REWARD if numeric_equal(pred, gold) else 0.0
+    if grade(pred, gold, answer_type, choices=choices, precision=precision):
         return NUMERIC_MATCH_REWARD
     return 0.0
 

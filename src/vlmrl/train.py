@@ -5,7 +5,8 @@ two rewards with their weights, LoRA on the language layers only (checked), an h
 crash-safe resume, and records (`train/metrics.jsonl`, `train/rollouts.jsonl`, `train/health.jsonl`) written
 by the callbacks in `vlmrl.records`.
 
-    step 1  data      train.jsonl -> datasets.Dataset (conversational prompt, image, answer, id);
+    step 1  data      train.jsonl -> datasets.Dataset (conversational prompt, image, answer, id, and the
+                      answer_type, choices, precision the correctness reward grades by);
                       GRPOConfig from the config (+ trl_overrides), checked before any model loads
     step 2  model     base model + LoRA, layout verified
     step 3  trainer   GRPOTrainer with our rewards and callbacks
@@ -197,6 +198,10 @@ def build_train_dataset(run_dir: Path):
         "image": [str(run_dir / row["image"]) for row in rows],
         "answer": [str(row["answer"]) for row in rows],
         "id": [row["id"] for row in rows],
+        # How correctness_reward grades each item (TRL passes these columns to reward functions).
+        "answer_type": [row["answer_type"] for row in rows],
+        "choices": [row.get("choices") for row in rows],
+        "precision": [row.get("precision") for row in rows],
     }
     return datasets.Dataset.from_dict(table).cast_column("image", datasets.Image())
 

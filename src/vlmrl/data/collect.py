@@ -90,7 +90,7 @@ def _keep(
 ) -> Item | Dropped:
     """Normalise and store the row's image, check the prompt budget; an Item, or why not."""
     data = config.data
-    prompt = build_prompt_text(row.question)
+    prompt = build_prompt_text(row.question, answer_type=row.answer_type, choices=row.choices)
     try:
         image = normalize_image(
             open_image(row.image, base_dir=row.base_dir), size=data.image_size, policy=data.resize

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
-AnswerType = Literal["integer", "float"]
+AnswerType = Literal["integer", "float", "choice", "expression", "text"]
 
 
 class DataError(ValueError):
@@ -54,8 +54,10 @@ class Item:
         unknown = sorted(set(record) - names)
         if unknown:
             raise ValueError(f"unknown field(s) {', '.join(unknown)}")
-        if record["answer_type"] not in ("integer", "float"):
-            raise ValueError(f"answer_type must be integer or float, got {record['answer_type']!r}")
+        if record["answer_type"] not in ("integer", "float", "choice", "expression", "text"):
+            raise ValueError(
+                f"answer_type must be integer, float, choice, expression or text, got {record['answer_type']!r}"
+            )
         values = dict(record)
         values["choices"] = tuple(record["choices"]) if record["choices"] is not None else None
         values["metadata"] = dict(record.get("metadata") or {})

@@ -1,10 +1,11 @@
 """From raw dataset rows to `Candidate`s: MathVista's own schema, or any dataset through `data.columns`.
 
 MathVista rows (pid, question, query, decoded_image/image, choices, unit, precision, answer, question_type,
-answer_type, metadata) are kept when their answer is numeric: free-form `integer`/`float` by default
-(`data.answer_types`), plus multiple-choice items whose choices are all numbers once units are stripped when
-`data.include_multi_choice` is set (the gold is then the chosen value, "145°" -> "145"). On testmini that
-keeps 418 + 40 = 458 free-form items.
+answer_type, metadata) are kept when their free-form answer is numeric (`integer`/`float`, filtered by
+`data.answer_types`), and multiple-choice items when `data.include_multi_choice` is set: those become answer
+type `choice`, the gold being the text of the right choice ("145°") and the choices kept in order, so the
+grader accepts the text or its letter. On testmini that keeps 418 + 40 = 458 free-form items, plus 540
+multiple-choice ones when asked.
 
 Other datasets (e.g. hiyouga/geometry3k) map their columns onto image, question, answer and optionally
 precision, choices and id; the answer type is read off the gold ("3" is an integer, "8.5" a float with
@@ -114,19 +115,14 @@ def _mathvista(
     if qtype == "multi_choice":
         if not data.include_multi_choice:
             return Dropped(pid, "filtered_answer_type", "multi_choice (data.include_multi_choice is false)")
-        values = [parse_number(c, allow_unit=True) for c in choices or []]
-        if not values or any(v is None for v in values):
-            return Dropped(pid, "filtered_answer_type", f"multi_choice with non-numeric choices {choices}")
-        if answer not in (choices or []):
-            return Dropped(
-                pid, "non_numeric_answer", f"answer {answer!r} is not one of the choices {choices}"
-            )
-        text = _number_text(values[choices.index(answer)])
-        atype, precision = ("integer", None) if "." not in text else ("float", decimals_of(text))
-        if atype not in data.answer_types:
-            return Dropped(pid, "filtered_answer_type", f"multi_choice {atype} not in data.answer_types")
-        if data.prompt_field == "question":  # `query` already lists the choices; `question` does not
-            question = f"{question.strip()}\nChoices: {', '.join(choices)}"
+        if not choices:
+            return Dropped(pid, "missing_choices", "multi_choice without a non-empty `choices` list")
+        stripped = [c.strip() for c in choices]
+        if answer not in stripped:
+            return Dropped(pid, "answer_not_a_choice", f"answer {answer!r} is not one of the choices {choices}")
+        # Graded as `choice`: the gold is the choice's text, the model may answer with it or with its letter
+        # (the prompt lists the lettered choices, contract.build_prompt_text).
+        text, atype, precision = answer, "choice", None
     else:
         if atype not in data.answer_types:
             return Dropped(
@@ -235,7 +231,3 @@ def _as_choices(raw: Any) -> list[str] | None:
     except TypeError:
         return None
     return choices or None
-
-
-def _number_text(value: float) -> str:
-    return str(int(value)) if value.is_integer() else repr(value)
