@@ -296,7 +296,10 @@ def build_grpo_config(
     if unknown:
         raise TrainError(f"train.trl_overrides: {', '.join(unknown)} not GRPOConfig fields (TRL {_trl_version()}).")
     kwargs.update(t.trl_overrides)
-    return GRPOConfig(**kwargs), notes
+    try:  # an unknown optimizer or scheduler name, or a contradiction TRL finds: before any model loads
+        return GRPOConfig(**kwargs), notes
+    except (ValueError, TypeError) as exc:
+        raise TrainError(f"train: TRL refuses these settings: {' '.join(str(exc).split())}") from None
 
 
 def _multimodal_ids(config: Config, run_dir: Path) -> list[int]:
