@@ -77,7 +77,7 @@ StrategyOpt = Annotated[str, typer.Option(
 
 def _fail(message: str, code: int = 1) -> None:
     # Text, not markup: a message quoting a path or key with brackets ([v2], [/x]) prints as written
-    console.print(Text.assemble(("error:", "red"), " ", message), highlight=False)
+    console.print(Text.assemble(("error:", "red"), " ", message), highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -268,18 +268,26 @@ def _guard(action):
     from vlmrl.export import ExportError
     from vlmrl.models.loading import ModelLoadError
     from vlmrl.models.lora import LoraLayoutError
+    from vlmrl.needs import RequirementError
     from vlmrl.rundir import RunDirError
     from vlmrl.train import TrainError
 
     try:
         return action()
-    except RunDirError as exc:  # a folder in use or not vlmrl's: nothing was done
+    except (RunDirError, RequirementError) as exc:  # a folder in use or not vlmrl's, a missing model: nothing done
         _fail(str(exc), 2)
     except (ConfigError, DataError, EvalError, TrainError, CompareError, ExportError, ModelLoadError,
             LoraLayoutError) as exc:
         if _DEBUG:
             raise
         _fail(str(exc))
+
+
+def _check_needs(config: Config, *, gpu: bool = True) -> None:
+    """The model, the data and the GPU the config needs, before any stage starts (vlmrl.needs)."""
+    from vlmrl.needs import check_requirements
+
+    _guard(lambda: check_requirements(config, gpu=gpu))
 
 
 @contextmanager
@@ -305,6 +313,7 @@ def run(
 
     _one_process_only("run")
     config = _config(source, set_)
+    _check_needs(config)
     console.print(f"vlmrl run: [bold]{escape(config.run.name)}[/bold] -> {escape(str(config.run_dir))}")
     started = time.perf_counter()
     outcome = _guard(lambda: run_all(config, force=force, say=lambda m: console.print(m, highlight=False, markup=False),
@@ -325,6 +334,7 @@ def prepare(source: ConfigArg = None, set_: SetOpt = None, run_dir: RunDirOpt = 
 
     _one_process_only("prepare")
     config = _config(source, set_, run_dir)
+    _check_needs(config, gpu=False)
     with _claimed(config.run_dir):
         result = _guard(lambda: prepare_with_budget(config, config.run_dir))
     summary = json.loads((config.run_dir / "data" / "summary.json").read_text())
@@ -350,6 +360,7 @@ def eval_(
     from vlmrl.evaluate import evaluate
 
     config = _config(source, set_, run_dir)  # a bad config fails here, before any process is launched
+    _check_needs(config)
     main = is_main_process()
     with _claimed(config.run_dir, create=False):  # held by this process for the ranks it launches
         _relaunch_if_asked(gpus, strategy, [*_stage_argv("eval", source, set_, run_dir), "--stage", stage,
@@ -386,6 +397,7 @@ def train(
     from vlmrl.train import train as train_stage
 
     config = _config(source, set_, run_dir)  # a bad config fails here, before any process is launched
+    _check_needs(config)
     with _claimed(config.run_dir, create=False):  # held by this process for the ranks it launches
         _relaunch_if_asked(gpus, strategy, [*_stage_argv("train", source, set_, run_dir),
                                             *([] if resume else ["--no-resume"])])
