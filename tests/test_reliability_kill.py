@@ -252,7 +252,8 @@ def test_vlmrl_run_refuses_another_configs_run_dir_before_any_work(tmp_path):
     result = CliRunner().invoke(app, args, terminal_width=300)
     assert result.exit_code == 1
     assert "different config" in result.output and "--force" in result.output
-    assert sorted(p.name for p in config.run_dir.iterdir()) == ["config.yaml"]  # nothing ran
+    # nothing ran: only the run's mark, its lock file and the config are there
+    assert sorted(p.name for p in config.run_dir.iterdir()) == [".vlmrl-run", ".vlmrl.lock", "config.yaml"]
 
 
 def test_vlmrl_train_refuses_a_train_set_that_contains_a_holdout_item(tmp_path):
