@@ -51,9 +51,8 @@ def test_a_claimed_folder_refuses_a_second_claim_naming_the_holder(tmp_path):
         assert (run / LOCK).read_text().strip() == str(os.getpid())
         # the same process again stands for another command: refused, because flock is per open file
         os.environ.pop("VLMRL_RUN_CLAIM")
-        with pytest.raises(RunDirError, match=rf"in use by another vlmrl command \(pid {os.getpid()}\)"):
-            with claimed(run):
-                pass
+        with pytest.raises(RunDirError, match=rf"in use by another vlmrl command \(pid {os.getpid()}\)"), claimed(run):
+            pass
     with claimed(run):  # released when the holder's block ends
         pass
 
@@ -61,8 +60,8 @@ def test_a_claimed_folder_refuses_a_second_claim_naming_the_holder(tmp_path):
 def test_a_second_process_is_refused_at_once_while_the_first_holds_the_folder(tmp_path):
     run = tmp_path / "run"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from pathlib import Path; from vlmrl.rundir import claimed\n"
-         f"with claimed(Path({str(run)!r})):\n    print('held', flush=True); time.sleep(60)"],
+        [sys.executable, "-c", ("import sys, time; from pathlib import Path; from vlmrl.rundir import claimed\n"
+                                f"with claimed(Path({str(run)!r})):\n    print('held', flush=True); time.sleep(60)")],
         stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"

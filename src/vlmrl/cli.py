@@ -11,7 +11,6 @@ import logging
 import shlex
 import time
 import warnings
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -19,43 +18,14 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
-from rich.text import Text
-from typer.core import TyperGroup
 
+from vlmrl.clierrors import Commands, check_needs, fail, set_debug
+from vlmrl.clierrors import claimed as _claimed
+from vlmrl.clierrors import debug as debug_on
 from vlmrl.config import PRESETS, Config, ConfigError, dump_config, load_config
 
-class _Commands(TyperGroup):
-    """Turns an OS error or a damaged file met anywhere in a command into one line and exit 2 (the traceback
-    only with --debug): a full disk or a read-only folder is the user's to fix, not a crash to report."""
-
-    def invoke(self, ctx):
-        from vlmrl.io import DamagedFileError
-
-        try:
-            return super().invoke(ctx)
-        except (OSError, DamagedFileError, UnicodeDecodeError) as exc:
-            if _DEBUG:
-                raise
-            _fail(f"{_describe(exc)} (--debug shows the traceback)", 2)
-
-
-_DEBUG = False  # set by the global --debug option
-
-
-def _describe(exc: BaseException) -> str:
-    """One line for an OS error: the cause and the file it concerns.
-
-    >>> _describe(PermissionError(13, "Permission denied", "/runs/x"))
-    'Permission denied: /runs/x'
-    """
-    if isinstance(exc, OSError) and exc.strerror:
-        where = exc.filename if exc.filename is not None else ""
-        return f"{exc.strerror}: {where}" if where != "" else exc.strerror
-    return " ".join(str(exc).split()) or type(exc).__name__
-
-
 app = typer.Typer(
-    cls=_Commands,
+    cls=Commands,
     add_completion=False,
     no_args_is_help=True,
     help="Reinforcement learning (GRPO / GSPO) for vision-language models on visual math, measured honestly.",
@@ -75,10 +45,7 @@ StrategyOpt = Annotated[str, typer.Option(
     "config in vlmrl/accelerate/.")]
 
 
-def _fail(message: str, code: int = 1) -> None:
-    # Text, not markup: a message quoting a path or key with brackets ([v2], [/x]) prints as written
-    console.print(Text.assemble(("error:", "red"), " ", message), highlight=False, soft_wrap=True)
-    raise typer.Exit(code)
+_fail = fail
 
 
 def _config(source: str | None, overrides: list[str] | None, run_dir: Path | None = None) -> Config:
@@ -138,8 +105,7 @@ def _main(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
     debug: Annotated[bool, typer.Option("--debug", help="Show the traceback of an error instead of one line.")] = False,
 ) -> None:
-    global _DEBUG
-    _DEBUG = debug
+    set_debug(debug)
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if not verbose:
         # Weight-loading and shard-writing bars from transformers would interleave with our own progress.
@@ -268,38 +234,18 @@ def _guard(action):
     from vlmrl.export import ExportError
     from vlmrl.models.loading import ModelLoadError
     from vlmrl.models.lora import LoraLayoutError
-    from vlmrl.needs import RequirementError
     from vlmrl.rundir import RunDirError
     from vlmrl.train import TrainError
 
     try:
         return action()
-    except (RunDirError, RequirementError) as exc:  # a folder in use or not vlmrl's, a missing model: nothing done
+    except RunDirError as exc:  # a folder in use or not vlmrl's: nothing was done
         _fail(str(exc), 2)
     except (ConfigError, DataError, EvalError, TrainError, CompareError, ExportError, ModelLoadError,
             LoraLayoutError) as exc:
-        if _DEBUG:
+        if debug_on():
             raise
         _fail(str(exc))
-
-
-def _check_needs(config: Config, *, gpu: bool = True) -> None:
-    """The model, the data and the GPU the config needs, before any stage starts (vlmrl.needs)."""
-    from vlmrl.needs import check_requirements
-
-    _guard(lambda: check_requirements(config, gpu=gpu))
-
-
-@contextmanager
-def _claimed(run_dir: Path, *, create: bool = True):
-    """The run folder's claim for a stage command (vlmrl.rundir); a refusal is one line and exit 2."""
-    from vlmrl.rundir import RunDirError, claimed
-
-    try:
-        with claimed(run_dir, create=create):
-            yield
-    except RunDirError as exc:
-        _fail(str(exc), 2)
 
 
 @app.command()
@@ -313,7 +259,7 @@ def run(
 
     _one_process_only("run")
     config = _config(source, set_)
-    _check_needs(config)
+    check_needs(config)
     console.print(f"vlmrl run: [bold]{escape(config.run.name)}[/bold] -> {escape(str(config.run_dir))}")
     started = time.perf_counter()
     outcome = _guard(lambda: run_all(config, force=force, say=lambda m: console.print(m, highlight=False, markup=False),
@@ -334,7 +280,7 @@ def prepare(source: ConfigArg = None, set_: SetOpt = None, run_dir: RunDirOpt = 
 
     _one_process_only("prepare")
     config = _config(source, set_, run_dir)
-    _check_needs(config, gpu=False)
+    check_needs(config, gpu=False)
     with _claimed(config.run_dir):
         result = _guard(lambda: prepare_with_budget(config, config.run_dir))
     summary = json.loads((config.run_dir / "data" / "summary.json").read_text())
@@ -360,7 +306,7 @@ def eval_(
     from vlmrl.evaluate import evaluate
 
     config = _config(source, set_, run_dir)  # a bad config fails here, before any process is launched
-    _check_needs(config)
+    check_needs(config)
     main = is_main_process()
     with _claimed(config.run_dir, create=False):  # held by this process for the ranks it launches
         _relaunch_if_asked(gpus, strategy, [*_stage_argv("eval", source, set_, run_dir), "--stage", stage,
@@ -397,7 +343,7 @@ def train(
     from vlmrl.train import train as train_stage
 
     config = _config(source, set_, run_dir)  # a bad config fails here, before any process is launched
-    _check_needs(config)
+    check_needs(config)
     with _claimed(config.run_dir, create=False):  # held by this process for the ranks it launches
         _relaunch_if_asked(gpus, strategy, [*_stage_argv("train", source, set_, run_dir),
                                             *([] if resume else ["--no-resume"])])

@@ -115,8 +115,8 @@ def _gpu_problems(config: Config) -> list[str]:
     shapes = None if name.startswith("tiny:") or name == "demo-policy" else shapes_for(name)
     if not torch.cuda.is_available():
         if config.model.load_in_4bit:
-            return ["model.load_in_4bit=true needs a CUDA GPU and this machine has none (set it to false, or use a "
-                    "machine with one)"]
+            return [("model.load_in_4bit=true needs a CUDA GPU and this machine has none (set it to false, or use "
+                     "a machine with one)")]
         if shapes is not None and not Path(name).is_dir():
             return [f"model {name!r} needs a CUDA GPU and this machine has none"]
         return []
@@ -129,6 +129,6 @@ def _gpu_problems(config: Config) -> list[str]:
         return []
     total = torch.cuda.get_device_properties(0).total_memory / 2**30
     if estimate.peak_gib > GPU_MARGIN * total:
-        return [f"model {name!r} is predicted to need {estimate.peak_gib:.0f} GiB of GPU memory and cuda:0 has "
-                f"{total:.0f} GiB (`vlmrl doctor --config ...` shows the prediction and what to lower)"]
+        return [(f"model {name!r} is predicted to need {estimate.peak_gib:.0f} GiB of GPU memory and cuda:0 has "
+                 f"{total:.0f} GiB (`vlmrl doctor --config ...` shows the prediction and what to lower)")]
     return []
