@@ -252,7 +252,8 @@ def _guard(action):
 def run(
     source: ConfigArg = None,
     set_: SetOpt = None,
-    force: Annotated[bool, typer.Option("--force", help="Overwrite a run directory made by another config.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace a run of another config in the run folder "
+                                        "(deletes only what vlmrl wrote there).")] = False,
 ) -> None:
     """Every stage in order into one run directory (skips stages already done with this config)."""
     from vlmrl.pipeline import run_all
