@@ -72,6 +72,18 @@ def test_os_errors_are_one_line_exit_2(tmp_path):
     assert result.exit_code == 2 and "Not a directory" in one_error_line(result.output)
 
 
+def test_a_full_disk_is_one_line_exit_2(tmp_path, monkeypatch):
+    import errno
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr("vlmrl.io.os.fsync", full)  # every crash-safe write fsyncs before its rename
+    result = invoke("doctor", str(tmp_path / "run"))
+    assert result.exit_code == 2 and "No space left on device" in one_error_line(result.output)
+    assert not (tmp_path / "run" / "env.json").exists()
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
 def test_a_read_only_output_folder_is_one_line_exit_2(tmp_path):
     tmp_path.chmod(0o555)
