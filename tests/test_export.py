@@ -95,7 +95,8 @@ def test_export_writes_the_adapter_and_every_check_passes(exported) -> None:
     assert checks["merged_16bit"]["value"] <= 1e-3
     assert checks["merged_4bit"]["passed"] is None and checks["gguf"]["passed"] is None  # not requested
     assert report["all_passed"] is True
-    assert report["base_model"] == str((run_dir / "base-model").resolve())
+    # paths inside the run folder are stored relative to it, so a moved run's export.json stays true
+    assert (report["base_model"], report["adapter_dir"], report["source"]) == ("base-model", "adapter", "train/final")
     # the exported B matrices are the trained ones
     saved = load_file(str(adapter / "adapter_model.safetensors"))
     final = load_file(str(run_dir / "train" / "final" / "adapter_model.safetensors"))

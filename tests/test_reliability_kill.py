@@ -150,6 +150,9 @@ def test_sigkill_at_every_stage_then_rerun_loses_and_duplicates_nothing(tmp_path
     lost += MAX_STEPS * BATCH - len(rollouts)
     summary = json.loads((train / "summary.json").read_text())
     assert summary["steps"] == MAX_STEPS and summary["resumed_from_step"] > 0
+    # train_loss covers every step, not only those the resumed process ran (logging_steps=1: one loss per step)
+    losses = [r["loss"] for r in metrics if "loss" in r]
+    assert summary["train_loss"] == pytest.approx(sum(losses) / len(losses))
     for folder in (train / "checkpoints").glob("checkpoint-*"):  # no half-saved checkpoint survives
         assert (folder / "trainer_state.json").is_file(), folder
     assert last_complete_checkpoint(train / "checkpoints").name == f"checkpoint-{MAX_STEPS}"
@@ -252,7 +255,8 @@ def test_vlmrl_run_refuses_another_configs_run_dir_before_any_work(tmp_path):
     result = CliRunner().invoke(app, args, terminal_width=300)
     assert result.exit_code == 1
     assert "different config" in result.output and "--force" in result.output
-    assert sorted(p.name for p in config.run_dir.iterdir()) == ["config.yaml"]  # nothing ran
+    # nothing ran: only the run's mark, its lock file and the config are there
+    assert sorted(p.name for p in config.run_dir.iterdir()) == [".vlmrl-run", ".vlmrl.lock", "config.yaml"]
 
 
 def test_vlmrl_train_refuses_a_train_set_that_contains_a_holdout_item(tmp_path):

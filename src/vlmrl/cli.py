@@ -19,9 +19,13 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from vlmrl.clierrors import Commands, check_needs, fail, set_debug
+from vlmrl.clierrors import claimed as _claimed
+from vlmrl.clierrors import debug as debug_on
 from vlmrl.config import PRESETS, Config, ConfigError, dump_config, load_config
 
 app = typer.Typer(
+    cls=Commands,
     add_completion=False,
     no_args_is_help=True,
     help="Reinforcement learning (GRPO / GSPO) for vision-language models on visual math, measured honestly.",
@@ -41,9 +45,7 @@ StrategyOpt = Annotated[str, typer.Option(
     "config in vlmrl/accelerate/.")]
 
 
-def _fail(message: str, code: int = 1) -> None:
-    console.print(f"[red]error:[/red] {message}", highlight=False)
-    raise typer.Exit(code)
+_fail = fail
 
 
 def _config(source: str | None, overrides: list[str] | None, run_dir: Path | None = None) -> Config:
@@ -99,7 +101,11 @@ def _one_process_only(command: str) -> None:
 
 
 @app.callback()
-def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False) -> None:
+def _main(
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="Show the traceback of an error instead of one line.")] = False,
+) -> None:
+    set_debug(debug)
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if not verbose:
         # Weight-loading and shard-writing bars from transformers would interleave with our own progress.
@@ -141,7 +147,7 @@ def doctor(
         _preflight(_config(config_source, set_), env, prompt_tokens)
     if run_dir is not None:
         write_json_atomic(Path(run_dir) / "env.json", env)
-        console.print(f"wrote {Path(run_dir) / 'env.json'}")
+        console.print(f"wrote {Path(run_dir) / 'env.json'}", markup=False)
 
 
 def _preflight(config: Config, env: dict, prompt_tokens: int) -> None:
@@ -150,7 +156,7 @@ def _preflight(config: Config, env: dict, prompt_tokens: int) -> None:
     shapes = shapes_for(config.model.name)
     if shapes is None:
         console.print(f"preflight: no local config.json or shipped shapes for {config.model.name!r}; "
-                      "point model.name at a downloaded folder to get a prediction.", highlight=False)
+                      "point model.name at a downloaded folder to get a prediction.", highlight=False, markup=False)
         return
     # The prediction is for the GPU the config is meant for, where `auto` turns fast generation on.
     estimate = estimate_memory(config, shapes, prompt_tokens=prompt_tokens,
@@ -175,7 +181,7 @@ def config_show(source: ConfigArg = None, set_: SetOpt = None) -> None:
 def config_validate(source: Annotated[str, typer.Argument(help="YAML file or preset.")], set_: SetOpt = None) -> None:
     """Validate a configuration; exit 2 with the reason when it is not usable."""
     config = _config(source, set_)
-    console.print(f"ok: {source} is valid (fingerprint {config.fingerprint()})")
+    console.print(f"ok: {source} is valid (fingerprint {config.fingerprint()})", markup=False)
 
 
 @app.command("tiny-model")
@@ -191,7 +197,7 @@ def tiny_model(
         _fail(f"--arch {arch!r}: choose one of {', '.join(TINY_ARCHS)}", 2)
     path = build_tiny_model(arch, out, seed=seed)
     console.print_json(json.dumps(tiny_model_summary(path)))
-    console.print(f"wrote {path}")
+    console.print(f"wrote {path}", markup=False)
 
 
 class _Progress:
@@ -228,12 +234,17 @@ def _guard(action):
     from vlmrl.export import ExportError
     from vlmrl.models.loading import ModelLoadError
     from vlmrl.models.lora import LoraLayoutError
+    from vlmrl.rundir import RunDirError
     from vlmrl.train import TrainError
 
     try:
         return action()
+    except RunDirError as exc:  # a folder in use or not vlmrl's: nothing was done
+        _fail(str(exc), 2)
     except (ConfigError, DataError, EvalError, TrainError, CompareError, ExportError, ModelLoadError,
             LoraLayoutError) as exc:
+        if debug_on():
+            raise
         _fail(str(exc))
 
 
@@ -241,24 +252,26 @@ def _guard(action):
 def run(
     source: ConfigArg = None,
     set_: SetOpt = None,
-    force: Annotated[bool, typer.Option("--force", help="Overwrite a run directory made by another config.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace a run of another config in the run folder "
+                                        "(deletes only what vlmrl wrote there).")] = False,
 ) -> None:
     """Every stage in order into one run directory (skips stages already done with this config)."""
     from vlmrl.pipeline import run_all
 
     _one_process_only("run")
     config = _config(source, set_)
-    console.print(f"vlmrl run: [bold]{config.run.name}[/bold] -> {config.run_dir}")
+    check_needs(config)
+    console.print(f"vlmrl run: [bold]{escape(config.run.name)}[/bold] -> {escape(str(config.run_dir))}")
     started = time.perf_counter()
     outcome = _guard(lambda: run_all(config, force=force, say=lambda m: console.print(m, highlight=False, markup=False),
                                      progress_factory=_Progress))
     _print_comparison(outcome.run_dir / "comparison.json")
-    console.print(f"\n[bold]done[/bold] in {time.perf_counter() - started:.0f} s: {outcome.run_dir}")
+    console.print(f"\n[bold]done[/bold] in {time.perf_counter() - started:.0f} s: {escape(str(outcome.run_dir))}")
     for name in ("config.yaml", "data/summary.json", "baseline_records.jsonl", "train/metrics.jsonl",
                  "train/rollouts.jsonl", "after_records.jsonl", "comparison.json", "adapter", "export.json",
                  "report.html"):
         if (outcome.run_dir / name).exists():
-            console.print(f"  {outcome.run_dir / name}", highlight=False)
+            console.print(f"  {outcome.run_dir / name}", highlight=False, markup=False)
 
 
 @app.command()
@@ -268,12 +281,14 @@ def prepare(source: ConfigArg = None, set_: SetOpt = None, run_dir: RunDirOpt = 
 
     _one_process_only("prepare")
     config = _config(source, set_, run_dir)
-    result = _guard(lambda: prepare_with_budget(config, config.run_dir))
+    check_needs(config, gpu=False)
+    with _claimed(config.run_dir):
+        result = _guard(lambda: prepare_with_budget(config, config.run_dir))
     summary = json.loads((config.run_dir / "data" / "summary.json").read_text())
     console.print_json(json.dumps({k: v for k, v in summary.items() if k != "by_category"}))
     if summary.get("comparable_to_published") is False:
-        console.print(f"[yellow]warning:[/yellow] {summary.get('message')}")
-    console.print(f"wrote {config.run_dir / 'data'}")
+        console.print(f"[yellow]warning:[/yellow] {escape(str(summary.get('message')))}")
+    console.print(f"wrote {config.run_dir / 'data'}", markup=False)
     return result
 
 
@@ -292,11 +307,13 @@ def eval_(
     from vlmrl.evaluate import evaluate
 
     config = _config(source, set_, run_dir)  # a bad config fails here, before any process is launched
-    _relaunch_if_asked(gpus, strategy, [*_stage_argv("eval", source, set_, run_dir), "--stage", stage,
-                                        *(["--adapter", str(adapter)] if adapter else [])])
+    check_needs(config)
     main = is_main_process()
-    result = _guard(lambda: evaluate(config, config.run_dir, stage, adapter=adapter,
-                                     progress=_Progress(stage) if main else None))
+    with _claimed(config.run_dir, create=False):  # held by this process for the ranks it launches
+        _relaunch_if_asked(gpus, strategy, [*_stage_argv("eval", source, set_, run_dir), "--stage", stage,
+                                            *(["--adapter", str(adapter)] if adapter else [])])
+        result = _guard(lambda: evaluate(config, config.run_dir, stage, adapter=adapter,
+                                         progress=_Progress(stage) if main else None))
     if not main:
         return
     s = result.summary
@@ -310,7 +327,7 @@ def eval_(
     table.add_row("truncation_rate", f"{s['truncation_rate']:.3f}", "")
     table.add_row("gibberish_rate", f"{s['gibberish_rate']:.3f}", "")
     console.print(table)
-    console.print(f"records: {result.records_path}")
+    console.print(f"records: {result.records_path}", markup=False)
 
 
 @app.command()
@@ -327,14 +344,16 @@ def train(
     from vlmrl.train import train as train_stage
 
     config = _config(source, set_, run_dir)  # a bad config fails here, before any process is launched
-    _relaunch_if_asked(gpus, strategy, [*_stage_argv("train", source, set_, run_dir),
-                                        *([] if resume else ["--no-resume"])])
-    result = _guard(lambda: train_stage(config, config.run_dir, resume=resume,
-                                        console_callback=lambda m: console.print(m, highlight=False)))
+    check_needs(config)
+    with _claimed(config.run_dir, create=False):  # held by this process for the ranks it launches
+        _relaunch_if_asked(gpus, strategy, [*_stage_argv("train", source, set_, run_dir),
+                                            *([] if resume else ["--no-resume"])])
+        result = _guard(lambda: train_stage(config, config.run_dir, resume=resume, console_callback=lambda m:
+                                            console.print(m, highlight=False, markup=False)))
     if not is_main_process():
         return
     console.print_json(json.dumps(result.summary, default=str))
-    console.print(f"adapter: {result.final_dir}")
+    console.print(f"adapter: {result.final_dir}", markup=False)
 
 
 @app.command()
@@ -370,7 +389,8 @@ def export(source: ConfigArg = None, set_: SetOpt = None, run_dir: RunDirOpt = N
 
     _one_process_only("export")
     config = _config(source, set_, run_dir)
-    report_ = _guard(lambda: export_adapter(config, config.run_dir))
+    with _claimed(config.run_dir, create=False):
+        report_ = _guard(lambda: export_adapter(config, config.run_dir))
     table = Table(title="export checks")
     for column in ("check", "result", "value", "detail"):
         table.add_column(column)
@@ -387,7 +407,7 @@ def report(run_dir: Annotated[Path, typer.Argument(help="Run directory.")] = Pat
 
     if not run_dir.is_dir():
         _fail(f"{run_dir}: no such run directory")
-    console.print(f"wrote {write_report(run_dir)}")
+    console.print(f"wrote {write_report(run_dir)}", markup=False)
 
 
 @app.command()

@@ -56,13 +56,13 @@ class ModelConfig(_Section):
         "auto", description="Attention kernel; `auto` lets transformers choose (sdpa where supported)."
     )
     max_seq_length: int = Field(
-        16384, gt=0, description="Longest sequence (image tokens + prompt + completion) the model must hold."
+        16384, gt=0, le=262_144, description="Longest sequence (image tokens + prompt + completion) the model must hold."
     )
 
 
 class LoraConfig(_Section):
-    r: int = Field(16, gt=0, description="LoRA rank; higher adds capacity and memory.")
-    alpha: int = Field(16, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
+    r: int = Field(16, gt=0, le=1024, description="LoRA rank; higher adds capacity and memory.")
+    alpha: int = Field(16, gt=0, le=65_536, description="LoRA scaling numerator (scale = alpha / r).")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
     attention: bool = Field(True, description="Adapt the language model's attention projections.")
     mlp: bool = Field(True, description="Adapt the language model's MLP projections.")
@@ -96,30 +96,31 @@ class DataConfig(_Section):
         default_factory=dict,
         description="Column mapping for other datasets: keys image, question, answer, precision, choices, id.",
     )
-    image_size: int = Field(512, gt=0, description="Side of the normalised image (squash/fit policies).")
+    # 28: one merged vision patch of Qwen-VL; 4096: a 4096^2 RGB image is 48 MiB before the processor copies it
+    image_size: int = Field(512, ge=28, le=4096, description="Side of the normalised image (squash/fit policies).")
     resize: Literal["squash", "fit", "max_pixels"] = Field(
         "squash",
         description="`squash` to image_size x image_size ignoring aspect (the write-up's choice), `fit` keeps aspect "
         "and pads, `max_pixels` only shrinks to at most image_size^2 pixels.",
     )
-    holdout_size: int = Field(100, gt=0, description="Held-out items for baseline/after evaluation.")
+    holdout_size: int = Field(100, gt=0, le=100_000, description="Held-out items for baseline/after evaluation.")
     max_prompt_tokens: int = Field(
-        2048, gt=0, description="Prompts longer than this (image tokens included) are dropped with the reason."
+        2048, gt=0, le=262_144, description="Prompts longer than this (image tokens included) are dropped with the reason."
     )
-    num_synthetic: int = Field(400, gt=0, description="Items generated when source is `synthetic`.")
+    num_synthetic: int = Field(400, gt=0, le=1_000_000, description="Items generated when source is `synthetic`.")
     difficulty: int = Field(1, ge=1, le=3, description="Synthetic difficulty: 1 easy .. 3 hard.")
     families: list[str] = Field(
         default_factory=list, description="Synthetic families to draw from; empty means all."
     )
-    max_items: int | None = Field(None, gt=0, description="Cap on source rows read (for quick runs).")
+    max_items: int | None = Field(None, gt=0, le=10_000_000, description="Cap on source rows read (for quick runs).")
 
 
 class EvalConfig(_Section):
-    batch_size: int = Field(8, gt=0, description="Held-out items generated together.")
-    max_new_tokens: int = Field(1024, gt=0, description="Completion token limit for evaluation.")
+    batch_size: int = Field(8, gt=0, le=4096, description="Held-out items generated together.")
+    max_new_tokens: int = Field(1024, gt=0, le=131_072, description="Completion token limit for evaluation.")
     do_sample: bool = Field(False, description="Greedy by default so before/after differ only by the weights.")
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature when do_sample.")
-    num_samples: int = Field(1, gt=0, description="Samples per item when do_sample (gives pass@k, majority vote).")
+    num_samples: int = Field(1, gt=0, le=256, description="Samples per item when do_sample (gives pass@k, majority vote).")
     compile: Literal["auto", "always", "never"] = Field(
         "auto", description="Static KV cache + torch.compile decode; `auto` turns it on for CUDA only."
     )
@@ -138,14 +139,14 @@ class TrainConfig(_Section):
         description="Optimizer; `adamw_8bit` needs bitsandbytes on CUDA and falls back to `adamw_torch` otherwise "
         "(the fallback is logged).",
     )
-    per_device_train_batch_size: int = Field(8, gt=0, description="Completions per device per micro-step.")
-    gradient_accumulation_steps: int = Field(4, gt=0, description="Micro-steps per optimizer step.")
-    num_generations: int = Field(4, ge=2, description="Completions sampled per prompt (the GRPO group).")
+    per_device_train_batch_size: int = Field(8, gt=0, le=4096, description="Completions per device per micro-step.")
+    gradient_accumulation_steps: int = Field(4, gt=0, le=4096, description="Micro-steps per optimizer step.")
+    num_generations: int = Field(4, ge=2, le=1024, description="Completions sampled per prompt (the GRPO group).")
     steps_per_generation: int | None = Field(
-        None, gt=0, description="Optimizer micro-steps per generation batch; None = gradient_accumulation_steps."
+        None, gt=0, le=4096, description="Optimizer micro-steps per generation batch; None = gradient_accumulation_steps."
     )
-    num_iterations: int = Field(1, gt=0, description="Policy updates per generation batch (mu in the papers).")
-    max_completion_length: int = Field(1024, gt=0, description="Completion token limit during training.")
+    num_iterations: int = Field(1, gt=0, le=1024, description="Policy updates per generation batch (mu in the papers).")
+    max_completion_length: int = Field(1024, gt=0, le=131_072, description="Completion token limit during training.")
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature of rollouts.")
     epsilon: float = Field(0.2, gt=0.0, description="Lower clip range of the importance ratio.")
     epsilon_high: float | None = Field(None, gt=0.0, description="Upper clip range; None = epsilon.")
@@ -160,7 +161,7 @@ class TrainConfig(_Section):
     gradient_checkpointing: bool = Field(True, description="Trade compute for activation memory.")
     logging_steps: int = Field(1, gt=0, description="Log every N optimizer steps.")
     save_steps: int = Field(50, gt=0, description="Checkpoint every N optimizer steps.")
-    save_total_limit: int = Field(2, gt=0, description="Checkpoints kept on disk.")
+    save_total_limit: int = Field(2, gt=0, le=1000, description="Checkpoints kept on disk.")
     generation_backend: Literal["hf", "vllm"] = Field("hf", description="Rollout engine; vLLM when installed.")
     fast_generation: Literal["auto", "always", "never"] = Field(
         "auto",
@@ -168,7 +169,7 @@ class TrainConfig(_Section):
         "on for CUDA only.",
     )
     prompt_bucket: int = Field(
-        64, gt=0,
+        64, gt=0, le=65_536,
         description="The rollout KV cache length is rounded up to a multiple of this, so compiled decoding sees few "
         "shapes (prompts are not padded).",
     )

@@ -35,6 +35,7 @@ from vlmrl.grading import grade, mathvista_correct, normalize_mathvista
 from vlmrl.io import append_jsonl, read_json, read_jsonl, write_json_atomic, write_jsonl_atomic
 from vlmrl.models.loading import load_with_adapter
 from vlmrl.rewards import score_completion
+from vlmrl.rundir import relative_to_run
 
 log = logging.getLogger(__name__)
 STAGES = ("baseline", "after")
@@ -69,7 +70,7 @@ def evaluate(
     if adapter is not None:
         check_adapter(adapter, config, run_dir)
     records_path = run_dir / f"{stage}_records.jsonl"
-    settings = generation_settings(config, adapter)
+    settings = generation_settings(config, adapter, run_dir)
     shards = _shard_files(records_path)  # left by a killed multi-process run, if any
     done = _existing_records([records_path, *shards], settings)
     size = config.eval.batch_size
@@ -194,7 +195,9 @@ def check_adapter(adapter: Path, config: Config, run_dir: Path) -> None:
         )
 
 
-def generation_settings(config: Config, adapter: Path | None) -> dict:
+def generation_settings(config: Config, adapter: Path | None, run_dir: Path | None = None) -> dict:
+    """What a record's generation depended on; an adapter inside `run_dir` is stored relative to it, so a moved
+    or copied run keeps its records (they are matched against these settings on resume)."""
     e = config.eval
     return {
         "max_new_tokens": e.max_new_tokens,
@@ -202,8 +205,9 @@ def generation_settings(config: Config, adapter: Path | None) -> dict:
         "temperature": e.temperature if e.do_sample else None,
         "num_samples": e.num_samples if e.do_sample else 1,
         "model": config.model.name,
-        "adapter": str(adapter) if adapter else None,
+        "adapter": relative_to_run(adapter, run_dir) if adapter else None,
     }
+
 
 
 def make_record(item: dict, generations: list, settings: dict, seconds: float, stage: str) -> dict:

@@ -47,6 +47,7 @@ def export_adapter(config: Config, run_dir: Path, *, source: Path | None = None)
     """Save `train/final` (or `source`) to `run_dir/adapter/`, verify it, write `export.json`."""
     from vlmrl.evaluate import check_adapter, default_adapter_dir
     from vlmrl.models.loading import BASE_RECORD, load_with_adapter, resolve_model_source
+    from vlmrl.rundir import relative_to_run
 
     source = source or default_adapter_dir(run_dir)
     check_adapter(source, config, run_dir)
@@ -75,9 +76,10 @@ def export_adapter(config: Config, run_dir: Path, *, source: Path | None = None)
 
     report = {
         "fingerprint": export_fingerprint(config),
-        "adapter_dir": str(out),
-        "source": str(source),
-        "base_model": expected_base,
+        # relative to the run folder where inside it: a moved or copied run's export.json stays true
+        "adapter_dir": relative_to_run(out, run_dir),
+        "source": relative_to_run(source, run_dir),
+        "base_model": relative_to_run(expected_base, run_dir),
         "checks": [c.as_dict() for c in checks],
         "all_passed": all(c.passed is not False for c in checks),
     }

@@ -19,6 +19,11 @@ from typing import Any
 _CHUNK = 1 << 16  # bytes read at a time when looking for a file's last newline
 
 
+class DamagedFileError(ValueError):
+    """A records file damaged beyond a torn last line (not something a kill does); the message names the
+    file and the line."""
+
+
 def write_bytes_atomic(path: str | Path, payload: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -65,7 +70,10 @@ def read_jsonl(path: str | Path) -> list[dict]:
         except json.JSONDecodeError:
             if number == len(lines):  # the last, unterminated line: an interrupted append
                 break
-            raise ValueError(f"{path}:{number}: not valid JSON; the file is damaged beyond a torn last line.") from None
+            raise DamagedFileError(
+                f"{path}:{number}: not valid JSON; the file is damaged beyond a torn last line (restore it from a "
+                "copy, or delete it to redo what it recorded)."
+            ) from None
     return rows
 
 

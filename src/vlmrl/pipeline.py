@@ -2,7 +2,9 @@
 
 Stages talk only through files in the run directory. Each stage is skipped when its outputs exist and were
 made by this config, so re-running after a crash resumes where it stopped (evaluation and training also
-resume *within* the stage). A run directory made by a different config is refused unless `force`.
+resume *within* the stage). A run directory made by a different config is refused unless `force`; one moved or
+copied elsewhere (another run.name or output_dir, same settings) is the same run and resumes. The folder is
+claimed for the whole command (vlmrl.rundir: the lock, the mark, what `--force` removes).
 """
 
 from __future__ import annotations
@@ -25,13 +27,20 @@ class RunOutcome:
 
 
 def run_all(config: Config, *, force: bool = False, say: Say = print, progress_factory=None) -> RunOutcome:
-    """Run stages 1-8 and the report into `config.run_dir`."""
+    """Run stages 1-8 and the report into `config.run_dir`, holding the folder's claim throughout."""
+    from vlmrl.rundir import claimed
+
+    run_dir = config.run_dir
+    with claimed(run_dir):
+        claim_run_dir(config, run_dir, force=force)
+        return _run_stages(config, run_dir, say, progress_factory)
+
+
+def _run_stages(config: Config, run_dir: Path, say: Say, progress_factory) -> RunOutcome:
     from vlmrl import compare, evaluate, export, report, train
     from vlmrl.doctor import collect_environment
     from vlmrl.io import write_json_atomic
 
-    run_dir = config.run_dir
-    claim_run_dir(config, run_dir, force=force)
     outcome = RunOutcome(run_dir)
 
     def stage(name: str, done: bool, action: Callable[[], object]) -> None:
@@ -101,23 +110,36 @@ def eval_done(config: Config, run_dir: Path, stage: str) -> bool:
 
 
 def claim_run_dir(config: Config, run_dir: Path, *, force: bool) -> None:
-    """Write config.yaml, refusing to reuse a directory that holds a run of a different config."""
+    """Write config.yaml, refusing to reuse a directory that holds a run of a different config, or a folder
+    vlmrl did not make (`force` or not). `force` removes only what vlmrl wrote there."""
+    from vlmrl.rundir import RunDirError, ensure_marked, remove_vlmrl_outputs
+
+    try:
+        ensure_marked(run_dir)
+    except RunDirError as exc:
+        raise ConfigError(str(exc)) from None
     path = run_dir / "config.yaml"
     if path.exists() and not force:
         try:
             previous = load_config(str(path))
         except ConfigError:
             previous = None
-        if previous is None or previous.fingerprint() != config.fingerprint():
+        if previous is None or settings_fingerprint(previous) != settings_fingerprint(config):
             raise ConfigError(
                 f"{run_dir} holds a run made with a different config ({path}); "
-                "choose another run.name, or pass --force to overwrite it."
+                "choose another run.name, or pass --force to replace what vlmrl wrote there."
             )
-    if force and run_dir.exists():
-        import shutil
-
-        shutil.rmtree(run_dir)
+    if force:
+        remove_vlmrl_outputs(run_dir)
     write_text_atomic(path, dump_config(config))
+
+
+def settings_fingerprint(config: Config) -> str:
+    """The config's fingerprint without where the run lives (run.name, run.output_dir): a run folder moved or
+    copied elsewhere is the same run."""
+    placed = config.model_copy(deep=True)
+    placed.run.name, placed.run.output_dir = "run", "."
+    return placed.fingerprint()
 
 
 def _progress(factory, label: str):

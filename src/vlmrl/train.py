@@ -82,6 +82,7 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
     checkpoints = train_dir / "checkpoints"
     # step 1: data, and the trainer's arguments (a bad trl_overrides key fails here, before any model loads)
     dataset = build_train_dataset(run_dir)
+    _check_trainable(config, run_dir, len(dataset))
     args, notes = build_grpo_config(config, checkpoints, suppress_tokens=_multimodal_ids(config, run_dir))
     _ = args.device  # sets up the process group (several ranks) and pins this rank's GPU before the model loads
     _claim_checkpoints(config, checkpoints, resume=resume)
@@ -125,6 +126,8 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
                          f"(checkpoint saved under {checkpoints}; see {train_dir / 'health.jsonl'}).")
     # step 5: save
     final_dir = train_dir / "final"
+    # resumed: TRL's figure covers only this process's steps; metrics.jsonl holds them all
+    resumed_loss = total_train_loss(train_dir / "metrics.jsonl", trainer.state.global_step) if start_step else None
     trainer.save_model(str(final_dir))  # every rank: FSDP/ZeRO-3 gather the weights; rank 0 writes them
     summary = {
         "fingerprint": train_fingerprint(config),
@@ -135,7 +138,7 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
         "steps": trainer.state.global_step,
         "resumed_from_step": start_step,
         "train_seconds": round(seconds, 2),
-        "train_loss": output.training_loss,
+        "train_loss": output.training_loss if resumed_loss is None else resumed_loss,
         "train_items": len(dataset),
         "lora": lora_report.as_dict(),
         "backend": loaded.backend,
@@ -185,9 +188,9 @@ def build_train_dataset(run_dir: Path):
     import datasets
 
     path = run_dir / "data" / "train.jsonl"
+    if not path.is_file():
+        raise TrainError(f"{path}: no training set; run `vlmrl prepare` for this config first.")
     rows = read_jsonl(path)
-    if not rows:
-        raise TrainError(f"{path}: no training items; run `vlmrl prepare` first and check data/dropped.jsonl.")
     from vlmrl.data.items import Item
     from vlmrl.data.splits import check_no_overlap
 
@@ -204,6 +207,40 @@ def build_train_dataset(run_dir: Path):
         "precision": [row.get("precision") for row in rows],
     }
     return datasets.Dataset.from_dict(table).cast_column("image", datasets.Image())
+
+
+def _check_trainable(config: Config, run_dir: Path, n_train: int) -> None:
+    """Refuse, before any model loads, a training set smaller than one generation batch (TRL would take 0 steps
+    and an untrained adapter would be evaluated as if trained)."""
+    from vlmrl.data.prepare import min_train_items
+
+    need = min_train_items(config, distributed.world_size())
+    if n_train >= need:
+        return
+    summary = run_dir / "data" / "summary.json"
+    dropped = read_json(summary).get("dropped_by_reason", {}) if summary.is_file() else {}
+    top = ", ".join(f"{reason}: {count}" for reason, count in list(dropped.items())[:3])
+    raise TrainError(
+        f"{run_dir / 'data' / 'train.jsonl'}: {n_train} training items, fewer than one generation batch ({need} "
+        f"prompts: per_device_train_batch_size x processes x steps_per_generation / num_generations), so training "
+        f"could take no step" + (f" (drops: {top})" if top else "") + ". Lower the batch size or "
+        "data.holdout_size, or supply more data, then re-run `vlmrl prepare`."
+    )
+
+
+def total_train_loss(metrics_path: Path, steps: int) -> float | None:
+    """The mean loss over steps 1..`steps` from metrics.jsonl (each logged loss is the mean since the previous
+    log, so it is weighted by its interval), or None when the rows do not cover every step. A resumed run's
+    own `training_loss` covers only the steps it ran.
+    """
+    by_step = {r["step"]: r["loss"] for r in read_jsonl(metrics_path) if "loss" in r and "step" in r}
+    if not by_step or max(by_step) != steps:
+        return None
+    total, previous = 0.0, 0
+    for step in sorted(by_step):
+        total += float(by_step[step]) * (step - previous)
+        previous = step
+    return total / steps
 
 
 def build_grpo_config(
@@ -264,7 +301,10 @@ def build_grpo_config(
     if unknown:
         raise TrainError(f"train.trl_overrides: {', '.join(unknown)} not GRPOConfig fields (TRL {_trl_version()}).")
     kwargs.update(t.trl_overrides)
-    return GRPOConfig(**kwargs), notes
+    try:  # an unknown optimizer or scheduler name, or a contradiction TRL finds: before any model loads
+        return GRPOConfig(**kwargs), notes
+    except (ValueError, TypeError) as exc:
+        raise TrainError(f"train: TRL refuses these settings: {' '.join(str(exc).split())}") from None
 
 
 def _multimodal_ids(config: Config, run_dir: Path) -> list[int]:

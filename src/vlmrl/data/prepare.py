@@ -101,6 +101,7 @@ def prepare_data(
     contaminated = {c.train_id for c in found}
     train = [i for i in train if i.id not in contaminated]
     check_no_overlap(train, holdout)
+    _check_trainable(config, data_dir, len(train), len(holdout), dropped)
 
     # step 5: manifests, then the summary last
     summary = _summary(config, fingerprint, train, holdout, dropped, converted)
@@ -152,6 +153,35 @@ def _check_enough(config: Config, data_dir: Path, kept: list[Item], dropped: lis
         f"data.source {data.source!r}: only {len(kept)} usable rows ({len(dropped)} dropped), and "
         f"data.holdout_size={data.holdout_size} would leave nothing to train on. Lower data.holdout_size"
         + (" or raise data.num_synthetic." if data.source == "synthetic" else ".")
+    )
+
+
+def min_train_items(config: Config, world: int = 1) -> int:
+    """Prompts in one generation batch: a training set smaller than this gives TRL no step to take.
+
+    >>> from vlmrl.config import load_config
+    >>> min_train_items(load_config("demo", ["train.per_device_train_batch_size=8", "train.num_generations=4",
+    ...                                      "train.gradient_accumulation_steps=2"]))
+    4
+    """
+    t = config.train
+    completions = t.per_device_train_batch_size * world * (t.steps_per_generation or t.gradient_accumulation_steps)
+    return max(1, completions // t.num_generations)
+
+
+def _check_trainable(config: Config, data_dir: Path, n_train: int, n_holdout: int, dropped: list[Dropped]) -> None:
+    """Refuse a training set (after the holdout and the contamination filter) smaller than one generation
+    batch; the drop report is written first so it can be read."""
+    need = min_train_items(config)
+    if n_train >= need:
+        return
+    write_jsonl_atomic(data_dir / "dropped.jsonl", (d.to_json() for d in dropped))
+    reasons = _top_reasons(dropped) if dropped else "No row was dropped."
+    raise DataError(
+        f"data.source {config.data.source!r}: {n_train} training items left ({n_holdout} held out, "
+        f"{len(dropped)} dropped), fewer than one generation batch ({need} prompts: per_device_train_batch_size x "
+        f"steps_per_generation / num_generations), so training could take no step. {reasons} "
+        f"Lower data.holdout_size or the batch size, or supply more data (drops: {data_dir / 'dropped.jsonl'})."
     )
 
 
