@@ -96,9 +96,8 @@ def grade(
 
 
 _TRAILING = ".,;:!? "
-_LETTER_RE = re.compile(
-    r"\s*(?:\((?P<inner>[A-Za-z])\)|(?P<bare>[A-Za-z])[.)]?)(?:\s+(?P<rest>.*))?\s*", re.DOTALL
-)
+# A letter answer, read on the normalised prediction (lower case, single spaces, no trailing "." left).
+_LETTER_RE = re.compile(r"(?:\((?P<inner>[a-z])\)|(?P<bare>[a-z])[.)]?)(?: (?P<rest>.*))?", re.DOTALL)
 
 
 def normalize_text(text: str) -> str:
@@ -132,13 +131,13 @@ def choice_equal(prediction: str, gold: str, choices: Sequence[str] | None) -> b
     options = [normalize_text(str(choice)) for choice in choices or ()]
     if said in options:  # the text of another choice
         return False
-    match = _LETTER_RE.fullmatch(prediction)
+    match = _LETTER_RE.fullmatch(said)
     if not match:
         return False
-    index = ord((match["inner"] or match["bare"]).upper()) - ord("A")
+    index = ord(match["inner"] or match["bare"]) - ord("a")
     if index >= len(options) or options[index] != target:
         return False
-    return match["rest"] is None or normalize_text(match["rest"]) in ("", target)
+    return match["rest"] is None or match["rest"] == target
 
 
 def expression_equal(prediction: str, gold: str) -> bool:

@@ -42,6 +42,7 @@ MAX_EXPRESSION_CHARS = 300  # an answer, not a derivation; longer text is never 
 TIMEOUT_S = 2.0  # the caller's hard bound per comparison
 WORKER_BUDGET_S = 1.0  # the worker's own timer per comparison (it answers False itself, no restart needed)
 STARTUP_TIMEOUT_S = 60.0  # imports on a loaded 2-core machine
+MAX_FAILED_STARTS = 3  # starts that end without a word before expression grading is given up for the process
 _WORKER_SCRIPT = Path(__file__).with_name("symbolic_worker.py")
 
 
@@ -78,6 +79,7 @@ class _Worker:
         self._owner = 0  # pid that started _proc: a forked child must not share its pipes
         self._buffer = b""
         self._broken: str | None = None  # why the worker cannot run at all (then every answer is False)
+        self._failed_starts = 0
 
     def compare(self, pred: str, gold: str) -> bool:
         with self._lock:
@@ -123,8 +125,17 @@ class _Worker:
             return self._give_up(f"the worker could not start ({exc})")
         self._owner = os.getpid()
         line = self._read_line(time.monotonic() + STARTUP_TIMEOUT_S)
-        reply = _json_object(line) if line is not None else {"error": "no answer from the worker"}
-        if reply.get("ready") is not True:
+        if line is None:  # slow or crashed start: maybe passing (a loaded machine), so try again later
+            self._kill()
+            self._failed_starts += 1
+            if self._failed_starts >= MAX_FAILED_STARTS:
+                return self._give_up(f"the worker did not start {MAX_FAILED_STARTS} times")
+            log.warning(
+                "the math-verify worker did not start in %.0f s; answer scored wrong", STARTUP_TIMEOUT_S
+            )
+            return False
+        reply = _json_object(line)
+        if reply.get("ready") is not True:  # it says why it cannot run (math-verify missing): that will last
             self._kill()
             return self._give_up(str(reply.get("error", reply)))
         return True
