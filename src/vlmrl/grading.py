@@ -91,11 +91,16 @@ def grade(
         return choice_equal(prediction, gold, choices)
     if answer_type == "expression":
         return expression_equal(prediction, gold)
+    if len(prediction) > MAX_TEXT_CHARS and len(prediction.strip()) > MAX_TEXT_CHARS:
+        return False
     target = normalize_text(gold)
     return bool(target) and normalize_text(prediction) == target
 
 
 _TRAILING = ".,;:!? "
+# A text or choice answer longer than this (after trimming) is a derivation, not an answer: never right, and
+# never normalised, so megabytes of repeated words cost nothing.
+MAX_TEXT_CHARS = 10_000
 # A letter answer, read on the normalised prediction (lower case, single spaces, no trailing "." left).
 _LETTER_RE = re.compile(r"(?:\((?P<inner>[a-z])\)|(?P<bare>[a-z])[.)]?)(?: (?P<rest>.*))?", re.DOTALL)
 
@@ -120,6 +125,8 @@ def choice_equal(prediction: str, gold: str, choices: Sequence[str] | None) -> b
     >>> [choice_equal(p, "140°", opts) for p in ("140°", "b", "(B)", "B.", "B) 140°", "C", "(B) 145°", "140")]
     [True, True, True, True, True, False, False, False]
     """
+    if len(prediction) > MAX_TEXT_CHARS and len(prediction.strip()) > MAX_TEXT_CHARS:
+        return False
     target = normalize_text(gold)
     said = normalize_text(prediction)
     if not target or not said:
