@@ -168,7 +168,9 @@ def test_choice_prompt_lists_the_lettered_choices_once():
     assert already.count("(A) 135°") == 1
 
 
-@pytest.mark.parametrize(("answer_type", "phrase"), [("expression", "mathematical expression"), ("text", "short")])
+@pytest.mark.parametrize(
+    ("answer_type", "phrase"), [("expression", "mathematical expression"), ("text", "short")]
+)
 def test_other_prompts_say_what_is_wanted(answer_type, phrase):
     prompt = build_prompt_text("Q?", answer_type=answer_type)
     assert phrase in prompt and "numeric" not in prompt and prompt.endswith(f"{S0} and {S1}.")

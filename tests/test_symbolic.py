@@ -98,7 +98,9 @@ def test_a_worker_that_cannot_start_is_reported_once_and_scores_false(fresh_work
     assert "ModuleNotFoundError" in caplog.text
 
 
-def test_a_worker_that_does_not_start_in_time_is_retried_then_given_up(fresh_worker, monkeypatch, tmp_path, caplog):
+def test_a_worker_that_does_not_start_in_time_is_retried_then_given_up(
+    fresh_worker, monkeypatch, tmp_path, caplog
+):
     script = tmp_path / "silent_worker.py"
     script.write_text("import time\ntime.sleep(30)\n")
     monkeypatch.setattr(vlmrl.symbolic, "_WORKER_SCRIPT", script)
