@@ -82,6 +82,24 @@ def test_a_column_of_the_wrong_length_is_a_clear_error():
         correctness_reward([solution("1")] * 2, answer=["1", "1"], answer_type=["integer"])
 
 
+@pytest.mark.parametrize("answer_type", ["integer", "float", "choice", "expression", "text"])
+@pytest.mark.parametrize(
+    "text",
+    [S0 + "\\frac{" * 200_000 + S1, S0 + "(B) " * 250_000 + S1, S0 + "x+" * 500_000 + S1, "a" * (1 << 20)],
+    ids=["latex", "letters", "polynomial", "no tags"],
+)
+def test_megabyte_completions_score_fast_for_every_type(answer_type, text):
+    import time
+
+    kwargs = {"answer_type": [answer_type], "choices": [ANGLES], "precision": [2]}
+    best = float("inf")
+    for _ in range(3):  # best of three: the budget is about the algorithm, not scheduler noise
+        start = time.perf_counter()
+        (score,) = correctness_reward([text], answer=["140°"], **kwargs)
+        best = min(best, time.perf_counter() - start)
+    assert score == 0.0 and best < 0.050, f"{answer_type}: {best * 1000:.1f} ms"
+
+
 def test_expression_rewards_from_another_thread():
     # TRL may score in a worker thread; math-verify's own signal-based timeout would refuse to run there.
     result: list[list[float]] = []
@@ -150,7 +168,9 @@ def test_choice_prompt_lists_the_lettered_choices_once():
     assert already.count("(A) 135°") == 1
 
 
-@pytest.mark.parametrize(("answer_type", "phrase"), [("expression", "mathematical expression"), ("text", "short")])
+@pytest.mark.parametrize(
+    ("answer_type", "phrase"), [("expression", "mathematical expression"), ("text", "short")]
+)
 def test_other_prompts_say_what_is_wanted(answer_type, phrase):
     prompt = build_prompt_text("Q?", answer_type=answer_type)
     assert phrase in prompt and "numeric" not in prompt and prompt.endswith(f"{S0} and {S1}.")

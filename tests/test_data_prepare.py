@@ -286,7 +286,7 @@ def test_item_round_trip_and_read_errors_name_file_and_line(tmp_path):
     path.write_text(json.dumps(item.to_json()) + "\n{broken\n")
     with pytest.raises(DataError, match=r"train.jsonl:2: not a valid item"):
         read_items(path)
-    path.write_text(json.dumps({**item.to_json(), "answer_type": "text"}) + "\n")
+    path.write_text(json.dumps({**item.to_json(), "answer_type": "list"}) + "\n")
     with pytest.raises(DataError, match=r"train.jsonl:1.*answer_type"):
         read_items(path)
     with pytest.raises(DataError, match="no such file"):

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vlmrl.grading import ANSWER_TYPES, choice_equal, grade, normalize_text
+from vlmrl.grading import ANSWER_TYPES, MAX_TEXT_CHARS, choice_equal, grade, normalize_text
 
 MB = 1 << 20
 BUDGET_S = 0.050  # per 1 MB prediction, per call
@@ -92,7 +92,8 @@ def test_choice_without_choices_compares_text_only():
 
 
 def test_choice_gold_repeated_in_choices_accepts_either_letter():
-    assert grade("A", "2", "choice", choices=["2", "3", "2"]) and grade("C", "2", "choice", choices=["2", "3", "2"])
+    choices = ["2", "3", "2"]
+    assert grade("A", "2", "choice", choices=choices) and grade("C", "2", "choice", choices=choices)
 
 
 def test_choice_entries_that_are_not_text_are_compared_as_written():
@@ -124,6 +125,14 @@ def test_choice_entries_that_are_not_text_are_compared_as_written():
 )
 def test_text(pred, gold, expected):
     assert grade(pred, gold, "text") is expected
+
+
+def test_text_and_choice_answers_over_the_length_cap_are_never_right():
+    padded = " " * MB + "Paris" + "\n" * MB  # whitespace around is trimmed first: still an answer
+    assert grade(padded, "Paris", "text") and grade(padded.replace("Paris", "B"), "140°", "choice", choices=ANGLES)
+    long_answer = "word " * 2_001  # 10,005 characters of text
+    assert not grade(long_answer, long_answer, "text")
+    assert grade(long_answer[:MAX_TEXT_CHARS], long_answer[:MAX_TEXT_CHARS], "text")
 
 
 def test_normalize_text_values():
@@ -194,7 +203,9 @@ def test_never_raises(pred, gold, answer_type, choices):
 
 
 @settings(max_examples=25, deadline=None)
-@given(st.text(alphabet="x12+-*/^()\\{}sqrtfracpi. ", max_size=30), st.text(alphabet="x12+^()\\{}fracpi", max_size=20))
+@given(
+    st.text(alphabet="x12+-*/^()\\{}sqrtfracpi. ", max_size=30), st.text(alphabet="x12+^()\\{}fracpi", max_size=20)
+)
 def test_expression_never_raises(pred, gold):
     assert grade(pred, gold, "expression") in (True, False)
 

@@ -98,6 +98,21 @@ def test_a_worker_that_cannot_start_is_reported_once_and_scores_false(fresh_work
     assert "ModuleNotFoundError" in caplog.text
 
 
+def test_a_worker_that_does_not_start_in_time_is_retried_then_given_up(
+    fresh_worker, monkeypatch, tmp_path, caplog
+):
+    script = tmp_path / "silent_worker.py"
+    script.write_text("import time\ntime.sleep(30)\n")
+    monkeypatch.setattr(vlmrl.symbolic, "_WORKER_SCRIPT", script)
+    monkeypatch.setattr(vlmrl.symbolic, "STARTUP_TIMEOUT_S", 0.3)
+    with caplog.at_level(logging.WARNING, logger="vlmrl.symbolic"):
+        results = [fresh_worker.compare("\\sqrt{4}", "2") for _ in range(vlmrl.symbolic.MAX_FAILED_STARTS + 1)]
+    assert results == [False] * (vlmrl.symbolic.MAX_FAILED_STARTS + 1)
+    assert caplog.text.count("did not start in 0 s") == vlmrl.symbolic.MAX_FAILED_STARTS - 1
+    assert caplog.text.count("expression answers cannot be graded") == 1  # then given up, once
+    assert fresh_worker._proc is None  # every silent worker was killed
+
+
 # --- the worker's side of the protocol ---------------------------------------------------------------------
 
 

@@ -70,12 +70,14 @@ def grade(
 
     ``integer``/``float``: ``numeric_equal`` (``precision`` counts for floats). ``choice``: the gold choice's
     text (as ``text`` compares) or its letter (A = first of ``choices``; ``b``, ``(B)``, ``B.``, ``B)``).
-    ``expression``: mathematical equivalence (``expression_equal``). ``text``: equal after
-    ``normalize_text``. A prediction or gold that is not a string is never right; an ``answer_type`` outside
-    ``ANSWER_TYPES`` is a ValueError (a typo must not zero every reward).
+    ``expression``: ``expression_equal``. ``text``: ``text_equal``. A prediction or gold that is not a string
+    is never right; an ``answer_type`` outside ``ANSWER_TYPES`` is a ValueError (a typo must not zero every
+    reward).
 
-    >>> grade("12.0", "12", "integer"), grade("b)", "7", "choice", choices=["6", "7"]), grade("Paris.", "paris", "text")
-    (True, True, True)
+    >>> grade("12.0", "12", "integer"), grade("b)", "7", "choice", choices=["6", "7"])
+    (True, True)
+    >>> grade("Paris.", "paris", "text"), grade("Lyon", "paris", "text")
+    (True, False)
     >>> grade("0.5", "\\\\frac{1}{2}", "expression"), grade("A", "7", "choice", choices=["6", "7"])
     (True, False)
     """
@@ -91,14 +93,15 @@ def grade(
         return choice_equal(prediction, gold, choices)
     if answer_type == "expression":
         return expression_equal(prediction, gold)
-    target = normalize_text(gold)
-    return bool(target) and normalize_text(prediction) == target
+    return text_equal(prediction, gold)
 
 
 _TRAILING = ".,;:!? "
-_LETTER_RE = re.compile(
-    r"\s*(?:\((?P<inner>[A-Za-z])\)|(?P<bare>[A-Za-z])[.)]?)(?:\s+(?P<rest>.*))?\s*", re.DOTALL
-)
+# A text or choice answer longer than this (after trimming) is a derivation, not an answer: never right, and
+# never normalised, so megabytes of repeated words cost nothing.
+MAX_TEXT_CHARS = 10_000
+# A letter answer, read on the normalised prediction (lower case, single spaces, no trailing "." left).
+_LETTER_RE = re.compile(r"(?:\((?P<inner>[a-z])\)|(?P<bare>[a-z])[.)]?)(?: (?P<rest>.*))?", re.DOTALL)
 
 
 def normalize_text(text: str) -> str:
@@ -108,6 +111,18 @@ def normalize_text(text: str) -> str:
     ('the eiffel tower', 'yes', 'c++')
     """
     return " ".join(text.split()).casefold().rstrip(_TRAILING)
+
+
+def text_equal(prediction: str, gold: str) -> bool:
+    """Whether the two are the same text once normalised (``normalize_text``); an empty gold matches nothing.
+
+    >>> text_equal(" The  Eiffel Tower!", "the eiffel tower"), text_equal("Paris, France", "Paris")
+    (True, False)
+    """
+    if _too_long(prediction):
+        return False
+    target = normalize_text(gold)
+    return bool(target) and normalize_text(prediction) == target
 
 
 def choice_equal(prediction: str, gold: str, choices: Sequence[str] | None) -> bool:
@@ -121,6 +136,8 @@ def choice_equal(prediction: str, gold: str, choices: Sequence[str] | None) -> b
     >>> [choice_equal(p, "140°", opts) for p in ("140°", "b", "(B)", "B.", "B) 140°", "C", "(B) 145°", "140")]
     [True, True, True, True, True, False, False, False]
     """
+    if _too_long(prediction):
+        return False
     target = normalize_text(gold)
     said = normalize_text(prediction)
     if not target or not said:
@@ -132,13 +149,18 @@ def choice_equal(prediction: str, gold: str, choices: Sequence[str] | None) -> b
     options = [normalize_text(str(choice)) for choice in choices or ()]
     if said in options:  # the text of another choice
         return False
-    match = _LETTER_RE.fullmatch(prediction)
+    match = _LETTER_RE.fullmatch(said)
     if not match:
         return False
-    index = ord((match["inner"] or match["bare"]).upper()) - ord("A")
+    index = ord(match["inner"] or match["bare"]) - ord("a")
     if index >= len(options) or options[index] != target:
         return False
-    return match["rest"] is None or normalize_text(match["rest"]) in ("", target)
+    return match["rest"] is None or match["rest"] == target
+
+
+def _too_long(prediction: str) -> bool:
+    # strip() only when needed: whitespace padding around a short answer is still that answer
+    return len(prediction) > MAX_TEXT_CHARS and len(prediction.strip()) > MAX_TEXT_CHARS
 
 
 def expression_equal(prediction: str, gold: str) -> bool:
@@ -187,8 +209,10 @@ def numeric_equal(pred: str, gold: str, *, precision: int | None = None) -> bool
 
     >>> numeric_equal("2.675", "2.68"), numeric_equal("1/2", "0.5"), numeric_equal("12 cm", "12")
     (True, True, True)
-    >>> numeric_equal("2.4", "2"), numeric_equal("two", "2"), numeric_equal("12345678901234567891", "12345678901234567890")
-    (False, False, False)
+    >>> numeric_equal("2.4", "2"), numeric_equal("two", "2")
+    (False, False)
+    >>> numeric_equal("12345678901234567891", "12345678901234567890")  # 20 digits: exact
+    False
     >>> numeric_equal("1.54", "1.5"), numeric_equal("1.54", "1.5", precision=2)
     (True, False)
     """
