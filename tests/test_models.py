@@ -27,11 +27,14 @@ MODEL_CLASSES = {
     "qwen3_vl": "Qwen3VLForConditionalGeneration",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     "gemma3": "Gemma3ForConditionalGeneration",
+    "idefics3": "Idefics3ForConditionalGeneration",
 }
 NUM_LAYERS = 2  # build_tiny_model's default
 ON_CPU = not torch.cuda.is_available()
 CPU_ONLY = pytest.mark.skipif(not ON_CPU, reason="checks what a CPU-only machine refuses")
-VISION_PREFIXES = ("model.visual.", "model.vision_tower.", "model.multi_modal_projector.")
+VISION_PREFIXES = (
+    "model.visual.", "model.vision_tower.", "model.multi_modal_projector.", "model.vision_model.", "model.connector.",
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +96,7 @@ def test_auto_backend_is_transformers_on_the_cpu(run_dirs) -> None:
 
 
 def test_unknown_tiny_arch_names_the_choices(tmp_path: Path) -> None:
-    with pytest.raises(ModelLoadError, match=r"tiny:llava.*tiny:qwen3_vl\|tiny:qwen2_5_vl\|tiny:gemma3"):
+    with pytest.raises(ModelLoadError, match=r"tiny:llava.*tiny:qwen3_vl\|tiny:qwen2_5_vl\|tiny:gemma3\|tiny:idefics3"):
         _load("llava", tmp_path)
 
 
