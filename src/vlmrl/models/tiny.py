@@ -78,7 +78,6 @@ GEMMA_SPECIAL_TOKENS = (
 GEMMA_BYTE_TOKENS = tuple(f"<0x{b:02X}>" for b in range(256))  # the format tokenizers' ByteFallback decodes
 
 
-
 def build_tiny_model(
     arch: str,
     out_dir: str | Path,
@@ -98,7 +97,9 @@ def build_tiny_model(
     """
     _check_sizes(arch, hidden_size, num_layers, vocab_size, image_size)
     if arch == IDEFICS3:
-        config, processor, generation_config = build_idefics3_parts(hidden_size, num_layers, vocab_size, image_size)
+        config, processor, generation_config = build_idefics3_parts(
+            hidden_size, num_layers, vocab_size, image_size
+        )
         model = _random_model(config, seed)
         model.generation_config = generation_config
         return save_folder(model, processor, Path(out_dir))
@@ -197,7 +198,6 @@ def _gemma_tokenizer(vocab_size: int) -> GemmaTokenizer:
         extra_special_tokens=["<start_of_turn>", "<end_of_turn>"],  # special, so decoding can skip them
         chat_template=GEMMA_CHAT_TEMPLATE,
     )
-
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -304,7 +304,6 @@ def _gemma_processor(tokenizer: GemmaTokenizer, image_size: int) -> Gemma3Proces
 
 # ---------------------------------------------------------------------------------------------------------------
 # model configs
-
 
 
 def _qwen3_vl_config(
@@ -454,7 +453,6 @@ def _random_model(config: PreTrainedConfig, seed: int) -> PreTrainedModel:
             model.model.multi_modal_projector.mm_input_projection_weight, std=config.initializer_range
         )
     return model.eval()
-
 
 
 def _check_sizes(arch: str, hidden_size: int, num_layers: int, vocab_size: int, image_size: int) -> None:

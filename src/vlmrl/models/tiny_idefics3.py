@@ -24,7 +24,15 @@ from transformers import (
     Idefics3Processor,
 )
 
-from vlmrl.models.tiny_shared import HEAD_DIM, PATCH, PIXELS_PER_TOKEN, VISION_DEPTH, text_shape, train_bpe, vision_width
+from vlmrl.models.tiny_shared import (
+    HEAD_DIM,
+    PATCH,
+    PIXELS_PER_TOKEN,
+    VISION_DEPTH,
+    text_shape,
+    train_bpe,
+    vision_width,
+)
 
 IDEFICS3 = "idefics3"
 SCALE_FACTOR = PIXELS_PER_TOKEN // PATCH  # pixel shuffle folds 2x2 patches into one token
@@ -63,7 +71,11 @@ def build_idefics3_parts(
     """The config, processor and generation config of a tiny SmolVLM; the caller makes weights and saves."""
     tokenizer = _tokenizer(vocab_size)
     processor = _processor(tokenizer, image_size)
-    return _config(tokenizer, hidden_size, num_layers, vocab_size, image_size), processor, _generation(tokenizer)
+    return (
+        _config(tokenizer, hidden_size, num_layers, vocab_size, image_size),
+        processor,
+        _generation(tokenizer),
+    )
 
 
 def _tokenizer(vocab_size: int) -> GPT2Tokenizer:
@@ -107,7 +119,9 @@ def _processor(tokenizer: GPT2Tokenizer, image_size: int) -> Idefics3Processor:
     )
 
 
-def _config(tokenizer: Any, hidden_size: int, num_layers: int, vocab_size: int, image_size: int) -> Idefics3Config:
+def _config(
+    tokenizer: Any, hidden_size: int, num_layers: int, vocab_size: int, image_size: int
+) -> Idefics3Config:
     ids = tokenizer.convert_tokens_to_ids
     width = vision_width(hidden_size)
     text = {

@@ -102,7 +102,6 @@ def tokenizer_corpus() -> list[str]:
     return lines
 
 
-
 def train_bpe(backend: Tokenizer, trainer: BpeTrainer) -> tuple[list[str], list[tuple[str, str]]]:
     """Train on the corpus; return the learned tokens in id order and the merges in rank order."""
     backend.train_from_iterator(tokenizer_corpus(), trainer)
