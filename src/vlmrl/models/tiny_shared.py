@@ -150,3 +150,25 @@ def count_params(path: Path) -> int:
             for name in tensors.keys():  # noqa: SIM118 (safe_open is not iterable)
                 total += torch.Size(tensors.get_slice(name).get_shape()).numel()
     return total
+
+
+def check_sizes(
+    arch: str, archs: tuple[str, ...], hidden_size: int, num_layers: int, vocab_size: int, image_size: int
+) -> None:
+    """Refuse sizes no family can build, naming the field (the CLI prints the message as one line)."""
+    if arch not in archs:
+        raise ValueError(f"arch={arch!r} is not a tiny arch; choose one of {', '.join(archs)}.")
+    if hidden_size < 32 or hidden_size % 32:
+        raise ValueError(
+            f"hidden_size={hidden_size}: use a multiple of 32 (heads are {HEAD_DIM} wide, kv heads half)."
+        )
+    if num_layers < 1:
+        raise ValueError(f"num_layers={num_layers}: use at least 1.")
+    if vocab_size < MIN_VOCAB:
+        raise ValueError(
+            f"vocab_size={vocab_size}: use at least {MIN_VOCAB} (bytes + special tokens + merges)."
+        )
+    if image_size < PIXELS_PER_TOKEN or image_size % PIXELS_PER_TOKEN:
+        raise ValueError(
+            f"image_size={image_size}: use a multiple of {PIXELS_PER_TOKEN} (one image token per 32x32 pixels)."
+        )
