@@ -6,6 +6,7 @@ names the layout checks see are the ones a hub checkpoint has. Each family is bu
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from vlmrl.models.lora import (
     MLP_PROJ,
     LoraLayoutError,
     apply_lora,
+    is_language_param,
     is_vision_param,
     verify_lora_layout,
 )
@@ -27,11 +29,14 @@ MODEL_CLASSES = {
     "qwen3_vl": "Qwen3VLForConditionalGeneration",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     "gemma3": "Gemma3ForConditionalGeneration",
+    "idefics3": "Idefics3ForConditionalGeneration",
 }
 NUM_LAYERS = 2  # build_tiny_model's default
 ON_CPU = not torch.cuda.is_available()
 CPU_ONLY = pytest.mark.skipif(not ON_CPU, reason="checks what a CPU-only machine refuses")
-VISION_PREFIXES = ("model.visual.", "model.vision_tower.", "model.multi_modal_projector.")
+VISION_PREFIXES = (
+    "model.visual.", "model.vision_tower.", "model.multi_modal_projector.", "model.vision_model.", "model.connector.",
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +98,8 @@ def test_auto_backend_is_transformers_on_the_cpu(run_dirs) -> None:
 
 
 def test_unknown_tiny_arch_names_the_choices(tmp_path: Path) -> None:
-    with pytest.raises(ModelLoadError, match=r"tiny:llava.*tiny:qwen3_vl\|tiny:qwen2_5_vl\|tiny:gemma3"):
+    choices = r"tiny:qwen3_vl\|tiny:qwen2_5_vl\|tiny:gemma3\|tiny:idefics3"
+    with pytest.raises(ModelLoadError, match=rf"tiny:llava.*{choices}"):
         _load("llava", tmp_path)
 
 
@@ -154,13 +160,13 @@ def test_lora_adapts_only_language_attention_and_mlp(arch: str, run_dirs) -> Non
     assert trainable, "nothing trains"
     for name in trainable:
         assert ".lora_A." in name or ".lora_B." in name, name
-        assert ".language_model." in name and not is_vision_param(name), name
+        assert is_language_param(name), name
 
     modules = _lora_module_names(model)
     suffixes = sorted({m.rsplit(".", 1)[-1] for m in modules})
     assert suffixes == sorted(ATTENTION_PROJ + MLP_PROJ)
     assert len(modules) == NUM_LAYERS * len(ATTENTION_PROJ + MLP_PROJ)
-    assert all(".language_model.layers." in m for m in modules)
+    assert all(re.search(r"\.(language_model|text_model)\.layers\.", m) for m in modules)
 
     # The vision side is untouched, although Gemma's SigLIP has q_proj/k_proj/v_proj and Qwen2.5-VL's vision
     # blocks have gate_proj/up_proj/down_proj: names the language targets share.

@@ -24,7 +24,12 @@ from vlmrl.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
-FAMILIES = {"qwen3_vl": "Qwen3-VL", "qwen2_5_vl": "Qwen2.5-VL", "gemma3": "Gemma 3"}
+FAMILIES = {
+    "qwen3_vl": "Qwen3-VL",
+    "qwen2_5_vl": "Qwen2.5-VL",
+    "gemma3": "Gemma 3",
+    "idefics3": "SmolVLM (Idefics3)",
+}
 
 
 class ModelLoadError(RuntimeError):

@@ -18,10 +18,11 @@ log = logging.getLogger(__name__)
 
 ATTENTION_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJ = ("gate_proj", "up_proj", "down_proj")
-# Module-path fragments of the vision side in Qwen2.5-VL / Qwen3-VL (`visual`) and Gemma 3
-# (`vision_tower`, `multi_modal_projector`).
-VISION_MARKERS = ("visual", "vision_tower", "multi_modal_projector", "vision_model")
-LANGUAGE_MARKER = "language_model"
+# Module-path fragments of the vision side (tower and projector) in Qwen2.5-VL / Qwen3-VL (`visual`), Gemma 3
+# (`vision_tower`, `multi_modal_projector`) and SmolVLM/Idefics3 (`vision_model`, `connector`).
+VISION_MARKERS = ("visual", "vision_tower", "multi_modal_projector", "vision_model", "connector")
+# The decoder: `language_model` in Qwen-VL and Gemma 3, `text_model` in Idefics3.
+LANGUAGE_MARKERS = ("language_model", "text_model")
 
 
 class LoraLayoutError(RuntimeError):
@@ -48,7 +49,7 @@ class LoraReport:
 def target_modules_regex(config: LoraConfig) -> str:
     """A PEFT `target_modules` regex (full match) selecting language-model projections only."""
     names = (ATTENTION_PROJ if config.attention else ()) + (MLP_PROJ if config.mlp else ())
-    language = rf".*{LANGUAGE_MARKER}.*\.({'|'.join(names)})" if names else None
+    language = rf".*({'|'.join(LANGUAGE_MARKERS)})\..*\.({'|'.join(names)})" if names else None
     if config.vision:
         vision = rf".*({'|'.join(VISION_MARKERS)}).*\.(qkv|proj|q_proj|k_proj|v_proj|out_proj|fc1|fc2|linear_fc1|linear_fc2)"
         return f"({language})|({vision})" if language else vision
@@ -96,6 +97,16 @@ def is_vision_param(name: str) -> bool:
     return any(re.search(rf"(^|\.){marker}(\.|$)", name) for marker in VISION_MARKERS)
 
 
+def is_language_param(name: str) -> bool:
+    """
+    >>> is_language_param("model.text_model.layers.0.mlp.up_proj.lora_A.default.weight")
+    True
+    >>> is_language_param("model.connector.modality_projection.proj.weight")
+    False
+    """
+    return not is_vision_param(name) and any(re.search(rf"(^|\.){m}(\.|$)", name) for m in LANGUAGE_MARKERS)
+
+
 def verify_lora_layout(model: Any, *, allow_vision: bool = False) -> LoraReport:
     """Check that only LoRA weights train and that they sit in the language layers (and vision if allowed)."""
     trainable = total = vision_trainable = 0
@@ -114,7 +125,7 @@ def verify_lora_layout(model: Any, *, allow_vision: bool = False) -> LoraReport:
             vision_trainable += param.numel()
             if not allow_vision:
                 problems.append(f"vision parameter trains: {name}")
-        elif LANGUAGE_MARKER not in name:
+        elif not is_language_param(name):
             problems.append(f"LoRA outside the language layers: {name}")
     if not lora_modules:
         problems.append("no LoRA module was inserted (target_modules matched nothing)")

@@ -12,20 +12,20 @@ the special tokens and their roles, the tokenizer pipeline (byte-level BPE with 
 byte-fallback BPE over "▁"-joined text for Gemma) and the chat layout. Deliberately not kept: sizes. The text
 vocabulary is ~1k tokens (with a 151k vocabulary the CPU log-prob pass of one GRPO step takes ~70 s), an
 image costs 16 tokens at the default 128x128 budget, and nothing is trained.
+
+This module builds Qwen3-VL, Qwen2.5-VL and Gemma 3 and dispatches on `arch`; SmolVLM (Idefics3) is built in
+tiny_idefics3.py, and what all families share (corpus, BPE training, shapes, writing the folder) is in
+tiny_shared.py. A later split can move each remaining family into its own module the same way.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import random
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from PIL import Image
-from safetensors import safe_open
 from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 from tokenizers.trainers import BpeTrainer
@@ -50,16 +50,23 @@ from transformers import (
 )
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN_PRETOKENIZE_REGEX
 
-from vlmrl.contract import (
-    REASONING_END,
-    REASONING_START,
-    SOLUTION_END,
-    SOLUTION_START,
-    build_prompt_text,
-    render_answer,
+from vlmrl.models.tiny_idefics3 import IDEFICS3, build_idefics3_parts
+from vlmrl.models.tiny_shared import (
+    HEAD_DIM,
+    PATCH,
+    PIXELS_PER_TOKEN,
+    QWEN_MERGE,
+    VISION_DEPTH,
+    check_sizes,
+    count_params,
+    save_folder,
+    text_shape,
+    tokenizer_corpus,  # noqa: F401 (re-exported: tests and callers read it from here)
+    train_bpe,
+    vision_width,
 )
 
-TINY_ARCHS = ("qwen3_vl", "qwen2_5_vl", "gemma3")
+TINY_ARCHS = ("qwen3_vl", "qwen2_5_vl", "gemma3", IDEFICS3)
 
 # In the hub order, so ids keep the hub's relative layout (text vocabulary first, then these).
 QWEN_SPECIAL_TOKENS = (
@@ -73,15 +80,6 @@ GEMMA_SPECIAL_TOKENS = (
     "<start_of_image>", "<end_of_image>", "<image_soft_token>",
 )  # fmt: skip
 GEMMA_BYTE_TOKENS = tuple(f"<0x{b:02X}>" for b in range(256))  # the format tokenizers' ByteFallback decodes
-
-HEAD_DIM = 16  # every attention head, text and vision, is 16 wide: hidden sizes must be multiples of 32
-VISION_DEPTH = 2
-QWEN_MERGE = 2  # 2x2 patches merge into one language token, as in every Qwen-VL
-PATCH = 16  # Qwen3-VL's and SigLIP's patch (Qwen2.5-VL's is 14)
-# Every family gets one language token per 32x32 pixels: Qwen merges 2x2 patches, Gemma average-pools its
-# SigLIP patch grid 2x2 (the hub's 896px / 14px patches pool 4x4 into 256 tokens).
-PIXELS_PER_TOKEN = 32
-MIN_VOCAB = 512  # room for the byte alphabet, the special tokens and a few hundred merges
 
 
 def build_tiny_model(
@@ -101,7 +99,14 @@ def build_tiny_model(
     16 at 128 (exactly so for a square input; Qwen2.5-VL's 14px patches round 128 down to 112).
     The same arguments and seed give the same files.
     """
-    _check_sizes(arch, hidden_size, num_layers, vocab_size, image_size)
+    check_sizes(arch, TINY_ARCHS, hidden_size, num_layers, vocab_size, image_size)
+    if arch == IDEFICS3:
+        config, processor, generation_config = build_idefics3_parts(
+            hidden_size, num_layers, vocab_size, image_size
+        )
+        model = _random_model(config, seed)
+        model.generation_config = generation_config
+        return save_folder(model, processor, Path(out_dir))
     if arch == "gemma3":
         tokenizer = _gemma_tokenizer(vocab_size)
         processor = _gemma_processor(tokenizer, image_size)
@@ -113,7 +118,7 @@ def build_tiny_model(
         config = make_config(tokenizer, hidden_size, num_layers, vocab_size, image_size)
     model = _random_model(config, seed)
     model.generation_config = _generation_config(arch, tokenizer)
-    return _save(model, processor, Path(out_dir))
+    return save_folder(model, processor, Path(out_dir))
 
 
 def tiny_model_summary(path: str | Path) -> dict[str, Any]:
@@ -123,7 +128,7 @@ def tiny_model_summary(path: str | Path) -> dict[str, Any]:
     processor = AutoProcessor.from_pretrained(path)
     return {
         "arch": config["model_type"],
-        "params": _count_params(path),
+        "params": count_params(path),
         "vocab_size": len(processor.tokenizer),
         "embedding_rows": config["text_config"]["vocab_size"],
         "image_tokens_per_image": count_image_tokens(processor),
@@ -137,69 +142,6 @@ def count_image_tokens(processor: Any, size: int = 512) -> int:
     # Gemma's prompts carry <start_of_image>, which its processor expands into the tokenizer's soft tokens.
     expanded = getattr(processor.tokenizer, "image_token", None) or processor.image_token
     return int((batch["input_ids"] == processor.tokenizer.convert_tokens_to_ids(expanded)).sum())
-
-
-def tokenizer_corpus() -> list[str]:
-    """The text the tiny tokenizers are trained on: what this project's prompts and answers say.
-
-    Deterministic (a fixed-seed generator), so a tokenizer trained on it is the same on every machine.
-    Special tokens are left out: they are added whole, never learned.
-    """
-    rng = random.Random(0)
-    labels = "ABCDEFGH"
-    lines: list[str] = []
-    for _ in range(300):
-        a, b, c = rng.randint(1, 99), rng.randint(1, 99), rng.randint(2, 12)
-        x = round(rng.uniform(-20, 20), rng.choice([0, 1, 2]))
-        label, other = rng.sample(labels, 2)
-        questions = [
-            f"What is the value of the bar labelled {label}?",
-            f"What is the difference between the bars labelled {label} and {other}?",
-            "Which bar is the tallest? What is its value in the chart?",
-            f"What percentage of the total does category {label} represent? Answer with one decimal place.",
-            f"How many bars have a value greater than {a}?",
-            f"Find the area of the rectangle with width {a} and height {b}.",
-            f"Find the perimeter of the square with side {c} cm.",
-            f"In the right triangle ABC, angle C is 90°. If AC = {a} and BC = {b}, find the hypotenuse AB.",
-            f"What is the measure of angle {label}{other}C in degrees? The other angles are {a}° and {b}°.",
-            f"Find the area of the circle with radius {c}. Use π = 3.14.",
-            f"What is the slope of the line through ({a}, {b}) and ({c}, {x})?",
-            f"What is the y-intercept of the line y = {c}x - {a}?",
-            f"At what value of x does f(x) = {c}x + {x} cross the x-axis?",
-            f"What is the maximum value of the function f(x) = -x^2 + {c}x on the interval [0, {c}]?",
-            "How many squares are in the image?",
-            "How many circles and triangles are there in total?",
-        ]
-        question = rng.choice(questions)
-        lines.append(build_prompt_text(question))
-        reasoning = rng.choice([
-            f"The bar labelled {label} reaches {a} on the y-axis, so its value is {a}.",
-            f"The area is width times height: {a} × {b} = {a * b}.",
-            f"The slope is the change in y over the change in x, which gives {x}.",
-            f"The total is {a + b}, so the share is {a} / {a + b} = {100 * a / (a + b):.1f}%.",
-            f"The angles of a triangle add up to 180°, so the angle is 180° - {a}° - {b}° = {180 - a - b}°.",
-            f"I count {c} squares in the picture.",
-            f"The intercept is where the graph crosses the y-axis, at y = -{a}.",
-        ])  # fmt: skip
-        lines.append(render_answer(reasoning, str(rng.choice([a, b, c, x, a * b, round(a / c, 2)]))))
-        lines.append(
-            f"Question: {question}\nChoices: (A) {a} (B) {b} (C) {c} (D) {x}\nAnswer: {rng.choice('ABCD')}"
-        )
-    lines += [
-        f"{REASONING_START}\n{REASONING_END}\n{SOLUTION_START}\n{SOLUTION_END}",
-        "You are a helpful assistant. Hint: Please answer the question and provide the final answer at the end.",
-        "0 1 2 3 4 5 6 7 8 9 10 100 0.5 -1 -2.5 3/4 50% 90° 45°",
-        ". , ; : ! ? - + = * / % ° ( ) [ ] { } < > ' \" ² ³ √ π × ÷ ≈ ≤ ≥ $ € # & _ ^ | ~ @ \\",
-        "the a an of and or in on to is are was be by with for from as at that this it its which what how many",
-        "chart bar line pie plot graph axis label value legend table year total average mean median sum",
-        "triangle rectangle square circle radius diameter angle degree perimeter area volume side length",
-        "function slope intercept maximum minimum increase decrease percent percentage ratio difference",
-        "Which of the following is true? Is the value greater than or less than the other one? Yes No",
-        "Subtract all red objects. How many objects are left? What is the age gap between these two people?",
-    ]
-    # Chat-template words that are plain text between special tokens (Gemma has no system role word).
-    lines += ["system\nYou are a helpful assistant.", "user\n", "assistant\n", "model\n"] * 20
-    return lines
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -219,7 +161,7 @@ def _qwen_tokenizer(vocab_size: int, arch: str) -> Qwen2Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte is a token: no input can fail
         show_progress=False,
     )
-    learned, merges = _train_bpe(backend, trainer)
+    learned, merges = train_bpe(backend, trainer)
     vocab = {token: i for i, token in enumerate([*learned, *QWEN_SPECIAL_TOKENS])}
     return Qwen2Tokenizer(
         vocab=vocab,
@@ -246,7 +188,7 @@ def _gemma_tokenizer(vocab_size: int) -> GemmaTokenizer:
         pre_tokenizers.Digits(individual_digits=True),
     ])  # fmt: skip
     trainer = BpeTrainer(vocab_size=vocab_size - len(GEMMA_SPECIAL_TOKENS) - 256, show_progress=False)
-    learned, merges = _train_bpe(backend, trainer)
+    learned, merges = train_bpe(backend, trainer)
     vocab = {token: i for i, token in enumerate([*GEMMA_SPECIAL_TOKENS, *GEMMA_BYTE_TOKENS, *learned])}
     return GemmaTokenizer(
         vocab=vocab,
@@ -260,15 +202,6 @@ def _gemma_tokenizer(vocab_size: int) -> GemmaTokenizer:
         extra_special_tokens=["<start_of_turn>", "<end_of_turn>"],  # special, so decoding can skip them
         chat_template=GEMMA_CHAT_TEMPLATE,
     )
-
-
-def _train_bpe(backend: Tokenizer, trainer: BpeTrainer) -> tuple[list[str], list[tuple[str, str]]]:
-    """Train on the corpus; return the learned tokens in id order and the merges in rank order."""
-    backend.train_from_iterator(tokenizer_corpus(), trainer)
-    model = json.loads(backend.to_str())["model"]
-    learned = sorted(model["vocab"], key=model["vocab"].__getitem__)
-    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
-    return learned, merges
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -377,30 +310,13 @@ def _gemma_processor(tokenizer: GemmaTokenizer, image_size: int) -> Gemma3Proces
 # model configs
 
 
-def _text_shape(hidden_size: int, num_layers: int, vocab_size: int) -> dict[str, int]:
-    heads = hidden_size // HEAD_DIM
-    return {
-        "vocab_size": vocab_size,
-        "hidden_size": hidden_size,
-        "intermediate_size": 3 * hidden_size,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": heads // 2,  # grouped-query attention, as in every family here
-        "max_position_embeddings": 32768,
-    }
-
-
-def _vision_width(hidden_size: int) -> int:
-    return max(32, hidden_size // 2)
-
-
 def _qwen3_vl_config(
     tokenizer: Any, hidden_size: int, num_layers: int, vocab_size: int, image_size: int
 ) -> Qwen3VLConfig:
     ids = tokenizer.convert_tokens_to_ids
-    width = _vision_width(hidden_size)
+    width = vision_width(hidden_size)
     text = {
-        **_text_shape(hidden_size, num_layers, vocab_size),
+        **text_shape(hidden_size, num_layers, vocab_size),
         "head_dim": HEAD_DIM,
         # The hub's [24, 20, 20] (T, H, W frequency pairs of a 128-wide head) scaled to 8 pairs; interleaved
         # layout needs 3 * section[1] <= head_dim / 2.
@@ -429,9 +345,9 @@ def _qwen2_5_vl_config(
     tokenizer: Any, hidden_size: int, num_layers: int, vocab_size: int, image_size: int
 ) -> Qwen2_5_VLConfig:
     ids = tokenizer.convert_tokens_to_ids
-    width = _vision_width(hidden_size)
+    width = vision_width(hidden_size)
     text = {
-        **_text_shape(hidden_size, num_layers, vocab_size),
+        **text_shape(hidden_size, num_layers, vocab_size),
         # The hub's [16, 24, 24] of 64 frequency pairs scaled to the 8 pairs of a 16-wide head.
         "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [2, 3, 3]},
         "bos_token_id": ids("<|endoftext|>"),
@@ -467,9 +383,9 @@ def _gemma3_config(
     tokenizer: Any, hidden_size: int, num_layers: int, vocab_size: int, image_size: int
 ) -> Gemma3Config:
     ids = tokenizer.convert_tokens_to_ids
-    width = _vision_width(hidden_size)
+    width = vision_width(hidden_size)
     text = {
-        **_text_shape(hidden_size, num_layers, vocab_size),
+        **text_shape(hidden_size, num_layers, vocab_size),
         "head_dim": HEAD_DIM,
         "query_pre_attn_scalar": HEAD_DIM,
         "sliding_window": 512,
@@ -541,46 +457,3 @@ def _random_model(config: PreTrainedConfig, seed: int) -> PreTrainedModel:
             model.model.multi_modal_projector.mm_input_projection_weight, std=config.initializer_range
         )
     return model.eval()
-
-
-def _save(model: PreTrainedModel, processor: Any, out_dir: Path) -> Path:
-    """Write into a staging folder, then move files in with config.json last.
-
-    Loaders treat a folder with config.json as complete (`resolve_model_source` skips rebuilding it), so an
-    interrupted build must never leave one behind.
-    """
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}-") as staging:
-        model.save_pretrained(staging)
-        processor.save_pretrained(staging)
-        for file in sorted(Path(staging).iterdir(), key=lambda f: (f.name == "config.json", f.name)):
-            os.replace(file, out_dir / file.name)
-    return out_dir
-
-
-def _count_params(path: Path) -> int:
-    total = 0
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(file, framework="pt") as tensors:
-            for name in tensors.keys():  # noqa: SIM118 (safe_open is not iterable)
-                total += torch.Size(tensors.get_slice(name).get_shape()).numel()
-    return total
-
-
-def _check_sizes(arch: str, hidden_size: int, num_layers: int, vocab_size: int, image_size: int) -> None:
-    if arch not in TINY_ARCHS:
-        raise ValueError(f"arch={arch!r} is not a tiny arch; choose one of {', '.join(TINY_ARCHS)}.")
-    if hidden_size < 32 or hidden_size % 32:
-        raise ValueError(
-            f"hidden_size={hidden_size}: use a multiple of 32 (heads are {HEAD_DIM} wide, kv heads half)."
-        )
-    if num_layers < 1:
-        raise ValueError(f"num_layers={num_layers}: use at least 1.")
-    if vocab_size < MIN_VOCAB:
-        raise ValueError(
-            f"vocab_size={vocab_size}: use at least {MIN_VOCAB} (bytes + special tokens + merges)."
-        )
-    if image_size < PIXELS_PER_TOKEN or image_size % PIXELS_PER_TOKEN:
-        raise ValueError(
-            f"image_size={image_size}: use a multiple of {PIXELS_PER_TOKEN} (one image token per 32x32 pixels)."
-        )
