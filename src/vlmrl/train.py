@@ -5,7 +5,7 @@ two rewards with their weights, LoRA on the language layers only (checked), an h
 crash-safe resume, and records (`train/metrics.jsonl`, `train/rollouts.jsonl`, `train/health.jsonl`) written
 by the callbacks in `vlmrl.records`.
 
-    step 1  data      train.jsonl -> datasets.Dataset (conversational prompt, image, answer, id);
+    step 1  data      train.jsonl -> datasets.Dataset (prompt, images: a list per item, item columns);
                       GRPOConfig from the config (+ trl_overrides), checked before any model loads
     step 2  model     base model + LoRA, layout verified
     step 3  trainer   GRPOTrainer with our rewards and callbacks
@@ -180,7 +180,8 @@ def _checkpoint_fingerprint(config: Config) -> str:
 
 
 def build_train_dataset(run_dir: Path):
-    """`data/train.jsonl` as the conversational image dataset TRL expects (images decoded lazily)."""
+    """`data/train.jsonl` as the conversational image dataset TRL expects (images decoded lazily; see
+    data/table.py for the columns)."""
     import datasets
 
     path = run_dir / "data" / "train.jsonl"
@@ -189,16 +190,13 @@ def build_train_dataset(run_dir: Path):
         raise TrainError(f"{path}: no training items; run `vlmrl prepare` first and check data/dropped.jsonl.")
     from vlmrl.data.items import Item
     from vlmrl.data.splits import check_no_overlap
+    from vlmrl.data.table import train_table
 
     holdout = read_jsonl(run_dir / "data" / "holdout.jsonl")
     check_no_overlap([Item.from_json(r) for r in rows], [Item.from_json(r) for r in holdout])
-    table = {
-        "prompt": [[{"role": "user", "content": row["prompt"]}] for row in rows],
-        "image": [str(run_dir / row["image"]) for row in rows],
-        "answer": [str(row["answer"]) for row in rows],
-        "id": [row["id"] for row in rows],
-    }
-    return datasets.Dataset.from_dict(table).cast_column("image", datasets.Image())
+    items = [Item.from_json(r) for r in rows]
+    table = train_table(items, run_dir)  # prompt, images (a list per item) and every column rewards receive
+    return datasets.Dataset.from_dict(table).cast_column("images", datasets.Sequence(datasets.Image()))
 
 
 def build_grpo_config(
