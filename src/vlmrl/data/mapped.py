@@ -24,6 +24,17 @@ from .values import decimals_of, integer_text, is_integer_text, json_safe, numbe
 
 COLUMN_KEYS = ("id", "question", "answer", "image", "images", "choices", "answer_type", "precision", "unit")
 IMAGEFOLDER_COLUMN = "file_name"
+REQUIRED = ("question", "answer", "image", "images")
+
+
+def check_optional_seen(data: DataConfig, seen: set[str], name: str) -> None:
+    """After the last row: every mapped optional column must have appeared in at least one row."""
+    never = {k: v for k, v in data.columns.items() if k not in REQUIRED and v not in seen}
+    if never:
+        raise DataError(
+            f"{name}: data.columns names column(s) no row has "
+            f"({', '.join(f'{k}: {v}' for k, v in never.items())}); check the spelling or remove the mapping."
+        )
 
 
 def mapping(data: DataConfig, row: dict[str, Any]) -> dict[str, str]:
@@ -35,7 +46,11 @@ def mapping(data: DataConfig, row: dict[str, Any]) -> dict[str, str]:
 
 
 def check_mapping(data: DataConfig, row: dict[str, Any], name: str) -> None:
-    """Refuse a mapping with unknown keys, required keys missing, or columns the (first) row lacks."""
+    """Refuse a mapping with unknown keys, required keys missing, or required columns the first row lacks.
+
+    Optional columns may be absent from some rows (JSONL); one absent from every row is refused at the end
+    (`check_optional_seen`), since that is a misspelt column name rather than data.
+    """
     cols = mapping(data, row)
     unknown = sorted(set(cols) - set(COLUMN_KEYS))
     if unknown:
@@ -47,7 +62,7 @@ def check_mapping(data: DataConfig, row: dict[str, Any], name: str) -> None:
         missing.append("image (or images)")
     if missing:
         raise DataError(f"data.columns: map {', '.join(missing)} too (e.g. question: problem).")
-    absent = {k: v for k, v in cols.items() if v not in row}
+    absent = {k: v for k, v in cols.items() if v not in row and k in REQUIRED}
     if absent:
         fields = sorted(k for k in row if not k.startswith("__"))
         raise DataError(

@@ -22,7 +22,7 @@ from typing import Any
 
 from ..config import DataConfig
 from .items import Candidate, DataError, Dropped
-from .mapped import check_mapping, convert_mapped
+from .mapped import check_mapping, check_optional_seen, convert_mapped
 from .values import MAX_DEPTH, decimals_of, depth, integer_text, is_integer_text, json_safe, number_text
 
 __all__ = ["convert_rows", "decimals_of", "parse_number"]
@@ -41,6 +41,7 @@ def convert_rows(
     `counters` counts rows that were kept after a repair (e.g. `precision_inferred`).
     """
     checked = False
+    seen: set[str] = set()  # columns present in some row (mapped optional columns must be somewhere)
     for index, row in enumerate(rows):
         if "__error__" in row:
             yield Dropped(f"row-{index}", row.get("__reason__", "bad_row"), row["__error__"])
@@ -51,6 +52,8 @@ def convert_rows(
         if not checked:  # the first readable row decides the schema
             _check_schema(row, data, name)
             checked = True
+        if data.columns:
+            seen.update(row)
         try:
             if data.columns or "file_name" in row:
                 yield convert_mapped(row, index, data, name, counters)
@@ -59,6 +62,8 @@ def convert_rows(
         except (TypeError, ValueError, AttributeError, KeyError, OverflowError) as exc:
             # cells of a type no check above expected: the row goes, with what was wrong, the run goes on
             yield Dropped(f"row-{index}", "bad_row", f"{type(exc).__name__}: {exc}"[:300])
+    if data.columns and checked:
+        check_optional_seen(data, seen, name)
 
 
 def parse_number(text: Any, *, allow_unit: bool = False) -> float | None:
