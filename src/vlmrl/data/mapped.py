@@ -117,7 +117,7 @@ def _gold(
     raw = cell["answer"]
     if raw is None or (isinstance(raw, str) and not raw.strip()):
         return Dropped(item_id, "missing_answer", "the answer column is missing or empty")
-    if not isinstance(raw, (str, int, float)) and number_text(raw) is None:
+    if isinstance(raw, bool) or (not isinstance(raw, (str, int, float)) and number_text(raw) is None):
         return Dropped(item_id, "bad_answer", f"the answer is a {type(raw).__name__}, not text or a number")
     number = number_text(raw)
     text = raw.strip() if isinstance(raw, str) else number
