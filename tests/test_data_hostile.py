@@ -222,3 +222,17 @@ def test_any_row_is_kept_or_dropped_with_a_reason(rows):
         else:
             json.dumps([result.extra, result.answer, result.choices, result.unit, result.id], allow_nan=False)
             assert isinstance(result.answer, str) and result.images
+
+
+@settings(max_examples=200, deadline=None)
+@given(JSON | st.fixed_dictionaries({}, optional={"bytes": JSON, "path": JSON}))
+def test_any_image_value_is_an_image_or_an_image_error_and_never_leaves_the_folder(tmp_path_factory, value):
+    from vlmrl.data.images import ImageError, open_row_image
+
+    folder = tmp_path_factory.mktemp("imgs")
+    try:
+        open_row_image(value, base_dir=folder)
+    except ImageError as exc:
+        assert exc.reason in {"missing_image", "corrupt_image", "outside_data_folder", "image_url", "too_small"}
+    else:
+        pytest.fail(f"an empty folder yielded an image for {value!r}")

@@ -75,8 +75,12 @@ def open_row_image(source: Any, *, base_dir: Path | None) -> Image.Image:
     must end up inside it after symlinks are followed; hub rows (`base_dir` None) may only point into the
     Hugging Face caches. Raises ImageError(`image_url`, `outside_data_folder`) besides open_image's reasons.
     """
-    if isinstance(source, dict) and not source.get("bytes") and source.get("path"):
-        source = source["path"]
+    if isinstance(source, dict):
+        payload = source.get("bytes")
+        if payload and not isinstance(payload, (bytes, bytearray, memoryview)):
+            raise ImageError("corrupt_image", f"image bytes are a {type(payload).__name__}, not bytes")
+        if not payload and source.get("path"):
+            source = source["path"]
     if isinstance(source, (str, Path)):
         source = _inside_data(str(source), base_dir)
     return open_image(source, base_dir=base_dir)

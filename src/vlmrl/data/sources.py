@@ -108,7 +108,10 @@ def _open_folder(folder: Path, split: str) -> RowSource:
 def _open_saved(folder: Path, split: str) -> RowSource:
     import datasets
 
-    loaded = datasets.load_from_disk(str(folder))
+    try:
+        loaded = datasets.load_from_disk(str(folder))
+    except Exception as exc:  # noqa: BLE001  a damaged or foreign folder: one line naming it
+        raise DataError(f"{folder}: not a readable datasets.save_to_disk folder ({_one_line(exc)}).") from None
     if isinstance(loaded, datasets.DatasetDict):
         if split not in loaded:
             raise DataError(f"{folder}: no split {split!r} (splits: {', '.join(loaded)}); set data.split.")
