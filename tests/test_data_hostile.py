@@ -102,7 +102,7 @@ def test_mapped_cells_of_every_wrong_type(tmp_path):
         b'{"id": "r6", "question": "q", "answer": "6", "image": ["0.png", 7]}', row_line(7, answer=True),
         row_line(8, image="1.png"),
     ]
-    result, items, dropped = prepared(tmp_path, source(tmp_path, lines), MAPPING)
+    result, items, _dropped = prepared(tmp_path, source(tmp_path, lines), MAPPING)
     assert set(items) == {'{"a": [1]}', "r8"}  # an id of an odd type is its JSON text, the row is fine
     assert result.dropped_by_reason == {"missing_question": 1, "bad_answer": 2, "missing_image": 3,
                                         "non_numeric_answer": 1}
@@ -125,7 +125,7 @@ def test_a_damaged_csv_is_one_error_and_a_bad_row_is_one_drop(tmp_path):
         placeholder_image(f"c{k}").save(tmp_path / f"{k}.png")
     path = tmp_path / "rows.csv"
     path.write_bytes(b"id,question,answer,image\nr0,q,0,0.png\nr1,q\xff,1,1.png\nr2,q,2,2.png,extra\nr3,q,3,3.png\n")
-    result, items, dropped = prepared(tmp_path, path, MAPPING)
+    result, items, _dropped = prepared(tmp_path, path, MAPPING)
     assert set(items) == {"r0", "r3"} and result.dropped_by_reason == {"bad_encoding": 1, "bad_row": 1}
     big = tmp_path / "big.csv"
     big.write_text("id,question,answer,image\n" + 'r0,"' + "x" * 200_000 + '",1,0.png\n')
@@ -148,7 +148,7 @@ def test_gold_answers_keep_every_digit(tmp_path):
              # a huge numeric choice (before: float -> inf -> OverflowError)
              json.dumps(mathvista_row("mc", question_type="multi_choice", answer="1" + "0" * 400,
                                       choices=["1" + "0" * 400, "2"], image="2.png")).encode()]
-    result, items, _ = prepared(tmp_path, source(tmp_path, lines, images=0), "data.include_multi_choice=true")
+    _, items, _ = prepared(tmp_path, source(tmp_path, lines, images=0), "data.include_multi_choice=true")
     assert items["big"].answer == "12345678901234567890"
     assert (items["dec"].answer, items["dec"].precision) == ("0.10", 2)
     assert items["mc"].answer == "1" + "0" * 400
@@ -156,7 +156,7 @@ def test_gold_answers_keep_every_digit(tmp_path):
     table = pa.table({"id": ["a", "b", "c"], "question": ["q"] * 3, "answer": [3.0, 2.5, 1e20],
                       "image": ["0.png", "1.png", "2.png"]})
     pq.write_table(table, tmp_path / "floats.parquet")
-    result, items, _ = prepared(tmp_path, tmp_path / "floats.parquet", MAPPING)
+    _result, items, _ = prepared(tmp_path, tmp_path / "floats.parquet", MAPPING)
     assert {k: (v.answer, v.answer_type) for k, v in items.items()} == {
         "a": ("3", "integer"), "b": ("2.5", "float"), "c": ("100000000000000000000", "integer")}
 
@@ -189,7 +189,7 @@ def test_paths_outside_the_data_folder_are_dropped(tmp_path):
              row_line(5, image="https://example.com/x.png"), row_line(6, image={"path": "../secret.png"})]
     path = data / "rows.jsonl"
     path.write_bytes(b"\n".join(lines) + b"\n")
-    result, items, dropped = prepared(tmp_path, path, MAPPING)
+    result, items, _dropped = prepared(tmp_path, path, MAPPING)
     assert set(items) == {"r3", "r4"}
     assert result.dropped_by_reason == {"outside_data_folder": 4, "image_url": 1}
     assert "secret" not in "".join(p.name for p in (tmp_path / "run" / "data" / "images").iterdir())
@@ -209,8 +209,8 @@ COLUMNS = ["id", "question", "answer", "images", "choices", "answer_type", "prec
 @given(st.lists(st.fixed_dictionaries({}, optional={c: JSON for c in COLUMNS}), min_size=1, max_size=6))
 def test_any_row_is_kept_or_dropped_with_a_reason(rows):
     data = load_config("demo", [
-        "data.columns={id: id, question: question, answer: answer, images: images, choices: choices, "
-        "answer_type: answer_type, precision: precision, unit: unit}",
+        ("data.columns={id: id, question: question, answer: answer, images: images, choices: choices, "
+        "answer_type: answer_type, precision: precision, unit: unit}"),
         "data.answer_types=[integer, float, choice, expression, text]"]).data
     full = [{c: None for c in COLUMNS[:-1]} | row | {"__base_dir__": None} for row in rows]
     out = list(convert_rows(iter(full), data, "fuzz", {}))

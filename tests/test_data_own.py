@@ -208,6 +208,8 @@ def test_two_image_rows_prepare_train_and_evaluate_with_a_tiny_qwen3_vl(tmp_path
     monkeypatch.setattr("vlmrl.train.correctness_reward", spy)
     run_dir = config.run_dir
     prepare_with_budget(config, run_dir)
+    summary = json.loads((run_dir / "data" / "summary.json").read_text())
+    assert summary["token_budget"]["checked"] is True  # the processor counted every prompt with all its images
     train_items = read_items(run_dir / "data" / "train.jsonl")
     assert any(len(i.images) == 2 for i in train_items)
     # the holdout can hold images of train rows (r3 shows 4.png too): those train rows are dropped, not kept
@@ -221,3 +223,14 @@ def test_two_image_rows_prepare_train_and_evaluate_with_a_tiny_qwen3_vl(tmp_path
     records = read_jsonl(result.records_path)
     by_id = {i.id: i for i in holdout}
     assert [r["image_sha256"] for r in records] == [list(by_id[r["id"]].image_sha256) for r in records]
+
+
+def test_the_report_shows_every_image_of_an_item(tmp_path):
+    from vlmrl.report import _thumbnail
+
+    for name in ("a", "b"):
+        placeholder_image(name).save(tmp_path / f"{name}.png")
+    html = _thumbnail({"images": ["a.png", "b.png"]}, tmp_path)
+    assert html.count("<img ") == 2 and html.index('alt="a.png"') < html.index('alt="b.png"')
+    assert _thumbnail({"image": "a.png"}, tmp_path).count("<img ") == 1  # a manifest from before lists
+    assert "image not found: c.png" in _thumbnail({"images": ["a.png", "c.png"]}, tmp_path)

@@ -148,6 +148,5 @@ def _tidy(text: str) -> str:
     text = text.lstrip("-")
     if text.startswith("."):
         text = "0" + text
-    if text.endswith("."):
-        text = text[:-1]
+    text = text.removesuffix(".")
     return sign + text
