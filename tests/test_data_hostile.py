@@ -236,3 +236,13 @@ def test_any_image_value_is_an_image_or_an_image_error_and_never_leaves_the_fold
         assert exc.reason in {"missing_image", "corrupt_image", "outside_data_folder", "image_url", "too_small"}
     else:
         pytest.fail(f"an empty folder yielded an image for {value!r}")
+
+
+def test_doctests_of_the_data_value_modules():
+    import doctest
+
+    from vlmrl.data import items, table, values
+
+    for module in (values, table, items):
+        result = doctest.testmod(module)
+        assert result.attempted > 0 and result.failed == 0, module.__name__
