@@ -1,7 +1,7 @@
 """Batched image+question generation with Hugging Face `generate`, shared by evaluation and the SFT check.
 
-One prompt layout for every family: a user turn holding the item's images (in order) and the prompt text, rendered by the
-processor's own chat template (so Qwen's `<|vision_start|><|image_pad|>...` and Gemma's
+One prompt layout for every family: a user turn holding the item's images (in order) and the prompt text,
+rendered by the processor's own chat template (so Qwen's `<|vision_start|><|image_pad|>...` and Gemma's
 `<start_of_image>` land where each family expects them).
 
 On CUDA with `compile` on, decoding uses a static KV cache and `torch.compile` (DESIGN.md measured 4.6x
@@ -32,7 +32,8 @@ PromptImages = Image.Image | list[Image.Image]  # one prompt's image, or its ima
 
 def build_messages(prompt: str, num_images: int = 1) -> list[dict]:
     """The user turn: the item's images in order, then the text (TRL's layout for dataset images)."""
-    return [{"role": "user", "content": [{"type": "image"}] * num_images + [{"type": "text", "text": prompt}]}]
+    content = [{"type": "image"}] * num_images + [{"type": "text", "text": prompt}]
+    return [{"role": "user", "content": content}]
 
 
 def render_prompt(processor: Any, prompt: str, num_images: int = 1) -> str:
@@ -47,7 +48,12 @@ def per_prompt_images(images: list[PromptImages]) -> list[list[Image.Image]]:
 
 
 def encode_batch(
-    processor: Any, prompts: list[str], images: list[PromptImages], device: torch.device, *, bucket: int | None = None
+    processor: Any,
+    prompts: list[str],
+    images: list[PromptImages],
+    device: torch.device,
+    *,
+    bucket: int | None = None,
 ) -> dict:
     lists = per_prompt_images(images)
     texts = [render_prompt(processor, p, len(imgs)) for p, imgs in zip(prompts, lists, strict=True)]

@@ -1,8 +1,8 @@
 """Steps 1-2 of the data stage: read the source row by row, and keep or drop each row.
 
 A kept row has passed its source's field checks, each of its images (in order) has been normalised and
-stored once under `run_dir/data/images/<sha256[:16]>.png`, and its prompt fits `data.max_prompt_tokens` (when a token counter is
-given). A dropped row carries a reason code. Cheap checks run first, so a filtered row never costs a decode.
+stored once under `run_dir/data/images/<sha256[:16]>.png`, and its prompt fits `data.max_prompt_tokens`
+(when a token counter is given). A dropped row carries a reason code. Cheap checks run first, so a filtered row never costs a decode.
 """
 
 from __future__ import annotations
@@ -86,7 +86,11 @@ def _from_synthetic(item: SyntheticItem) -> Candidate:
 
 
 def _keep(
-    row: Candidate, config: Config, run_dir: Path, token_counter: TokenCounter | None, hashes: dict[str, list[int]]
+    row: Candidate,
+    config: Config,
+    run_dir: Path,
+    token_counter: TokenCounter | None,
+    hashes: dict[str, list[int]],
 ) -> Item | Dropped:
     """Normalise and store the row's images, check the prompt budget; an Item, or why not."""
     data = config.data
@@ -94,9 +98,8 @@ def _keep(
     images = []
     for number, value in enumerate(row.images, start=1):
         try:
-            images.append(
-                normalize_image(open_row_image(value, base_dir=row.base_dir), size=data.image_size, policy=data.resize)
-            )
+            opened = open_row_image(value, base_dir=row.base_dir)
+            images.append(normalize_image(opened, size=data.image_size, policy=data.resize))
         except ImageError as exc:
             where = f"image {number} of {len(row.images)}: " if len(row.images) > 1 else ""
             return Dropped(row.id, exc.reason, where + exc.detail)

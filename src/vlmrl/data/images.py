@@ -88,12 +88,16 @@ def open_row_image(source: Any, *, base_dir: Path | None) -> Image.Image:
 
 def _inside_data(text: str, base_dir: Path | None) -> Path:
     if "://" in text or text.lower().startswith(("data:", "www.")):
-        raise ImageError("image_url", f"{text[:200]!r} is a URL; vlmrl does not download images (save them beside the data file)")
+        raise ImageError(
+            "image_url", f"{text[:200]!r} is a URL; vlmrl does not download images (save them beside the data)"
+        )
     path = Path(text)
     if base_dir is not None:
         roots = [Path(base_dir)]
         if path.is_absolute():
-            raise ImageError("outside_data_folder", f"{text[:200]!r} is an absolute path; use a path relative to {base_dir}")
+            raise ImageError(
+                "outside_data_folder", f"{text[:200]!r} is an absolute path; use a path relative to {base_dir}"
+            )
         path = Path(base_dir) / path
     else:
         roots = _hub_caches()

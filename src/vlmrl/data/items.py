@@ -85,9 +85,11 @@ class Item:
         if unknown:
             raise ValueError(f"unknown field(s) {', '.join(unknown)}")
         if record["answer_type"] not in ANSWER_TYPES:
-            raise ValueError(f"answer_type must be one of {', '.join(ANSWER_TYPES)}, got {record['answer_type']!r}")
+            raise ValueError(
+                f"answer_type must be one of {', '.join(ANSWER_TYPES)}, got {record['answer_type']!r}"
+            )
         images, hashes = record["images"], record["image_sha256"]
-        if not isinstance(images, list) or not images or not isinstance(hashes, list) or len(hashes) != len(images):
+        if not (isinstance(images, list) and images and isinstance(hashes, list) and len(hashes) == len(images)):
             raise ValueError("images and image_sha256 must be lists of the same, non-zero length")
         values = dict(record)
         values["choices"] = tuple(record["choices"]) if record["choices"] is not None else None
@@ -143,7 +145,8 @@ class Candidate:
     """A row that passed the field checks of its source, before its image is normalised and stored.
 
     Each of `images` is whatever the source holds (PIL image, bytes, a `{"bytes", "path"}` dict or a path
-    relative to `base_dir`); decoding waits until the cheap checks have passed, so filtered rows never cost a decode.
+    relative to `base_dir`); decoding waits until the cheap checks have passed, so filtered rows never cost a
+    decode.
     """
 
     id: str

@@ -79,7 +79,9 @@ def convert_mapped(
     item_id = _id_text(cell.get("id")) or f"{name}-{index}"
     question = cell["question"]
     if not isinstance(question, str) or not question.replace("<image>", "").strip():
-        return Dropped(item_id, "missing_question", f"column {cols['question']!r} is missing, empty or not text")
+        return Dropped(
+            item_id, "missing_question", f"column {cols['question']!r} is missing, empty or not text"
+        )
     images = _images(cell)
     if isinstance(images, Dropped):
         return Dropped(item_id, images.reason, images.detail)
@@ -127,9 +129,13 @@ def _gold(
     if isinstance(declared, str) and declared.strip():
         atype = declared.strip().lower()
         if atype not in ANSWER_TYPES:
-            return Dropped(item_id, "unknown_answer_type", f"answer_type {declared!r}; use {', '.join(ANSWER_TYPES)}")
+            return Dropped(
+                item_id, "unknown_answer_type", f"answer_type {declared!r}; use {', '.join(ANSWER_TYPES)}"
+            )
     elif declared is not None and not isinstance(declared, str):
-        return Dropped(item_id, "unknown_answer_type", f"answer_type is a {type(declared).__name__}, not text")
+        return Dropped(
+            item_id, "unknown_answer_type", f"answer_type is a {type(declared).__name__}, not text"
+        )
     elif data.answer_type is not None:
         atype = data.answer_type
     elif number is not None:
@@ -137,7 +143,9 @@ def _gold(
     else:
         atype = "choice" if choices and text in choices else "text"
     if atype not in data.answer_types:
-        return Dropped(item_id, "filtered_answer_type", f"{atype} answer not in data.answer_types {data.answer_types}")
+        return Dropped(
+            item_id, "filtered_answer_type", f"{atype} answer not in data.answer_types {data.answer_types}"
+        )
     if atype in ("integer", "float"):
         if number is None or (atype == "integer" and not is_integer_text(number)):
             return Dropped(item_id, "non_numeric_answer", f"answer {text!r} is not a valid {atype}")
@@ -147,9 +155,13 @@ def _gold(
         return gold, atype, _precision(cell.get("precision"), atype, gold, counters)
     if atype == "choice":
         if not choices:
-            return Dropped(item_id, "missing_choices", "a choice answer needs the row's choices (data.columns.choices)")
+            return Dropped(
+                item_id, "missing_choices", "a choice answer needs the row's choices (data.columns.choices)"
+            )
         if text not in choices:
-            return Dropped(item_id, "answer_not_in_choices", f"answer {text!r} is not one of the choices {choices}")
+            return Dropped(
+                item_id, "answer_not_in_choices", f"answer {text!r} is not one of the choices {choices}"
+            )
     return text, atype, None
 
 
@@ -157,7 +169,12 @@ def _precision(raw: Any, atype: str, gold: str, counters: dict[str, int]) -> int
     if atype != "float":
         return None
     declared = number_text(raw)
-    if declared is not None and is_integer_text(declared) and not declared.startswith("-") and len(declared) < 4:
+    if (
+        declared is not None
+        and is_integer_text(declared)
+        and not declared.startswith("-")
+        and len(declared) < 4
+    ):
         return int(integer_text(declared))
     counters["precision_inferred"] = counters.get("precision_inferred", 0) + 1
     return decimals_of(gold)

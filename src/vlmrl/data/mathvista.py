@@ -106,7 +106,8 @@ def _mathvista(
     if answer is not None and not isinstance(answer, str):  # a number cell: its exact text, never "3.0"
         answer = number_text(answer)
         if answer is None:
-            return Dropped(pid, "non_numeric_answer", f"answer of type {type(row['answer']).__name__} is not a number")
+            kind = type(row["answer"]).__name__
+            return Dropped(pid, "non_numeric_answer", f"answer of type {kind} is not a number")
     if answer is None or not answer.strip():
         return Dropped(pid, "missing_answer", "field 'answer' is missing or empty")
     answer = answer.strip()
@@ -149,7 +150,9 @@ def _mathvista(
         counters["metadata_not_mapping"] = counters.get("metadata_not_mapping", 0) + 1
     split = metadata.get("split") if isinstance(metadata.get("split"), str) else None
     split = split or data.split
-    metadata.update({"pid": pid, "question_type": json_safe(qtype), "answer_type": json_safe(row.get("answer_type"))})
+    metadata.update(
+        {"pid": pid, "question_type": json_safe(qtype), "answer_type": json_safe(row.get("answer_type"))}
+    )
     if row.get("query"):
         metadata["query"] = json_safe(row["query"])
     return Candidate(

@@ -7,8 +7,8 @@ behind its size guard. Local rows carry `__base_dir__` so relative image paths r
 A bad line becomes a row `{"__error__": ..., "__reason__": ...}` that the stage drops with that reason
 (`bad_row`: not JSON or not an object; `bad_encoding`: not UTF-8; `too_deeply_nested`): it never stops a run.
 A UTF-8 byte-order mark is skipped. A file that cannot be read at all (a corrupt Parquet or CSV file) is one
-`DataError` naming the file and the cause. A folder in the Hugging Face `imagefolder` layout is read through its
-`metadata.jsonl`/`metadata.csv` (the `file_name` column names each image, relative to that file).
+`DataError` naming the file and the cause. A folder in the Hugging Face `imagefolder` layout is read through
+its `metadata.jsonl`/`metadata.csv` (the `file_name` column names each image, relative to that file).
 CSV cells are text: a list column (`images`, `choices`) holds a JSON list (`["a.png", "b.png"]`).
 Deliberately left out: streaming from the Hub (MathVista testmini is 1,000 rows), compressed files.
 """
@@ -55,7 +55,8 @@ def open_rows(data: DataConfig) -> RowSource:
         raise DataError(
             f"data.source {data.source!r}: no such file or folder, and not a Hugging Face Hub id "
             "(owner/name). "
-            "Use `synthetic`, a hub id such as AI4Math/MathVista, or a local Parquet/JSONL/CSV file or folder."
+            "Use `synthetic`, a hub id such as AI4Math/MathVista, "
+            "or a local Parquet/JSONL/CSV file or folder."
         )
     if data.max_items is not None and source.total > data.max_items:
         source = RowSource(source.name, data.max_items, itertools.islice(source.rows, data.max_items))
@@ -111,7 +112,9 @@ def _open_saved(folder: Path, split: str) -> RowSource:
     try:
         loaded = datasets.load_from_disk(str(folder))
     except Exception as exc:  # noqa: BLE001  a damaged or foreign folder: one line naming it
-        raise DataError(f"{folder}: not a readable datasets.save_to_disk folder ({_one_line(exc)}).") from None
+        raise DataError(
+            f"{folder}: not a readable datasets.save_to_disk folder ({_one_line(exc)})."
+        ) from None
     if isinstance(loaded, datasets.DatasetDict):
         if split not in loaded:
             raise DataError(f"{folder}: no split {split!r} (splits: {', '.join(loaded)}); set data.split.")
@@ -178,7 +181,8 @@ def _jsonl_rows(path: Path) -> Iterator[dict[str, Any]]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                yield _error(where, "bad_encoding", f"not UTF-8 (byte {exc.start}: {raw[exc.start:exc.start + 1]!r})")
+                bad = raw[exc.start : exc.start + 1]
+                yield _error(where, "bad_encoding", f"not UTF-8 (byte {exc.start}: {bad!r})")
                 continue
             try:
                 row = json.loads(line)
@@ -205,7 +209,8 @@ def _csv_rows(path: Path) -> list[dict[str, Any]]:
             for record in reader:
                 where = f"{path.name}:{reader.line_num}"
                 if None in record:
-                    rows.append(_error(where, "bad_row", f"{len(record[None])} more cell(s) than the header has"))
+                    extra = len(record[None])
+                    rows.append(_error(where, "bad_row", f"{extra} more cell(s) than the header has"))
                     continue
                 if any(_has_surrogates(v) for v in (*record.keys(), *record.values()) if isinstance(v, str)):
                     rows.append(_error(where, "bad_encoding", "not UTF-8"))

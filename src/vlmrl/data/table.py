@@ -23,8 +23,19 @@ from typing import Any
 from .items import Item
 
 RESERVED = frozenset(
-    {"prompt", "image", "images", "completion", "completion_ids", "completions", "prompts",
-     "trainer_state", "log_extra", "log_metric", "environments"}
+    {
+        "prompt",
+        "image",
+        "images",
+        "completion",
+        "completion_ids",
+        "completions",
+        "prompts",
+        "trainer_state",
+        "log_extra",
+        "log_metric",
+        "environments",
+    }
 )
 SCALARS = (str, bool, int, float)
 MAPPED = ("id", "question", "answer", "answer_type", "precision", "unit", "choices", "category", "source")
