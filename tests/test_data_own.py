@@ -291,7 +291,8 @@ def test_every_image_of_a_training_item_is_checked_against_the_holdout(tmp_path)
 
 
 @pytest.mark.slow
-def test_two_image_rows_prepare_train_and_evaluate_with_a_tiny_qwen3_vl(tmp_path, monkeypatch):
+@pytest.mark.parametrize("arch", ["qwen3_vl", "gemma3"])  # qwen2_5_vl passes too (its processor is Qwen3-VL's kin)
+def test_two_image_rows_prepare_train_and_evaluate_with_a_tiny_model(tmp_path, monkeypatch, arch):
     """prepare (prompt tokens counted with both images) -> a GRPO step on two-image prompts -> evaluation."""
     from vlmrl.evaluate import evaluate
     from vlmrl.pipeline import prepare_with_budget
@@ -313,7 +314,7 @@ def test_two_image_rows_prepare_train_and_evaluate_with_a_tiny_qwen3_vl(tmp_path
     config = load_config(
         "demo",
         [
-            "model.name=tiny:qwen3_vl",
+            f"model.name=tiny:{arch}",
             f"run.output_dir={tmp_path / 'runs'}",
             f"data.source={path}",
             "data.columns={id: id, question: question, answer: answer, images: images}",
