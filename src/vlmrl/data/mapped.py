@@ -24,16 +24,20 @@ from .values import decimals_of, integer_text, is_integer_text, json_safe, numbe
 
 COLUMN_KEYS = ("id", "question", "answer", "image", "images", "choices", "answer_type", "precision", "unit")
 IMAGEFOLDER_COLUMN = "file_name"
-REQUIRED = ("question", "answer", "image", "images")
 
 
-def check_optional_seen(data: DataConfig, seen: set[str], name: str) -> None:
-    """After the last row: every mapped optional column must have appeared in at least one row."""
-    never = {k: v for k, v in data.columns.items() if k not in REQUIRED and v not in seen}
+def check_columns_seen(data: DataConfig, seen: set[str], name: str) -> None:
+    """After the last row: every mapped column must have appeared in at least one row (else it is misspelt).
+
+    Checked at the end, not on the first row, so one row without a column (JSONL rows vary) is dropped with
+    a reason instead of refusing the file; rows are dropped before any image decode, so this costs little.
+    """
+    never = {k: v for k, v in data.columns.items() if v not in seen}
     if never:
+        found = ", ".join(sorted(k for k in seen if not k.startswith("__")))
         raise DataError(
-            f"{name}: data.columns names column(s) no row has "
-            f"({', '.join(f'{k}: {v}' for k, v in never.items())}); check the spelling or remove the mapping."
+            f"{name}: data.columns names column(s) the data does not have "
+            f"({', '.join(f'{k}: {v}' for k, v in never.items())}); the columns are: {found}."
         )
 
 
@@ -46,11 +50,7 @@ def mapping(data: DataConfig, row: dict[str, Any]) -> dict[str, str]:
 
 
 def check_mapping(data: DataConfig, row: dict[str, Any], name: str) -> None:
-    """Refuse a mapping with unknown keys, required keys missing, or required columns the first row lacks.
-
-    Optional columns may be absent from some rows (JSONL); one absent from every row is refused at the end
-    (`check_optional_seen`), since that is a misspelt column name rather than data.
-    """
+    """Refuse a mapping with unknown keys or required keys missing (the columns: `check_columns_seen`)."""
     cols = mapping(data, row)
     unknown = sorted(set(cols) - set(COLUMN_KEYS))
     if unknown:
@@ -62,13 +62,6 @@ def check_mapping(data: DataConfig, row: dict[str, Any], name: str) -> None:
         missing.append("image (or images)")
     if missing:
         raise DataError(f"data.columns: map {', '.join(missing)} too (e.g. question: problem).")
-    absent = {k: v for k, v in cols.items() if v not in row and k in REQUIRED}
-    if absent:
-        fields = sorted(k for k in row if not k.startswith("__"))
-        raise DataError(
-            f"{name}: data.columns names column(s) the data does not have "
-            f"({', '.join(f'{k}: {v}' for k, v in absent.items())}); the columns are: {', '.join(fields)}."
-        )
 
 
 def convert_mapped(

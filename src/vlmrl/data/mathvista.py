@@ -22,7 +22,7 @@ from typing import Any
 
 from ..config import DataConfig
 from .items import Candidate, DataError, Dropped
-from .mapped import check_mapping, check_optional_seen, convert_mapped
+from .mapped import check_columns_seen, check_mapping, convert_mapped
 from .values import MAX_DEPTH, decimals_of, depth, integer_text, is_integer_text, json_safe, number_text
 
 __all__ = ["convert_rows", "decimals_of", "parse_number"]
@@ -63,7 +63,7 @@ def convert_rows(
             # cells of a type no check above expected: the row goes, with what was wrong, the run goes on
             yield Dropped(f"row-{index}", "bad_row", f"{type(exc).__name__}: {exc}"[:300])
     if data.columns and checked:
-        check_optional_seen(data, seen, name)
+        check_columns_seen(data, seen, name)
 
 
 def parse_number(text: Any, *, allow_unit: bool = False) -> float | None:
