@@ -365,3 +365,17 @@ def test_the_report_shows_every_image_of_an_item(tmp_path):
     assert html.count("<img ") == 2 and html.index('alt="a.png"') < html.index('alt="b.png"')
     assert _thumbnail({"image": "a.png"}, tmp_path).count("<img ") == 1  # a manifest from before lists
     assert "image not found: c.png" in _thumbnail({"images": ["a.png", "c.png"]}, tmp_path)
+
+
+def test_extra_columns_never_shadow_mapped_fields_nor_trls_own_arguments(tmp_path):
+    from vlmrl.data.items import Item
+
+    item = Item(
+        "a", "q?", "p", "1", "integer", None, None, None, "mine", "mine", ("x.png",), ("s",),
+        extra={"answer": "other", "completions": "mine", "images": [1], "level": 2},
+    )
+    columns = item.columns()
+    assert columns["answer"] == "1" and "completions" not in columns and "images" not in columns
+    assert (columns["extra_completions"], columns["extra_images"], columns["level"]) == ("mine", [1], 2)
+    table = train_table([item], tmp_path)
+    assert table["images"] == [[str(tmp_path / "x.png")]] and table["extra_images"] == ["[1]"]

@@ -19,6 +19,11 @@ from typing import Any, Literal
 
 AnswerType = Literal["integer", "float", "choice", "expression", "text"]
 ANSWER_TYPES: tuple[str, ...] = ("integer", "float", "choice", "expression", "text")
+# Names TRL gives reward functions itself: an extra column called so is passed as `extra_<name>`.
+RESERVED_COLUMNS = frozenset(
+    {"prompt", "prompts", "image", "images", "completion", "completions", "completion_ids",
+     "trainer_state", "log_extra", "log_metric", "environments"}
+)
 
 
 class DataError(ValueError):
@@ -52,7 +57,8 @@ class Item:
     def columns(self) -> dict[str, Any]:
         """The per-item keyword arguments every reward function receives (TRL passes dataset columns).
 
-        The mapped fields first, then the user's extra columns; an extra column never shadows a mapped one.
+        The mapped fields, then the user's extra columns; an extra column never shadows a mapped one, and one
+        named like an argument TRL passes itself (`prompts`, `completions`, ...) is given as `extra_<name>`.
         """
         mapped = {
             "id": self.id,
@@ -65,7 +71,10 @@ class Item:
             "category": self.category,
             "source": self.source,
         }
-        return {**{k: v for k, v in self.extra.items() if k not in mapped}, **mapped}
+        extra = {
+            (f"extra_{k}" if k in RESERVED_COLUMNS else k): v for k, v in self.extra.items() if k not in mapped
+        }
+        return {**extra, **mapped}
 
     def to_json(self) -> dict[str, Any]:
         record = asdict(self)

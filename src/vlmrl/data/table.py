@@ -22,21 +22,6 @@ from typing import Any
 
 from .items import Item
 
-RESERVED = frozenset(
-    {
-        "prompt",
-        "image",
-        "images",
-        "completion",
-        "completion_ids",
-        "completions",
-        "prompts",
-        "trainer_state",
-        "log_extra",
-        "log_metric",
-        "environments",
-    }
-)
 SCALARS = (str, bool, int, float)
 MAPPED = ("id", "question", "answer", "answer_type", "precision", "unit", "choices", "category", "source")
 
@@ -47,12 +32,12 @@ def train_table(items: Sequence[Item], run_dir: Path) -> dict[str, list[Any]]:
         "prompt": [[{"role": "user", "content": item.prompt}] for item in items],
         "images": [[str(path) for path in item.image_paths(run_dir)] for item in items],
     }
-    rows = [item.columns() for item in items]
+    rows = [item.columns() for item in items]  # extras named like TRL's own arguments: extra_<name>
     for name in MAPPED:  # typed fields: one type per column already (choices: a list of text or None)
         table[name] = [row[name] for row in rows]
-    extras = list(dict.fromkeys(name for item in items for name in item.extra if name not in MAPPED))
+    extras = list(dict.fromkeys(name for row in rows for name in row if name not in MAPPED))
     for name in extras:
-        table[f"extra_{name}" if name in RESERVED else name] = arrow_column([row.get(name) for row in rows])
+        table[name] = arrow_column([row.get(name) for row in rows])
     return table
 
 
