@@ -2,7 +2,8 @@
 
 A kept row has passed its source's field checks, each of its images (in order) has been normalised and
 stored once under `run_dir/data/images/<sha256[:16]>.png`, and its prompt fits `data.max_prompt_tokens`
-(when a token counter is given). A dropped row carries a reason code. Cheap checks run first, so a filtered row never costs a decode.
+(when a token counter is given). A dropped row carries a reason code. Cheap checks run first, so a filtered
+row never costs a decode; a row is kept only when all of its images are usable.
 """
 
 from __future__ import annotations
