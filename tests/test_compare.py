@@ -49,6 +49,15 @@ def test_mismatched_prompt_hash_is_refused(tmp_path):
         compare_runs(tmp_path)
 
 
+def test_image_hashes_compare_as_lists_old_records_included(tmp_path):
+    old = _record("a", True, True)  # image_sha256 "imga": one string, as records were before image lists
+    _write(tmp_path, [old], [{**old, "image_sha256": ["imga"]}])
+    assert compare_runs(tmp_path).comparison["n_paired"] == 1  # before: refused as a different image
+    _write(tmp_path, [{**old, "image_sha256": ["imga", "imgb"]}], [{**old, "image_sha256": ["imga", "imgc"]}])
+    with pytest.raises(CompareError, match="differs between baseline and after"):  # the second image differs
+        compare_runs(tmp_path)
+
+
 def test_missing_records_is_a_clear_error(tmp_path):
     with pytest.raises(CompareError, match="no records"):
         compare_runs(tmp_path)

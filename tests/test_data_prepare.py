@@ -55,8 +55,8 @@ def test_demo_preset_runs_offline_in_seconds(tmp_path):
     train, holdout = load_prepared(tmp_path)
     for item in train[:20] + holdout[:20]:
         stored = (tmp_path / item.image).read_bytes()
-        assert hashlib.sha256(stored).hexdigest() == item.image_sha256
-        assert item.image == f"data/images/{item.image_sha256[:16]}.png"
+        assert item.image_sha256 == (hashlib.sha256(stored).hexdigest(),)
+        assert item.images == (f"data/images/{item.image_sha256[0][:16]}.png",)
         assert Image.open(tmp_path / item.image).size == (128, 128)
         assert item.metadata["family"] == item.category and item.metadata["difficulty"] == 1
     assert len(list((tmp_path / "data" / "images").iterdir())) == summary["images"]["stored"] == 480
@@ -92,7 +92,8 @@ def test_token_counter_drops_long_prompts(tmp_path):
         "demo", ["data.num_synthetic=60", "data.holdout_size=5", "data.max_prompt_tokens=97"]
     )
 
-    def counter(prompt: str, image: Image.Image) -> int:  # pretend: 1 token per word + 64 image tokens
+    def counter(prompt: str, images: list[Image.Image]) -> int:  # pretend: 1 token per word + 64 image tokens
+        (image,) = images
         assert image.size == (128, 128) and image.mode == "RGB"
         return len(prompt.split()) + 64
 
@@ -254,10 +255,13 @@ def test_find_contamination_and_check_no_overlap():
     assert found["t2"].kind == "near" and found["t2"].distance == 2 and "t3" not in found
     assert [c.train_id for c in find_contamination(train, holdout, near_duplicates=False)] == ["t1"]
 
-    item = Item("a", "q?", "p", "1", "integer", None, None, None, "synthetic", "c", "data/images/x.png", "s1")
-    check_no_overlap([item], [replace(item, id="b", image_sha256="s2")])
+    item = Item("a", "q?", "p", "1", "integer", None, None, None, "synthetic", "c", ("data/images/x.png",), ("s1",))
+    check_no_overlap([item], [replace(item, id="b", image_sha256=("s2",))])
     with pytest.raises(DataError, match="id.*in both train and holdout"):
-        check_no_overlap([item], [replace(item, image_sha256="s2")])
+        check_no_overlap([item], [replace(item, image_sha256=("s2",))])
+    two = replace(item, images=("data/images/y.png", "data/images/x.png"), image_sha256=("s3", "s1"))
+    with pytest.raises(DataError, match="identical to holdout images.*a ~ b"):  # the second image counts too
+        check_no_overlap([two], [replace(item, id="b")])
     with pytest.raises(DataError, match="identical to holdout images.*a ~ b"):
         check_no_overlap([item], [replace(item, id="b")])
 
@@ -274,9 +278,10 @@ def test_item_round_trip_and_read_errors_name_file_and_line(tmp_path):
         ("1", "2.50"),
         "synthetic",
         "bar_value",
-        "data/images/x.png",
-        "f" * 64,
+        ("data/images/x.png", "data/images/y.png"),
+        ("f" * 64, "e" * 64),
         {"family": "bar_value", "spec": {"bars": {"A": 2.5}}},
+        {"difficulty_note": "hard", "tags": ["a", "b"]},
     )
     assert Item.from_json(json.loads(json.dumps(item.to_json()))) == item
     path = tmp_path / "train.jsonl"
@@ -286,7 +291,10 @@ def test_item_round_trip_and_read_errors_name_file_and_line(tmp_path):
     path.write_text(json.dumps(item.to_json()) + "\n{broken\n")
     with pytest.raises(DataError, match=r"train.jsonl:2: not a valid item"):
         read_items(path)
-    path.write_text(json.dumps({**item.to_json(), "answer_type": "list"}) + "\n")
+    legacy = {**item.to_json(), "image": "data/images/x.png", "image_sha256": "f" * 64}
+    del legacy["images"], legacy["extra"]  # a manifest written before several images per item
+    assert Item.from_json(legacy).images == ("data/images/x.png",) and Item.from_json(legacy).extra == {}
+    path.write_text(json.dumps({**item.to_json(), "answer_type": "essay"}) + "\n")
     with pytest.raises(DataError, match=r"train.jsonl:1.*answer_type"):
         read_items(path)
     with pytest.raises(DataError, match="no such file"):

@@ -108,7 +108,7 @@ RECORD_SCHEMA: dict[str, tuple[type, ...]] = {
     "mathvista_correct": (bool,),
     "generated_tokens": (int,),
     "truncated": (bool,),
-    "image_sha256": (str,),
+    "image_sha256": (list,),  # one sha256 per image, in order
     "prompt_sha256": (str,),
     "category": (str, type(None)),
     "metadata": (dict,),

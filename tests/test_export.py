@@ -72,7 +72,7 @@ def checks_by_name(report: dict) -> dict[str, dict]:
 
 def holdout_logits(model, processor, run_dir: Path) -> torch.Tensor:
     item = read_jsonl(run_dir / "data" / "holdout.jsonl")[0]
-    with Image.open(run_dir / item["image"]) as img:
+    with Image.open(run_dir / item["images"][0]) as img:
         device = next(model.parameters()).device
         batch = encode_batch(processor, [item["prompt"]], [img.convert("RGB")], device)
     with torch.inference_mode():

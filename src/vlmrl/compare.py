@@ -28,6 +28,12 @@ class CompareResult:
     comparison: dict
 
 
+def _images(record: dict) -> list:
+    """Each image's hash: a list now, one string in records written before several images per item."""
+    hashes = record.get("image_sha256")
+    return [hashes] if isinstance(hashes, str) else list(hashes or [])
+
+
 def compare_runs(run_dir: Path, *, seed: int = 0, top_regressions: int = 10) -> CompareResult:
     """Write `run_dir/comparison.json` from `baseline_records.jsonl` and `after_records.jsonl`."""
     before = _load(run_dir / "baseline_records.jsonl")
@@ -38,7 +44,7 @@ def compare_runs(run_dir: Path, *, seed: int = 0, top_regressions: int = 10) -> 
         raise CompareError(f"{run_dir}: baseline and after records share no id; evaluate both stages first.")
     for item_id in ids:
         b, a = before[item_id], after[item_id]
-        if (b.get("prompt_sha256"), b.get("image_sha256")) != (a.get("prompt_sha256"), a.get("image_sha256")):
+        if (b.get("prompt_sha256"), _images(b)) != (a.get("prompt_sha256"), _images(a)):
             raise CompareError(f"{run_dir}: item {item_id} differs between baseline and after (prompt or image hash).")
     pairs = [(before[i], after[i]) for i in ids]
     metrics = {}

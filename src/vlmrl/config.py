@@ -77,7 +77,7 @@ class DataConfig(_Section):
     source: str = Field(
         "synthetic",
         description="`synthetic` (built-in procedural visual math), a hub id (`AI4Math/MathVista`), "
-        "or a local Parquet/JSONL file or folder.",
+        "or a local Parquet/JSONL/CSV file, imagefolder or save_to_disk folder.",
     )
     split: str = Field("testmini", description="Dataset split for hub or folder sources.")
     answer_types: list[Literal["integer", "float", "choice", "expression", "text"]] = Field(
@@ -88,13 +88,19 @@ class DataConfig(_Section):
     include_multi_choice: bool = Field(
         False, description="Also keep MathVista's multiple-choice items, as answer type `choice` with their choices."
     )
+    answer_type: Literal["integer", "float", "choice", "expression", "text"] | None = Field(
+        None,
+        description="Answer type of mapped rows without an `answer_type` cell; unset: read off the gold "
+        "(a number is integer/float, one of the row's choices is choice, else text). See docs/data.md.",
+    )
     prompt_field: Literal["question", "query"] = Field(
         "question",
         description="`question` as the write-up does, or MathVista's `query` (which carries hints, units, choices).",
     )
     columns: dict[str, str] = Field(
         default_factory=dict,
-        description="Column mapping for other datasets: keys image, question, answer, precision, choices, id.",
+        description="Column mapping for other datasets: keys id, question, answer, image, images, choices, "
+        "answer_type, precision, unit (docs/data.md).",
     )
     # 28: one merged vision patch of Qwen-VL; 4096: a 4096^2 RGB image is 48 MiB before the processor copies it
     image_size: int = Field(512, ge=28, le=4096, description="Side of the normalised image (squash/fit policies).")
@@ -264,7 +270,10 @@ class Config(_Section):
     def data_fingerprint(self) -> str:
         """What the prepared data depends on: the data section, the split seed and the model (its processor
         counts prompt tokens). The run's name and folder are left out so a copied run stays valid."""
-        data = {"data": self.data.model_dump(mode="json"), "seed": self.run.seed, "model": self.model.name}
+        section = self.data.model_dump(mode="json")
+        if section["answer_type"] is None:  # a field added later: unset, earlier runs keep their fingerprint
+            del section["answer_type"]
+        data = {"data": section, "seed": self.run.seed, "model": self.model.name}
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
     @property

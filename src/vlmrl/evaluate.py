@@ -30,6 +30,7 @@ from PIL import Image
 
 from vlmrl import distributed, fastgen, stats
 from vlmrl.config import Config
+from vlmrl.data.items import record_images
 from vlmrl.generation import generate_batch
 from vlmrl.grading import grade, mathvista_correct, normalize_mathvista
 from vlmrl.io import append_jsonl, read_json, read_jsonl, write_json_atomic, write_jsonl_atomic
@@ -102,7 +103,7 @@ def evaluate(
                 loaded.model,
                 loaded.processor,
                 [item["prompt"] for item in batch],
-                [_open_image(run_dir, item) for item in batch],
+                [_open_images(run_dir, item) for item in batch],
                 max_new_tokens=config.eval.max_new_tokens,
                 do_sample=config.eval.do_sample,
                 temperature=config.eval.temperature,
@@ -221,7 +222,7 @@ def make_record(item: dict, generations: list, settings: dict, seconds: float, s
         "answer_type": item.get("answer_type"),
         "precision": item.get("precision"),
         **first,
-        "image_sha256": item.get("image_sha256"),
+        "image_sha256": _hashes(item.get("image_sha256")),  # one per image, in order
         "prompt_sha256": hashlib.sha256(item["prompt"].encode()).hexdigest()[:16],
         "category": item.get("category"),
         "metadata": item.get("metadata") or {},
@@ -334,7 +335,16 @@ def _shard_files(records_path: Path) -> list[Path]:
     return sorted(records_path.parent.glob(f"{records_path.stem}.rank*.jsonl"))
 
 
-def _open_image(run_dir: Path, item: dict) -> Image.Image:
-    with Image.open(run_dir / item["image"]) as img:
-        return img.convert("RGB")
+def _hashes(value: object) -> list[str]:
+    """Each image's sha256 as a list (manifests from before several images per item hold one string)."""
+    return [value] if isinstance(value, str) else list(value or [])  # type: ignore[call-overload]
+
+
+def _open_images(run_dir: Path, item: dict) -> list[Image.Image]:
+    """The item's images, in order (one-image items and manifests from before lists alike)."""
+    images = []
+    for path in record_images(item):
+        with Image.open(run_dir / path) as img:
+            images.append(img.convert("RGB"))
+    return images
 

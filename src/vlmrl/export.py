@@ -146,11 +146,14 @@ def _probe_item(run_dir: Path) -> dict:
 def _logits(loaded: Any, run_dir: Path, item: dict) -> torch.Tensor:
     from PIL import Image
 
+    from vlmrl.data.items import record_images
     from vlmrl.generation import encode_batch
 
-    with Image.open(run_dir / item["image"]) as img:
-        image = img.convert("RGB")
-    batch = encode_batch(loaded.processor, [item["prompt"]], [image], loaded.device)
+    images = []
+    for path in record_images(item):  # every image of the probe item, in order
+        with Image.open(run_dir / path) as img:
+            images.append(img.convert("RGB"))
+    batch = encode_batch(loaded.processor, [item["prompt"]], [images], loaded.device)
     return loaded.model(**batch).logits.float().cpu()
 
 

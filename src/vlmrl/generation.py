@@ -1,7 +1,7 @@
 """Batched image+question generation with Hugging Face `generate`, shared by evaluation and the SFT check.
 
-One prompt layout for every family: a user turn holding the image and the prompt text, rendered by the
-processor's own chat template (so Qwen's `<|vision_start|><|image_pad|>...` and Gemma's
+One prompt layout for every family: a user turn holding the item's images (in order) and the prompt text,
+rendered by the processor's own chat template (so Qwen's `<|vision_start|><|image_pad|>...` and Gemma's
 `<start_of_image>` land where each family expects them).
 
 On CUDA with `compile` on, decoding uses a static KV cache and `torch.compile` (DESIGN.md measured 4.6x
@@ -27,26 +27,45 @@ class Generation:
     truncated: bool  # hit max_new_tokens without an end-of-turn token
 
 
-def build_messages(prompt: str) -> list[dict]:
-    return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
+PromptImages = Image.Image | list[Image.Image]  # one prompt's image, or its images in order
 
 
-def render_prompt(processor: Any, prompt: str) -> str:
-    return processor.apply_chat_template(build_messages(prompt), add_generation_prompt=True, tokenize=False)
+def build_messages(prompt: str, num_images: int = 1) -> list[dict]:
+    """The user turn: the item's images in order, then the text (TRL's layout for dataset images)."""
+    content = [{"type": "image"}] * num_images + [{"type": "text", "text": prompt}]
+    return [{"role": "user", "content": content}]
+
+
+def render_prompt(processor: Any, prompt: str, num_images: int = 1) -> str:
+    return processor.apply_chat_template(
+        build_messages(prompt, num_images), add_generation_prompt=True, tokenize=False
+    )
+
+
+def per_prompt_images(images: list[PromptImages]) -> list[list[Image.Image]]:
+    """Each prompt's images as a list (a single image is the one-element case)."""
+    return [list(img) if isinstance(img, (list, tuple)) else [img] for img in images]
 
 
 def encode_batch(
-    processor: Any, prompts: list[str], images: list[Image.Image], device: torch.device, *, bucket: int | None = None
+    processor: Any,
+    prompts: list[str],
+    images: list[PromptImages],
+    device: torch.device,
+    *,
+    bucket: int | None = None,
 ) -> dict:
-    texts = [render_prompt(processor, p) for p in prompts]
+    lists = per_prompt_images(images)
+    texts = [render_prompt(processor, p, len(imgs)) for p, imgs in zip(prompts, lists, strict=True)]
     extra = {"pad_to_multiple_of": bucket} if bucket else {}
-    batch = processor(text=texts, images=[[img] for img in images], padding=True, return_tensors="pt", **extra)
+    batch = processor(text=texts, images=lists, padding=True, return_tensors="pt", **extra)
     return {k: v.to(device) if hasattr(v, "to") else v for k, v in batch.items()}
 
 
-def count_prompt_tokens(processor: Any, prompt: str, image: Image.Image) -> int:
+def count_prompt_tokens(processor: Any, prompt: str, images: PromptImages) -> int:
     """Tokens the model sees for one prompt, image tokens included (the data stage's prompt budget)."""
-    batch = processor(text=[render_prompt(processor, prompt)], images=[[image]], return_tensors="pt")
+    (imgs,) = per_prompt_images([images])
+    batch = processor(text=[render_prompt(processor, prompt, len(imgs))], images=[imgs], return_tensors="pt")
     return int(batch["input_ids"].shape[1])
 
 
@@ -56,7 +75,7 @@ def generate_batch(
     model: Any,
     processor: Any,
     prompts: list[str],
-    images: list[Image.Image],
+    images: list[PromptImages],
     *,
     max_new_tokens: int,
     do_sample: bool = False,

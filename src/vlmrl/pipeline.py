@@ -85,7 +85,7 @@ def prompt_token_counter(config: Config, run_dir: Path):
     from vlmrl.models.loading import resolve_model_source
 
     processor = AutoProcessor.from_pretrained(resolve_model_source(config.model.name, run_dir))
-    return lambda prompt, image: count_prompt_tokens(processor, prompt, image)
+    return lambda prompt, images: count_prompt_tokens(processor, prompt, images)
 
 
 def is_prepared(config: Config, run_dir: Path) -> bool:

@@ -373,20 +373,28 @@ def _stage_column(label: str, record: dict | None) -> str:
 
 
 def _thumbnail(item: dict | None, run_dir: Path) -> str:
-    if not item or not item.get("image"):
+    """Every image of the item, in order, as small inline PNGs."""
+    from vlmrl.data.items import record_images
+
+    paths = record_images(item) if item else []
+    if not paths:
         return '<span class="missing">no image</span>'
+    return "".join(_one_thumbnail(path, run_dir) for path in paths)
+
+
+def _one_thumbnail(path: str, run_dir: Path) -> str:
     from PIL import Image
 
     try:
-        with Image.open(run_dir / str(item["image"])) as image:
+        with Image.open(run_dir / path) as image:
             thumb = image.convert("RGB")
             thumb.thumbnail((THUMB_PX, THUMB_PX))
         buffer = io.BytesIO()
         thumb.save(buffer, format="PNG", optimize=True)
     except (OSError, ValueError):
-        return f'<span class="missing">image not found: {_e(item["image"])}</span>'
+        return f'<span class="missing">image not found: {_e(path)}</span>'
     data = base64.b64encode(buffer.getvalue()).decode()
-    return f'<img src="data:image/png;base64,{data}" alt="{_e(item["image"])}" width="{thumb.width}">'
+    return f'<img src="data:image/png;base64,{data}" alt="{_e(path)}" width="{thumb.width}">'
 
 
 # ---- small pieces --------------------------------------------------------------------------------------

@@ -5,8 +5,8 @@ two rewards with their weights, LoRA on the language layers only (checked), an h
 crash-safe resume, and records (`train/metrics.jsonl`, `train/rollouts.jsonl`, `train/health.jsonl`) written
 by the callbacks in `vlmrl.records`.
 
-    step 1  data      train.jsonl -> datasets.Dataset (conversational prompt, image, answer, id, and the
-                      answer_type, choices, precision the correctness reward grades by);
+    step 1  data      train.jsonl -> datasets.Dataset (prompt, images: a list per item, and the item's
+                      columns: answer, answer_type, choices, precision ... every column rewards receive);
                       GRPOConfig from the config (+ trl_overrides), checked before any model loads
     step 2  model     base model + LoRA, layout verified
     step 3  trainer   GRPOTrainer with our rewards and callbacks
@@ -184,7 +184,8 @@ def _checkpoint_fingerprint(config: Config) -> str:
 
 
 def build_train_dataset(run_dir: Path):
-    """`data/train.jsonl` as the conversational image dataset TRL expects (images decoded lazily)."""
+    """`data/train.jsonl` as the conversational image dataset TRL expects (images decoded lazily; see
+    data/table.py for the columns)."""
     import datasets
 
     path = run_dir / "data" / "train.jsonl"
@@ -193,20 +194,13 @@ def build_train_dataset(run_dir: Path):
     rows = read_jsonl(path)
     from vlmrl.data.items import Item
     from vlmrl.data.splits import check_no_overlap
+    from vlmrl.data.table import train_table
 
     holdout = read_jsonl(run_dir / "data" / "holdout.jsonl")
     check_no_overlap([Item.from_json(r) for r in rows], [Item.from_json(r) for r in holdout])
-    table = {
-        "prompt": [[{"role": "user", "content": row["prompt"]}] for row in rows],
-        "image": [str(run_dir / row["image"]) for row in rows],
-        "answer": [str(row["answer"]) for row in rows],
-        "id": [row["id"] for row in rows],
-        # How correctness_reward grades each item (TRL passes these columns to reward functions).
-        "answer_type": [row["answer_type"] for row in rows],
-        "choices": [row.get("choices") for row in rows],
-        "precision": [row.get("precision") for row in rows],
-    }
-    return datasets.Dataset.from_dict(table).cast_column("image", datasets.Image())
+    items = [Item.from_json(r) for r in rows]
+    table = train_table(items, run_dir)  # prompt, images (a list per item) and every column rewards receive
+    return datasets.Dataset.from_dict(table).cast_column("images", datasets.Sequence(datasets.Image()))
 
 
 def _check_trainable(config: Config, run_dir: Path, n_train: int) -> None:

@@ -1,8 +1,9 @@
 """Steps 1-2 of the data stage: read the source row by row, and keep or drop each row.
 
-A kept row has passed its source's field checks, its image has been normalised and stored once under
-`run_dir/data/images/<sha256[:16]>.png`, and its prompt fits `data.max_prompt_tokens` (when a token counter is
-given). A dropped row carries a reason code. Cheap checks run first, so a filtered row never costs a decode.
+A kept row has passed its source's field checks, each of its images (in order) has been normalised and
+stored once under `run_dir/data/images/<sha256[:16]>.png`, and its prompt fits `data.max_prompt_tokens`
+(when a token counter is given). A dropped row carries a reason code. Cheap checks run first, so a filtered
+row never costs a decode; a row is kept only when all of its images are usable.
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ from vlmrl.io import write_bytes_atomic
 
 from ..config import Config
 from ..contract import build_prompt_text
-from .images import ImageError, dhash, image_sha256, normalize_image, open_image, to_png_bytes
+from .images import ImageError, dhash, image_sha256, normalize_image, open_row_image, to_png_bytes
 from .items import Candidate, Dropped, Item
 from .mathvista import convert_rows
 from .sources import open_rows
 from .synthetic import SyntheticItem, check_families, generate_items
 
-TokenCounter = Callable[[str, Image.Image], int]
+TokenCounter = Callable[[str, list[Image.Image]], int]  # (prompt text, the item's images) -> tokens
 
 
 def collect_items(
@@ -40,7 +41,7 @@ def collect_items(
     total, rows = _open(config, converted)
     kept: list[Item] = []
     dropped: list[Dropped] = []
-    hashes: dict[str, int] = {}
+    hashes: dict[str, list[int]] = {}
     seen: set[str] = set()
     for done, row in enumerate(rows, start=1):
         if isinstance(row, Candidate):
@@ -81,25 +82,31 @@ def _from_synthetic(item: SyntheticItem) -> Candidate:
         source="synthetic",
         category=item.family,
         metadata=json.loads(json.dumps(metadata)),  # tuples -> lists, as they will read back from disk
-        image=item.image,
+        images=(item.image,),
     )
 
 
 def _keep(
-    row: Candidate, config: Config, run_dir: Path, token_counter: TokenCounter | None, hashes: dict[str, int]
+    row: Candidate,
+    config: Config,
+    run_dir: Path,
+    token_counter: TokenCounter | None,
+    hashes: dict[str, list[int]],
 ) -> Item | Dropped:
-    """Normalise and store the row's image, check the prompt budget; an Item, or why not."""
+    """Normalise and store the row's images, check the prompt budget; an Item, or why not."""
     data = config.data
     prompt = build_prompt_text(row.question, answer_type=row.answer_type, choices=row.choices)
-    try:
-        image = normalize_image(
-            open_image(row.image, base_dir=row.base_dir), size=data.image_size, policy=data.resize
-        )
-    except ImageError as exc:
-        return Dropped(row.id, exc.reason, exc.detail)
+    images = []
+    for number, value in enumerate(row.images, start=1):
+        try:
+            opened = open_row_image(value, base_dir=row.base_dir)
+            images.append(normalize_image(opened, size=data.image_size, policy=data.resize))
+        except ImageError as exc:
+            where = f"image {number} of {len(row.images)}: " if len(row.images) > 1 else ""
+            return Dropped(row.id, exc.reason, where + exc.detail)
     if token_counter is not None:
         try:
-            tokens = token_counter(prompt, image)
+            tokens = token_counter(prompt, images)
         except Exception as exc:  # noqa: BLE001  one odd row must not stop the run
             return Dropped(row.id, "token_count_failed", f"{type(exc).__name__}: {exc}")
         if tokens > data.max_prompt_tokens:
@@ -108,12 +115,16 @@ def _keep(
                 "prompt_too_long",
                 f"{tokens} tokens > data.max_prompt_tokens={data.max_prompt_tokens}",
             )
-    png = to_png_bytes(image)
-    sha = image_sha256(png)
-    relative = f"data/images/{sha[:16]}.png"
-    if not (run_dir / relative).is_file():
-        write_bytes_atomic(run_dir / relative, png)
-    hashes[row.id] = dhash(image)
+    paths, shas = [], []
+    for image in images:
+        png = to_png_bytes(image)
+        sha = image_sha256(png)
+        relative = f"data/images/{sha[:16]}.png"
+        if not (run_dir / relative).is_file():
+            write_bytes_atomic(run_dir / relative, png)
+        paths.append(relative)
+        shas.append(sha)
+    hashes[row.id] = [dhash(image) for image in images]
     return Item(
         id=row.id,
         question=row.question,
@@ -125,7 +136,8 @@ def _keep(
         choices=row.choices,
         source=row.source,
         category=row.category,
-        image=relative,
-        image_sha256=sha,
+        images=tuple(paths),
+        image_sha256=tuple(shas),
         metadata=row.metadata,
+        extra=row.extra,
     )

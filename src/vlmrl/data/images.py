@@ -43,6 +43,7 @@ def open_image(source: Any, *, base_dir: Path | None = None) -> Image.Image:
     """Open bytes, a path, a `{"bytes", "path"}` dict (datasets' Image storage) or a PIL image, and load it.
 
     Raises ImageError(`missing_image`, `too_large`, `too_small`, `corrupt_image`, `truncated_image`).
+    Paths are trusted here; rows' image values go through `open_row_image`, which keeps them inside the data.
     """
     if isinstance(source, Image.Image):
         _check_size(source.size)
@@ -65,6 +66,67 @@ def open_image(source: Any, *, base_dir: Path | None = None) -> Image.Image:
     if source is None:
         raise ImageError("missing_image", "no image in this row")
     raise ImageError("missing_image", f"cannot read an image from a {type(source).__name__}")
+
+
+def open_row_image(source: Any, *, base_dir: Path | None) -> Image.Image:
+    """`open_image` for a value read from a dataset row: a path must stay inside the data.
+
+    A path (or a `{"path"}` record without bytes) resolves against `base_dir`, the data file's folder, and
+    must end up inside it after symlinks are followed; hub rows (`base_dir` None) may only point into the
+    Hugging Face caches. Raises ImageError(`image_url`, `outside_data_folder`) besides open_image's reasons.
+    """
+    if isinstance(source, dict):
+        payload = source.get("bytes")
+        if payload and not isinstance(payload, (bytes, bytearray, memoryview)):
+            raise ImageError("corrupt_image", f"image bytes are a {type(payload).__name__}, not bytes")
+        if not payload and source.get("path"):
+            source = source["path"]
+    if isinstance(source, (str, Path)):
+        source = _inside_data(str(source), base_dir)
+    return open_image(source, base_dir=base_dir)
+
+
+def _inside_data(text: str, base_dir: Path | None) -> Path:
+    if "://" in text or text.lower().startswith(("data:", "www.")):
+        raise ImageError(
+            "image_url", f"{text[:200]!r} is a URL; vlmrl does not download images (save them beside the data)"
+        )
+    path = Path(text)
+    if base_dir is not None:
+        roots = [Path(base_dir)]
+        if path.is_absolute():
+            raise ImageError(
+                "outside_data_folder", f"{text[:200]!r} is an absolute path; use a path relative to {base_dir}"
+            )
+        path = Path(base_dir) / path
+    else:
+        roots = _hub_caches()
+    try:
+        resolved = path.resolve()
+    except (OSError, RuntimeError, ValueError) as exc:  # a symlink loop, a NUL byte in the name
+        raise ImageError("missing_image", f"cannot resolve {text[:200]!r} ({exc})") from None
+    if not any(resolved.is_relative_to(root.resolve()) for root in roots):
+        where = base_dir if base_dir is not None else "the Hugging Face cache"
+        raise ImageError("outside_data_folder", f"{text[:200]!r} resolves to {resolved}, outside {where}")
+    return resolved
+
+
+def _hub_caches() -> list[Path]:
+    """Where hub data keeps its files: images with a path and no bytes may point only there."""
+    roots = []
+    try:
+        from huggingface_hub import constants
+
+        roots.append(Path(constants.HF_HUB_CACHE))
+    except ImportError:
+        pass
+    try:
+        import datasets.config
+
+        roots.append(Path(datasets.config.HF_DATASETS_CACHE))
+    except ImportError:
+        pass
+    return roots
 
 
 def normalize_image(img_or_bytes: Any, *, size: int, policy: ResizePolicy = "squash") -> Image.Image:

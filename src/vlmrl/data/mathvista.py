@@ -7,11 +7,11 @@ type `choice`, the gold being the text of the right choice ("145°") and the cho
 grader accepts the text or its letter. On testmini that keeps 418 + 40 = 458 free-form items, plus 540
 multiple-choice ones when asked.
 
-Other datasets (e.g. hiyouga/geometry3k) map their columns onto image, question, answer and optionally
-precision, choices and id; the answer type is read off the gold ("3" is an integer, "8.5" a float with
-precision 1).
+Other datasets (e.g. hiyouga/geometry3k) go through `data.columns` (mapped.py).
 
-Every row that is not kept comes back as a `Dropped` with a reason, so input rows = kept + dropped.
+Every row that is not kept comes back as a `Dropped` with a reason, so input rows = kept + dropped: a row
+nested too deeply, or one whose cells have types no converter expected, is dropped (`too_deeply_nested`,
+`bad_row`) instead of stopping the stage. Gold numbers keep their digits (values.py), never through float.
 """
 
 from __future__ import annotations
@@ -23,10 +23,12 @@ from typing import Any
 
 from ..config import DataConfig
 from .items import Candidate, DataError, Dropped
+from .mapped import check_columns_seen, check_mapping, convert_mapped
+from .values import MAX_DEPTH, decimals_of, depth, integer_text, is_integer_text, json_safe, number_text
+
+__all__ = ["convert_rows", "decimals_of", "parse_number"]
 
 MATHVISTA_FIELDS = ("pid", "question", "answer", "question_type", "answer_type")
-COLUMN_KEYS = ("image", "question", "answer", "precision", "choices", "id")
-REQUIRED_COLUMNS = ("image", "question", "answer")
 _PLAIN_NUMBER = re.compile(r"^[-+]?(\d+(\.\d*)?|\.\d+)$")
 _THOUSANDS = re.compile(r"^[-+]?\d{1,3}(,\d{3})+(\.\d+)?$")
 _WITH_UNIT = re.compile(r"^\$?\s*([-+]?(?:\d+(?:\.\d*)?|\.\d+))\s*[^\d]*$")  # "6cm", "135°", "$4"
@@ -39,16 +41,30 @@ def convert_rows(
 
     `counters` counts rows that were kept after a repair (e.g. `precision_inferred`).
     """
+    checked = False
+    seen: set[str] = set()  # columns present in some row (mapped optional columns must be somewhere)
     for index, row in enumerate(rows):
         if "__error__" in row:
-            yield Dropped(f"row-{index}", "bad_row", row["__error__"])
+            yield Dropped(f"row-{index}", row.get("__reason__", "bad_row"), row["__error__"])
             continue
-        if index == 0:
+        if depth(row) > MAX_DEPTH:
+            yield Dropped(f"row-{index}", "too_deeply_nested", f"nested more than {MAX_DEPTH} levels deep")
+            continue
+        if not checked:  # the first readable row decides the schema
             _check_schema(row, data, name)
+            checked = True
         if data.columns:
-            yield _mapped(row, index, data, name, counters)
-        else:
-            yield _mathvista(row, index, data, counters)
+            seen.update(row)
+        try:
+            if data.columns or "file_name" in row:
+                yield convert_mapped(row, index, data, name, counters)
+            else:
+                yield _mathvista(row, index, data, counters)
+        except (TypeError, ValueError, AttributeError, KeyError, OverflowError) as exc:
+            # cells of a type no check above expected: the row goes, with what was wrong, the run goes on
+            yield Dropped(f"row-{index}", "bad_row", f"{type(exc).__name__}: {exc}"[:300])
+    if data.columns and checked:
+        check_columns_seen(data, seen, name)
 
 
 def parse_number(text: Any, *, allow_unit: bool = False) -> float | None:
@@ -66,30 +82,10 @@ def parse_number(text: Any, *, allow_unit: bool = False) -> float | None:
     return float(match.group(1)) if match else None
 
 
-def decimals_of(text: str) -> int:
-    """Digits after the decimal point of a plain number string ("8.50" -> 2)."""
-    text = str(text).strip()
-    return len(text.split(".", 1)[1]) if "." in text else 0
-
-
 def _check_schema(row: dict[str, Any], data: DataConfig, name: str) -> None:
     fields = sorted(k for k in row if not k.startswith("__"))
-    if data.columns:
-        unknown = sorted(set(data.columns) - set(COLUMN_KEYS))
-        if unknown:
-            raise DataError(
-                f"data.columns: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(COLUMN_KEYS)}."
-            )
-        missing = [k for k in REQUIRED_COLUMNS if k not in data.columns]
-        if missing:
-            raise DataError(f"data.columns: map {', '.join(missing)} too (e.g. question: problem).")
-        absent = {k: v for k, v in data.columns.items() if v not in row}
-        if absent:
-            raise DataError(
-                f"{name}: data.columns names column(s) the data does not have "
-                f"({', '.join(f'{k}: {v}' for k, v in absent.items())}); "
-                f"the columns are: {', '.join(fields)}."
-            )
+    if data.columns or "file_name" in row:
+        check_mapping(data, row, name)
     elif not all(f in row for f in MATHVISTA_FIELDS):
         raise DataError(
             f"{name}: rows are not in MathVista's schema (need {', '.join(MATHVISTA_FIELDS)}; found "
@@ -108,9 +104,14 @@ def _mathvista(
     qtype, atype = row.get("question_type"), row.get("answer_type")
     choices = _as_choices(row.get("choices"))
     answer = row.get("answer")
-    if answer is None or not str(answer).strip():
+    if answer is not None and not isinstance(answer, str):  # a number cell: its exact text, never "3.0"
+        answer = number_text(answer)
+        if answer is None:
+            kind = type(row["answer"]).__name__
+            return Dropped(pid, "non_numeric_answer", f"answer of type {kind} is not a number")
+    if answer is None or not answer.strip():
         return Dropped(pid, "missing_answer", "field 'answer' is missing or empty")
-    answer = str(answer).strip()
+    answer = answer.strip()
 
     if qtype == "multi_choice":
         if not data.include_multi_choice:
@@ -128,19 +129,27 @@ def _mathvista(
             return Dropped(
                 pid, "filtered_answer_type", f"{qtype}/{atype} not in data.answer_types {data.answer_types}"
             )
-        value = parse_number(answer)
-        if value is None or (atype == "integer" and not value.is_integer()):
+        number = number_text(answer)
+        if number is None or (atype == "integer" and not is_integer_text(number)):
             return Dropped(pid, "non_numeric_answer", f"answer {answer!r} is not a valid {atype}")
-        text = str(int(value)) if atype == "integer" else answer.replace(",", "")
+        text = integer_text(number) if atype == "integer" else number
         precision = _precision(row.get("precision"), atype, text, counters)
         if text != answer:
             counters["answer_normalized"] = counters.get("answer_normalized", 0) + 1
 
-    metadata = dict(row.get("metadata") or {})
-    split = metadata.get("split") or data.split
-    metadata.update({"pid": pid, "question_type": qtype, "answer_type": row.get("answer_type")})
+    raw_metadata = row.get("metadata")
+    if raw_metadata is None or isinstance(raw_metadata, dict):
+        metadata = json_safe(dict(raw_metadata or {}))
+    else:  # kept as it was, under its own key: the row is usable, the odd cell is not lost
+        metadata = {"metadata": json_safe(raw_metadata)}
+        counters["metadata_not_mapping"] = counters.get("metadata_not_mapping", 0) + 1
+    split = metadata.get("split") if isinstance(metadata.get("split"), str) else None
+    split = split or data.split
+    metadata.update(
+        {"pid": pid, "question_type": json_safe(qtype), "answer_type": json_safe(row.get("answer_type"))}
+    )
     if row.get("query"):
-        metadata["query"] = row["query"]
+        metadata["query"] = json_safe(row["query"])
     return Candidate(
         id=pid,
         question=question.strip(),
@@ -152,7 +161,7 @@ def _mathvista(
         source=f"mathvista-{split}",
         category=str(metadata.get("task") or "unknown"),
         metadata=metadata,
-        image=_mathvista_image(row),
+        images=(_mathvista_image(row),),
         base_dir=row.get("__base_dir__"),
     )
 
@@ -166,58 +175,12 @@ def _mathvista_image(row: dict[str, Any]) -> Any:
     return decoded if decoded is not None else row.get("image")
 
 
-def _mapped(
-    row: dict[str, Any], index: int, data: DataConfig, name: str, counters: dict[str, int]
-) -> Candidate | Dropped:
-    cols = data.columns
-    item_id = str(
-        row.get(cols["id"]) if "id" in cols and row.get(cols["id"]) is not None else f"{name}-{index}"
-    )
-    question = row.get(cols["question"])
-    if not isinstance(question, str) or not question.replace("<image>", "").strip():
-        return Dropped(item_id, "missing_question", f"column {cols['question']!r} is missing or empty")
-    answer = row.get(cols["answer"])
-    if answer is None or not str(answer).strip():
-        return Dropped(item_id, "missing_answer", f"column {cols['answer']!r} is missing or empty")
-    answer = str(answer).strip()
-    value = parse_number(answer)
-    if value is None:
-        return Dropped(item_id, "non_numeric_answer", f"answer {answer!r} is not a number")
-    text = answer.replace(",", "")
-    atype = "integer" if "." not in text else "float"
-    if atype not in data.answer_types:
-        return Dropped(
-            item_id, "filtered_answer_type", f"{atype} answer not in data.answer_types {data.answer_types}"
-        )
-    precision = _precision(row.get(cols["precision"]) if "precision" in cols else None, atype, text, counters)
-    image = row.get(cols["image"])
-    metadata: dict[str, Any] = {"row": index}
-    if isinstance(image, list):  # datasets such as geometry3k store a list of images per row
-        metadata["images_in_row"] = len(image)
-        image = image[0] if image else None
-    choices = _as_choices(row.get(cols["choices"])) if "choices" in cols else None
-    return Candidate(
-        id=item_id,
-        question=question.replace("<image>", "").strip(),
-        answer=str(int(value)) if atype == "integer" else text,
-        answer_type=atype,
-        precision=precision,
-        unit=None,
-        choices=tuple(choices) if choices else None,
-        source=name,
-        category=name,
-        metadata=metadata,
-        image=image,
-        base_dir=row.get("__base_dir__"),
-    )
-
-
 def _precision(raw: Any, answer_type: str, text: str, counters: dict[str, int]) -> int | None:
     """Integers have none. Floats keep a valid declared precision; a missing or NaN one (the hub stores
     precision as float64, so "none" can arrive as NaN) is read off the gold's decimals and counted."""
     if answer_type == "integer":
         return None
-    if isinstance(raw, (int, float)) and not isinstance(raw, bool) and math.isfinite(raw) and raw >= 0:
+    if isinstance(raw, (int, float)) and not isinstance(raw, bool) and math.isfinite(raw) and 0 <= raw <= 20:
         return int(raw)
     counters["precision_inferred"] = counters.get("precision_inferred", 0) + 1
     return decimals_of(text)

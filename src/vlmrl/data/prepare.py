@@ -5,7 +5,7 @@ Steps, in order:
   2. drop what cannot be used (filtered answer types, missing fields, duplicate ids, bad images, prompts over
      `data.max_prompt_tokens`), each with a reason; normalise and store every kept image once, by sha256;
   3. choose the holdout (reusing the previous one when the data config is unchanged);
-  4. remove from train any item whose image is (nearly) a holdout image;
+  4. remove from train any item any of whose images is (nearly) a holdout item's image;
   5. write train.jsonl, holdout.jsonl, dropped.jsonl, then summary.json last (its presence means "complete").
 
 Every input row ends up in exactly one of train, holdout or dropped, and summary.json says so.
@@ -70,7 +70,7 @@ def prepare_data(
 ) -> PrepareResult:
     """Write `run_dir/data/` for `config.data`; see the module docstring for the steps.
 
-    `token_counter(prompt_text, image)` counts a prompt's tokens with the model's processor (image tokens
+    `token_counter(prompt_text, images)` counts a prompt's tokens with the model's processor (image tokens
     included); without one, prompt lengths are not checked and summary.json says so.
     """
     data, run_dir = config.data, Path(run_dir)
@@ -93,10 +93,11 @@ def prepare_data(
 
     # step 4: no holdout image, nor a near-copy of one, in train
     near = data.source != "synthetic"  # template figures (a circle labelled r = 7 vs r = 8) share dHashes
-    keys = {i.id: ImageKey(i.id, i.image_sha256, hashes[i.id]) for i in kept}
+    keys = {i.id: [ImageKey(i.id, s, h) for s, h in zip(i.image_sha256, hashes[i.id])] for i in kept}
     found = find_contamination(
-        [keys[i.id] for i in train], [keys[i.id] for i in holdout], near_duplicates=near
+        [k for i in train for k in keys[i.id]], [k for i in holdout for k in keys[i.id]], near_duplicates=near
     )
+    found = list({c.train_id: c for c in reversed(found)}.values())[::-1]  # one drop per item: its first image
     dropped += [Dropped(c.train_id, "contaminated_holdout", c.detail()) for c in found]
     contaminated = {c.train_id for c in found}
     train = [i for i in train if i.id not in contaminated]
@@ -111,7 +112,7 @@ def prepare_data(
     write_jsonl_atomic(data_dir / "train.jsonl", (i.to_json() for i in train))
     write_jsonl_atomic(data_dir / "holdout.jsonl", (i.to_json() for i in holdout))
     write_jsonl_atomic(data_dir / "dropped.jsonl", (d.to_json() for d in dropped))
-    _remove_unused_images(data_dir / "images", {Path(i.image).name for i in train + holdout})
+    _remove_unused_images(data_dir / "images", {Path(p).name for i in train + holdout for p in i.images})
     write_json_atomic(data_dir / "summary.json", summary)
     if summary["message"]:
         log.warning(summary["message"])
@@ -211,7 +212,7 @@ def _summary(
         "holdout_by_category": dict(sorted(Counter(i.category for i in holdout).items())),
         "holdout": {"size": len(holdout), "requested": data.holdout_size, "seed": config.run.seed},
         "images": {
-            "stored": len({i.image_sha256 for i in train + holdout}),
+            "stored": len({s for i in train + holdout for s in i.image_sha256}),
             "size": data.image_size,
             "resize": data.resize,
         },

@@ -4,8 +4,8 @@ Holdout choice: every usable id is ranked by sha256(f"{seed}:holdout:{id}") and 
 held out. Ranking by a per-id hash (instead of shuffling a list) means adding or dropping other rows never
 changes which of the remaining ids are held out; a previous holdout is kept first when it is reused.
 
-Contamination guard: a training item whose stored image equals a holdout image (same sha256 after
-normalisation), or is a near-duplicate of one (64-bit dHash within 4 bits: re-encodes, resizes, small
+Contamination guard: a training item any of whose stored images equals a holdout item's image (same sha256
+after normalisation), or is a near-duplicate of one (64-bit dHash within 4 bits: re-encodes, resizes, small
 brightness changes), is removed from TRAIN. The holdout is never touched, so evaluation ids stay stable.
 """
 
@@ -80,12 +80,13 @@ def find_contamination(
 def check_no_overlap(train_items: Sequence[Item], holdout_items: Sequence[Item]) -> None:
     """Refuse a train/holdout pair that shares an id or an image: evaluation on it would flatter the model."""
     holdout_ids = {item.id for item in holdout_items}
-    holdout_images = {item.image_sha256: item.id for item in holdout_items}
+    holdout_images = {sha: item.id for item in holdout_items for sha in item.image_sha256}
     shared_ids = [item.id for item in train_items if item.id in holdout_ids]
     shared_images = [
-        (item.id, holdout_images[item.image_sha256])
+        (item.id, holdout_images[sha])
         for item in train_items
-        if item.image_sha256 in holdout_images
+        for sha in dict.fromkeys(item.image_sha256)
+        if sha in holdout_images
     ]
     if not shared_ids and not shared_images:
         return

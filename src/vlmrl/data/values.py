@@ -1,0 +1,152 @@
+"""Cell values as the data stage must keep them: gold numbers exactly as written, everything else JSON-safe.
+
+A gold answer never goes through `float`: "12345678901234567890" stays those 20 digits, "0.10" keeps its two
+decimals, and a float64 cell (Parquet, hub data) is written back as the shortest text that reads back to the
+same double, with an integral value losing its ".0" (a float64 column turns the gold 3 into 3.0; the data
+meant 3). `json_safe` turns whatever a column holds (bytes, Decimal, dates, NaN, numpy scalars, nesting) into
+plain JSON so a manifest line can always be written; `depth` finds rows nested too deeply to keep.
+Left out: locale number formats ("1.000,5"), fractions and scientific notation in gold answers (those are
+`expression` answers).
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import decimal
+import math
+import re
+from typing import Any
+
+MAX_DEPTH = 64  # nesting kept in a row; deeper rows are dropped (`too_deeply_nested`)
+_PLAIN = re.compile(r"^[-+]?(\d+(\.\d*)?|\.\d+)$")
+_THOUSANDS = re.compile(r"^[-+]?\d{1,3}(,\d{3})+(\.\d+)?$")
+_WITH_UNIT = re.compile(r"^\$?\s*([-+]?(?:\d+(?:\.\d*)?|\.\d+))\s*[^\d]*$")  # "6cm", "135°", "$4"
+
+
+def number_text(value: Any, *, allow_unit: bool = False) -> str | None:
+    """The exact text of the number a cell states, or None; never through float for text and ints.
+
+    >>> number_text("12345678901234567890"), number_text("1,000"), number_text("+0.50"), number_text(3.0)
+    ('12345678901234567890', '1000', '0.50', '3')
+    >>> number_text(0.1), number_text("6cm", allow_unit=True), number_text("6cm"), number_text(float("inf"))
+    ('0.1', '6', None, None)
+    >>> number_text("9" * 400 + ".5")[-3:], number_text(True), number_text(".5")
+    ('9.5', None, '0.5')
+    """
+    if value is None or isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, decimal.Decimal):
+        return _tidy(format(value, "f")) if value.is_finite() else None
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return None
+        return str(int(value)) if value.is_integer() else repr(value)
+    if hasattr(value, "item") and not isinstance(value, (str, bytes)):  # numpy scalars
+        try:
+            return number_text(value.item(), allow_unit=allow_unit)
+        except (TypeError, ValueError):
+            return None
+    if not isinstance(value, str):
+        return None
+    text = value.strip()
+    if _THOUSANDS.match(text):
+        text = text.replace(",", "")
+    if _PLAIN.match(text):
+        return _tidy(text)
+    match = _WITH_UNIT.match(text) if allow_unit else None
+    return _tidy(match.group(1)) if match else None
+
+
+def is_integer_text(text: str) -> bool:
+    """Whether an exact number text is integral ("3", "-3.00"); "3.5" is not.
+
+    >>> is_integer_text("3"), is_integer_text("-3.00"), is_integer_text("3.5")
+    (True, True, False)
+    """
+    return "." not in text or set(text.split(".", 1)[1]) <= {"0"}
+
+
+def integer_text(text: str) -> str:
+    """An integral number text without its zero decimals: "3.00" -> "3", "-0.0" -> "0".
+
+    >>> integer_text("3.00"), integer_text("-0.0"), integer_text("-7")
+    ('3', '0', '-7')
+    """
+    whole = text.split(".", 1)[0] or "0"
+    return "0" if set(whole.lstrip("-")) <= {"0"} else whole
+
+
+def decimals_of(text: str) -> int:
+    """Digits after the decimal point of a plain number string ("8.50" -> 2).
+
+    >>> decimals_of("8.50"), decimals_of("8")
+    (2, 0)
+    """
+    text = str(text).strip()
+    return len(text.split(".", 1)[1]) if "." in text else 0
+
+
+def depth(value: Any, limit: int = MAX_DEPTH) -> int:
+    """Nesting depth of lists/dicts, counted without recursion and stopping once past `limit`.
+
+    >>> depth(1), depth([1, [2]]), depth({"a": {"b": []}}), depth([[[[]]]], limit=2)
+    (0, 2, 3, 3)
+    """
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        node, level = stack.pop()
+        if isinstance(node, (list, tuple, dict)):
+            level += 1
+            deepest = max(deepest, level)
+            if deepest > limit:
+                return deepest
+            stack.extend((child, level) for child in (node.values() if isinstance(node, dict) else node))
+    return deepest
+
+
+def json_safe(value: Any) -> Any:
+    """`value` as plain JSON (call it on rows whose `depth` is within MAX_DEPTH).
+
+    Bytes become {"base64": ...} only when short (<= 1 KiB; images are not extras), else a size note; NaN and
+    infinities become their names as text; anything else unknown becomes its `str`.
+
+    >>> json_safe({"a": (1, float("nan")), 2: b"hi", "d": decimal.Decimal("1.10")})
+    {'a': [1, 'nan'], '2': {'base64': 'aGk='}, 'd': '1.10'}
+    """
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [json_safe(v) for v in value]
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        raw = bytes(value)
+        return {"base64": base64.b64encode(raw).decode()} if len(raw) <= 1024 else f"<{len(raw)} bytes>"
+    if isinstance(value, decimal.Decimal):
+        return str(value)
+    if isinstance(value, (datetime.date, datetime.time, datetime.datetime)):
+        return value.isoformat()
+    if hasattr(value, "item") and hasattr(value, "dtype"):  # numpy scalar
+        try:
+            return json_safe(value.item())
+        except (TypeError, ValueError):
+            pass
+    if hasattr(value, "tolist"):  # numpy array
+        return json_safe(value.tolist())
+    return str(value)
+
+
+def _tidy(text: str) -> str:
+    """Drop a leading '+', give '.5' its zero, and a trailing '.' its absence: the written digits stay."""
+    text = text.lstrip("+")
+    sign = "-" if text.startswith("-") else ""
+    text = text.lstrip("-")
+    if text.startswith("."):
+        text = "0" + text
+    text = text.removesuffix(".")
+    return sign + text
