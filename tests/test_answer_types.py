@@ -196,7 +196,7 @@ def test_items_refuse_other_types():
     record = {"id": "1", "question": "q", "prompt": "p", "answer": "a", "answer_type": "list",
               "precision": None, "unit": None, "choices": None, "source": "s", "category": "c",
               "image": "data/images/x.png", "image_sha256": "0" * 64}  # fmt: skip
-    with pytest.raises(ValueError, match="answer_type must be integer, float, choice, expression or text"):
+    with pytest.raises(ValueError, match="answer_type must be one of integer, float, choice, expression, text"):
         Item.from_json(record)
 
 

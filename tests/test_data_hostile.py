@@ -56,7 +56,8 @@ def row_line(k: int, **fields) -> bytes:
 
 def prepared(tmp_path: Path, path: Path, *overrides: str):
     config = load_config(
-        "demo", [f"data.source={path}", "data.image_size=32", "data.holdout_size=1", *overrides]
+        "demo", [f"data.source={path}", "data.image_size=32", "data.holdout_size=1",
+                 "train.per_device_train_batch_size=4", *overrides]  # one prompt is a whole generation batch
     )
     result = prepare_data(config, tmp_path / "run")
     dropped = read_jsonl(result.data_dir / "dropped.jsonl")

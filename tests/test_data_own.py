@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import placeholder_image
 from vlmrl.config import load_config
-from vlmrl.data.items import read_items
+from vlmrl.data.items import DataError, read_items
 from vlmrl.data.prepare import prepare_data
 from vlmrl.data.table import train_table
 from vlmrl.io import read_jsonl
@@ -23,6 +23,9 @@ FULL_MAP = (
     "unit: unit}"
 )
 ALL_TYPES = "data.answer_types=[integer, float, choice, expression, text]"
+
+# these sets are small: one prompt (4 completions) makes a whole generation batch, so prepare keeps them
+SMALL_BATCH = "train.per_device_train_batch_size=4"
 
 
 def mixed_rows(folder: Path) -> list[dict]:
@@ -92,7 +95,7 @@ def test_mixed_answer_types_and_two_image_rows_are_all_accounted_for(tmp_path):
     rows = mixed_rows(tmp_path)
     path = write_jsonl(tmp_path / "mine.jsonl", rows)
     config = load_config(
-        "demo", [f"data.source={path}", FULL_MAP, ALL_TYPES, "data.image_size=32", "data.holdout_size=2"]
+        "demo", [SMALL_BATCH, f"data.source={path}", FULL_MAP, ALL_TYPES, "data.image_size=32", "data.holdout_size=2"]
     )
     result = prepare_data(config, tmp_path / "run")
     assert (
@@ -150,7 +153,7 @@ def test_mixed_answer_types_and_two_image_rows_are_all_accounted_for(tmp_path):
 def test_the_trl_table_has_every_image_and_arrow_safe_extra_columns(tmp_path):
     path = write_jsonl(tmp_path / "mine.jsonl", mixed_rows(tmp_path))
     config = load_config(
-        "demo", [f"data.source={path}", FULL_MAP, ALL_TYPES, "data.image_size=32", "data.holdout_size=1"]
+        "demo", [SMALL_BATCH, f"data.source={path}", FULL_MAP, ALL_TYPES, "data.image_size=32", "data.holdout_size=1"]
     )
     result = prepare_data(config, tmp_path / "run")
     items = read_items(result.train_path) + read_items(result.holdout_path)
@@ -182,7 +185,7 @@ def test_csv_parquet_imagefolder_and_saved_dataset_give_the_same_items(tmp_path)
     expected = {
         k: (v.answer, v.answer_type, len(v.images))
         for k, v in all_items(
-            prepare_data(load_config("demo", [f"data.source={path}", *config]), tmp_path / "j")
+            prepare_data(load_config("demo", [SMALL_BATCH, f"data.source={path}", *config]), tmp_path / "j")
         ).items()
     }
     assert len(expected) == 4
@@ -200,7 +203,7 @@ def test_csv_parquet_imagefolder_and_saved_dataset_give_the_same_items(tmp_path)
         )
     (tmp_path / "mine.csv").write_bytes(b"\xef\xbb\xbf" + buffer.getvalue().encode())  # with Excel's BOM
     found = all_items(
-        prepare_data(load_config("demo", [f"data.source={tmp_path / 'mine.csv'}", *config]), tmp_path / "c")
+        prepare_data(load_config("demo", [SMALL_BATCH, f"data.source={tmp_path / 'mine.csv'}", *config]), tmp_path / "c")
     )
     assert {k: (v.answer, v.answer_type, len(v.images)) for k, v in found.items()} == expected
 
@@ -210,7 +213,7 @@ def test_csv_parquet_imagefolder_and_saved_dataset_give_the_same_items(tmp_path)
     pq.write_table(table, tmp_path / "mine.parquet")
     found = all_items(
         prepare_data(
-            load_config("demo", [f"data.source={tmp_path / 'mine.parquet'}", *config]), tmp_path / "p"
+            load_config("demo", [SMALL_BATCH, f"data.source={tmp_path / 'mine.parquet'}", *config]), tmp_path / "p"
         )
     )
     assert {k: (v.answer, v.answer_type, len(v.images)) for k, v in found.items()} == expected
@@ -238,6 +241,7 @@ def test_csv_parquet_imagefolder_and_saved_dataset_give_the_same_items(tmp_path)
             load_config(
                 "demo",
                 [
+            SMALL_BATCH,
                     f"data.source={tmp_path / 'imagefolder'}",
                     "data.split=train",
                     ALL_TYPES,
@@ -264,7 +268,7 @@ def test_csv_parquet_imagefolder_and_saved_dataset_give_the_same_items(tmp_path)
     for name in "bcd":
         (saved / f"{name}.png").write_bytes((tmp_path / f"{name}.png").read_bytes())
     (saved / "f.png").write_bytes((tmp_path / "f.png").read_bytes())
-    found = all_items(prepare_data(load_config("demo", [f"data.source={saved}", *config]), tmp_path / "s"))
+    found = all_items(prepare_data(load_config("demo", [SMALL_BATCH, f"data.source={saved}", *config]), tmp_path / "s"))
     assert {k: (v.answer, v.answer_type, len(v.images)) for k, v in found.items()} == expected
 
 
@@ -279,15 +283,18 @@ def test_every_image_of_a_training_item_is_checked_against_the_holdout(tmp_path)
     config = load_config(
         "demo",
         [
+            SMALL_BATCH,
             f"data.source={path}",
             "data.image_size=32",
             "data.holdout_size=2",
             "data.columns={id: id, question: question, answer: answer, images: images}",
         ],
     )
-    result = prepare_data(config, tmp_path / "run")
-    assert result.num_holdout == 2 and result.num_train == 0
-    assert result.dropped_by_reason == {"contaminated_holdout": 6}
+    # every training row shares a holdout image: none is left, and prepare refuses with the reason
+    with pytest.raises(DataError, match=r"0 training items left \(2 held out, 6 dropped\).*contaminated_holdout: 6"):
+        prepare_data(config, tmp_path / "run")
+    dropped = read_jsonl(tmp_path / "run" / "data" / "dropped.jsonl")
+    assert [d["reason"] for d in dropped] == ["contaminated_holdout"] * 6
 
 
 @pytest.mark.slow
@@ -314,6 +321,7 @@ def test_two_image_rows_prepare_train_and_evaluate_with_a_tiny_model(tmp_path, m
     config = load_config(
         "demo",
         [
+            SMALL_BATCH,
             f"model.name=tiny:{arch}",
             f"run.output_dir={tmp_path / 'runs'}",
             f"data.source={path}",
