@@ -24,6 +24,7 @@ def write_bytes_atomic(path: str | Path, payload: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; the file should read like any other the user writes
         with os.fdopen(fd, "wb") as handle:
             handle.write(payload)
             handle.flush()
@@ -32,6 +33,13 @@ def write_bytes_atomic(path: str | Path, payload: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    """The process umask (read by setting it and restoring it at once: POSIX has no getter)."""
+    current = os.umask(0o022)
+    os.umask(current)
+    return current
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:
