@@ -11,22 +11,42 @@ import logging
 import shlex
 import time
 import warnings
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
 import typer
+from typer.core import TyperOption
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from vlmrl.config import PRESETS, Config, ConfigError, dump_config, load_config
+from vlmrl.distributed import STRATEGIES
 
+TINY_ARCHS = ("qwen3_vl", "qwen2_5_vl", "gemma3")  # vlmrl.models.tiny's (importing it loads transformers)
+# StrEnums: typer lists their values as the choices in --help, and each member still is the plain string.
+Strategy = StrEnum("Strategy", {s: s for s in STRATEGIES})
+Arch = StrEnum("Arch", {a: a for a in TINY_ARCHS})
+Stage = StrEnum("Stage", {s: s for s in ("baseline", "after")})
+
+HELP = {"help_option_names": ["-h", "--help"]}
+_type_of = TyperOption.display_type_rich
+
+
+def _flag_type(self: TyperOption, ctx) -> str | None:  # noqa: ANN001
+    """typer 0.2x prints `<bool>` beside every flag (`--force <bool>` reads as if it took a value): show none."""
+    return None if self.is_flag else _type_of(self, ctx)
+
+
+TyperOption.display_type_rich = _flag_type
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
+    context_settings=HELP,
     help="Reinforcement learning (GRPO / GSPO) for vision-language models on visual math, measured honestly.",
 )
-config_app = typer.Typer(no_args_is_help=True, help="Show or validate a configuration.")
+config_app = typer.Typer(no_args_is_help=True, context_settings=HELP, help="Show or validate a configuration.")
 app.add_typer(config_app, name="config")
 console = Console()
 
@@ -36,9 +56,10 @@ RunDirOpt = Annotated[Path | None, typer.Option("--run-dir", help="Run directory
 GpusOpt = Annotated[int, typer.Option(
     "--gpus", min=1, help="Run as N processes, one per GPU of this host, through `accelerate launch` (on a machine "
     "without CUDA: N CPU processes). Already under accelerate launch / torchrun: ignored.")]
-StrategyOpt = Annotated[str, typer.Option(
-    "--strategy", help="With --gpus N: ddp (default, LoRA) | fsdp | zero2 | zero3 (DeepSpeed), a shipped accelerate "
-    "config in vlmrl/accelerate/.")]
+StrategyOpt = Annotated[Strategy, typer.Option(
+    "--strategy",
+    help="With --gpus N: ddp (default, LoRA), fsdp, or DeepSpeed zero2 / zero3; a shipped accelerate config in "
+    "vlmrl/accelerate/.")]
 
 
 def _fail(message: str, code: int = 1) -> None:
@@ -98,8 +119,29 @@ def _one_process_only(command: str) -> None:
               "accelerate launch / torchrun. Only train and eval take several (--gpus N).", 2)
 
 
+def _say(message: str) -> None:
+    """A plain line: never wrapped (a log keeps one line per record), no markup read from the message."""
+    console.print(message, highlight=False, markup=False, soft_wrap=True)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from vlmrl.provenance import git_commit, vlmrl_version
+
+        commit = git_commit()
+        console.print(f"vlmrl {vlmrl_version()}" + (f" (git {commit})" if commit else ""), highlight=False)
+        raise typer.Exit()
+
+
 @app.callback()
-def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False) -> None:
+def _main(
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
+    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                          help="Print the vlmrl version (and git commit in a checkout), then exit.")] = False,
+) -> None:
+    from vlmrl.progress import set_sink
+
+    set_sink(_say)  # preparation and the demo-policy build report their progress here
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if not verbose:
         # Weight-loading and shard-writing bars from transformers would interleave with our own progress.
@@ -173,14 +215,23 @@ def config_show(source: ConfigArg = None, set_: SetOpt = None) -> None:
 
 @config_app.command("validate")
 def config_validate(source: Annotated[str, typer.Argument(help="YAML file or preset.")], set_: SetOpt = None) -> None:
-    """Validate a configuration; exit 2 with the reason when it is not usable."""
+    """Validate a configuration as training would (names TRL and transformers know, trackers installed); exit 2
+    with one line per problem when it is not usable."""
+    from vlmrl.trainargs import training_problems
+
     config = _config(source, set_)
+    try:
+        problems = training_problems(config)
+    except Exception as exc:  # noqa: BLE001  a checker that breaks must still answer in one line, not a traceback
+        problems = [f"could not check the training settings: {type(exc).__name__}: {exc}".splitlines()[0]]
+    if problems:
+        _fail(f"{source}: not trainable\n" + "\n".join(f"  {p}" for p in problems), 2)
     console.print(f"ok: {source} is valid (fingerprint {config.fingerprint()})")
 
 
 @app.command("tiny-model")
 def tiny_model(
-    arch: Annotated[str, typer.Option(help="qwen3_vl | qwen2_5_vl | gemma3")] = "qwen3_vl",
+    arch: Annotated[Arch, typer.Option(help="Architecture of the tiny model.")] = Arch.qwen3_vl,
     out: Annotated[Path, typer.Option(help="Folder to write the model into.")] = Path("tiny-model"),
     seed: Annotated[int, typer.Option(help="Weight seed.")] = 0,
 ) -> None:
@@ -250,8 +301,7 @@ def run(
     config = _config(source, set_)
     console.print(f"vlmrl run: [bold]{config.run.name}[/bold] -> {config.run_dir}")
     started = time.perf_counter()
-    outcome = _guard(lambda: run_all(config, force=force, say=lambda m: console.print(m, highlight=False, markup=False),
-                                     progress_factory=_Progress))
+    outcome = _guard(lambda: run_all(config, force=force, say=_say, progress_factory=_Progress))
     _print_comparison(outcome.run_dir / "comparison.json")
     console.print(f"\n[bold]done[/bold] in {time.perf_counter() - started:.0f} s: {outcome.run_dir}")
     for name in ("config.yaml", "data/summary.json", "baseline_records.jsonl", "train/metrics.jsonl",
@@ -282,10 +332,10 @@ def eval_(
     source: ConfigArg = None,
     set_: SetOpt = None,
     run_dir: RunDirOpt = None,
-    stage: Annotated[str, typer.Option(help="baseline | after")] = "baseline",
+    stage: Annotated[Stage, typer.Option(help="baseline: no adapter; after: the trained adapter.")] = Stage.baseline,
     adapter: Annotated[Path | None, typer.Option(help="Adapter folder (default for after: train/final).")] = None,
     gpus: GpusOpt = 1,
-    strategy: StrategyOpt = "ddp",
+    strategy: StrategyOpt = Strategy.ddp,
 ) -> None:
     """Stages 5 and 7: evaluate the held-out set, one record per item (sharded across --gpus N processes)."""
     from vlmrl.distributed import is_main_process
@@ -320,7 +370,7 @@ def train(
     run_dir: RunDirOpt = None,
     resume: Annotated[bool, typer.Option("--resume/--no-resume", help="Continue from the last checkpoint.")] = True,
     gpus: GpusOpt = 1,
-    strategy: StrategyOpt = "ddp",
+    strategy: StrategyOpt = Strategy.ddp,
 ) -> None:
     """Stage 6: GRPO / GSPO through TRL's GRPOTrainer (data-parallel across --gpus N processes)."""
     from vlmrl.distributed import is_main_process
@@ -329,9 +379,11 @@ def train(
     config = _config(source, set_, run_dir)  # a bad config fails here, before any process is launched
     _relaunch_if_asked(gpus, strategy, [*_stage_argv("train", source, set_, run_dir),
                                         *([] if resume else ["--no-resume"])])
-    result = _guard(lambda: train_stage(config, config.run_dir, resume=resume,
-                                        console_callback=lambda m: console.print(m, highlight=False)))
-    if not is_main_process():
+    from vlmrl.progress import TrainProgress
+
+    result = _guard(lambda: train_stage(config, config.run_dir, resume=resume, console_callback=_say,
+                                        progress=TrainProgress(console, _say)))
+    if not is_main_process() or result.already_done:
         return
     console.print_json(json.dumps(result.summary, default=str))
     console.print(f"adapter: {result.final_dir}")
