@@ -301,7 +301,10 @@ def run(
     config = _config(source, set_)
     console.print(f"vlmrl run: [bold]{config.run.name}[/bold] -> {config.run_dir}")
     started = time.perf_counter()
-    outcome = _guard(lambda: run_all(config, force=force, say=_say, progress_factory=_Progress))
+    from vlmrl.progress import TrainProgress
+
+    outcome = _guard(lambda: run_all(config, force=force, say=_say, progress_factory=_Progress,
+                                     train_progress=TrainProgress(console, _say)))
     _print_comparison(outcome.run_dir / "comparison.json")
     console.print(f"\n[bold]done[/bold] in {time.perf_counter() - started:.0f} s: {outcome.run_dir}")
     for name in ("config.yaml", "data/summary.json", "baseline_records.jsonl", "train/metrics.jsonl",

@@ -45,10 +45,11 @@ class Check:
 
 def export_adapter(config: Config, run_dir: Path, *, source: Path | None = None) -> dict:
     """Save `train/final` (or `source`) to `run_dir/adapter/`, verify it, write `export.json`."""
-    from vlmrl.evaluate import check_adapter, default_adapter_dir
+    from vlmrl.evaluate import check_adapter
     from vlmrl.models.loading import BASE_RECORD, load_with_adapter, resolve_model_source
 
-    source = source or default_adapter_dir(run_dir)
+    chosen = _chosen_checkpoint(config, run_dir) if source is None else {"choice": "given", "source": str(source)}
+    source = Path(chosen["source"])
     check_adapter(source, config, run_dir)
     out = run_dir / "adapter"
     trained = load_with_adapter(config.model, run_dir, source)
@@ -77,6 +78,7 @@ def export_adapter(config: Config, run_dir: Path, *, source: Path | None = None)
         "fingerprint": export_fingerprint(config),
         "adapter_dir": str(out),
         "source": str(source),
+        "checkpoint": chosen,
         "base_model": expected_base,
         "checks": [c.as_dict() for c in checks],
         "all_passed": all(c.passed is not False for c in checks),
@@ -86,6 +88,20 @@ def export_adapter(config: Config, run_dir: Path, *, source: Path | None = None)
         failed = ", ".join(c.name for c in checks if c.passed is False)
         raise ExportError(f"export verification failed ({failed}); see {run_dir / 'export.json'}.")
     return report
+
+
+def _chosen_checkpoint(config: Config, run_dir: Path) -> dict:
+    """Which adapter folder export.checkpoint picks (`best`: the kept best validation step), as recorded."""
+    from vlmrl.evaluate import default_adapter_dir
+    from vlmrl.validation import BEST_DIR, best_checkpoint
+
+    if config.export.checkpoint == "last":
+        return {"choice": "last", "source": str(default_adapter_dir(run_dir))}
+    best = best_checkpoint(run_dir)
+    if best is None:
+        raise ExportError(f"export.checkpoint=best: no kept best checkpoint in {run_dir / 'train' / BEST_DIR}; "
+                          "train with train.eval_every_steps set (and export.checkpoint=best), or export `last`.")
+    return {"choice": "best", "source": str(run_dir / "train" / BEST_DIR), **best}
 
 
 def export_fingerprint(config: Config) -> str:

@@ -24,7 +24,8 @@ class RunOutcome:
     skipped: list[str] = field(default_factory=list)
 
 
-def run_all(config: Config, *, force: bool = False, say: Say = print, progress_factory=None) -> RunOutcome:
+def run_all(config: Config, *, force: bool = False, say: Say = print, progress_factory=None,
+            train_progress=None) -> RunOutcome:
     """Run stages 1-8 and the report into `config.run_dir`."""
     from vlmrl import compare, evaluate, export, report, train
     from vlmrl.doctor import collect_environment
@@ -51,7 +52,8 @@ def run_all(config: Config, *, force: bool = False, say: Say = print, progress_f
     stage("eval baseline", eval_done(config, run_dir, "baseline"),
           lambda: evaluate.evaluate(config, run_dir, "baseline", progress=_progress(progress_factory, "baseline")))
     # 6 training
-    stage("train", train.is_trained(config, run_dir), lambda: train.train(config, run_dir, console_callback=say))
+    stage("train", train.is_trained(config, run_dir), lambda: train.train(config, run_dir, console_callback=say,
+                                                                            progress=train_progress))
     # 7 evaluation after training, and the paired comparison
     stage("eval after", eval_done(config, run_dir, "after"),
           lambda: evaluate.evaluate(config, run_dir, "after", progress=_progress(progress_factory, "after")))
