@@ -68,9 +68,9 @@ def test_a_watched_run_leaves_tracker_events_validation_rows_and_reruns_as_a_no_
         acc = EventAccumulator(str(train_dir / "tensorboard"))
         acc.Reload()
         tags = acc.Tags()["scalars"]
-        assert "train/reward" in tags and "validation/accuracy" in tags
-        assert [e.step for e in acc.Scalars("validation/accuracy")] == [2, 4]
-        assert [e.value for e in acc.Scalars("validation/accuracy")] == pytest.approx(
+        assert "train/reward" in tags and "eval/accuracy" in tags
+        assert [e.step for e in acc.Scalars("eval/accuracy")] == [2, 4]
+        assert [e.value for e in acc.Scalars("eval/accuracy")] == pytest.approx(
             [r["accuracy"]["mean"] for r in rows])
 
         # plain progress, one line per step: no control characters, nothing wrapped
@@ -167,7 +167,7 @@ def test_the_gspo_dr_grpo_choice_is_explained_once_and_trls_warning_filtered() -
     quiet_trl_gspo_warning()
     logger = logging.getLogger("trl.trainer.grpo_trainer")
     assert len(logger.filters) == 1
-    drop = logging.LogRecord("trl", logging.WARNING, "", 0, "When using `importance_sampling_level='sequence'`, x",
+    drop = logging.LogRecord("trl", logging.WARNING, "", 0, "[RANK 0] When using `importance_sampling_level='sequence'`, x",
                              None, None)
     keep = logging.LogRecord("trl", logging.WARNING, "", 0, "something else", None, None)
     assert logger.filters[0].filter(drop) is False and logger.filters[0].filter(keep) is True

@@ -123,7 +123,7 @@ class _DropTrlGspoWarning:
     """A logging filter for TRL's one warning that vlmrl's note replaces; every other TRL message passes."""
 
     def filter(self, record) -> bool:  # noqa: ANN001  (logging.Filter protocol)
-        return not str(record.msg).startswith(_TRL_GSPO_WARNING)
+        return _TRL_GSPO_WARNING not in str(record.msg)  # accelerate's adapter prefixes `[RANK n] `
 
 
 _FILTER = _DropTrlGspoWarning()

@@ -3,7 +3,7 @@ held-out items are decoded greedily and scored with evaluation's own record and 
 
 Each validation appends one row to `train/validation.jsonl`: the step, the item count and, for each metric,
 its mean and 95% bootstrap interval (a 32-item subset has wide intervals, and the row says how wide). The same
-means go to the trackers (`validation/<metric>`). With `export.checkpoint: best` the adapter of the best step so
+means go to the trackers (`eval/<metric>`, transformers' name for held-out numbers). With `export.checkpoint: best` the adapter of the best step so
 far (by `export.checkpoint_metric`) is kept in `train/best/` with `vlmrl_best.json` naming step and value.
 
 Greedy and a fixed subset, so two rows differ only by the weights. Left out: sampled validation and pass@k
@@ -82,7 +82,7 @@ class ValidationCallback(TrainerCallback):
         if state.is_world_process_zero:
             append_jsonl(self.path, [row])
             log_to_trackers(self.trackers, args, state, control,
-                            {f"validation/{m}": row[m]["mean"] for m in METRICS})
+                            {f"eval_{m}": row[m]["mean"] for m in METRICS})
             if self.say:
                 self.say(_describe(row))
             if self.keep_best:
