@@ -89,7 +89,7 @@ class _RunFiles:
 
     KNOWN: ClassVar[list[str]] = [
         "config.yaml", "env.json", "data/summary.json", "data/holdout.jsonl", "baseline_records.jsonl",
-        "baseline_summary.json", "train/summary.json", "train/metrics.jsonl", "train/health.jsonl", "train/validation.jsonl",
+        "baseline_summary.json", "train/summary.json", "train/metrics.jsonl", "train/health.jsonl",
         "after_records.jsonl", "after_summary.json", "comparison.json", "export.json"]
 
     def __init__(self, run_dir: Path) -> None:
