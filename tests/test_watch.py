@@ -13,28 +13,18 @@ from typer.testing import CliRunner
 
 from vlmrl.cli import app
 from vlmrl.config import ConfigError, load_config
-from vlmrl.contract import completion_text
 from vlmrl.io import read_jsonl
 from vlmrl.pipeline import prepare_with_budget
 
 runner = CliRunner()
-SETS = ["model.name=tiny:qwen3_vl", "data.num_synthetic=40", "data.holdout_size=6", "eval.max_new_tokens=8",
-        "eval.batch_size=4", "train.max_completion_length=8", "train.max_steps=4",
+# The "done when": the demo policy (its real rewards), 4 steps, validation every 2, TensorBoard on.
+SETS = ["data.num_synthetic=40", "data.holdout_size=6", "eval.batch_size=4", "train.max_steps=4",
         "train.per_device_train_batch_size=8", "train.save_steps=2", "train.report_to=[tensorboard]",
         "train.eval_every_steps=2", "train.eval_subset=4"]
 
 
-def varied_reward(completions, answer, **kwargs) -> list[float]:
-    return [(len(completion_text(c) or "") % 5) / 2 for c in completions]
-
-
-varied_reward.__name__ = "correctness_reward"
-
-
 def cli(*args: str):
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("vlmrl.train.correctness_reward", varied_reward)
-        return runner.invoke(app, list(args))
+    return runner.invoke(app, list(args))
 
 
 def snapshot(folder: Path) -> dict[str, str]:
@@ -43,9 +33,12 @@ def snapshot(folder: Path) -> dict[str, str]:
 
 
 @pytest.mark.slow
-def test_a_watched_run_leaves_tracker_events_validation_rows_and_reruns_as_a_no_op(tmp_path: Path) -> None:
+def test_a_watched_run_leaves_tracker_events_validation_rows_and_reruns_as_a_no_op(
+    tmp_path: Path, vlmrl_cache: Path, monkeypatch
+) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    monkeypatch.setenv("VLMRL_CACHE", str(vlmrl_cache))
     sets = [*SETS, f"run.output_dir={tmp_path}"]
     config = load_config("demo", sets)
     prepare_with_budget(config, config.run_dir)
@@ -171,3 +164,64 @@ def test_the_gspo_dr_grpo_choice_is_explained_once_and_trls_warning_filtered() -
                              None, None)
     keep = logging.LogRecord("trl", logging.WARNING, "", 0, "something else", None, None)
     assert logger.filters[0].filter(drop) is False and logger.filters[0].filter(keep) is True
+
+
+def _state(step: int, max_steps: int = 4):
+    from transformers import TrainerState
+
+    state = TrainerState()
+    state.global_step, state.max_steps = step, max_steps
+    return state
+
+
+def test_train_progress_off_a_terminal_is_one_plain_line_per_step() -> None:
+    import io as _io
+
+    from rich.console import Console
+
+    from vlmrl.progress import TrainProgress
+
+    lines: list[str] = []
+    progress = TrainProgress(Console(file=_io.StringIO(), width=40), lines.append)  # not a terminal
+    args = type("Args", (), {"num_generations": 2})()
+    progress.on_train_begin(args, _state(0), None)
+    progress.recorder = type("R", (), {"last_batch": [
+        {"rewards": {"format_reward": 2.0}, "degenerate": False},
+        {"rewards": {"format_reward": 0.0}, "degenerate": False}]})()
+    progress.on_log(args, _state(1), None, logs={"reward": 0.5, "loss": 0.25})
+    progress.on_log(args, _state(1), None, logs={"train_runtime": 3.0})  # the end-of-run row: no line
+    assert len(lines) == 1
+    assert lines[0].startswith("step 1/4 (25%)  eta ") and "reward 0.500  format 0.50  loss 0.2500" in lines[0]
+
+
+def test_train_progress_on_a_terminal_draws_a_bar_not_lines() -> None:
+    import io as _io
+
+    from rich.console import Console
+
+    from vlmrl.progress import TrainProgress
+
+    out = _io.StringIO()
+    lines: list[str] = []
+    progress = TrainProgress(Console(file=out, force_terminal=True, width=120), lines.append)
+    args = type("Args", (), {"num_generations": 2})()
+    progress.on_train_begin(args, _state(0), None)
+    progress.on_log(args, _state(2), None, logs={"reward": 0.5})
+    progress.on_train_end(args, _state(2), None)
+    assert lines == [] and "2/4" in out.getvalue() and "reward 0.500" in out.getvalue()
+
+
+def test_eval_progress_off_a_terminal_prints_plain_lines() -> None:
+    import io as _io
+
+    from rich.console import Console
+
+    from vlmrl.progress import EvalProgress
+
+    out = _io.StringIO()
+    bar = EvalProgress(Console(file=out, width=30), "baseline", every=3600)
+    bar(0, 8, 0)
+    bar(4, 8, 40)
+    bar(8, 8, 80)
+    text = out.getvalue()
+    assert "\x1b" not in text and text.splitlines()[-1].startswith("eval baseline: 8/8  elapsed ")

@@ -11,35 +11,17 @@ import logging
 import shlex
 import time
 import warnings
-from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from typer.core import TyperOption
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from vlmrl.cli_help import HELP, Arch, Stage, Strategy, print_version
 from vlmrl.config import PRESETS, Config, ConfigError, dump_config, load_config
-from vlmrl.distributed import STRATEGIES
 
-TINY_ARCHS = ("qwen3_vl", "qwen2_5_vl", "gemma3")  # vlmrl.models.tiny's (importing it loads transformers)
-# StrEnums: typer lists their values as the choices in --help, and each member still is the plain string.
-Strategy = StrEnum("Strategy", {s: s for s in STRATEGIES})
-Arch = StrEnum("Arch", {a: a for a in TINY_ARCHS})
-Stage = StrEnum("Stage", {s: s for s in ("baseline", "after")})
-
-HELP = {"help_option_names": ["-h", "--help"]}
-_type_of = TyperOption.display_type_rich
-
-
-def _flag_type(self: TyperOption, ctx) -> str | None:  # noqa: ANN001
-    """typer 0.2x prints `<bool>` beside every flag (`--force <bool>` reads as if it took a value): show none."""
-    return None if self.is_flag else _type_of(self, ctx)
-
-
-TyperOption.display_type_rich = _flag_type
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
@@ -124,19 +106,10 @@ def _say(message: str) -> None:
     console.print(message, highlight=False, markup=False, soft_wrap=True)
 
 
-def _print_version(value: bool) -> None:
-    if value:
-        from vlmrl.provenance import git_commit, vlmrl_version
-
-        commit = git_commit()
-        console.print(f"vlmrl {vlmrl_version()}" + (f" (git {commit})" if commit else ""), highlight=False)
-        raise typer.Exit()
-
-
 @app.callback()
 def _main(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
-    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+    version: Annotated[bool, typer.Option("--version", callback=print_version, is_eager=True,
                                           help="Print the vlmrl version (and git commit in a checkout), then exit.")] = False,
 ) -> None:
     from vlmrl.progress import set_sink
@@ -245,30 +218,10 @@ def tiny_model(
     console.print(f"wrote {path}")
 
 
-class _Progress:
-    """A rich progress bar for evaluation: items/s and generated tokens/s."""
+def _eval_progress(label: str):
+    from vlmrl.progress import EvalProgress
 
-    def __init__(self, label: str):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        self.progress = Progress(
-            TextColumn(f"eval {label}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            TextColumn("{task.fields[rate]}"), console=console, transient=False,
-        )
-        self.task = None
-        self.started = None
-
-    def __call__(self, done: int, total: int, tokens: int) -> None:
-        import time
-
-        if self.task is None:
-            self.progress.start()
-            self.task = self.progress.add_task("eval", total=total, rate="")
-            self.started = time.perf_counter()
-        elapsed = max(time.perf_counter() - self.started, 1e-6)
-        self.progress.update(self.task, completed=done, rate=f"{tokens / elapsed:.1f} tok/s")
-        if done >= total:
-            self.progress.stop()
+    return EvalProgress(console, label)
 
 
 def _guard(action):
@@ -303,7 +256,7 @@ def run(
     started = time.perf_counter()
     from vlmrl.progress import TrainProgress
 
-    outcome = _guard(lambda: run_all(config, force=force, say=_say, progress_factory=_Progress,
+    outcome = _guard(lambda: run_all(config, force=force, say=_say, progress_factory=_eval_progress,
                                      train_progress=TrainProgress(console, _say)))
     _print_comparison(outcome.run_dir / "comparison.json")
     console.print(f"\n[bold]done[/bold] in {time.perf_counter() - started:.0f} s: {outcome.run_dir}")
@@ -349,7 +302,7 @@ def eval_(
                                         *(["--adapter", str(adapter)] if adapter else [])])
     main = is_main_process()
     result = _guard(lambda: evaluate(config, config.run_dir, stage, adapter=adapter,
-                                     progress=_Progress(stage) if main else None))
+                                     progress=_eval_progress(stage) if main else None))
     if not main:
         return
     s = result.summary

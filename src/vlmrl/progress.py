@@ -33,7 +33,7 @@ def clock(seconds: float) -> str:
     >>> clock(3725.4), clock(9)
     ('1:02:05', '0:00:09')
     """
-    seconds = max(0, int(round(seconds)))
+    seconds = max(0, round(seconds))
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
@@ -139,3 +139,44 @@ def counter(label: str, *, every: float = 5.0) -> Callable[[int, int], None]:
         ticker[0].advance(done - ticker[0].done)
 
     return update
+
+
+class EvalProgress:
+    """Evaluation progress, `(done, total, tokens)` per batch: a rich bar with tokens/s on a terminal, else a
+    plain line every few seconds and at the end."""
+
+    def __init__(self, console: Any, label: str, *, every: float = 5.0):
+        self.console, self.label, self.every = console, label, every
+        self.rich = console.is_terminal
+        self._bar: Any = None
+        self._task: Any = None
+        self._started: float | None = None
+        self._last = 0.0
+
+    def __call__(self, done: int, total: int, tokens: int) -> None:
+        now = time.perf_counter()
+        if self._started is None:
+            self._started = self._last = now
+            if self.rich:
+                from rich.progress import (
+                    BarColumn,
+                    MofNCompleteColumn,
+                    Progress,
+                    TextColumn,
+                    TimeElapsedColumn,
+                )
+
+                self._bar = Progress(TextColumn(f"eval {self.label}"), BarColumn(), MofNCompleteColumn(),
+                                     TimeElapsedColumn(), TextColumn("{task.fields[rate]}"), console=self.console)
+                self._bar.start()
+                self._task = self._bar.add_task("eval", total=total, rate="")
+        elapsed = max(now - self._started, 1e-6)
+        rate = f"{tokens / elapsed:.1f} tok/s"
+        if self._bar is not None:
+            self._bar.update(self._task, completed=done, rate=rate)
+            if done >= total:
+                self._bar.stop()
+        elif done >= total or now - self._last >= self.every:
+            self._last = now
+            self.console.print(f"eval {self.label}: {done}/{total}  elapsed {clock(elapsed)}  {rate}",
+                               highlight=False, markup=False, soft_wrap=True)

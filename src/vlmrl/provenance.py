@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import subprocess
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 SOURCE_ROOT = Path(__file__).resolve().parents[2]  # the checkout root when running from src/
@@ -42,7 +42,7 @@ def git_commit(root: Path = SOURCE_ROOT) -> str | None:
 
 def utc_now() -> str:
     """An ISO 8601 UTC timestamp to the second, e.g. 2026-11-30T18:00:00Z."""
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def provenance(*, started_at: str | None = None, finished_at: str | None = None) -> dict:

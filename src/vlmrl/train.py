@@ -70,6 +70,8 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
     from vlmrl.fastgen import wanted as fastgen_wanted
     from vlmrl.models.loading import BASE_RECORD, base_identity, load_model
     from vlmrl.models.lora import apply_lora
+    from vlmrl.progress import TrainProgress
+    from vlmrl.provenance import provenance, utc_now
     from vlmrl.records import (
         HealthMonitor,
         MetricsRecorder,
@@ -77,11 +79,8 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
         last_complete_checkpoint,
         trim_records_after,
     )
-
-    from vlmrl.progress import TrainProgress
-    from vlmrl.trainargs import gspo_loss_note, quiet_trl_gspo_warning
-    from vlmrl.provenance import provenance, utc_now
     from vlmrl.trackers import TrackerError, build_tracker_callbacks
+    from vlmrl.trainargs import gspo_loss_note, quiet_trl_gspo_warning
     from vlmrl.validation import ValidationCallback
 
     train_dir = run_dir / "train"

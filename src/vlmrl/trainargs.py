@@ -122,7 +122,7 @@ def gspo_loss_note(config: Config) -> str | None:
 class _DropTrlGspoWarning:
     """A logging filter for TRL's one warning that vlmrl's note replaces; every other TRL message passes."""
 
-    def filter(self, record) -> bool:  # noqa: ANN001  (logging.Filter protocol)
+    def filter(self, record) -> bool:
         return _TRL_GSPO_WARNING not in str(record.msg)  # accelerate's adapter prefixes `[RANK n] `
 
 
