@@ -84,6 +84,7 @@ def test_a_watched_run_leaves_tracker_events_validation_rows_and_reruns_as_a_no_
         assert report.exit_code == 0, report.output
         html = (config.run_dir / "report.html")
         assert html.stat().st_mode & 0o777 == 0o644
+        assert (train_dir / "final" / "adapter_model.safetensors").stat().st_mode & 0o777 == 0o644
         assert "Validation during training" in html.read_text()
     finally:
         os.umask(old)

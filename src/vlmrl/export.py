@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from vlmrl.config import Config
-from vlmrl.io import read_jsonl, write_json_atomic
+from vlmrl.io import match_umask, read_jsonl, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,7 @@ def export_adapter(config: Config, run_dir: Path, *, source: Path | None = None)
     if out.exists():
         shutil.rmtree(out)
     trained.model.save_pretrained(str(out))
+    match_umask(out)  # safetensors writes the weights 0600
     if (source / BASE_RECORD).is_file():
         shutil.copyfile(source / BASE_RECORD, out / BASE_RECORD)
     checks = verify_adapter_weights(out)

@@ -42,6 +42,15 @@ def _umask() -> int:
     return current
 
 
+def match_umask(folder: str | Path) -> None:
+    """Give files under `folder` that a library wrote 0600 (safetensors writes through a private temp file) the
+    mode the user's umask gives any other file; files with any other mode are left as they are."""
+    mode = 0o666 & ~_umask()
+    for path in Path(folder).rglob("*"):
+        if path.is_file() and not path.is_symlink() and path.stat().st_mode & 0o777 == 0o600 and mode != 0o600:
+            path.chmod(mode)
+
+
 def write_text_atomic(path: str | Path, text: str) -> None:
     write_bytes_atomic(path, text.encode("utf-8"))
 

@@ -35,6 +35,7 @@ from vlmrl.io import (
     DiskSpaceError,
     check_disk_space,
     checkpoint_bytes,
+    match_umask,
     read_json,
     read_jsonl,
     write_json_atomic,
@@ -177,6 +178,9 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
         "provenance": provenance(started_at=started_at, finished_at=utc_now()),
     }
     if distributed.is_main_process():
+        for folder in (final_dir, checkpoints, train_dir / "best"):
+            if folder.is_dir():
+                match_umask(folder)  # the adapter weights arrive 0600 from safetensors
         write_json_atomic(final_dir / BASE_RECORD, base_identity(config.model.name, loaded.source))
         write_json_atomic(train_dir / "summary.json", summary)
     distributed.barrier()  # no rank returns (and maybe starts evaluating) before the adapter is complete
