@@ -215,7 +215,7 @@ class TrainConfig(_Section):
     def _trackers(cls, value: list[str]) -> list[str]:
         if "none" in value and len(value) > 1:
             raise ValueError("`none` cannot be combined with a tracker")
-        return [v for v in value if v != "none"]
+        return value
 
 
 class HealthConfig(_Section):

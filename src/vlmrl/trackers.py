@@ -22,6 +22,15 @@ PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "w
 TENSORBOARD_DIR = "tensorboard"  # under train/
 
 
+def active(report_to: list[str]) -> list[str]:
+    """The trackers to run (`none` means none).
+
+    >>> active(["none"]), active(["tensorboard"])
+    ([], ['tensorboard'])
+    """
+    return [name for name in report_to if name != "none"]
+
+
 class TrackerError(RuntimeError):
     """A requested tracker cannot run; the message says what to install."""
 
@@ -33,7 +42,7 @@ def missing_packages(report_to: list[str]) -> list[str]:
     []
     """
     lines = []
-    for name in report_to:
+    for name in active(report_to):
         module, package = PACKAGES[name]
         if importlib.util.find_spec(module) is None:
             lines.append(f"train.report_to={name}: the {package} package is not installed; pip install {package}")
@@ -68,7 +77,7 @@ def build_tracker_callbacks(report_to: list[str], train_dir: Path) -> list[Any]:
         raise TrackerError(problems[0])
     os.environ.update(offline_environment(report_to, train_dir))
     callbacks: list[Any] = []
-    for name in report_to:
+    for name in active(report_to):
         if name == "tensorboard":
             from torch.utils.tensorboard import SummaryWriter
             from transformers.integrations import TensorBoardCallback
