@@ -114,6 +114,7 @@ RECORD_SCHEMA: dict[str, tuple[type, ...]] = {
     "metadata": (dict,),
     "generation": (dict,),
     "seconds": NUMBER,
+    "provenance": (dict,),  # vlmrl_version and git_commit (issue 20)
 }
 SAMPLED_SCHEMA: dict[str, tuple[type, ...]] = {
     "samples": (list,),
