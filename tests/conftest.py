@@ -194,3 +194,10 @@ def captured(monkeypatch) -> dict:
 
     monkeypatch.setattr(lora, "apply_lora", capture)
     return seen
+
+
+@pytest.fixture(scope="session")
+def vlmrl_cache(tmp_path_factory) -> Path:
+    """A fresh cache for the demo policy, shared by the session (a fresh machine builds it once; the e2e run
+    and tests/test_watch.py use the same build)."""
+    return tmp_path_factory.mktemp("vlmrl_cache")

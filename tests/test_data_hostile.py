@@ -333,7 +333,7 @@ def test_doctests_of_the_data_value_modules():
 def test_a_first_row_without_a_mapped_column_is_one_drop_not_a_refused_file(tmp_path):
     # before: "data.columns names column(s) the data does not have" for the whole file
     first = json.dumps({"id": "r0", "question": "text only?", "answer": "1"}).encode()
-    result, items, dropped = prepared(tmp_path, source(tmp_path, [first, row_line(1), row_line(2)]), MAPPING)
+    _result, items, dropped = prepared(tmp_path, source(tmp_path, [first, row_line(1), row_line(2)]), MAPPING)
     assert set(items) == {"r1", "r2"} and dropped["r0"]["reason"] == "missing_image"
     typo = "data.columns={id: id, question: question, answer: answer, image: picture}"
     with pytest.raises(DataError, match=r"names column\(s\) the data does not have \(image: picture\)"):

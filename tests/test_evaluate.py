@@ -114,6 +114,7 @@ RECORD_SCHEMA: dict[str, tuple[type, ...]] = {
     "metadata": (dict,),
     "generation": (dict,),
     "seconds": NUMBER,
+    "provenance": (dict,),  # vlmrl_version and git_commit (issue 20)
 }
 SAMPLED_SCHEMA: dict[str, tuple[type, ...]] = {
     "samples": (list,),
@@ -224,7 +225,9 @@ def test_summary_file_is_recomputed_from_the_records(arch: str, baseline) -> Non
     assert summary["tokens_per_second"] == pytest.approx(tokens / seconds, rel=1e-6)
     # and the whole file is exactly what `summarize` gives for these records
     recomputed = json.loads(json.dumps(summarize(records, stage="baseline", seed=config.run.seed)))
+    provenance = summary.pop("provenance")  # who wrote it and when: the one part not computed from the records
     assert recomputed == summary
+    assert provenance["vlmrl_version"] and provenance["started_at"] <= provenance["finished_at"]
     assert "pass_at_k" not in summary  # greedy: one sample per item
 
 
@@ -265,9 +268,9 @@ def test_resume_after_a_kill_gives_exactly_one_record_per_id(baseline, tmp_path:
         check_records_against_holdout(records, items, "baseline")
         # greedy decoding over the same batches: the regenerated records say what the lost ones said
         assert [r["completion"] for r in records] == [json.loads(line)["completion"] for line in full], damage
-        assert json.loads(json.dumps(summarize(records, stage="baseline"))) == read_json(
-            run_dir / "baseline_summary.json"
-        )
+        written = read_json(run_dir / "baseline_summary.json")
+        written.pop("provenance")
+        assert json.loads(json.dumps(summarize(records, stage="baseline"))) == written
 
 
 # ---------------------------------------------------------------------------------------------------------------

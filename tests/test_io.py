@@ -209,3 +209,30 @@ def test_disk_check_on_the_real_filesystem(tmp_path):
     with pytest.raises(DiskSpaceError):
         check_disk_space(tmp_path, shutil.disk_usage(tmp_path).total + 1)
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_atomic_writes_follow_the_users_umask(tmp_path, umask, mode):
+    """mkstemp creates 0600 files; a report written under umask 022 must be readable by others (issue 20)."""
+    old = os.umask(umask)
+    try:
+        write_text_atomic(tmp_path / "report.html", "<p>hi</p>")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "report.html").stat().st_mode & 0o777 == mode
+
+
+def test_match_umask_opens_only_private_files(tmp_path):
+    """safetensors writes weights 0600 (issue 20: adapter weights unreadable to a teammate)."""
+    private, chosen = tmp_path / "adapter" / "w.safetensors", tmp_path / "adapter" / "script.sh"
+    private.parent.mkdir()
+    private.write_bytes(b"x")
+    chosen.write_bytes(b"x")
+    private.chmod(0o600)
+    chosen.chmod(0o700)
+    old = os.umask(0o022)
+    try:
+        io.match_umask(tmp_path)
+    finally:
+        os.umask(old)
+    assert private.stat().st_mode & 0o777 == 0o644 and chosen.stat().st_mode & 0o777 == 0o700

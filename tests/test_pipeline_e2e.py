@@ -151,12 +151,6 @@ def test_a_bad_override_exits_2_before_anything_runs(tmp_path: Path) -> None:
 # the real default
 
 
-@pytest.fixture(scope="session")
-def vlmrl_cache(tmp_path_factory) -> Path:
-    """A fresh cache for the demo policy, shared by the session (a fresh machine builds it once)."""
-    return tmp_path_factory.mktemp("vlmrl_cache")
-
-
 @pytest.mark.slow
 def test_default_run_on_a_fresh_machine(tmp_path: Path, vlmrl_cache: Path) -> None:
     script = Path(sys.executable).parent / "vlmrl"

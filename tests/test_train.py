@@ -304,3 +304,18 @@ def test_no_resume_starts_from_step_zero(prepared, tmp_path: Path, learnable) ->
     result = train(config, run_dir, resume=False)
     assert result.summary["resumed_from_step"] == 0 and result.summary["steps"] == 1
     check_records(run_dir / "train", steps=[1])  # the first run's rows were replaced, not appended to
+
+
+def test_a_finished_run_is_not_trained_again(prepared, tmp_path: Path, learnable) -> None:
+    """Issue 20: re-running a finished `vlmrl train` trained on ("step 3/2") and overwrote the adapter."""
+    run_dir = copy_run(prepared, tmp_path)
+    config = quick_config(tmp_path)
+    train(config, run_dir)
+    files = sorted(p for p in (run_dir / "train").rglob("*") if p.is_file())
+    before = {p: (p.stat().st_mtime_ns, sha256(p)) for p in files}
+    result = train(config, run_dir)
+    assert result.already_done and result.summary["steps"] == 2
+    assert {p: (p.stat().st_mtime_ns, sha256(p)) for p in files} == before
+    assert sorted(p for p in (run_dir / "train").rglob("*") if p.is_file()) == files
+    # another tracker is not another training config
+    assert train(quick_config(tmp_path, "train.report_to=[none]"), run_dir).already_done

@@ -22,15 +22,17 @@ from rich.table import Table
 from vlmrl.clierrors import Commands, check_needs, fail, set_debug
 from vlmrl.clierrors import claimed as _claimed
 from vlmrl.clierrors import debug as debug_on
+from vlmrl.cli_help import HELP, Arch, Stage, Strategy, print_version
 from vlmrl.config import PRESETS, Config, ConfigError, dump_config, load_config
 
 app = typer.Typer(
     cls=Commands,
     add_completion=False,
     no_args_is_help=True,
+    context_settings=HELP,
     help="Reinforcement learning (GRPO / GSPO) for vision-language models on visual math, measured honestly.",
 )
-config_app = typer.Typer(no_args_is_help=True, help="Show or validate a configuration.")
+config_app = typer.Typer(no_args_is_help=True, context_settings=HELP, help="Show or validate a configuration.")
 app.add_typer(config_app, name="config")
 console = Console()
 
@@ -40,9 +42,10 @@ RunDirOpt = Annotated[Path | None, typer.Option("--run-dir", help="Run directory
 GpusOpt = Annotated[int, typer.Option(
     "--gpus", min=1, help="Run as N processes, one per GPU of this host, through `accelerate launch` (on a machine "
     "without CUDA: N CPU processes). Already under accelerate launch / torchrun: ignored.")]
-StrategyOpt = Annotated[str, typer.Option(
-    "--strategy", help="With --gpus N: ddp (default, LoRA) | fsdp | zero2 | zero3 (DeepSpeed), a shipped accelerate "
-    "config in vlmrl/accelerate/.")]
+StrategyOpt = Annotated[Strategy, typer.Option(
+    "--strategy",
+    help="With --gpus N: ddp (default, LoRA), fsdp, or DeepSpeed zero2 / zero3; a shipped accelerate config in "
+    "vlmrl/accelerate/.")]
 
 
 _fail = fail
@@ -100,12 +103,22 @@ def _one_process_only(command: str) -> None:
               "accelerate launch / torchrun. Only train and eval take several (--gpus N).", 2)
 
 
+def _say(message: str) -> None:
+    """A plain line: never wrapped (a log keeps one line per record), no markup read from the message."""
+    console.print(message, highlight=False, markup=False, soft_wrap=True)
+
+
 @app.callback()
 def _main(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
     debug: Annotated[bool, typer.Option("--debug", help="Show the traceback of an error instead of one line.")] = False,
+    version: Annotated[bool, typer.Option("--version", callback=print_version, is_eager=True,
+                                          help="Print the vlmrl version (and git commit in a checkout), then exit.")] = False,
 ) -> None:
+    from vlmrl.progress import set_sink
+
     set_debug(debug)
+    set_sink(_say)  # preparation and the demo-policy build report their progress here
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if not verbose:
         # Weight-loading and shard-writing bars from transformers would interleave with our own progress.
@@ -179,14 +192,23 @@ def config_show(source: ConfigArg = None, set_: SetOpt = None) -> None:
 
 @config_app.command("validate")
 def config_validate(source: Annotated[str, typer.Argument(help="YAML file or preset.")], set_: SetOpt = None) -> None:
-    """Validate a configuration; exit 2 with the reason when it is not usable."""
+    """Validate a configuration as training would (names TRL and transformers know, trackers installed); exit 2
+    with one line per problem when it is not usable."""
+    from vlmrl.trainargs import training_problems
+
     config = _config(source, set_)
+    try:
+        problems = training_problems(config)
+    except Exception as exc:  # noqa: BLE001  a checker that breaks must still answer in one line, not a traceback
+        problems = [f"could not check the training settings: {type(exc).__name__}: {exc}".splitlines()[0]]
+    if problems:
+        _fail(f"{source}: not trainable\n" + "\n".join(f"  {p}" for p in problems), 2)
     console.print(f"ok: {source} is valid (fingerprint {config.fingerprint()})", markup=False)
 
 
 @app.command("tiny-model")
 def tiny_model(
-    arch: Annotated[str, typer.Option(help="qwen3_vl | qwen2_5_vl | gemma3")] = "qwen3_vl",
+    arch: Annotated[Arch, typer.Option(help="Architecture of the tiny model.")] = Arch.qwen3_vl,
     out: Annotated[Path, typer.Option(help="Folder to write the model into.")] = Path("tiny-model"),
     seed: Annotated[int, typer.Option(help="Weight seed.")] = 0,
 ) -> None:
@@ -200,30 +222,10 @@ def tiny_model(
     console.print(f"wrote {path}", markup=False)
 
 
-class _Progress:
-    """A rich progress bar for evaluation: items/s and generated tokens/s."""
+def _eval_progress(label: str):
+    from vlmrl.progress import EvalProgress
 
-    def __init__(self, label: str):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        self.progress = Progress(
-            TextColumn(f"eval {label}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            TextColumn("{task.fields[rate]}"), console=console, transient=False,
-        )
-        self.task = None
-        self.started = None
-
-    def __call__(self, done: int, total: int, tokens: int) -> None:
-        import time
-
-        if self.task is None:
-            self.progress.start()
-            self.task = self.progress.add_task("eval", total=total, rate="")
-            self.started = time.perf_counter()
-        elapsed = max(time.perf_counter() - self.started, 1e-6)
-        self.progress.update(self.task, completed=done, rate=f"{tokens / elapsed:.1f} tok/s")
-        if done >= total:
-            self.progress.stop()
+    return EvalProgress(console, label)
 
 
 def _guard(action):
@@ -263,8 +265,10 @@ def run(
     check_needs(config)
     console.print(f"vlmrl run: [bold]{escape(config.run.name)}[/bold] -> {escape(str(config.run_dir))}")
     started = time.perf_counter()
-    outcome = _guard(lambda: run_all(config, force=force, say=lambda m: console.print(m, highlight=False, markup=False),
-                                     progress_factory=_Progress))
+    from vlmrl.progress import TrainProgress
+
+    outcome = _guard(lambda: run_all(config, force=force, say=_say, progress_factory=_eval_progress,
+                                     train_progress=TrainProgress(console, _say)))
     _print_comparison(outcome.run_dir / "comparison.json")
     console.print(f"\n[bold]done[/bold] in {time.perf_counter() - started:.0f} s: {escape(str(outcome.run_dir))}")
     for name in ("config.yaml", "data/summary.json", "baseline_records.jsonl", "train/metrics.jsonl",
@@ -297,10 +301,10 @@ def eval_(
     source: ConfigArg = None,
     set_: SetOpt = None,
     run_dir: RunDirOpt = None,
-    stage: Annotated[str, typer.Option(help="baseline | after")] = "baseline",
+    stage: Annotated[Stage, typer.Option(help="baseline: no adapter; after: the trained adapter.")] = Stage.baseline,
     adapter: Annotated[Path | None, typer.Option(help="Adapter folder (default for after: train/final).")] = None,
     gpus: GpusOpt = 1,
-    strategy: StrategyOpt = "ddp",
+    strategy: StrategyOpt = Strategy.ddp,
 ) -> None:
     """Stages 5 and 7: evaluate the held-out set, one record per item (sharded across --gpus N processes)."""
     from vlmrl.distributed import is_main_process
@@ -313,7 +317,7 @@ def eval_(
         _relaunch_if_asked(gpus, strategy, [*_stage_argv("eval", source, set_, run_dir), "--stage", stage,
                                             *(["--adapter", str(adapter)] if adapter else [])])
         result = _guard(lambda: evaluate(config, config.run_dir, stage, adapter=adapter,
-                                         progress=_Progress(stage) if main else None))
+                                         progress=_eval_progress(stage) if main else None))
     if not main:
         return
     s = result.summary
@@ -337,7 +341,7 @@ def train(
     run_dir: RunDirOpt = None,
     resume: Annotated[bool, typer.Option("--resume/--no-resume", help="Continue from the last checkpoint.")] = True,
     gpus: GpusOpt = 1,
-    strategy: StrategyOpt = "ddp",
+    strategy: StrategyOpt = Strategy.ddp,
 ) -> None:
     """Stage 6: GRPO / GSPO through TRL's GRPOTrainer (data-parallel across --gpus N processes)."""
     from vlmrl.distributed import is_main_process
@@ -345,12 +349,14 @@ def train(
 
     config = _config(source, set_, run_dir)  # a bad config fails here, before any process is launched
     check_needs(config)
+    from vlmrl.progress import TrainProgress
+
     with _claimed(config.run_dir, create=False):  # held by this process for the ranks it launches
         _relaunch_if_asked(gpus, strategy, [*_stage_argv("train", source, set_, run_dir),
                                             *([] if resume else ["--no-resume"])])
-        result = _guard(lambda: train_stage(config, config.run_dir, resume=resume, console_callback=lambda m:
-                                            console.print(m, highlight=False, markup=False)))
-    if not is_main_process():
+        result = _guard(lambda: train_stage(config, config.run_dir, resume=resume, console_callback=_say,
+                                            progress=TrainProgress(console, _say)))
+    if not is_main_process() or result.already_done:
         return
     console.print_json(json.dumps(result.summary, default=str))
     console.print(f"adapter: {result.final_dir}", markup=False)

@@ -19,9 +19,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 PRESETS = ("demo", "seed", "gspo-paper")
+TRACKERS = ("tensorboard", "wandb", "trackio", "none")
+# Fields that only change how a run is watched, not what it produces: left out of every fingerprint, so a run
+# resumes (and a finished stage stays done) under another tracker.
+OBSERVATION_FIELDS = {"train": ("report_to",)}
 
 
 class ConfigError(ValueError):
@@ -158,7 +162,7 @@ class TrainConfig(_Section):
     epsilon_high: float | None = Field(None, gt=0.0, description="Upper clip range; None = epsilon.")
     beta: float = Field(0.0, ge=0.0, description="KL coefficient (0 skips the reference model).")
     num_train_epochs: float = Field(1.0, gt=0.0, description="Passes over the training set.")
-    max_steps: int = Field(-1, description="Optimizer steps; -1 = derived from num_train_epochs.")
+    max_steps: int = Field(-1, description="Optimizer steps (>= 1); -1 = derived from num_train_epochs.")
     max_grad_norm: float = Field(0.1, gt=0.0, description="Gradient clipping norm.")
     mask_truncated_completions: bool = Field(False, description="Exclude truncated completions from the loss.")
     reward_weights: list[float] = Field(
@@ -192,9 +196,37 @@ class TrainConfig(_Section):
         "Qwen3-VL-8B on an H200), for 2 bytes per adapter parameter kept on the GPU (0.08 GiB at r=16). Not with "
         "the adapter merged, nor under FSDP / DeepSpeed.",
     )
-    trl_overrides: dict[str, Any] = Field(
-        default_factory=dict, description="Extra GRPOConfig fields passed through unchanged (escape hatch)."
+    report_to: list[Literal["tensorboard", "wandb", "trackio", "none"]] = Field(
+        default_factory=list,
+        description="Experiment trackers fed during training (TensorBoard event files under train/tensorboard/; "
+        "W&B and trackio in offline mode unless WANDB_MODE / TRACKIO_* say otherwise). Not part of the fingerprint: "
+        "a run resumes under another tracker. Empty or [none]: records only.",
     )
+    eval_every_steps: int | None = Field(
+        None, gt=0,
+        description="Evaluate a fixed subset of the held-out set (greedy) every N optimizer steps during training; "
+        "rows go to train/validation.jsonl and the trackers. None: no validation during training.",
+    )
+    eval_subset: int = Field(32, gt=0, description="Held-out items (the first N) evaluated during training.")
+    trl_overrides: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra GRPOConfig fields passed through unchanged (escape hatch); a field vlmrl sets from its "
+        "own config (learning_rate, ...) is refused here: set it in its section.",
+    )
+
+    @field_validator("max_steps")
+    @classmethod
+    def _steps(cls, value: int) -> int:
+        if value < 1 and value != -1:
+            raise ValueError("must be >= 1, or -1 to train for train.num_train_epochs")
+        return value
+
+    @field_validator("report_to")
+    @classmethod
+    def _trackers(cls, value: list[str]) -> list[str]:
+        if "none" in value and len(value) > 1:
+            raise ValueError("`none` cannot be combined with a tracker")
+        return value
 
 
 class HealthConfig(_Section):
@@ -214,6 +246,14 @@ class ExportConfig(_Section):
     merged_4bit: bool = Field(False, description="Also write `merged-4bit/` through bitsandbytes (CUDA only).")
     gguf: bool = Field(False, description="Also export GGUF through Unsloth + llama.cpp when present.")
     logits_atol: float = Field(1e-3, gt=0, description="Tolerance for reload-reproduces-logits checks.")
+    checkpoint: Literal["last", "best"] = Field(
+        "last",
+        description="`last`: export the adapter of the final step; `best`: the adapter of the validation step with "
+        "the highest checkpoint_metric (needs train.eval_every_steps; kept in train/best/).",
+    )
+    checkpoint_metric: Literal["accuracy", "mathvista_accuracy", "format_compliance", "total_reward"] = Field(
+        "accuracy", description="Validation metric that picks the best checkpoint (higher is better)."
+    )
 
 
 class Config(_Section):
@@ -250,6 +290,8 @@ class Config(_Section):
             raise ValueError("train.epsilon_high must be >= train.epsilon (it is the upper clip range).")
         if not (self.lora.attention or self.lora.mlp or self.lora.vision):
             raise ValueError("lora: attention, mlp and vision are all false; nothing would train.")
+        if self.export.checkpoint == "best" and not t.eval_every_steps:
+            raise ValueError("export.checkpoint=best needs train.eval_every_steps (validation picks the best step).")
         name = self.run.name
         if name in ("", ".", "..") or any(c in name for c in "/\\\0"):
             raise ValueError(
@@ -263,6 +305,9 @@ class Config(_Section):
         """A short stable hash of the named sections (all when none): used to tell whether a stage's outputs
         were produced by this config."""
         data = self.model_dump(mode="json")
+        for section, fields in OBSERVATION_FIELDS.items():
+            for name in fields:
+                data[section].pop(name, None)
         if sections:
             data = {k: data[k] for k in sections}
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
@@ -362,6 +407,10 @@ def _describe_errors(exc: ValidationError, origin: str) -> str:
 
 
 def _suggest(loc: tuple) -> str:
+    if len(loc) == 1:  # a flat, TRL-style key at the top level: point to the section that holds it
+        homes = _sections_holding(str(loc[0]))
+        if homes:
+            return f"; did you mean {' or '.join(repr(h) for h in homes)}? (fields live in their section)"
     model: type[BaseModel] = Config
     for part in loc[:-1]:
         field = model.model_fields.get(str(part))
@@ -372,3 +421,15 @@ def _suggest(loc: tuple) -> str:
     close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1, cutoff=0.5)
     prefix = ".".join(str(p) for p in loc[:-1])
     return f"; did you mean '{prefix + '.' if prefix else ''}{close[0]}'?" if close else ""
+
+
+def _sections_holding(name: str) -> list[str]:
+    """`section.name` for every section with a field `name`.
+
+    >>> _sections_holding("report_to")
+    ['train.report_to']
+    >>> _sections_holding("nonsense")
+    []
+    """
+    return [f"{section}.{name}" for section, field in Config.model_fields.items()
+            if name in getattr(field.annotation, "model_fields", {})]

@@ -13,6 +13,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from vlmrl.provenance import provenance, utc_now
+
 CORE_PACKAGES = ("torch", "torchvision", "transformers", "trl", "peft", "accelerate", "datasets", "pydantic")
 OPTIONAL_BACKENDS = {
     "unsloth": "unsloth",
@@ -32,6 +34,7 @@ def collect_environment(path_for_disk: str | Path = ".") -> dict:
         "backends": {name: _importable(module) for name, module in OPTIONAL_BACKENDS.items()},
         "disk_free_gib": round(shutil.disk_usage(_existing_parent(Path(path_for_disk))).free / 2**30, 1),
         "cpu_count": _cpu_count(),
+        "provenance": provenance(started_at=utc_now()),
     }
 
 

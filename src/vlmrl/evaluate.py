@@ -62,6 +62,9 @@ def evaluate(
     progress: Callable[[int, int, int], None] | None = None,
 ) -> EvalResult:
     """Evaluate the held-out set of `run_dir` at `stage` (baseline: no adapter; after: the trained one)."""
+    from vlmrl.provenance import provenance, utc_now
+
+    started_at = utc_now()
     # step 1: every check that needs no model
     if stage not in STAGES:
         raise EvalError(f"--stage {stage!r}: choose baseline or after.")
@@ -131,7 +134,9 @@ def evaluate(
         records = read_jsonl(records_path)
         if progress and not live and todo:
             progress(len(records), len(items), sum(r["generated_tokens"] for r in records if r["id"] not in done))
-        write_json_atomic(summary_path, summarize(records, stage=stage, seed=config.run.seed))
+        summary = summarize(records, stage=stage, seed=config.run.seed)
+        summary["provenance"] = provenance(started_at=started_at, finished_at=utc_now())
+        write_json_atomic(summary_path, summary)
     distributed.barrier()  # the summary exists before any rank reads it
     return EvalResult(records_path, summary_path, read_json(summary_path))
 
@@ -228,6 +233,7 @@ def make_record(item: dict, generations: list, settings: dict, seconds: float, s
         "metadata": item.get("metadata") or {},
         "generation": settings,
         "seconds": round(seconds, 4),
+        "provenance": _record_provenance(),
     }
     if len(samples) > 1:
         votes = Counter(_vote_key(item, s["pred"]) for s in samples if s["pred"] is not None)
@@ -254,6 +260,12 @@ def _vote_key(item: dict, pred: str) -> str:
         if len(named) == 1:
             return named.pop()
     return pred
+
+
+def _record_provenance() -> dict:
+    from vlmrl.provenance import provenance
+
+    return provenance()
 
 
 def _score(item: dict, generation) -> dict:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from vlmrl.config import Config
-from vlmrl.io import read_jsonl, write_json_atomic
+from vlmrl.io import match_umask, read_jsonl, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -45,17 +45,19 @@ class Check:
 
 def export_adapter(config: Config, run_dir: Path, *, source: Path | None = None) -> dict:
     """Save `train/final` (or `source`) to `run_dir/adapter/`, verify it, write `export.json`."""
-    from vlmrl.evaluate import check_adapter, default_adapter_dir
+    from vlmrl.evaluate import check_adapter
     from vlmrl.models.loading import BASE_RECORD, load_with_adapter, resolve_model_source
     from vlmrl.rundir import relative_to_run
 
-    source = source or default_adapter_dir(run_dir)
+    chosen = _chosen_checkpoint(config, run_dir) if source is None else {"choice": "given", "source": str(source)}
+    source = Path(chosen["source"])
     check_adapter(source, config, run_dir)
     out = run_dir / "adapter"
     trained = load_with_adapter(config.model, run_dir, source)
     if out.exists():
         shutil.rmtree(out)
     trained.model.save_pretrained(str(out))
+    match_umask(out)  # safetensors writes the weights 0600
     if (source / BASE_RECORD).is_file():
         shutil.copyfile(source / BASE_RECORD, out / BASE_RECORD)
     checks = verify_adapter_weights(out)
@@ -80,6 +82,7 @@ def export_adapter(config: Config, run_dir: Path, *, source: Path | None = None)
         "adapter_dir": relative_to_run(out, run_dir),
         "source": relative_to_run(source, run_dir),
         "base_model": relative_to_run(expected_base, run_dir),
+        "checkpoint": {**chosen, "source": relative_to_run(Path(chosen["source"]), run_dir)},
         "checks": [c.as_dict() for c in checks],
         "all_passed": all(c.passed is not False for c in checks),
     }
@@ -88,6 +91,20 @@ def export_adapter(config: Config, run_dir: Path, *, source: Path | None = None)
         failed = ", ".join(c.name for c in checks if c.passed is False)
         raise ExportError(f"export verification failed ({failed}); see {run_dir / 'export.json'}.")
     return report
+
+
+def _chosen_checkpoint(config: Config, run_dir: Path) -> dict:
+    """Which adapter folder export.checkpoint picks (`best`: the kept best validation step), as recorded."""
+    from vlmrl.evaluate import default_adapter_dir
+    from vlmrl.validation import BEST_DIR, best_checkpoint
+
+    if config.export.checkpoint == "last":
+        return {"choice": "last", "source": str(default_adapter_dir(run_dir))}
+    best = best_checkpoint(run_dir)
+    if best is None:
+        raise ExportError(f"export.checkpoint=best: no kept best checkpoint in {run_dir / 'train' / BEST_DIR}; "
+                          "train with train.eval_every_steps set (and export.checkpoint=best), or export `last`.")
+    return {"choice": "best", "source": str(run_dir / "train" / BEST_DIR), **best}
 
 
 def export_fingerprint(config: Config) -> str:

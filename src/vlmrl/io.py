@@ -29,6 +29,7 @@ def write_bytes_atomic(path: str | Path, payload: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; the file should read like any other the user writes
         with os.fdopen(fd, "wb") as handle:
             handle.write(payload)
             handle.flush()
@@ -37,6 +38,22 @@ def write_bytes_atomic(path: str | Path, payload: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    """The process umask (read by setting it and restoring it at once: POSIX has no getter)."""
+    current = os.umask(0o022)
+    os.umask(current)
+    return current
+
+
+def match_umask(folder: str | Path) -> None:
+    """Give files under `folder` that a library wrote 0600 (safetensors writes through a private temp file) the
+    mode the user's umask gives any other file; files with any other mode are left as they are."""
+    mode = 0o666 & ~_umask()
+    for path in Path(folder).rglob("*"):
+        if path.is_file() and not path.is_symlink() and path.stat().st_mode & 0o777 == 0o600 and mode != 0o600:
+            path.chmod(mode)
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:

@@ -26,17 +26,18 @@ class RunOutcome:
     skipped: list[str] = field(default_factory=list)
 
 
-def run_all(config: Config, *, force: bool = False, say: Say = print, progress_factory=None) -> RunOutcome:
+def run_all(config: Config, *, force: bool = False, say: Say = print, progress_factory=None,
+            train_progress=None) -> RunOutcome:
     """Run stages 1-8 and the report into `config.run_dir`, holding the folder's claim throughout."""
     from vlmrl.rundir import claimed
 
     run_dir = config.run_dir
     with claimed(run_dir):
         claim_run_dir(config, run_dir, force=force)
-        return _run_stages(config, run_dir, say, progress_factory)
+        return _run_stages(config, run_dir, say, progress_factory, train_progress)
 
 
-def _run_stages(config: Config, run_dir: Path, say: Say, progress_factory) -> RunOutcome:
+def _run_stages(config: Config, run_dir: Path, say: Say, progress_factory, train_progress) -> RunOutcome:
     from vlmrl import compare, evaluate, export, report, train
     from vlmrl.doctor import collect_environment
     from vlmrl.io import write_json_atomic
@@ -60,7 +61,8 @@ def _run_stages(config: Config, run_dir: Path, say: Say, progress_factory) -> Ru
     stage("eval baseline", eval_done(config, run_dir, "baseline"),
           lambda: evaluate.evaluate(config, run_dir, "baseline", progress=_progress(progress_factory, "baseline")))
     # 6 training
-    stage("train", train.is_trained(config, run_dir), lambda: train.train(config, run_dir, console_callback=say))
+    stage("train", train.is_trained(config, run_dir), lambda: train.train(config, run_dir, console_callback=say,
+                                                                            progress=train_progress))
     # 7 evaluation after training, and the paired comparison
     stage("eval after", eval_done(config, run_dir, "after"),
           lambda: evaluate.evaluate(config, run_dir, "after", progress=_progress(progress_factory, "after")))

@@ -58,7 +58,7 @@ def trim_records_after(train_dir: Path, step: int) -> None:
     """Drop record lines past `step` (written after the checkpoint a resume starts from), so a resumed run
     neither duplicates nor keeps rows from steps that are about to be re-done. An end-of-training summary row
     (`train_runtime`) goes too: the resumed run writes its own."""
-    for name in ("metrics.jsonl", "rollouts.jsonl", "health.jsonl"):
+    for name in ("metrics.jsonl", "rollouts.jsonl", "health.jsonl", "validation.jsonl"):
         path = train_dir / name
         if path.exists():
             rows = read_jsonl(path)
@@ -68,7 +68,8 @@ def trim_records_after(train_dir: Path, step: int) -> None:
 
 
 class MetricsRecorder(TrainerCallback):
-    """Every logged metric to metrics.jsonl, and one short line per step to the console."""
+    """Every logged metric to metrics.jsonl, and (given a console) one short line per step; `vlmrl train` shows
+    `vlmrl.progress` instead."""
 
     def __init__(self, path: Path, console: Callable[[str], None] | None = None):
         self.path = path

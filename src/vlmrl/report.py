@@ -43,6 +43,8 @@ TRAIN_KEYS = [  # TRL log key -> label, in plotting order; every `clip_ratio/...
     ("clip_ratio/*", "clip ratio"), ("kl", "KL"), ("frac_reward_zero_std", "zero-variance groups (fraction)"),
     ("learning_rate", "learning rate"), ("loss", "loss"), ("grad_norm", "grad norm"),
 ]
+VALIDATION_KEYS = [("accuracy", "validation accuracy"), ("format_compliance", "validation format compliance"),
+                   ("total_reward", "validation total reward")]
 HEALTH_KEYS = [("format_rate", "format rate"), ("gibberish_rate", "gibberish rate"),
                ("truncation_rate", "truncation rate"), ("zero_variance_groups", "zero-variance groups")]
 
@@ -212,12 +214,29 @@ def _training_section(files: _RunFiles) -> str:
     parts.append('<h3>Health</h3><p class="src">From train/health.jsonl (our check of each step\'s '
                  f'rollouts), against step.</p><div class="plots">{"".join(plots)}</div>' if plots
                  else files.missing("train/health.jsonl", "No training health log yet", "rows yet"))
+    parts.append(_validation_part(files))
     warnings = "".join(f"<li>step {_e(row.get('step'))}: {_e(w)}</li>" for row in health
                        for w in row.get("warnings") or [])
     if warnings:
         parts.append(f'<details class="warnings"><summary>{warnings.count("<li>")} health warnings '
                      f"(train/health.jsonl)</summary><ul>{warnings}</ul></details>")
     return "".join(parts)
+
+
+def _validation_part(files: _RunFiles) -> str:
+    """Held-out subset metrics during training: the mean per validation step, and its 95% interval as lo/hi."""
+    rows = files.jsonl("train/validation.jsonl")
+    plots = []
+    for key, label in VALIDATION_KEYS:
+        flat = [{"step": r.get("step"), "mean": m.get("mean"), "lo": (m.get("ci95") or [None, None])[0],
+                 "hi": (m.get("ci95") or [None, None])[1]} for r in rows if isinstance(m := r.get(key), dict)]
+        series = {name: _series(flat, name) for name in ("mean", "lo", "hi")}
+        if series["mean"][0]:
+            plots.append(_figure(label, key, {f"{key} {n}": xy for n, xy in series.items() if xy[0]}))
+    if not plots:
+        return ""  # validation during training is optional (train.eval_every_steps)
+    return ('<h3>Validation during training</h3><p class="src">From train/validation.jsonl: a fixed held-out '
+            f'subset, greedy, with 95% bootstrap intervals (lo, hi), against step.</p><div class="plots">{"".join(plots)}</div>')
 
 
 def _category_section(files: _RunFiles) -> str:

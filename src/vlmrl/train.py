@@ -19,7 +19,6 @@ transformers the checkpoints); only rank 0 writes the records, `train/final/vlmr
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import logging
@@ -37,6 +36,7 @@ from vlmrl.io import (
     DiskSpaceError,
     check_disk_space,
     checkpoint_bytes,
+    match_umask,
     read_json,
     read_jsonl,
     write_json_atomic,
@@ -54,6 +54,7 @@ class TrainError(RuntimeError):
 class TrainResult:
     final_dir: Path
     summary: dict
+    already_done: bool = False  # a finished run of this config was found; nothing was trained
 
 
 def train_fingerprint(config: Config) -> str:
@@ -61,7 +62,8 @@ def train_fingerprint(config: Config) -> str:
     return config.fingerprint("model", "lora", "data", "train") + config.data_fingerprint()[:4] + str(config.run.seed)
 
 
-def train(config: Config, run_dir: Path, *, resume: bool = True, console_callback: Any = None) -> TrainResult:
+def train(config: Config, run_dir: Path, *, resume: bool = True, console_callback: Any = None,
+          progress: Any = None) -> TrainResult:
     """Train the LoRA adapter of `run_dir` and save it to `run_dir/train/final`."""
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOTrainer
@@ -70,6 +72,8 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
     from vlmrl.fastgen import wanted as fastgen_wanted
     from vlmrl.models.loading import BASE_RECORD, base_identity, load_model
     from vlmrl.models.lora import apply_lora
+    from vlmrl.progress import TrainProgress
+    from vlmrl.provenance import provenance, utc_now
     from vlmrl.records import (
         HealthMonitor,
         MetricsRecorder,
@@ -77,15 +81,33 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
         last_complete_checkpoint,
         trim_records_after,
     )
+    from vlmrl.trackers import TrackerError, build_tracker_callbacks
+    from vlmrl.trainargs import gspo_loss_note, quiet_trl_gspo_warning
+    from vlmrl.validation import ValidationCallback
 
     train_dir = run_dir / "train"
     checkpoints = train_dir / "checkpoints"
+    if resume and is_finished(config, run_dir):
+        summary = read_json(train_dir / "summary.json")
+        if console_callback:
+            console_callback(f"train: {run_dir} already finished {summary.get('steps')} steps with this config; "
+                             "nothing to do (pass --no-resume to train again).")
+        return TrainResult(train_dir / "final", summary, already_done=True)
+    started_at = utc_now()
     # step 1: data, and the trainer's arguments (a bad trl_overrides key fails here, before any model loads)
     dataset = build_train_dataset(run_dir)
     _check_trainable(config, run_dir, len(dataset))
     args, notes = build_grpo_config(config, checkpoints, suppress_tokens=_multimodal_ids(config, run_dir))
     _ = args.device  # sets up the process group (several ranks) and pins this rank's GPU before the model loads
     _claim_checkpoints(config, checkpoints, resume=resume)
+    try:
+        trackers = build_tracker_callbacks(config.train.report_to, train_dir)
+    except TrackerError as exc:
+        raise TrainError(str(exc)) from None
+    if gspo_loss_note(config):
+        notes.append(gspo_loss_note(config))
+        quiet_trl_gspo_warning()  # ours, above, says it once and why; TRL's would repeat it per trainer
+        (console_callback or log.warning)(f"note: {notes[-1]}")
     # step 2: model
     loaded = load_model(config.model, run_dir, for_training=True)
     model, lora_report = apply_lora(loaded.model, config.lora, backend=loaded.backend, seed=config.run.seed)
@@ -96,13 +118,20 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
     # step 3: trainer
     recorder = RolloutRecorder(train_dir / "rollouts.jsonl")
     health = HealthMonitor(config.health, train_dir / "health.jsonl", console=console_callback)
+    watchers: list[Any] = [*trackers]
+    if console_callback or progress:  # the progress display replaces MetricsRecorder's own line
+        watchers.append(progress or TrainProgress(None, console_callback, recorder))
+    validation = (ValidationCallback(config, run_dir, processor=loaded.processor, trackers=trackers,
+                                     say=console_callback, base_record=base_identity(config.model.name, loaded.source))
+                  if config.train.eval_every_steps else None)
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=[recorder.wrap(format_reward), correctness_reward],
         args=args,
         train_dataset=dataset,
         processing_class=loaded.processor,
-        callbacks=[MetricsRecorder(train_dir / "metrics.jsonl", console_callback), recorder, health],
+        callbacks=[MetricsRecorder(train_dir / "metrics.jsonl"), recorder, health, *watchers,
+                   *([validation] if validation else [])],
     )
     trainer.remove_callback(PrinterCallback)  # our MetricsRecorder prints a shorter line
     fast = (
@@ -116,6 +145,8 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
     # step 4: train, resuming from the last complete checkpoint if there is one
     last = last_complete_checkpoint(checkpoints) if resume else None
     start_step = int(last.name.split("-")[-1]) if last else 0
+    if isinstance(progress, TrainProgress):
+        progress.recorder = recorder
     if distributed.is_main_process():
         trim_records_after(train_dir, start_step)
     started = time.perf_counter()
@@ -146,8 +177,14 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
         "notes": notes,
         "health_warnings": health.warning_count,
         "fast_generation": fast.as_dict(),
+        "report_to": list(config.train.report_to),
+        "validation": validation.summary() if validation else None,
+        "provenance": provenance(started_at=started_at, finished_at=utc_now()),
     }
     if distributed.is_main_process():
+        for folder in (final_dir, checkpoints, train_dir / "best"):
+            if folder.is_dir():
+                match_umask(folder)  # the adapter weights arrive 0600 from safetensors
         write_json_atomic(final_dir / BASE_RECORD, base_identity(config.model.name, loaded.source))
         write_json_atomic(train_dir / "summary.json", summary)
     distributed.barrier()  # no rank returns (and maybe starts evaluating) before the adapter is complete
@@ -170,8 +207,9 @@ def _claim_checkpoints(config: Config, checkpoints: Path, *, resume: bool) -> No
         write_json_atomic(stamp, {"fingerprint": current})
 
 
-# Fields a resumed run may change: how long to train and how often to log or save.
-_RESUMABLE_CHANGES = ("max_steps", "num_train_epochs", "save_steps", "save_total_limit", "logging_steps")
+# Fields a resumed run may change: how long to train, how often to log, save or validate, and where to report.
+_RESUMABLE_CHANGES = ("max_steps", "num_train_epochs", "save_steps", "save_total_limit", "logging_steps",
+                      "report_to", "eval_every_steps", "eval_subset")
 
 
 def _checkpoint_fingerprint(config: Config) -> str:
@@ -291,9 +329,11 @@ def build_grpo_config(
         disable_tqdm=True,
         generation_kwargs={"suppress_tokens": suppress_tokens} if suppress_tokens else None,
     )
-    unknown = sorted(set(t.trl_overrides) - {f.name for f in dataclasses.fields(GRPOConfig)})
-    if unknown:
-        raise TrainError(f"train.trl_overrides: {', '.join(unknown)} not GRPOConfig fields (TRL {_trl_version()}).")
+    from vlmrl.trainargs import training_problems
+
+    problems = training_problems(config)  # the same checks as `vlmrl config validate`
+    if problems:
+        raise TrainError("; ".join(problems) + ".")
     kwargs.update(t.trl_overrides)
     try:  # an unknown optimizer or scheduler name, or a contradiction TRL finds: before any model loads
         return GRPOConfig(**kwargs), notes
@@ -315,10 +355,16 @@ def is_trained(config: Config, run_dir: Path) -> bool:
     return final.exists() and summary.exists() and read_json(summary).get("fingerprint") == train_fingerprint(config)
 
 
-def _trl_version() -> str:
-    import trl
+def is_finished(config: Config, run_dir: Path) -> bool:
+    """Trained with this config, and no checkpoint is missing the last step (a kill after the summary was written
+    but mid-save would leave the last checkpoint behind the summary's step count: then training resumes)."""
+    from vlmrl.records import last_complete_checkpoint
 
-    return trl.__version__
+    if not is_trained(config, run_dir):
+        return False
+    last = last_complete_checkpoint(run_dir / "train" / "checkpoints")
+    steps = read_json(run_dir / "train" / "summary.json").get("steps") or 0
+    return last is None or int(last.name.split("-")[-1]) >= steps
 
 
 def finite(value: Any) -> bool:

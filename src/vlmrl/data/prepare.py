@@ -80,6 +80,10 @@ def prepare_data(
 
     # step 1-2: every row becomes a kept item (image stored) or a dropped row
     converted: dict[str, int] = {}
+    if progress is None:
+        from vlmrl.progress import counter
+
+        progress = counter("prepare: reading rows and normalising images")
     kept, dropped, hashes = collect_items(config, run_dir, token_counter, progress, converted)
     _check_enough(config, data_dir, kept, dropped)
 

@@ -102,8 +102,12 @@ def build_demo_policy(out_dir: Path, recipe: dict = DEMO_RECIPE) -> dict:
                                    families=recipe["families"])
     ]
     started = time.perf_counter()
+    from vlmrl.progress import counter
+
+    tick = counter("demo policy: warm-start steps")
     losses = sft_train(model, processor, examples, steps=recipe["sft_steps"], batch_size=recipe["sft_batch_size"],
-                       learning_rate=recipe["sft_learning_rate"], seed=recipe["weight_seed"])
+                       learning_rate=recipe["sft_learning_rate"], seed=recipe["weight_seed"],
+                       on_step=lambda step, _loss: tick(step, recipe["sft_steps"]))
     model.save_pretrained(str(out_dir))
     processor.save_pretrained(str(out_dir))
     return {"recipe": recipe, "sft_seconds": round(time.perf_counter() - started, 1), "sft_losses": losses}

@@ -1,0 +1,45 @@
+"""How the command line presents itself: `-h` beside `--help`, choices listed in help, flags shown as flags,
+and `--version`. Kept apart from cli.py, which holds the commands.
+
+Left out: shell completion (off in the app).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+import typer
+from typer.core import TyperOption
+
+from vlmrl.distributed import STRATEGIES
+
+HELP = {"help_option_names": ["-h", "--help"]}
+TINY_ARCHS = ("qwen3_vl", "qwen2_5_vl", "gemma3")  # vlmrl.models.tiny's (importing it loads transformers)
+# StrEnums: typer lists their values as the choices in --help, and each member still is the plain string.
+Strategy = StrEnum("Strategy", {s: s for s in STRATEGIES})
+Arch = StrEnum("Arch", {a: a for a in TINY_ARCHS})
+Stage = StrEnum("Stage", {s: s for s in ("baseline", "after")})
+
+_type_of = TyperOption.display_type_rich
+
+
+def _flag_type(self: TyperOption, ctx) -> str | None:
+    """typer 0.2x prints `<bool>` beside every flag (`--force <bool>` reads as if it took a value): show none."""
+    return None if self.is_flag else _type_of(self, ctx)
+
+
+TyperOption.display_type_rich = _flag_type
+
+
+def version_line() -> str:
+    from vlmrl.provenance import git_commit, vlmrl_version
+
+    commit = git_commit()
+    return f"vlmrl {vlmrl_version()}" + (f" (git {commit})" if commit else "")
+
+
+def print_version(value: bool) -> None:
+    """An eager `--version` callback."""
+    if value:
+        typer.echo(version_line())
+        raise typer.Exit()
