@@ -19,10 +19,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from vlmrl.cli_help import HELP, Arch, Stage, Strategy, print_version
 from vlmrl.clierrors import Commands, check_needs, fail, set_debug
 from vlmrl.clierrors import claimed as _claimed
 from vlmrl.clierrors import debug as debug_on
-from vlmrl.cli_help import HELP, Arch, Stage, Strategy, print_version
 from vlmrl.config import PRESETS, Config, ConfigError, dump_config, load_config
 
 app = typer.Typer(

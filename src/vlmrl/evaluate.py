@@ -106,7 +106,7 @@ def evaluate(
                 loaded.model,
                 loaded.processor,
                 [item["prompt"] for item in batch],
-                [_open_images(run_dir, item) for item in batch],
+                [open_images(run_dir, item) for item in batch],
                 max_new_tokens=config.eval.max_new_tokens,
                 do_sample=config.eval.do_sample,
                 temperature=config.eval.temperature,
@@ -352,7 +352,7 @@ def _hashes(value: object) -> list[str]:
     return [value] if isinstance(value, str) else list(value or [])  # type: ignore[call-overload]
 
 
-def _open_images(run_dir: Path, item: dict) -> list[Image.Image]:
+def open_images(run_dir: Path, item: dict) -> list[Image.Image]:
     """The item's images, in order (one-image items and manifests from before lists alike)."""
     images = []
     for path in record_images(item):

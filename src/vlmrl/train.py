@@ -238,6 +238,7 @@ def build_train_dataset(run_dir: Path):
     check_no_overlap([Item.from_json(r) for r in rows], [Item.from_json(r) for r in holdout])
     items = [Item.from_json(r) for r in rows]
     table = train_table(items, run_dir)  # prompt, images (a list per item) and every column rewards receive
+    datasets.disable_progress_bars()  # its cast bar has no newline: our one-line messages would follow it
     return datasets.Dataset.from_dict(table).cast_column("images", datasets.Sequence(datasets.Image()))
 
 
