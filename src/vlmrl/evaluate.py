@@ -34,6 +34,8 @@ from vlmrl.generation import generate_batch
 from vlmrl.grading import mathvista_correct, normalize_mathvista
 from vlmrl.io import append_jsonl, read_json, read_jsonl, write_json_atomic, write_jsonl_atomic
 from vlmrl.models.loading import load_with_adapter
+from vlmrl.reward_fns import Reward, call_rewards, check_run_rewards, item_columns, load_rewards, prompt_messages
+from vlmrl.reward_fns import weighted_total
 from vlmrl.rewards import score_completion
 
 log = logging.getLogger(__name__)
@@ -64,6 +66,7 @@ def evaluate(
     if stage not in STAGES:
         raise EvalError(f"--stage {stage!r}: choose baseline or after.")
     items = load_holdout(config, run_dir)
+    rewards = check_run_rewards(config, run_dir)  # a broken reward fails here, before any model loads
     if stage == "after":
         adapter = adapter or default_adapter_dir(run_dir)
     if adapter is not None:
@@ -97,11 +100,12 @@ def evaluate(
             # Seeded by its place in the holdout: a sampled evaluation repeats exactly, resumed or not.
             torch.manual_seed(config.run.seed * 1_000_003 + start)
             t0 = time.perf_counter()
+            images = [_open_image(run_dir, item) for item in batch]
             generations = generate_batch(
                 loaded.model,
                 loaded.processor,
                 [item["prompt"] for item in batch],
-                [_open_image(run_dir, item) for item in batch],
+                images,
                 max_new_tokens=config.eval.max_new_tokens,
                 do_sample=config.eval.do_sample,
                 temperature=config.eval.temperature,
@@ -109,8 +113,8 @@ def evaluate(
                 compiled=compiled,
             )
             seconds = time.perf_counter() - t0
-            rows = [make_record(item, gens, settings, seconds / len(batch), stage)
-                    for item, gens in zip(batch, generations) if item["id"] not in done]
+            rows = [make_record(item, gens, settings, seconds / len(batch), stage, rewards=rewards, image=image)
+                    for item, gens, image in zip(batch, generations, images) if item["id"] not in done]
             append_jsonl(out_path, rows)
             tokens += sum(r["generated_tokens"] for r in rows)
             finished += len(rows)
@@ -206,8 +210,17 @@ def generation_settings(config: Config, adapter: Path | None) -> dict:
     }
 
 
-def make_record(item: dict, generations: list, settings: dict, seconds: float, stage: str) -> dict:
+def make_record(item: dict, generations: list, settings: dict, seconds: float, stage: str, *,
+                rewards: list[Reward] | None = None, image: object = None) -> dict:
+    """One held-out item's record; `rewards` are the configured ones (default: format 0.3 + correctness 1.0),
+    each called on the item's completions with the item's columns as TRL would."""
+    rewards = rewards if rewards is not None else load_rewards(Config())
+    values = call_rewards(rewards, [prompt_messages(item["prompt"], image)] * len(generations),
+                          [g.text for g in generations], [item_columns(item, image)] * len(generations))
     samples = [_score(item, g) for g in generations]
+    for k, sample in enumerate(samples):
+        sample["rewards"] = {name: scores[k] for name, scores in values.items()}
+        sample["total_reward"] = weighted_total(sample["rewards"], rewards)
     first = samples[0]
     record = {
         "id": item["id"],
@@ -288,6 +301,10 @@ def summarize(records: list[dict], *, stage: str, seed: int = 0) -> dict:
         "tokens_per_second": tokens / seconds if seconds else None,
         "items_per_second": len(records) / seconds if seconds else None,
     }
+    names = dict.fromkeys(name for r in records for name in r.get("rewards") or {})
+    # every configured reward alone; a None (the reward skipped the item) is left out of its mean
+    summary["rewards"] = {name: metric([r["rewards"][name] for r in records
+                                        if (r.get("rewards") or {}).get(name) is not None]) for name in names}
     if records and "pass_at_k" in records[0]:
         summary["pass_at_k"] = metric([float(r["pass_at_k"]) for r in records])
         summary["majority_accuracy"] = metric([float(r["majority_correct"]) for r in records])

@@ -30,7 +30,10 @@ def run_all(config: Config, *, force: bool = False, say: Say = print, progress_f
     from vlmrl.doctor import collect_environment
     from vlmrl.io import write_json_atomic
 
+    from vlmrl.reward_fns import load_rewards
+
     run_dir = config.run_dir
+    load_rewards(config)  # a reward that cannot be imported fails before anything runs (the call check: in eval)
     claim_run_dir(config, run_dir, force=force)
     outcome = RunOutcome(run_dir)
 
