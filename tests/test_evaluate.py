@@ -114,6 +114,7 @@ RECORD_SCHEMA: dict[str, tuple[type, ...]] = {
     "category": (str, type(None)),
     "metadata": (dict,),
     "generation": (dict,),
+    "rewards_fingerprint": (str, type(None)),
     "seconds": NUMBER,
 }
 SAMPLED_SCHEMA: dict[str, tuple[type, ...]] = {

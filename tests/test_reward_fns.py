@@ -212,7 +212,7 @@ def test_old_reward_weights_in_a_file_are_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_a_user_reward_reaches_metrics_records_comparison_and_report(tmp_path: Path) -> None:
+def test_a_user_reward_reaches_metrics_records_comparison_and_report(tmp_path: Path, monkeypatch) -> None:
     (tmp_path / "my_rewards.py").write_text(SHORTNESS)
     rewards = ("  - {name: format, weight: 0.3}\n  - {name: correctness, weight: 1.0}\n"
                "  - {function: 'my_rewards.py:shortness', weight: 1.0}\n")
@@ -236,3 +236,22 @@ def test_a_user_reward_reaches_metrics_records_comparison_and_report(tmp_path: P
     assert "shortness" in result.output  # the printed before/after table
     rollouts = read_jsonl(run_dir / "train" / "rollouts.jsonl")
     assert all(set(r["rewards"]) == {"format_reward", "correctness_reward", "shortness"} for r in rollouts)
+
+    # an edited reward file: training runs again, the baseline is rescored from its completions (not
+    # regenerated), the after records are the new adapter's, and every value follows the new rule
+    baseline = [r["completion"] for r in read_jsonl(run_dir / "baseline_records.jsonl")]
+    (tmp_path / "my_rewards.py").write_text(SHORTNESS.replace("0.02", "0.05"))
+    import vlmrl.evaluate
+
+    loads: list[object] = []
+    real_load = vlmrl.evaluate.load_with_adapter
+    monkeypatch.setattr("vlmrl.evaluate.load_with_adapter", lambda *a, **k: loads.append(a[-1]) or real_load(*a, **k))
+    again = runner.invoke(app, ["run", str(config)])
+    assert again.exit_code == 0, again.output
+    assert len(loads) == 1 and loads[0] is not None  # a model loaded for the after stage only
+    out = " ".join(again.output.split())
+    assert "[run] eval baseline" in out and "[run] train" in out and "[skip] prepare" in out
+    assert [r["completion"] for r in read_jsonl(run_dir / "baseline_records.jsonl")] == baseline
+    for stage in ("baseline", "after"):
+        for record in read_jsonl(run_dir / f"{stage}_records.jsonl"):
+            assert record["rewards"]["shortness"] == pytest.approx(max(0.0, 1.0 - 0.05 * len(record["completion"])))
