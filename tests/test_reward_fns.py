@@ -255,3 +255,16 @@ def test_a_user_reward_reaches_metrics_records_comparison_and_report(tmp_path: P
     for stage in ("baseline", "after"):
         for record in read_jsonl(run_dir / f"{stage}_records.jsonl"):
             assert record["rewards"]["shortness"] == pytest.approx(max(0.0, 1.0 - 0.05 * len(record["completion"])))
+
+
+def test_the_train_dataset_carries_every_item_column(prepared: Path) -> None:
+    """TRL passes each dataset column (all but the prompt) to every reward: they are Item.columns()."""
+    from vlmrl.data.items import Item
+    from vlmrl.train import build_train_dataset
+
+    dataset = build_train_dataset(prepared)
+    rows = read_jsonl(prepared / "data" / "train.jsonl")
+    expected = Item.from_json(rows[0]).columns()
+    assert set(expected) | {"prompt", "image"} == set(dataset.column_names)
+    first = dataset[0]
+    assert {key: first[key] for key in expected} == {**expected, "answer": str(expected["answer"])}
