@@ -229,7 +229,7 @@ class RewardSpec(_Section):
             raise ValueError("give exactly one of `name:` (format | correctness) or `function:` (file.py:name).")
         if self.function is not None:
             where, sep, attr = self.function.rpartition(":")
-            if not sep or not where.strip() or not attr.isidentifier():
+            if not sep or not where.strip() or not attr.isidentifier() or "\0" in where:
                 raise ValueError(
                     f"function {self.function!r}: expected `file.py:name` or `module.path:name`, e.g. "
                     "my_rewards.py:shortness."
@@ -326,7 +326,10 @@ def load_config(source: str | Path | None = None, overrides: list[str] | None = 
     base = Path(origin).parent if Path(origin).is_file() else Path.cwd()
     for spec in config.rewards:
         if spec.file is not None and spec.resolved is None:  # a copy in a run folder keeps its resolved path
-            spec.resolved = str((base / spec.file).resolve())
+            try:
+                spec.resolved = str((base / spec.file).resolve())
+            except (OSError, RuntimeError) as exc:  # a path the OS cannot resolve (too long, a symlink loop)
+                raise ConfigError(f"{origin}: rewards: {spec.function!r}: {exc}") from None
     return config
 
 

@@ -66,7 +66,7 @@ def rewards_fingerprint(config: Config) -> str:
     parts: list[Any] = [spec.model_dump(mode="json") for spec in config.rewards]
     for spec in config.rewards:
         path = _source_file(spec)
-        parts.append(hashlib.sha256(path.read_bytes()).hexdigest() if path and path.is_file() else None)
+        parts.append(_sha256(path) if path else None)
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -158,7 +158,7 @@ def _import_function(spec: RewardSpec, label: str) -> Callable[..., Any]:
     where, _, attr = str(spec.function).rpartition(":")
     if spec.file is not None:
         path = Path(spec.resolved or spec.file)
-        if not path.is_file():
+        if not _is_file(path):
             raise RewardError(f"{label}: no such file {path} (a reward file is found relative to the config file).")
         module_name = f"vlmrl_user_rewards_{hashlib.sha256(str(path).encode()).hexdigest()[:12]}"
         try:
@@ -228,6 +228,20 @@ def _one_line(exc: BaseException, path: Path | None = None) -> str:
         return f"{text} (line {exc.lineno})"
     mine = [f for f in frames if path is None or Path(f.filename) == path]
     return f"{text} (line {mine[-1].lineno})" if mine and path is not None else text
+
+
+def _sha256(path: Path) -> str | None:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:  # missing or unreadable: load_rewards says which
+        return None
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:  # a name too long for the file system, say
+        return False
 
 
 def _ignore(*args: Any, **kwargs: Any) -> None:
