@@ -34,8 +34,16 @@ from vlmrl.generation import generate_batch
 from vlmrl.grading import mathvista_correct, normalize_mathvista
 from vlmrl.io import append_jsonl, read_json, read_jsonl, write_json_atomic, write_jsonl_atomic
 from vlmrl.models.loading import load_with_adapter
-from vlmrl.reward_fns import Reward, call_rewards, check_run_rewards, item_columns, load_rewards, prompt_messages
-from vlmrl.reward_fns import rewards_fingerprint, weighted_total
+from vlmrl.reward_fns import (
+    Reward,
+    call_rewards,
+    check_run_rewards,
+    item_columns,
+    load_rewards,
+    prompt_messages,
+    rewards_fingerprint,
+    weighted_total,
+)
 from vlmrl.rewards import score_completion
 
 log = logging.getLogger(__name__)

@@ -29,7 +29,6 @@ def run_all(config: Config, *, force: bool = False, say: Say = print, progress_f
     from vlmrl import compare, evaluate, export, report, train
     from vlmrl.doctor import collect_environment
     from vlmrl.io import write_json_atomic
-
     from vlmrl.reward_fns import load_rewards
 
     run_dir = config.run_dir

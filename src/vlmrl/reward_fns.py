@@ -108,7 +108,7 @@ def check_rewards(loaded: Sequence[Reward], items: Sequence[dict], columns: Sequ
     prompts, completions, rows = [], [], []
     for item, cols, image in zip(items, columns, images):
         for text in (f"<REASONING>checking</REASONING><SOLUTION>{item['answer']}</SOLUTION>", "", "no tags at all"):
-            prompts.append(_prompt(item["prompt"], image))
+            prompts.append(prompt_messages(item["prompt"], image))
             completions.append(text)
             rows.append(cols)
     if rows:
@@ -117,7 +117,7 @@ def check_rewards(loaded: Sequence[Reward], items: Sequence[dict], columns: Sequ
 
 def prompt_messages(prompt: str, image: Any) -> list[dict]:
     """The prompt as TRL hands it to reward functions: one user turn, the image block before the text."""
-    return _prompt(prompt, image)
+    return [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": prompt}]}]
 
 
 class _Guarded:
@@ -183,7 +183,8 @@ def _import_function(spec: RewardSpec, label: str) -> Callable[..., Any]:
 
 
 def _check_signature(fn: Callable[..., Any], label: str) -> None:
-    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
+    call = fn if inspect.isroutine(fn) else type(fn).__call__  # a callable object: its __call__
+    if inspect.iscoroutinefunction(call):
         raise RewardError(f"{label}: async reward functions are not supported; make it a plain def.")
     try:
         params = inspect.signature(fn).parameters.values()
@@ -214,10 +215,6 @@ def _source_file(spec: RewardSpec) -> Path | None:
     except (ImportError, ValueError):
         return None
     return Path(found.origin) if found and found.origin else None
-
-
-def _prompt(prompt: str, image: Any) -> list[dict]:
-    return [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": prompt}]}]
 
 
 def _one_line(exc: BaseException, path: Path | None = None) -> str:
