@@ -3,7 +3,9 @@
 A config is loaded from a preset shipped in ``vlmrl/presets/`` (``demo``, ``seed``, ``gspo-paper``) or a
 YAML file, then command-line overrides (``--set train.learning_rate=1e-5``) are applied, then the whole
 thing is validated. Validation happens before any model loads: unknown keys are named with the closest
-valid key, and cross-field contradictions say how to fix them.
+valid key, and cross-field contradictions say how to fix them. The top-level `rewards:` list names the
+rewards and their weights; a user function's file is resolved against the config file's folder here, at load
+time (importing and checking it is `vlmrl.reward_fns`).
 
 Deliberately left out: a mirror of all of ``GRPOConfig``. ``train.trl_overrides`` passes anything else
 straight to TRL.
@@ -200,9 +202,6 @@ class ExportConfig(_Section):
     merged_4bit: bool = Field(False, description="Also write `merged-4bit/` through bitsandbytes (CUDA only).")
     gguf: bool = Field(False, description="Also export GGUF through Unsloth + llama.cpp when present.")
     logits_atol: float = Field(1e-3, gt=0, description="Tolerance for reload-reproduces-logits checks.")
-
-
-BUILTIN_REWARDS = ("format", "correctness")  # `name:` values; the functions are vlmrl.rewards.<name>_reward
 
 
 class RewardSpec(_Section):

@@ -257,6 +257,5 @@ def batch_health(rows: list[dict], *, group_size: int, weights: list[float] | No
     }
 
 
-
 def _finite(value: Any) -> bool:
     return isinstance(value, int | float) and math.isfinite(value)
