@@ -268,3 +268,14 @@ def test_the_train_dataset_carries_every_item_column(prepared: Path) -> None:
     assert set(expected) | {"prompt", "image"} == set(dataset.column_names)
     first = dataset[0]
     assert {key: first[key] for key in expected} == {**expected, "answer": str(expected["answer"])}
+
+
+def test_doctests_pass() -> None:
+    import doctest
+
+    import vlmrl.config
+    import vlmrl.reward_fns
+
+    for module in (vlmrl.reward_fns, vlmrl.config):
+        result = doctest.testmod(module)
+        assert result.attempted > 0 and result.failed == 0, module.__name__

@@ -116,8 +116,14 @@ def check_rewards(loaded: Sequence[Reward], items: Sequence[dict], columns: Sequ
 
 
 def prompt_messages(prompt: str, image: Any) -> list[dict]:
-    """The prompt as TRL hands it to reward functions: one user turn, the image block before the text."""
-    return [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": prompt}]}]
+    """The prompt as TRL hands it to reward functions: one user turn, the image block(s) before the text.
+
+    >>> [block["type"] for block in prompt_messages("Q?", ["a", "b"])[0]["content"]]
+    ['image', 'image', 'text']
+    """
+    images = image if isinstance(image, list) else [image]
+    blocks = [{"type": "image", "image": one} for one in images]
+    return [{"role": "user", "content": [*blocks, {"type": "text", "text": prompt}]}]
 
 
 class _Guarded:
@@ -260,20 +266,26 @@ def check_run_rewards(config: Config, run_dir: Path, *, items: int = 4) -> list[
 
 def item_columns(row: dict, image: Any = None) -> dict[str, Any]:
     """The reward kwargs of one held-out/train record: `Item.columns()`, plus the image as TRL's dataset
-    column hands it over (a PIL image)."""
+    column hands it over (`image`: a PIL image; `images`: a list of them, for a several-image item)."""
     from vlmrl.data.items import Item
 
     try:
         columns = Item.from_json(row).columns()
     except (ValueError, TypeError):  # a partial record (hand-made in a test): its fields as they are
-        columns = {k: v for k, v in row.items() if k not in ("image", "image_sha256", "prompt", "metadata")}
+        columns = {k: v for k, v in row.items()
+                   if k not in ("image", "images", "image_sha256", "image_sha256s", "prompt", "metadata")}
     if image is not None:
-        columns["image"] = image
+        columns["images" if isinstance(image, list) else "image"] = image
     return columns
 
 
 def open_image(run_dir: Path, row: dict) -> Any:
+    """The item's image as RGB, or the list of them when the record has `images` (paths in the run folder)."""
     from PIL import Image
 
-    with Image.open(Path(run_dir) / row["image"]) as img:
-        return img.convert("RGB")
+    def load(relative: str) -> Any:
+        with Image.open(Path(run_dir) / relative) as img:
+            return img.convert("RGB")
+
+    paths = row.get("images")
+    return [load(p) for p in paths] if isinstance(paths, list) else load(row["image"])
