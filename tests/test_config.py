@@ -22,7 +22,8 @@ def test_seed_preset_is_the_write_up_recipe_field_for_field():
     assert (t.learning_rate, t.lr_scheduler_type, t.optim) == (5e-6, "cosine", "adamw_8bit")
     assert (t.per_device_train_batch_size, t.gradient_accumulation_steps, t.num_generations) == (8, 4, 4)
     assert (t.max_completion_length, t.num_train_epochs, t.max_grad_norm) == (1024, 1.0, 0.1)
-    assert (t.algorithm, t.loss_type, t.reward_weights) == ("gspo", "dr_grpo", [0.3, 1.0])
+    assert (t.algorithm, t.loss_type) == ("gspo", "dr_grpo")
+    assert [(r.name, r.weight) for r in c.rewards] == [("format", 0.3), ("correctness", 1.0)]
     assert t.mask_truncated_completions is False
     d = c.data
     assert (d.source, d.split, d.holdout_size, d.image_size, d.resize) == ("AI4Math/MathVista", "testmini", 100, 512, "squash")
@@ -63,9 +64,12 @@ def test_generation_batch_must_hold_whole_groups():
         load_config("seed", ["train.num_generations=3"])
 
 
-def test_reward_weights_length():
-    with pytest.raises(ConfigError, match="exactly 2"):
-        load_config("seed", ["train.reward_weights=[1.0]"])
+def test_old_reward_weights_are_refused_with_the_new_form():
+    with pytest.raises(ConfigError) as info:
+        load_config("seed", ["train.reward_weights=[0.5, 2.0]"])
+    message = str(info.value)
+    assert "\n" not in message and "replaced by a top-level `rewards:` list" in message
+    assert "{name: format, weight: 0.5}, {name: correctness, weight: 2.0}" in message
 
 
 def test_vllm_with_vision_lora_is_contradictory():

@@ -101,6 +101,7 @@ RECORD_SCHEMA: dict[str, tuple[type, ...]] = {
     "format_reward": NUMBER,
     "correctness_reward": NUMBER,
     "total_reward": NUMBER,
+    "rewards": (dict,),
     "correct": (bool,),
     "exact_match": (bool,),
     "degenerate": (bool,),
@@ -113,6 +114,7 @@ RECORD_SCHEMA: dict[str, tuple[type, ...]] = {
     "category": (str, type(None)),
     "metadata": (dict,),
     "generation": (dict,),
+    "rewards_fingerprint": (str, type(None)),
     "seconds": NUMBER,
     "provenance": (dict,),  # vlmrl_version and git_commit (issue 20)
 }
@@ -123,7 +125,7 @@ SAMPLED_SCHEMA: dict[str, tuple[type, ...]] = {
     "majority_correct": (bool,),
 }
 SAMPLE_KEYS = {
-    "completion", "pred", "format_ok", "format_reward", "correctness_reward", "total_reward", "correct",
+    "completion", "pred", "format_ok", "format_reward", "correctness_reward", "total_reward", "rewards", "correct",
     "exact_match", "degenerate", "mathvista_normalized", "mathvista_correct", "generated_tokens", "truncated",
 }  # fmt: skip
 GENERATION_KEYS = {"max_new_tokens", "do_sample", "temperature", "num_samples", "model", "adapter"}
@@ -181,6 +183,8 @@ def check_records_against_holdout(records: list[dict], items: list[dict], stage:
             scored["pred"], scored["format"], scored["correctness"], scored["correct"]
         )
         assert record["total_reward"] == pytest.approx(scored["total"])
+        # each configured reward (the defaults here) under its function's name, called as TRL calls it
+        assert record["rewards"] == {"format_reward": scored["format"], "correctness_reward": scored["correctness"]}
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ def trained(tmp_path_factory) -> tuple[Config, Path]:
     config = quick_config(tmp_path_factory.mktemp("export"))
     prepare_with_budget(config, config.run_dir)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("vlmrl.train.correctness_reward", varied_reward)
+        patch.setattr("vlmrl.rewards.correctness_reward", varied_reward)
         train(config, config.run_dir)
     return config, config.run_dir
 

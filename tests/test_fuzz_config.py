@@ -13,13 +13,13 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vlmrl.config import Config, ConfigError, dump_config, load_config, validate_config
+from vlmrl.config import Config, ConfigError, RewardSpec, dump_config, load_config, validate_config
 
 EXAMPLES = 300
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
-SECTIONS = {name: info.annotation for name, info in Config.model_fields.items()}
-FIELD_NAMES = sorted({f for model in SECTIONS.values() for f in model.model_fields})
+SECTIONS = {name: info.annotation for name, info in Config.model_fields.items() if name != "rewards"}
+FIELD_NAMES = sorted({f for model in SECTIONS.values() for f in model.model_fields} | set(RewardSpec.model_fields))
 DOTTED = sorted(f"{s}.{f}" for s, model in SECTIONS.items() for f in model.model_fields)
 
 keys = st.one_of(st.sampled_from(sorted(SECTIONS) + FIELD_NAMES), st.text(max_size=12), st.integers(-3, 3))
@@ -34,8 +34,16 @@ scalars = st.one_of(
 values = st.recursive(
     scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(keys, inner, max_size=4), max_leaves=12
 )
+# `rewards:` entries: real keys with values of every type, and now and then a plausible one.
+reward_entries = st.one_of(
+    st.dictionaries(st.sampled_from(sorted(RewardSpec.model_fields)) | keys, values, max_size=3),
+    st.fixed_dictionaries({"name": st.sampled_from(["format", "correctness", "x"]), "weight": scalars}),
+    st.fixed_dictionaries({"function": st.text(max_size=20) | st.just("r.py:f"), "weight": scalars}),
+    values,
+)
 # A top level that is mostly sections, so the fuzzer reaches the field validators and not only "unknown key".
-documents = st.dictionaries(st.one_of(st.sampled_from(sorted(SECTIONS)), keys), values, max_size=5)
+documents = st.dictionaries(st.one_of(st.sampled_from([*sorted(SECTIONS), "rewards"]), keys),
+                            values | st.lists(reward_entries, max_size=3), max_size=5)
 # Text that YAML treats specially: tags, anchors, flow collections, timestamps, document markers.
 yaml_text = st.one_of(
     st.text(max_size=200),

@@ -49,6 +49,17 @@ def test_batch_health_exact_values():
     assert h["reward_std"] == pytest.approx(math.sqrt((2.1**2 + 0.1**2 + 1.1**2 + 1.1**2) / 4))  # population std
 
 
+def test_batch_health_with_user_rewards_and_no_format_reward():
+    """Configured rewards without format_reward: the format rate comes from the completions themselves, and
+    a None reward (NaN in TRL's log) is left out of the total as TRL leaves it out."""
+    good = "<REASONING>r</REASONING><SOLUTION>1</SOLUTION>"
+    rows = [{"rewards": {"correctness_reward": 2.0, "shortness": math.nan}, "completion": good, "degenerate": False},
+            {"rewards": {"correctness_reward": 0.0, "shortness": 0.5}, "completion": "1", "degenerate": False}]
+    h = batch_health(rows, group_size=2, weights=[1.0, 2.0])
+    assert h["format_rate"] == 0.5  # only the first completion has both tag pairs
+    assert h["reward_mean"] == pytest.approx((2.0 + 1.0) / 2)  # totals 2.0 (NaN left out) and 0 + 2 * 0.5
+
+
 def test_batch_health_default_weights_and_empty_batch():
     h = batch_health(BATCH[:2], group_size=2)  # weights 1, 1: totals 4.0 and 2.0
     assert h["reward_mean"] == 3.0 and h["reward_std"] == 1.0 and h["zero_variance_groups"] == 0.0

@@ -3,7 +3,7 @@
 From the same warm-started demo policy, seed and held-out set:
   - GSPO and GRPO each raise held-out mean reward and format compliance by a margin whose 95% paired
     bootstrap interval excludes zero;
-  - a control run with the correctness reward's sign flipped (reward_weights [0.0, -1.0]) ends with lower
+  - a control run with the correctness reward's sign flipped (rewards: format 0.0, correctness -1.0) ends with lower
     held-out accuracy than before training and than the GSPO run: the correctness signal is used. The format
     weight is off in the control because the format reward alone raises accuracy (answers become extractable,
     and some are right by chance): with [0.3, -1.0] that pull masked the flipped signal (0.141 vs 0.125).
@@ -36,7 +36,7 @@ def runs(tmp_path_factory, demo_cache):
     return {
         "gspo": _run(root, "gspo", "train.algorithm=gspo"),
         "grpo": _run(root, "grpo", "train.algorithm=grpo", "train.loss_type=grpo"),
-        "control": _run(root, "control", "train.algorithm=gspo", "train.reward_weights=[0.0,-1.0]"),
+        "control": _run(root, "control", "train.algorithm=gspo", "rewards=[{name: format, weight: 0.0}, {name: correctness, weight: -1.0}]"),
     }
 
 

@@ -66,7 +66,7 @@ def flat(text: str) -> str:
 
 def invoke(args: list[str]):
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("vlmrl.train.correctness_reward", varied_reward)
+        patch.setattr("vlmrl.rewards.correctness_reward", varied_reward)
         return runner.invoke(app, args)
 
 

@@ -72,7 +72,7 @@ varied_reward.__name__ = "correctness_reward"  # TRL names the reward column aft
 
 @pytest.fixture
 def learnable(monkeypatch):
-    monkeypatch.setattr("vlmrl.train.correctness_reward", varied_reward)
+    monkeypatch.setattr("vlmrl.rewards.correctness_reward", varied_reward)
 
 
 @pytest.fixture
@@ -147,10 +147,10 @@ def test_num_generations_must_divide_the_generation_batch(tmp_path: Path) -> Non
                  "train.num_generations=8")  # 8 completions per generation batch: one whole group
 
 
-@pytest.mark.parametrize("weights", ["[1.0]", "[0.3, 1.0, 0.5]"])
-def test_reward_weights_of_the_wrong_length(weights: str, tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"train.reward_weights has \d values; it needs exactly 2"):
-        quick_config(tmp_path, f"train.reward_weights={weights}")
+def test_rewards_list_sets_the_trl_weights(tmp_path: Path) -> None:
+    config = quick_config(tmp_path, "rewards=[{name: correctness, weight: 2.0}, {name: format, weight: -0.5}]")
+    args, _ = build_grpo_config(config, tmp_path / "checkpoints")
+    assert list(args.reward_weights) == [2.0, -0.5]
 
 
 def test_training_without_prepared_data_names_the_file(tmp_path: Path, no_model_load) -> None:

@@ -2,7 +2,8 @@
 
 Records are joined by id; a pair whose prompt or image hash differs is refused (the two evaluations did not
 see the same item). For each binary metric: before, after, delta, a 95% paired bootstrap interval and the
-exact McNemar p-value on the discordant pairs; for rewards, the same without McNemar. Everything is computed
+exact McNemar p-value on the discordant pairs; for rewards, the same without McNemar: the total, and each
+configured reward (built-in or the user's) under its function's name, from the records' `rewards`. Everything is computed
 from the two records files, so `comparison.json` can always be regenerated and checked.
 """
 
@@ -52,6 +53,8 @@ def compare_runs(run_dir: Path, *, seed: int = 0, top_regressions: int = 10) -> 
         metrics[name] = _binary(pairs, field, seed)
     for name, field in REWARD_METRICS.items():
         metrics[name] = _continuous(pairs, field, seed)
+    for name in dict.fromkeys(n for b, _ in pairs for n in b.get("rewards") or {}):
+        metrics.setdefault(name, _per_reward(pairs, name, seed))  # every configured reward, a user's too, under its name
     flips = {
         "wrong_to_right": [b["id"] for b, a in pairs if not b["correct"] and a["correct"]],
         "right_to_wrong": [b["id"] for b, a in pairs if b["correct"] and not a["correct"]],
@@ -97,6 +100,15 @@ def _binary(pairs: list[tuple[dict, dict]], field: str, seed: int) -> dict:
 
 def _continuous(pairs: list[tuple[dict, dict]], field: str, seed: int) -> dict:
     return _continuous_from([float(x[field]) for x, _ in pairs], [float(y[field]) for _, y in pairs], seed)
+
+
+def _per_reward(pairs: list[tuple[dict, dict]], name: str, seed: int) -> dict:
+    """One reward's before/after over the pairs it scored on both sides (None = it skipped the item)."""
+    kept = [(b["rewards"][name], a["rewards"][name]) for b, a in pairs
+            if (b.get("rewards") or {}).get(name) is not None and (a.get("rewards") or {}).get(name) is not None]
+    result = _continuous_from([float(x) for x, _ in kept], [float(y) for _, y in kept], seed)
+    result["n"] = len(kept)
+    return result
 
 
 def _continuous_from(before: list[float], after: list[float], seed: int) -> dict:

@@ -3,7 +3,9 @@
 A config is loaded from a preset shipped in ``vlmrl/presets/`` (``demo``, ``seed``, ``gspo-paper``) or a
 YAML file, then command-line overrides (``--set train.learning_rate=1e-5``) are applied, then the whole
 thing is validated. Validation happens before any model loads: unknown keys are named with the closest
-valid key, and cross-field contradictions say how to fix them.
+valid key, and cross-field contradictions say how to fix them. The top-level `rewards:` list names the
+rewards and their weights; a user function's file is resolved against the config file's folder here, at load
+time (importing and checking it is `vlmrl.reward_fns`).
 
 Deliberately left out: a mirror of all of ``GRPOConfig``. ``train.trl_overrides`` passes anything else
 straight to TRL.
@@ -165,9 +167,6 @@ class TrainConfig(_Section):
     max_steps: int = Field(-1, description="Optimizer steps (>= 1); -1 = derived from num_train_epochs.")
     max_grad_norm: float = Field(0.1, gt=0.0, description="Gradient clipping norm.")
     mask_truncated_completions: bool = Field(False, description="Exclude truncated completions from the loss.")
-    reward_weights: list[float] = Field(
-        [0.3, 1.0], description="Weights of [format_reward, correctness_reward], passed to GRPOConfig."
-    )
     gradient_checkpointing: bool = Field(True, description="Trade compute for activation memory.")
     logging_steps: int = Field(1, gt=0, description="Log every N optimizer steps.")
     save_steps: int = Field(50, gt=0, description="Checkpoint every N optimizer steps.")
@@ -256,6 +255,52 @@ class ExportConfig(_Section):
     )
 
 
+class RewardSpec(_Section):
+    """One entry of `rewards:`: a built-in by `name`, or a user function by `function`, with its weight."""
+
+    name: Literal["format", "correctness"] | None = Field(
+        None, description="A built-in reward: `format` (format_reward) or `correctness` (correctness_reward)."
+    )
+    function: str | None = Field(
+        None,
+        description="A user reward `file.py:name` (the file relative to the config file) or `module.path:name`, "
+        "with TRL's signature `fn(prompts, completions, **kwargs) -> list[float | None]`.",
+    )
+    weight: float = Field(1.0, description="Weight of this reward in the total (GRPOConfig.reward_weights).")
+    resolved: str | None = Field(
+        None,
+        description="Filled in by vlmrl when the config is loaded: the absolute path of a `function:` file, so the "
+        "copy of the config in the run folder still finds it.",
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> RewardSpec:
+        if (self.name is None) == (self.function is None):
+            raise ValueError("give exactly one of `name:` (format | correctness) or `function:` (file.py:name).")
+        if self.function is not None:
+            where, sep, attr = self.function.rpartition(":")
+            if not sep or not where.strip() or not attr.isidentifier() or "\0" in where:
+                raise ValueError(
+                    f"function {self.function!r}: expected `file.py:name` or `module.path:name`, e.g. "
+                    "my_rewards.py:shortness."
+                )
+        return self
+
+    @property
+    def file(self) -> str | None:
+        """The `.py` file part of `function`, or None for a built-in or a module path.
+
+        >>> RewardSpec(function="r/my.py:f").file, RewardSpec(function="pkg.mod:f").file
+        ('r/my.py', None)
+        """
+        where = (self.function or "").rpartition(":")[0]
+        return where if where.endswith(".py") else None
+
+
+def _default_rewards() -> list[RewardSpec]:
+    return [RewardSpec(name="format", weight=0.3), RewardSpec(name="correctness", weight=1.0)]
+
+
 class Config(_Section):
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -265,6 +310,11 @@ class Config(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
+    rewards: list[RewardSpec] = Field(
+        default_factory=_default_rewards,
+        description="The rewards GRPO maximises, with weights; default format 0.3 + correctness 1.0.",
+        min_length=1,
+    )
 
     @model_validator(mode="after")
     def _check_invariants(self) -> Config:
@@ -276,11 +326,9 @@ class Config(_Section):
                 f"is not divisible by num_generations={t.num_generations}; every prompt needs a whole group. "
                 f"Change per_device_train_batch_size to a multiple of {t.num_generations}."
             )
-        if len(t.reward_weights) != 2:
-            raise ValueError(
-                f"train.reward_weights has {len(t.reward_weights)} values; it needs exactly 2 "
-                "([format_reward, correctness_reward]), e.g. [0.3, 1.0]."
-            )
+        names = [r.name or r.function for r in self.rewards]
+        if len(set(names)) != len(names):
+            raise ValueError(f"rewards: {sorted({n for n in names if names.count(n) > 1})} listed twice.")
         if t.generation_backend == "vllm" and self.lora.vision:
             raise ValueError(
                 "train.generation_backend=vllm with lora.vision=true: vLLM cannot serve LoRA on vision layers. "
@@ -332,17 +380,40 @@ def load_config(source: str | Path | None = None, overrides: list[str] | None = 
     raw, origin = _read_source(str(source))
     for item in overrides or []:
         _apply_override(raw, item)
-    return validate_config(raw, origin)
+    config = validate_config(raw, origin)
+    base = Path(origin).parent if Path(origin).is_file() else Path.cwd()
+    for spec in config.rewards:
+        if spec.file is not None and spec.resolved is None:  # a copy in a run folder keeps its resolved path
+            try:
+                spec.resolved = str((base / spec.file).resolve())
+            except (OSError, RuntimeError) as exc:  # a path the OS cannot resolve (too long, a symlink loop)
+                raise ConfigError(f"{origin}: rewards: {spec.function!r}: {exc}") from None
+    return config
 
 
 def validate_config(raw: Any, origin: str = "<config>") -> Config:
     """Validate a parsed mapping, turning pydantic's errors into one readable ConfigError."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{origin}: the top level must be a mapping of sections, got {type(raw).__name__}.")
+    _refuse_reward_weights(raw, origin)
     try:
         return Config.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(_describe_errors(exc, origin)) from None
+
+
+def _refuse_reward_weights(raw: dict, origin: str) -> None:
+    """`train.reward_weights` (before `rewards:` existed) is refused with the form that replaces it."""
+    train = raw.get("train")
+    if not (isinstance(train, dict) and "reward_weights" in train):
+        return
+    old = train["reward_weights"]
+    fmt, cor = old if isinstance(old, list) and len(old) == 2 else (0.3, 1.0)
+    raise ConfigError(
+        f"{origin}: train.reward_weights was replaced by a top-level `rewards:` list; write "
+        f"`rewards: [{{name: format, weight: {fmt}}}, {{name: correctness, weight: {cor}}}]` "
+        "(and add `{function: my_rewards.py:name, weight: ...}` entries for your own)."
+    )
 
 
 def dump_config(config: Config) -> str:

@@ -35,6 +35,16 @@ from vlmrl.generation import generate_batch
 from vlmrl.grading import grade, mathvista_correct, normalize_mathvista
 from vlmrl.io import append_jsonl, read_json, read_jsonl, write_json_atomic, write_jsonl_atomic
 from vlmrl.models.loading import load_with_adapter
+from vlmrl.reward_fns import (
+    Reward,
+    call_rewards,
+    check_run_rewards,
+    item_columns,
+    load_rewards,
+    prompt_messages,
+    rewards_fingerprint,
+    weighted_total,
+)
 from vlmrl.rewards import score_completion
 from vlmrl.rundir import relative_to_run
 
@@ -69,6 +79,8 @@ def evaluate(
     if stage not in STAGES:
         raise EvalError(f"--stage {stage!r}: choose baseline or after.")
     items = load_holdout(config, run_dir)
+    rewards = check_run_rewards(config, run_dir)  # a broken reward fails here, before any model loads
+    rewards_key = rewards_fingerprint(config)
     if stage == "after":
         adapter = adapter or default_adapter_dir(run_dir)
     if adapter is not None:
@@ -77,6 +89,10 @@ def evaluate(
     settings = generation_settings(config, adapter, run_dir)
     shards = _shard_files(records_path)  # left by a killed multi-process run, if any
     done = _existing_records([records_path, *shards], settings)
+    if distributed.is_main_process():
+        for path in [records_path, *shards]:
+            if path.exists() and rescore_records(path, run_dir, items, rewards, rewards_key):
+                log.info("%s: rescored records made under other rewards", path)
     size = config.eval.batch_size
     # Batches are fixed slices of the holdout, and one with any record missing is generated whole (only its
     # missing records are kept): a kill that tore a batch's lines then changes no other batch's inputs.
@@ -102,11 +118,12 @@ def evaluate(
             # Seeded by its place in the holdout: a sampled evaluation repeats exactly, resumed or not.
             torch.manual_seed(config.run.seed * 1_000_003 + start)
             t0 = time.perf_counter()
+            images = [open_images(run_dir, item) for item in batch]
             generations = generate_batch(
                 loaded.model,
                 loaded.processor,
                 [item["prompt"] for item in batch],
-                [open_images(run_dir, item) for item in batch],
+                images,
                 max_new_tokens=config.eval.max_new_tokens,
                 do_sample=config.eval.do_sample,
                 temperature=config.eval.temperature,
@@ -114,8 +131,9 @@ def evaluate(
                 compiled=compiled,
             )
             seconds = time.perf_counter() - t0
-            rows = [make_record(item, gens, settings, seconds / len(batch), stage)
-                    for item, gens in zip(batch, generations) if item["id"] not in done]
+            rows = [make_record(item, gens, settings, seconds / len(batch), stage, rewards=rewards, image=image,
+                                rewards_key=rewards_key)
+                    for item, gens, image in zip(batch, generations, images) if item["id"] not in done]
             append_jsonl(out_path, rows)
             tokens += sum(r["generated_tokens"] for r in rows)
             finished += len(rows)
@@ -216,8 +234,15 @@ def generation_settings(config: Config, adapter: Path | None, run_dir: Path | No
 
 
 
-def make_record(item: dict, generations: list, settings: dict, seconds: float, stage: str) -> dict:
+def make_record(item: dict, generations: list, settings: dict, seconds: float, stage: str, *,
+                rewards: list[Reward] | None = None, image: object = None, rewards_key: str | None = None) -> dict:
+    """One held-out item's record; `rewards` are the configured ones (default: format 0.3 + correctness 1.0),
+    each called on the item's completions with the item's columns as TRL would; `rewards_key` is their
+    fingerprint (records scored under another one are rescored, see `rescore_records`)."""
+    rewards = rewards if rewards is not None else load_rewards(Config())
     samples = [_score(item, g) for g in generations]
+    for sample, scored in zip(samples, score_rewards(item, [g.text for g in generations], rewards, image)):
+        sample.update(scored)
     first = samples[0]
     record = {
         "id": item["id"],
@@ -232,6 +257,7 @@ def make_record(item: dict, generations: list, settings: dict, seconds: float, s
         "category": item.get("category"),
         "metadata": item.get("metadata") or {},
         "generation": settings,
+        "rewards_fingerprint": rewards_key,
         "seconds": round(seconds, 4),
         "provenance": _record_provenance(),
     }
@@ -266,6 +292,38 @@ def _record_provenance() -> dict:
     from vlmrl.provenance import provenance
 
     return provenance()
+
+
+def score_rewards(item: dict, texts: list[str], rewards: list[Reward], image: object = None) -> list[dict]:
+    """Per completion: every configured reward under its name, and their weighted total."""
+    values = call_rewards(rewards, [prompt_messages(item["prompt"], image)] * len(texts), texts,
+                          [item_columns(item, image)] * len(texts))
+    out = []
+    for k in range(len(texts)):
+        each = {name: scores[k] for name, scores in values.items()}
+        out.append({"rewards": each, "total_reward": weighted_total(each, rewards)})
+    return out
+
+
+def rescore_records(path: Path, run_dir: Path, items: list[dict], rewards: list[Reward], key: str) -> int:
+    """Re-score, from their completions, the records of `path` made under other rewards (a changed reward
+    file or weight): the rewards are a function of the completion, so no generation is repeated. Returns
+    how many were rescored."""
+    records = read_jsonl(path)
+    stale = [r for r in records if r.get("rewards_fingerprint") != key]
+    by_id = {item["id"]: item for item in items}
+    for record in stale:
+        item = by_id.get(record["id"])
+        if item is None:
+            continue
+        samples = record.get("samples") or [record]
+        scored = score_rewards(item, [s["completion"] for s in samples], rewards, open_images(run_dir, item))
+        for sample, new in zip(samples, scored):
+            sample.update(new)
+        record.update(scored[0], rewards_fingerprint=key)
+    if stale:
+        write_jsonl_atomic(path, records)
+    return len(stale)
 
 
 def _score(item: dict, generation) -> dict:
@@ -320,6 +378,12 @@ def summarize(records: list[dict], *, stage: str, seed: int = 0) -> dict:
         "tokens_per_second": tokens / seconds if seconds else None,
         "items_per_second": len(records) / seconds if seconds else None,
     }
+    names = dict.fromkeys(name for r in records for name in r.get("rewards") or {})
+    # every configured reward alone; a None (the reward skipped the item) is left out of its mean
+    summary["rewards"] = {name: metric([r["rewards"][name] for r in records
+                                        if (r.get("rewards") or {}).get(name) is not None]) for name in names}
+    keys = {r.get("rewards_fingerprint") for r in records}
+    summary["rewards_fingerprint"] = keys.pop() if len(keys) == 1 else None  # which rewards scored them
     if records and "pass_at_k" in records[0]:
         summary["pass_at_k"] = metric([float(r["pass_at_k"]) for r in records])
         summary["majority_accuracy"] = metric([float(r["majority_correct"]) for r in records])

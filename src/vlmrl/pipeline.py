@@ -29,8 +29,10 @@ class RunOutcome:
 def run_all(config: Config, *, force: bool = False, say: Say = print, progress_factory=None,
             train_progress=None) -> RunOutcome:
     """Run stages 1-8 and the report into `config.run_dir`, holding the folder's claim throughout."""
+    from vlmrl.reward_fns import load_rewards
     from vlmrl.rundir import claimed
 
+    load_rewards(config)  # a reward that cannot be imported fails before anything runs (the call check: in eval)
     run_dir = config.run_dir
     with claimed(run_dir):
         claim_run_dir(config, run_dir, force=force)
@@ -61,8 +63,7 @@ def _run_stages(config: Config, run_dir: Path, say: Say, progress_factory, train
     stage("eval baseline", eval_done(config, run_dir, "baseline"),
           lambda: evaluate.evaluate(config, run_dir, "baseline", progress=_progress(progress_factory, "baseline")))
     # 6 training
-    stage("train", train.is_trained(config, run_dir), lambda: train.train(config, run_dir, console_callback=say,
-                                                                            progress=train_progress))
+    stage("train", train.is_trained(config, run_dir), lambda: retrain(config, run_dir, say, train_progress))
     # 7 evaluation after training, and the paired comparison
     stage("eval after", eval_done(config, run_dir, "after"),
           lambda: evaluate.evaluate(config, run_dir, "after", progress=_progress(progress_factory, "after")))
@@ -101,14 +102,31 @@ def is_prepared(config: Config, run_dir: Path) -> bool:
 
 def eval_done(config: Config, run_dir: Path, stage: str) -> bool:
     from vlmrl.evaluate import EvalError, load_holdout
+    from vlmrl.reward_fns import rewards_fingerprint
 
     summary = run_dir / f"{stage}_summary.json"
     if not summary.exists():
         return False
     try:
-        return read_json(summary).get("n") == len(load_holdout(config, run_dir))
+        made = read_json(summary)  # by these rewards too: else evaluate() rescores its records
+        return made.get("n") == len(load_holdout(config, run_dir)) and made.get(
+            "rewards_fingerprint") == rewards_fingerprint(config)
     except (OSError, ValueError, AttributeError, EvalError):  # unreadable or not ours: evaluate (again)
         return False
+
+
+def retrain(config: Config, run_dir: Path, say: Say, progress=None) -> None:
+    """Train; a training that finished under another fingerprint (the config's own fingerprint matched, so
+    a reward file changed) starts again from step 0, and the old adapter's after-training records go."""
+    from vlmrl import train
+
+    summary = run_dir / "train" / "summary.json"
+    stale = summary.exists() and read_json(summary).get("fingerprint") != train.train_fingerprint(config)
+    if stale:
+        say("[note] train: the finished training used other rewards (a reward file changed); training again")
+    for path in [run_dir / "after_summary.json", *run_dir.glob("after_records*.jsonl")]:
+        path.unlink(missing_ok=True)  # made with an adapter that is about to be replaced
+    train.train(config, run_dir, resume=not stale, console_callback=say, progress=progress)
 
 
 def claim_run_dir(config: Config, run_dir: Path, *, force: bool) -> None:

@@ -25,7 +25,7 @@ from transformers import TrainerCallback
 
 from vlmrl.contract import completion_text
 from vlmrl.io import append_jsonl, read_jsonl, write_jsonl_atomic
-from vlmrl.rewards import is_degenerate
+from vlmrl.rewards import format_reward, is_degenerate
 
 log = logging.getLogger(__name__)
 
@@ -80,12 +80,11 @@ class MetricsRecorder(TrainerCallback):
             return
         append_jsonl(self.path, [{"step": state.global_step, "epoch": state.epoch, **logs}])
         if self.console and "reward" in logs:
-            fmt = logs.get("rewards/format_reward/mean", float("nan"))
-            cor = logs.get("rewards/correctness_reward/mean", float("nan"))
+            each = "".join(f"{key[8:-5]} {value:.2f}  " for key, value in logs.items()
+                           if key.startswith("rewards/") and key.endswith("/mean"))  # one per configured reward
             self.console(
-                f"step {state.global_step}/{state.max_steps}  reward {logs['reward']:.3f}  format_reward {fmt:.2f}  "
-                f"correctness_reward {cor:.2f}  len {logs.get('completions/mean_length', 0):.0f}  "
-                f"loss {logs.get('loss', float('nan')):.4f}"
+                f"step {state.global_step}/{state.max_steps}  reward {logs['reward']:.3f}  {each}"
+                f"len {logs.get('completions/mean_length', 0):.0f}  loss {logs.get('loss', float('nan')):.4f}"
             )
 
 
@@ -98,7 +97,7 @@ class _RecordingReward:
         self.__name__ = fn.__name__  # TRL names reward columns after the function
 
     def __call__(self, completions, completion_ids=None, log_extra=None, **kwargs) -> list[float]:
-        rewards = self.fn(completions, **kwargs)
+        rewards = self.fn(completions=completions, completion_ids=completion_ids, log_extra=log_extra, **kwargs)
         if log_extra is not None and completion_ids is not None:
             stop = self.recorder.stop_ids
             limit = self.recorder.max_length
@@ -239,8 +238,11 @@ def batch_health(rows: list[dict], *, group_size: int, weights: list[float] | No
         return {"n": 0}
     n = len(rows)
     weights = weights or [1.0] * len(rows[0]["rewards"])
-    totals = [sum(w * v for w, v in zip(weights, r["rewards"].values())) for r in rows]
-    formats = [r["rewards"].get("format_reward", 0.0) for r in rows]
+    # TRL logs a None reward as NaN and leaves it out of the total: so do we
+    totals = [sum(w * v for w, v in zip(weights, r["rewards"].values()) if _finite(v)) for r in rows]
+    # the format rate is about the completions, whether or not format_reward is one of the configured rewards
+    formats = [r["rewards"]["format_reward"] if "format_reward" in r["rewards"]
+               else format_reward([r.get("completion") or ""])[0] for r in rows]
     groups = [totals[i : i + group_size] for i in range(0, n, group_size)]
     lengths = [r["length"] for r in rows if r.get("length") is not None]
     mean_total = sum(totals) / n
@@ -255,3 +257,6 @@ def batch_health(rows: list[dict], *, group_size: int, weights: list[float] | No
         "reward_std": math.sqrt(sum((t - mean_total) ** 2 for t in totals) / n),
     }
 
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)

@@ -147,7 +147,7 @@ def _headline_section(files: _RunFiles) -> str:
     parts = []
     if comparison and isinstance(comparison.get("metrics"), dict):
         rows = []
-        for key, label in HEADLINE:
+        for key, label in HEADLINE + _more_rewards(comparison["metrics"]):
             m = comparison["metrics"].get(key)
             if isinstance(m, dict):
                 flips = f"+{_e(m['gained'])} / −{_e(m.get('lost'))}" if "gained" in m else ""
@@ -178,10 +178,13 @@ def _headline_section(files: _RunFiles) -> str:
 
 def _eval_summary_table(summaries: dict[str, dict]) -> str:
     rows = []
-    for key, label in HEADLINE:
+    per_reward = {n for s in summaries.values() if isinstance(s.get("rewards"), dict) for n in s["rewards"]}
+    for key, label in HEADLINE + _more_rewards(dict.fromkeys(sorted(per_reward))):
         cells = ""
         for summary in summaries.values():
             stat = summary.get(key) if isinstance(summary.get(key), dict) else {}
+            if key not in summary and isinstance(summary.get("rewards"), dict):  # a user reward
+                stat = summary["rewards"].get(key) if isinstance(summary["rewards"].get(key), dict) else {}
             cells += f'{_num_td(stat.get("mean"))}<td>{_interval(stat.get("ci95"))}</td>'
         rows.append(f'<tr data-metric="{key}"><th>{label}</th>{cells}</tr>')
     for key, fmt in EVAL_EXTRAS:
@@ -199,7 +202,9 @@ def _training_section(files: _RunFiles) -> str:
     parts = [f'<p class="src">From train/summary.json.</p>{_kv_table(summary)}' if summary
              else files.missing("train/summary.json", "No training summary yet")]
     plots = []
-    for key, label in TRAIN_KEYS:
+    known = {key for key, _ in TRAIN_KEYS}
+    user = sorted({k for row in metrics for k in row if k.startswith("rewards/") and k.endswith("/mean")} - known)
+    for key, label in TRAIN_KEYS[:3] + [(k, f"{k[8:-5]} (mean)") for k in user] + TRAIN_KEYS[3:]:
         keys = ([key] if key != "clip_ratio/*"
                 else sorted({k for row in metrics for k in row if k.startswith("clip_ratio/")}))
         series = {k: _series(metrics, k) for k in keys}
@@ -384,8 +389,10 @@ def _stage_column(label: str, record: dict | None) -> str:
     pred = record.get("pred")
     pred = (f'<strong class="pred">{_e(pred)}</strong>' if pred is not None
             else '<em class="none">none extracted</em>')
-    rewards = " · ".join(f"{name} {_num(record.get(f'{name}_reward'))}"
-                         for name in ("format", "correctness", "total"))
+    each = record.get("rewards") if isinstance(record.get("rewards"), dict) else {
+        name: record.get(f"{name}_reward") for name in ("format", "correctness")}
+    rewards = " · ".join(f"{_e(name)} {_num(value)}" for name, value in
+                         [*each.items(), ("total", record.get("total_reward"))])
     return (f'<div class="stage {label}"><h4>{label} {badges}</h4><pre class="completion">'
             f'{_e(record.get("completion"))}</pre><p>pred: {pred}</p><p class="rewards">reward: {rewards} · '
             f'{_e(record.get("generated_tokens"))} tokens</p></div>')
@@ -441,6 +448,12 @@ def _figure(label: str, key: str, series: dict[str, tuple[list, list]]) -> str:
     svg = re.sub(r"<metadata>.*?</metadata>", "", svg[svg.index("<svg"):], flags=re.DOTALL)
     caption = f"<figcaption>{_e(label)} <code>{_e(key)}</code></figcaption>"
     return f'<figure data-key="{_e(key)}">{caption}{svg}</figure>'
+
+
+def _more_rewards(metrics: dict) -> list[tuple[str, str]]:
+    """(key, label) of the metrics that are neither headline nor known: the user's own rewards."""
+    known = {key for key, _ in HEADLINE} | {"exact_match"}
+    return [(key, f"Mean {key}") for key in metrics if key not in known]
 
 
 def _series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:

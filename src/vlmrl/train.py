@@ -1,13 +1,13 @@
 """Stage 6, training: TRL's `GRPOTrainer` built from the config, GRPO or GSPO by one field.
 
 We do not write an RL loop. What this module adds around TRL: the dataset from the prepared manifests, the
-two rewards with their weights, LoRA on the language layers only (checked), an honest optimizer fallback,
+configured rewards with their weights, LoRA on the language layers only (checked), an honest optimizer fallback,
 crash-safe resume, and records (`train/metrics.jsonl`, `train/rollouts.jsonl`, `train/health.jsonl`) written
 by the callbacks in `vlmrl.records`.
 
-    step 1  data      train.jsonl -> datasets.Dataset (prompt, images: a list per item, and the item's
-                      columns: answer, answer_type, choices, precision ... every column rewards receive);
-                      GRPOConfig from the config (+ trl_overrides), checked before any model loads
+    step 1  data      train.jsonl -> datasets.Dataset (prompt, images: a list per item, every Item.columns());
+                      each reward called once on held-out items (vlmrl.reward_fns); GRPOConfig from the
+                      config (+ trl_overrides), checked before any model loads
     step 2  model     base model + LoRA, layout verified
     step 3  trainer   GRPOTrainer with our rewards and callbacks
     step 4  train     resume from the last checkpoint when one exists
@@ -41,7 +41,7 @@ from vlmrl.io import (
     read_jsonl,
     write_json_atomic,
 )
-from vlmrl.rewards import correctness_reward, format_reward
+from vlmrl.reward_fns import check_run_rewards, rewards_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,8 @@ class TrainResult:
 
 def train_fingerprint(config: Config) -> str:
     """What a trained adapter depends on (the run's name and folder are not part of it)."""
-    return config.fingerprint("model", "lora", "data", "train") + config.data_fingerprint()[:4] + str(config.run.seed)
+    return (config.fingerprint("model", "lora", "data", "train") + config.data_fingerprint()[:4]
+            + rewards_fingerprint(config)[:4] + str(config.run.seed))
 
 
 def train(config: Config, run_dir: Path, *, resume: bool = True, console_callback: Any = None,
@@ -97,6 +98,7 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
     # step 1: data, and the trainer's arguments (a bad trl_overrides key fails here, before any model loads)
     dataset = build_train_dataset(run_dir)
     _check_trainable(config, run_dir, len(dataset))
+    rewards = check_run_rewards(config, run_dir)  # a broken reward fails here, not mid-run
     args, notes = build_grpo_config(config, checkpoints, suppress_tokens=_multimodal_ids(config, run_dir))
     _ = args.device  # sets up the process group (several ranks) and pins this rank's GPU before the model loads
     _claim_checkpoints(config, checkpoints, resume=resume)
@@ -126,7 +128,7 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
                   if config.train.eval_every_steps else None)
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=[recorder.wrap(format_reward), correctness_reward],
+        reward_funcs=[recorder.wrap(rewards[0].fn), *(r.fn for r in rewards[1:])],
         args=args,
         train_dataset=dataset,
         processing_class=loaded.processor,
@@ -217,7 +219,7 @@ def _checkpoint_fingerprint(config: Config) -> str:
 
     train = {k: v for k, v in config.train.model_dump(mode="json").items() if k not in _RESUMABLE_CHANGES}
     data = {"train": train, "model": config.model.model_dump(mode="json"), "lora": config.lora.model_dump(mode="json"),
-            "data": config.data_fingerprint(), "seed": config.run.seed}
+            "data": config.data_fingerprint(), "seed": config.run.seed, "rewards": rewards_fingerprint(config)}
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -311,7 +313,7 @@ def build_grpo_config(
         max_steps=t.max_steps,
         max_grad_norm=t.max_grad_norm,
         mask_truncated_completions=t.mask_truncated_completions,
-        reward_weights=list(t.reward_weights),
+        reward_weights=[r.weight for r in config.rewards],
         importance_sampling_level="sequence" if t.algorithm == "gspo" else "token",
         loss_type=t.loss_type,
         gradient_checkpointing=t.gradient_checkpointing,
