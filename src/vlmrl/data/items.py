@@ -83,14 +83,6 @@ class Item:
         record["image_sha256"] = list(self.image_sha256)
         return record
 
-    def columns(self) -> dict[str, Any]:
-        """The keyword arguments every reward function receives for this item: the record without its image
-        fields, its prompt (TRL passes that separately) or its metadata."""
-        record = self.to_json()
-        for key in ("image", "image_sha256", "prompt", "metadata"):
-            record.pop(key, None)
-        return record
-
     @classmethod
     def from_json(cls, record: dict[str, Any]) -> Item:
         record = _upgrade(record)
