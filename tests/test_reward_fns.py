@@ -141,7 +141,7 @@ def test_a_user_reward_gets_every_column_trl_passes(prepared: Path, tmp_path: Pa
     seen = loaded[1].fn.fn.__globals__["SEEN"]
     assert len(seen) == 1  # one call, on a batch of held-out items
     expected = {"id", "question", "answer", "answer_type", "precision", "unit", "choices", "category", "source",
-                "image", "prompts", "completion_ids", "trainer_state", "log_extra", "log_metric"}
+                "images", "prompts", "completion_ids", "trainer_state", "log_extra", "log_metric"}
     assert expected <= set(seen[0])
 
 
@@ -265,7 +265,7 @@ def test_the_train_dataset_carries_every_item_column(prepared: Path) -> None:
     dataset = build_train_dataset(prepared)
     rows = read_jsonl(prepared / "data" / "train.jsonl")
     expected = Item.from_json(rows[0]).columns()
-    assert set(expected) | {"prompt", "image"} == set(dataset.column_names)
+    assert set(expected) | {"prompt", "images"} == set(dataset.column_names)
     first = dataset[0]
     assert {key: first[key] for key in expected} == {**expected, "answer": str(expected["answer"])}
 
