@@ -92,3 +92,16 @@ def test_fingerprint_changes_with_the_section_it_covers():
     a, b = load_config("demo"), load_config("demo", ["train.learning_rate=3e-3"])
     assert a.fingerprint("data") == b.fingerprint("data")
     assert a.fingerprint("train") != b.fingerprint("train")
+
+
+def test_a_relative_data_source_in_a_config_file_is_beside_the_file(tmp_path, monkeypatch):
+    folder = tmp_path / "task"
+    folder.mkdir()
+    (folder / "rows.jsonl").write_text("{}\n")
+    (folder / "config.yaml").write_text("data:\n  source: rows.jsonl\n")
+    monkeypatch.chdir(tmp_path)
+    assert load_config(str(folder / "config.yaml")).data.source == str((folder / "rows.jsonl").resolve())
+    # given on the command line it stays relative to the current folder; a hub id is left alone
+    assert load_config(str(folder / "config.yaml"), ["data.source=other.jsonl"]).data.source == "other.jsonl"
+    (folder / "hub.yaml").write_text("data:\n  source: AI4Math/MathVista\n")
+    assert load_config(str(folder / "hub.yaml")).data.source == "AI4Math/MathVista"

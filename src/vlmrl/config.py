@@ -378,10 +378,12 @@ def load_config(source: str | Path | None = None, overrides: list[str] | None = 
     """Load a preset name or YAML path (None = `demo`), apply `key.path=value` overrides, validate."""
     source = source or "demo"
     raw, origin = _read_source(str(source))
+    written = (raw.get("data") or {}).get("source") if isinstance(raw.get("data"), dict) else None
     for item in overrides or []:
         _apply_override(raw, item)
     config = validate_config(raw, origin)
     base = Path(origin).parent if Path(origin).is_file() else Path.cwd()
+    _resolve_data_source(config, written, base)
     for spec in config.rewards:
         if spec.file is not None and spec.resolved is None:  # a copy in a run folder keeps its resolved path
             try:
@@ -389,6 +391,21 @@ def load_config(source: str | Path | None = None, overrides: list[str] | None = 
             except (OSError, RuntimeError) as exc:  # a path the OS cannot resolve (too long, a symlink loop)
                 raise ConfigError(f"{origin}: rewards: {spec.function!r}: {exc}") from None
     return config
+
+
+def _resolve_data_source(config: Config, written: Any, base: Path) -> None:
+    """A relative `data.source` written in a config file names a path beside that file (as reward files do),
+    when one is there; given on the command line, or not found beside the file, it stays as written (relative
+    to the current folder, or a hub id)."""
+    source = config.data.source
+    if not isinstance(written, str) or source != written or source == "synthetic" or Path(source).is_absolute():
+        return
+    try:
+        beside = (base / source).resolve()
+        if base != Path.cwd() and beside.exists():
+            config.data.source = str(beside)
+    except (OSError, RuntimeError):  # unresolvable: prepare reports the path as written
+        pass
 
 
 def validate_config(raw: Any, origin: str = "<config>") -> Config:
