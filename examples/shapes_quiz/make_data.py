@@ -21,13 +21,17 @@ SIZE = 128
 COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220)}
 
 
-def canvas() -> tuple[Image.Image, ImageDraw.ImageDraw]:
-    img = Image.new("RGB", (SIZE, SIZE), "white")
+def canvas(rng: random.Random) -> tuple[Image.Image, ImageDraw.ImageDraw]:
+    """A light background of random pastel blocks: every picture differs from every other, as real figures do,
+    so vlmrl's contamination guard (which also matches near-duplicate pictures) keeps them apart."""
+    blocks = Image.new("RGB", (8, 8))
+    blocks.putdata([tuple(rng.randint(170, 255) for _ in range(3)) for _ in range(64)])
+    img = blocks.resize((SIZE, SIZE), Image.Resampling.NEAREST)
     return img, ImageDraw.Draw(img)
 
 
 def squares(rng: random.Random, n: int) -> Image.Image:
-    img, draw = canvas()
+    img, draw = canvas(rng)
     for i in range(n):
         x, y = 8 + (i % 3) * 40, 8 + (i // 3) * 40
         draw.rectangle([x, y, x + 28, y + 28], fill=(30, 30, 30))
@@ -49,7 +53,7 @@ def row(rng: random.Random, index: int, out: Path) -> dict:
         ask, gold = "How many black squares are in the picture?", str(n)
     elif kind == "float":
         height = rng.randint(10, 90) / 10  # 1.0 .. 9.0 units, one decimal
-        img, draw = canvas()
+        img, draw = canvas(rng)
         top = SIZE - 10 - int(height * 12)
         draw.rectangle([50, top, 78, SIZE - 10], fill=(60, 60, 200))
         draw.text((4, 4), f"h = {height:.1f}", fill=(0, 0, 0))
@@ -57,13 +61,13 @@ def row(rng: random.Random, index: int, out: Path) -> dict:
         ask, gold = "What height is written above the bar? Answer with one decimal.", f"{height:.1f}"
     elif kind == "choice":
         name = rng.choice(sorted(COLORS))
-        img, draw = canvas()
+        img, draw = canvas(rng)
         draw.ellipse([24, 24, 104, 104], fill=COLORS[name])
         pictures, options = [img], ["red", "green", "blue"]
         ask, gold = "What colour is the disc?", name
     elif kind == "expression":
         r = rng.randint(2, 6)
-        img, draw = canvas()
+        img, draw = canvas(rng)
         draw.ellipse([14, 14, 114, 114], outline=(0, 0, 0), width=2)
         draw.line([64, 64, 114, 64], fill=(0, 0, 0), width=2)
         draw.text((80, 48), f"r={r}", fill=(0, 0, 0))
@@ -71,7 +75,7 @@ def row(rng: random.Random, index: int, out: Path) -> dict:
         ask, gold = "What is the area of the circle? Give an exact expression.", f"{r * r}\\pi"
     else:  # text
         shape = rng.choice(["triangle", "square", "circle"])
-        img, draw = canvas()
+        img, draw = canvas(rng)
         if shape == "triangle":
             draw.polygon([(64, 14), (14, 114), (114, 114)], fill=(0, 0, 0))
         elif shape == "square":
