@@ -30,7 +30,8 @@ config_app = typer.Typer(no_args_is_help=True, help="Show or validate a configur
 app.add_typer(config_app, name="config")
 console = Console()
 
-ConfigArg = Annotated[str | None, typer.Argument(help=f"Preset ({', '.join(PRESETS)}) or YAML file; default demo.")]
+ConfigArg = Annotated[str | None, typer.Argument(
+    help=f"Preset ({', '.join(PRESETS)}), YAML file or run folder (its config.yaml); default demo.")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a field: section.field=value (repeatable).")]
 RunDirOpt = Annotated[Path | None, typer.Option("--run-dir", help="Run directory (default: <output_dir>/<name>).")]
 GpusOpt = Annotated[int, typer.Option(
@@ -47,6 +48,12 @@ def _fail(message: str, code: int = 1) -> None:
 
 
 def _config(source: str | None, overrides: list[str] | None, run_dir: Path | None = None) -> Config:
+    """A preset, a YAML file, or a run folder (its config.yaml; the run then lives in that folder)."""
+    if source is not None and Path(source).is_dir():
+        if not (Path(source) / "config.yaml").is_file():
+            _fail(f"{source}: a folder without config.yaml; give a preset, a YAML file or a run folder.", 2)
+        run_dir = run_dir or Path(source)
+        source = str(Path(source) / "config.yaml")
     try:
         config = load_config(source, overrides)
     except ConfigError as exc:
@@ -364,13 +371,20 @@ def _print_comparison(path: Path) -> None:
 
 
 @app.command()
-def export(source: ConfigArg = None, set_: SetOpt = None, run_dir: RunDirOpt = None) -> None:
-    """Stage 8: save and verify the adapter (optional merges)."""
-    from vlmrl.export import export_adapter
+def export(
+    source: ConfigArg = None,
+    set_: SetOpt = None,
+    run_dir: RunDirOpt = None,
+    push_to_hub: Annotated[str | None, typer.Option("--push-to-hub", help="Upload adapter/ to this hub repo id "
+                                                    "after a verified export (huggingface_hub; needs a token).")] = None,
+    private: Annotated[bool, typer.Option("--private", help="With --push-to-hub: create the repo private.")] = False,
+) -> None:
+    """Stage 8: save and verify the adapter (optional merges and GGUF; see docs/export.md)."""
+    from vlmrl import export as export_stage
 
     _one_process_only("export")
     config = _config(source, set_, run_dir)
-    report_ = _guard(lambda: export_adapter(config, config.run_dir))
+    report_ = _guard(lambda: export_stage.export_adapter(config, config.run_dir))
     table = Table(title="export checks")
     for column in ("check", "result", "value", "detail"):
         table.add_column(column)
@@ -378,6 +392,9 @@ def export(source: ConfigArg = None, set_: SetOpt = None, run_dir: RunDirOpt = N
         verdict = {True: "[green]pass[/green]", False: "[red]FAIL[/red]", None: "skipped"}[c["passed"]]
         table.add_row(c["name"], verdict, escape(str(c["value"])), escape(c["detail"]))
     console.print(table)
+    if push_to_hub:
+        url = _guard(lambda: export_stage.push_to_hub(config.run_dir, push_to_hub, private=private))
+        console.print(f"uploaded {config.run_dir / 'adapter'} to {push_to_hub}: {url}", highlight=False)
 
 
 @app.command()

@@ -102,7 +102,11 @@ def push_to_hub(run_dir: Path, repo_id: str, *, private: bool, folder: str = "ad
     path = run_dir / folder
     if not path.is_dir():
         raise ExportError(f"{path}: not exported; choose one of adapter, merged-16bit, merged-4bit, gguf that exists.")
-    return push_folder(path, repo_id, private=private, api=api)
+    try:
+        return push_folder(path, repo_id, private=private, api=api)
+    except Exception as exc:  # noqa: BLE001  (network, auth, quota: whatever the hub says, in one line)
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ExportError(f"upload to {repo_id} failed: {first} (a token: `hf auth login` or $HF_TOKEN)") from None
 
 
 def export_fingerprint(config: Config) -> str:
@@ -222,13 +226,16 @@ def _gguf_check(config: Config, run_dir: Path) -> Check:
 
     if not config.export.gguf:
         return Check("gguf", None, None, "not requested (export.gguf=false)")
-    llama_cpp = eg.find_converter(config.export.llama_cpp_dir)
-    if llama_cpp is None:
-        llama_cpp = eg.fetch_converter()  # pip download of llama-cpp-python's sdist into the cache, once
     missing = eg.missing_requirements()
     if missing:
         raise ExportError(f"export.gguf=true needs {', '.join(missing)}: pip install 'vlmrl[gguf]'.")
-    result = eg.convert(run_dir / "merged-16bit", run_dir / "gguf", config.export.gguf_quantization, llama_cpp)
+    try:
+        llama_cpp = eg.find_converter(config.export.llama_cpp_dir)
+        if llama_cpp is None:
+            llama_cpp = eg.fetch_converter()  # pip download of llama-cpp-python's sdist into the cache, once
+        result = eg.convert(run_dir / "merged-16bit", run_dir / "gguf", config.export.gguf_quantization, llama_cpp)
+    except eg.GgufError as exc:
+        raise ExportError(str(exc)) from None
     result["read_back"] = eg.read_back(result["files"], run_dir / "merged-16bit")
     result["llama_cpp_generation"] = eg.try_generate(result["files"]["model"])
     result["converter"] = str(llama_cpp)

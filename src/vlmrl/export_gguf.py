@@ -1,7 +1,7 @@
 """Stage 8, GGUF: convert `merged-16bit/` with llama.cpp's own converter, read the file back, run it if we can.
 
 Where the converter comes from: `export.llama_cpp_dir` or `$VLMRL_LLAMA_CPP_DIR` (a llama.cpp checkout), else
-vlmrl's cache (`$VLMRL_CACHE/llama.cpp-<version>/`), filled once by `python -m vlmrl.export_gguf fetch`, which
+vlmrl's tool cache (`~/.cache/vlmrl/llama.cpp-<version>/`, or under `$VLMRL_LLAMA_CPP_CACHE`), filled once by `python -m vlmrl.export_gguf fetch`, which
 runs `pip download --no-deps --no-binary :all: llama-cpp-python==<version>` and extracts the converter
 (`convert_hf_to_gguf.py`, `conversion/`, `gguf-py/`) from the source distribution's `vendor/llama.cpp/`.
 llama.cpp at that version converts Qwen3-VL (`Qwen3VLForConditionalGeneration`) and its vision projector
@@ -40,9 +40,10 @@ class GgufError(RuntimeError):
 
 
 def cached_converter_dir() -> Path:
-    from vlmrl.models.demo import cache_root
-
-    return cache_root() / f"llama.cpp-{LLAMA_CPP_PYTHON}"
+    """A tool, not a run artifact: kept under the user's cache even when $VLMRL_CACHE points elsewhere (tests
+    give each session a fresh $VLMRL_CACHE), unless $VLMRL_LLAMA_CPP_CACHE says where."""
+    root = os.environ.get("VLMRL_LLAMA_CPP_CACHE") or Path.home() / ".cache" / "vlmrl"
+    return Path(root) / f"llama.cpp-{LLAMA_CPP_PYTHON}"
 
 
 def find_converter(configured: str | None) -> Path | None:
