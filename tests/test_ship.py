@@ -69,8 +69,7 @@ def test_the_4bit_recipe_runs_end_to_end_on_a_cpu_and_both_merges_verify(four_bi
         assert "tolerance" in checks[name]["value"] and checks[name]["value"]["items"] >= 1
     assert "dequantized nf4" in checks["merged_16bit"]["detail"]
     assert checks["merged_16bit"]["value"]["greedy_token_agreement"] == 1.0  # float32: exact greedy tokens
-    env = read_json(four_bit_run / "train" / "summary.json")
-    assert env  # training ran over the nf4 base (summary written)
+    assert "load_in_4bit: true" in (four_bit_run / "config.yaml").read_text()  # the run was the 4-bit recipe
 
 
 @bnb_cpu
@@ -226,3 +225,13 @@ def test_q4_k_m_without_llama_quantize_names_what_to_install(tmp_path: Path, mon
     with pytest.raises(GgufError) as info:
         convert(tmp_path, tmp_path / "out", "q4_k_m", tmp_path)
     assert "llama-quantize" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_doctor_reports_whether_4bit_can_load_here(monkeypatch) -> None:
+    from vlmrl.doctor import collect_environment
+
+    env = collect_environment()
+    assert env["four_bit"]["available"] is (importlib.util.find_spec("bitsandbytes") is not None)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)
+    refused = collect_environment()["four_bit"]
+    assert refused["available"] is False and "bitsandbytes is not installed" in refused["reason"]

@@ -139,7 +139,10 @@ def doctor(
         for dev in cuda["devices"]:
             table.add_row(f"cuda:{dev['index']}", f"{dev['name']} ({dev['memory_gib']} GiB, sm {dev['capability']})")
     else:
-        table.add_row("cuda", "not available (CPU only: tiny models and the demo run; no 4-bit)")
+        table.add_row("cuda", "not available (CPU only: tiny models and the demo run)")
+    four_bit = env["four_bit"]
+    table.add_row("4-bit (nf4)", "[green]available[/green]" + ("" if cuda["available"] else " on the CPU (slow)")
+                  if four_bit["available"] else f"not available: {escape(four_bit['reason'])}")
     for name, ok in env["backends"].items():
         table.add_row(name, "[green]available[/green]" if ok else "not installed")
     table.add_row("disk free", f"{env['disk_free_gib']} GiB")
