@@ -156,7 +156,7 @@ def test_cli_export_push_to_hub_calls_the_upload(tmp_path: Path, monkeypatch) ->
         return "https://hf.co/commit"
 
     monkeypatch.setattr("vlmrl.export.push_to_hub", fake_push)
-    monkeypatch.setattr("vlmrl.export.export_adapter", lambda config, run_dir: {"checks": []})
+    monkeypatch.setattr("vlmrl.export.export_adapter", lambda config, run_dir, source=None: {"checks": []})
     result = runner.invoke(app, ["export", "--set", f"run.output_dir={tmp_path}", "--push-to-hub", "me/x",
                                  "--private"])
     assert result.exit_code == 0, result.output
@@ -235,3 +235,11 @@ def test_doctor_reports_whether_4bit_can_load_here(monkeypatch) -> None:
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)
     refused = collect_environment()["four_bit"]
     assert refused["available"] is False and "bitsandbytes is not installed" in refused["reason"]
+
+
+def test_export_without_an_adapter_suggests_only_options_that_exist(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["export", "--set", f"run.output_dir={tmp_path}"])
+    assert result.exit_code == 1 and "--adapter" in result.output
+    retry = runner.invoke(app, ["export", "--set", f"run.output_dir={tmp_path}", "--adapter", str(tmp_path / "none")])
+    assert retry.exit_code == 1 and "No such option" not in retry.output
+    assert "no adapter here" in " ".join(retry.output.split())

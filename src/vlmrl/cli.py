@@ -378,6 +378,7 @@ def export(
     source: ConfigArg = None,
     set_: SetOpt = None,
     run_dir: RunDirOpt = None,
+    adapter: Annotated[Path | None, typer.Option(help="Adapter folder to export (default: train/final).")] = None,
     push_to_hub: Annotated[str | None, typer.Option("--push-to-hub", help="Upload adapter/ to this hub repo id "
                                                     "after a verified export (huggingface_hub; needs a token).")] = None,
     private: Annotated[bool, typer.Option("--private", help="With --push-to-hub: create the repo private.")] = False,
@@ -387,7 +388,7 @@ def export(
 
     _one_process_only("export")
     config = _config(source, set_, run_dir)
-    report_ = _guard(lambda: export_stage.export_adapter(config, config.run_dir))
+    report_ = _guard(lambda: export_stage.export_adapter(config, config.run_dir, source=adapter))
     table = Table(title="export checks")
     for column in ("check", "result", "value", "detail"):
         table.add_column(column)
