@@ -243,3 +243,44 @@ def test_export_without_an_adapter_suggests_only_options_that_exist(tmp_path: Pa
     retry = runner.invoke(app, ["export", "--set", f"run.output_dir={tmp_path}", "--adapter", str(tmp_path / "none")])
     assert retry.exit_code == 1 and "No such option" not in retry.output
     assert "no adapter here" in " ".join(retry.output.split())
+
+
+def test_fetch_extracts_the_converter_from_a_pip_downloaded_sdist(tmp_path: Path, monkeypatch) -> None:
+    """pip is faked (no network): it drops an sdist laid out like llama-cpp-python's into the download folder."""
+    import io
+    import tarfile
+
+    from vlmrl.export_gguf import LLAMA_CPP_PYTHON, fetch_converter, find_converter
+
+    prefix = f"llama_cpp_python-{LLAMA_CPP_PYTHON}/vendor/llama.cpp/"
+    members = {"convert_hf_to_gguf.py": b"# converter", "conversion/qwen3vl.py": b"# family",
+               "gguf-py/gguf/__init__.py": b"", "ggml/src/ggml.c": b"int x;"}
+    seen = []
+
+    def fake_pip(argv, **kwargs):
+        seen.append(argv)
+        folder = Path(argv[argv.index("-d") + 1])
+        with tarfile.open(folder / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz", "w:gz") as tar:
+            for name, data in members.items():
+                info = tarfile.TarInfo(prefix + name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        return type("Done", (), {"returncode": 0, "stderr": ""})()
+
+    monkeypatch.setattr("subprocess.run", fake_pip)
+    target = fetch_converter(tmp_path / "cache" / "llama.cpp")
+    assert "--no-binary" in seen[0] and f"llama-cpp-python=={LLAMA_CPP_PYTHON}" in seen[0]
+    assert (target / "convert_hf_to_gguf.py").read_bytes() == b"# converter"
+    assert (target / "conversion" / "qwen3vl.py").is_file() and (target / "gguf-py" / "gguf").is_dir()
+    assert not (target / "ggml").exists()  # only what the converter needs
+    assert find_converter(str(target)) == target
+
+
+def test_fetch_without_pypi_is_one_line_naming_the_package(tmp_path: Path, monkeypatch) -> None:
+    from vlmrl.export_gguf import GgufError, fetch_converter
+
+    monkeypatch.setattr("subprocess.run", lambda argv, **kw: type("Done", (), {
+        "returncode": 1, "stderr": "ERROR: No matching distribution found for llama-cpp-python==0.3.36"})())
+    with pytest.raises(GgufError) as info:
+        fetch_converter(tmp_path / "llama.cpp")
+    assert "llama-cpp-python" in str(info.value) and "\n" not in str(info.value)

@@ -211,8 +211,9 @@ def _split_rule(model_dir: Path) -> str | None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["fetch"]:
-        print(fetch_converter())
+    if sys.argv[1:2] == ["fetch"]:  # idempotent: a cached converter is kept
+        cached = cached_converter_dir()
+        print(cached if (cached / "convert_hf_to_gguf.py").is_file() else fetch_converter())
     elif sys.argv[1:2] == ["convert"]:
         _convert_main(sys.argv[2], sys.argv[3:])
     else:
