@@ -60,7 +60,7 @@ def fetch_converter(target: Path | None = None) -> Path:
     with tempfile.TemporaryDirectory() as tmp:
         done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
                                f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", tmp],
-                              capture_output=True, text=True)
+                              check=False, capture_output=True, text=True)
         archives = list(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
         if not archives:
             raise GgufError(f"pip could not download llama-cpp-python=={LLAMA_CPP_PYTHON}'s source distribution: "
@@ -102,7 +102,8 @@ def convert(merged: Path, out_dir: Path, quantization: str, llama_cpp: Path) -> 
         files["mmproj"] = mmproj
     if quantize is not None:
         quantized = out_dir / "model-q4_k_m.gguf"
-        done = subprocess.run([quantize, str(files["model"]), str(quantized), "Q4_K_M"], capture_output=True, text=True)
+        done = subprocess.run([quantize, str(files["model"]), str(quantized), "Q4_K_M"], check=False, capture_output=True,
+                              text=True)
         if done.returncode:
             raise GgufError(f"llama-quantize failed: {(done.stderr.strip().splitlines() or ['no output'])[-1]}")
         files["model"].unlink()
@@ -115,7 +116,7 @@ def _run_converter(llama_cpp: Path, merged: Path, outfile: Path, outtype: str, *
                    check: bool = True) -> str | None:
     argv = [sys.executable, "-m", "vlmrl.export_gguf", "convert", str(llama_cpp), str(merged),
             "--outfile", str(outfile), "--outtype", outtype, *(["--mmproj"] if mmproj else [])]
-    done = subprocess.run(argv, capture_output=True, text=True)
+    done = subprocess.run(argv, check=False, capture_output=True, text=True)
     if done.returncode == 0 and outfile.is_file():
         return None
     last = next((line for line in reversed(done.stderr.strip().splitlines()) if line.strip()), "no output")
@@ -182,7 +183,7 @@ def try_generate(model_file: str, prompt: str = "2 + 2 =") -> dict:
 def _convert_main(llama_cpp: str, args: list[str]) -> None:
     """Run llama.cpp's converter in this process, naming a Qwen2-rule tokenizer it does not know 'qwen2'."""
     sys.path[:0] = [llama_cpp, str(Path(llama_cpp) / "gguf-py")]
-    import conversion.base as base  # llama.cpp's package, from the folder just put on the path
+    from conversion import base  # llama.cpp's package, from the folder just put on the path
 
     original = base.TextModel.get_vocab_base_pre
 
