@@ -182,7 +182,7 @@ def _merged_checks(config: Config, run_dir: Path, trained: Any, items: list[dict
     dtype = em.write_merged_16bit(config, run_dir, trained, adapter, merged16)
     save_processor(trained.processor, merged16)
     checks = [_route_check("merged_16bit", merged16, run_dir, items, reference,
-                           em.merged_tolerance(dtype, e.logits_atol),
+                           em.merged_tolerance(torch.bfloat16 if config.model.load_in_4bit else dtype, e.logits_atol),
                            "from the dequantized nf4 base" if config.model.load_in_4bit else "from the 16-bit base")]
     write_model_card(merged16, config, run_dir, kind="merged-16bit", base_name=base_name)
     if e.merged_4bit:

@@ -5,8 +5,9 @@ Routes and why each tolerance is what it is (all recorded in `export.json`):
   - `merged-16bit/` from a 16-bit base: W + scale*BA computed once; only the summation order changes, so in
     float32 the logits agree to `export.logits_atol` (1e-3) and the greedy tokens are identical. In bf16/fp16
     one rounding of the merged weight is allowed: 1e-2 and >= 90% greedy-token agreement.
-  - `merged-16bit/` from an nf4 base: the nf4 weights are dequantized (exactly the values the 4-bit forward
-    computes with: code x absmax) and the adapter merged into them, so the same tolerances hold as above.
+  - `merged-16bit/` from an nf4 base: the nf4 weights are dequantized (code x absmax) and the adapter merged
+    into them. The reference (bitsandbytes' nf4 forward) computes at 16-bit precision (measured on the CPU:
+    it dequantizes to bf16, logits off by ~4e-3 relative), so the 16-bit tolerances apply, whatever the dtype.
   - `merged-4bit/`: `merged-16bit/` re-quantized to nf4. nf4 has 16 levels per block of 64, and most of a LoRA
     delta is below one level, so logits move by design: the gate is next-token (argmax) agreement >= 90% at the
     probe's positions and >= 90% greedy-token agreement; the max logit difference is recorded, not gated.
@@ -38,7 +39,8 @@ class Reference:
 @dataclass(frozen=True)
 class Tolerance:
     logits_atol: float | None  # None: recorded, not gated
-    argmax_agreement: float  # fraction of probe positions whose next-token argmax must agree
+    argmax_agreement: float  # fraction of probe positions whose next-token argmax must agree (with a logit
+    # gate: of the positions whose reference top-2 gap exceeds twice that gate)
     token_agreement: float  # fraction of greedy tokens (over all items) that must agree
 
     def describe(self) -> str:
@@ -56,7 +58,7 @@ def merged_tolerance(dtype: torch.dtype, logits_atol: float) -> Tolerance:
     """
     if dtype == torch.float32:
         return Tolerance(logits_atol, 1.0, 1.0)
-    return Tolerance(max(logits_atol, 1e-2), 0.99, 0.9)
+    return Tolerance(max(logits_atol, 1e-2), 1.0, 0.9)
 
 
 NF4_TOLERANCE = Tolerance(None, 0.9, 0.9)
@@ -71,7 +73,13 @@ def compare(loaded: Any, run_dir: Path, items: list[dict], reference: Reference,
     """Observed differences of `loaded` against the reference, and whether they are within `tolerance`."""
     logits = _logits(loaded, run_dir, items[0])
     diff = (reference.logits - logits).abs().max().item()
-    argmax = (reference.logits.argmax(-1) == logits.argmax(-1)).float().mean().item()
+    agree = reference.logits.argmax(-1) == logits.argmax(-1)
+    if tolerance.logits_atol is not None:
+        # Within the logit tolerance a near tie may flip (random-weight models are full of them); where the
+        # reference's top-2 gap exceeds twice the tolerance, a within-tolerance difference cannot flip it.
+        top2 = reference.logits.topk(2, dim=-1).values
+        agree = agree[(top2[..., 0] - top2[..., 1]) > 2 * tolerance.logits_atol]
+    argmax = agree.float().mean().item() if agree.numel() else 1.0
     same = total = 0
     for item, expected in zip(items, reference.tokens):
         got = _greedy(loaded, run_dir, item)
@@ -80,7 +88,7 @@ def compare(loaded: Any, run_dir: Path, items: list[dict], reference: Reference,
     token_agreement = same / total if total else 1.0
     passed = ((tolerance.logits_atol is None or diff <= tolerance.logits_atol)
               and argmax >= tolerance.argmax_agreement and token_agreement >= tolerance.token_agreement)
-    return {"passed": passed, "max_logit_diff": diff, "argmax_agreement": argmax,
+    return {"passed": passed, "max_logit_diff": diff, "argmax_agreement": argmax, "argmax_positions": agree.numel(),
             "greedy_token_agreement": token_agreement, "items": len(items), "tolerance": tolerance.describe()}
 
 
