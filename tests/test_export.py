@@ -92,11 +92,18 @@ def test_export_writes_the_adapter_and_every_check_passes(exported) -> None:
     for name in PASSING:
         assert checks[name]["passed"] is True, checks[name]
     assert checks["reload_reproduces_logits"]["value"] <= 1e-3
-    assert checks["merged_16bit"]["value"] <= 1e-3
+    merged = checks["merged_16bit"]["value"]
+    assert merged["max_logit_diff"] <= 1e-3 and merged["greedy_token_agreement"] == 1.0 and merged["items"] >= 1
+    assert "from the 16-bit base" in checks["merged_16bit"]["detail"]
     assert checks["merged_4bit"]["passed"] is None and checks["gguf"]["passed"] is None  # not requested
     assert report["all_passed"] is True
     # paths inside the run folder are stored relative to it, so a moved run's export.json stays true
     assert (report["base_model"], report["adapter_dir"], report["source"]) == ("base-model", "adapter", "train/final")
+    # shareable: a tiny base is on no hub, so it travels inside the adapter, which names it relatively
+    assert report["shared_base_model"] == "base-model"
+    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == "base-model"
+    assert (adapter / "base-model" / "config.json").is_file() and (adapter / "README.md").is_file()
+    assert (adapter / "tokenizer_config.json").is_file() and (run_dir / "merged-16bit" / "tokenizer_config.json").is_file()
     # the exported B matrices are the trained ones
     saved = load_file(str(adapter / "adapter_model.safetensors"))
     final = load_file(str(run_dir / "train" / "final" / "adapter_model.safetensors"))

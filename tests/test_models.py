@@ -6,6 +6,7 @@ names the layout checks see are the ones a hub checkpoint has. Each family is bu
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 
@@ -67,13 +68,37 @@ def test_each_tiny_family_loads_through_load_model(arch: str, run_dirs) -> None:
 
 
 @CPU_ONLY
-def test_load_in_4bit_on_cpu_is_an_error_naming_the_field(tmp_path: Path) -> None:
+def test_load_in_4bit_on_cpu_with_an_old_bitsandbytes_is_an_error_naming_the_field(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: object() if name == "bitsandbytes" else None)
+    monkeypatch.setattr("importlib.metadata.version", lambda name: "0.45.5")
     with pytest.raises(ModelLoadError) as info:
         _load("qwen3_vl", tmp_path, load_in_4bit=True)
     message = str(info.value)
-    assert "model.load_in_4bit" in message and "CUDA" in message
+    assert "model.load_in_4bit" in message and "0.45.5" in message and "bitsandbytes>=0.48" in message
     assert "\n" not in message
     assert not (tmp_path / "base-model").exists()  # refused before anything was built, no silent fallback
+
+
+def test_load_in_4bit_without_bitsandbytes_says_what_to_install(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)
+    with pytest.raises(ModelLoadError, match=r"pip install 'vlmrl\[quant\]'"):
+        _load("qwen3_vl", tmp_path, load_in_4bit=True)
+    assert not (tmp_path / "base-model").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes not installed (dev extra)")
+def test_load_in_4bit_loads_nf4_layers_here_and_lora_trains_over_them(run_dirs) -> None:
+    from bitsandbytes.nn import Linear4bit
+
+    loaded = _load("qwen3_vl", run_dirs["qwen3_vl"], load_in_4bit=True)
+    layers = loaded.model.model.language_model.layers
+    assert isinstance(layers[0].self_attn.q_proj, Linear4bit) and isinstance(layers[0].mlp.down_proj, Linear4bit)
+    assert not any(isinstance(m, Linear4bit) for m in loaded.model.model.visual.modules())  # vision kept exact
+    model, _ = apply_lora(loaded.model, LoraConfig(r=4, alpha=8))
+    ids = torch.randint(0, 100, (1, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    grads = [p.grad for n, p in model.named_parameters() if "lora_B" in n]
+    assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
 
 
 @CPU_ONLY

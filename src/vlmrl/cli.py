@@ -36,7 +36,8 @@ config_app = typer.Typer(no_args_is_help=True, context_settings=HELP, help="Show
 app.add_typer(config_app, name="config")
 console = Console()
 
-ConfigArg = Annotated[str | None, typer.Argument(help=f"Preset ({', '.join(PRESETS)}) or YAML file; default demo.")]
+ConfigArg = Annotated[str | None, typer.Argument(
+    help=f"Preset ({', '.join(PRESETS)}), YAML file or run folder (its config.yaml); default demo.")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a field: section.field=value (repeatable).")]
 RunDirOpt = Annotated[Path | None, typer.Option("--run-dir", help="Run directory (default: <output_dir>/<name>).")]
 GpusOpt = Annotated[int, typer.Option(
@@ -52,6 +53,12 @@ _fail = fail
 
 
 def _config(source: str | None, overrides: list[str] | None, run_dir: Path | None = None) -> Config:
+    """A preset, a YAML file, or a run folder (its config.yaml; the run then lives in that folder)."""
+    if source is not None and Path(source).is_dir():
+        if not (Path(source) / "config.yaml").is_file():
+            _fail(f"{source}: a folder without config.yaml; give a preset, a YAML file or a run folder.", 2)
+        run_dir = run_dir or Path(source)
+        source = str(Path(source) / "config.yaml")
     try:
         config = load_config(source, overrides)
     except ConfigError as exc:
@@ -151,7 +158,10 @@ def doctor(
         for dev in cuda["devices"]:
             table.add_row(f"cuda:{dev['index']}", f"{dev['name']} ({dev['memory_gib']} GiB, sm {dev['capability']})")
     else:
-        table.add_row("cuda", "not available (CPU only: tiny models and the demo run; no 4-bit)")
+        table.add_row("cuda", "not available (CPU only: tiny models and the demo run)")
+    four_bit = env["four_bit"]
+    table.add_row("4-bit (nf4)", "[green]available[/green]" + ("" if cuda["available"] else " on the CPU (slow)")
+                  if four_bit["available"] else f"not available: {escape(four_bit['reason'])}")
     for name, ok in env["backends"].items():
         table.add_row(name, "[green]available[/green]" if ok else "not installed")
     table.add_row("disk free", f"{env['disk_free_gib']} GiB")
@@ -389,14 +399,22 @@ def _print_comparison(path: Path) -> None:
 
 
 @app.command()
-def export(source: ConfigArg = None, set_: SetOpt = None, run_dir: RunDirOpt = None) -> None:
-    """Stage 8: save and verify the adapter (optional merges)."""
-    from vlmrl.export import export_adapter
+def export(
+    source: ConfigArg = None,
+    set_: SetOpt = None,
+    run_dir: RunDirOpt = None,
+    adapter: Annotated[Path | None, typer.Option(help="Adapter folder to export (default: train/final).")] = None,
+    push_to_hub: Annotated[str | None, typer.Option("--push-to-hub", help="Upload adapter/ to this hub repo id "
+                                                    "after a verified export (huggingface_hub; needs a token).")] = None,
+    private: Annotated[bool, typer.Option("--private", help="With --push-to-hub: create the repo private.")] = False,
+) -> None:
+    """Stage 8: save and verify the adapter (optional merges and GGUF; see docs/export.md)."""
+    from vlmrl import export as export_stage
 
     _one_process_only("export")
     config = _config(source, set_, run_dir)
     with _claimed(config.run_dir, create=False):
-        report_ = _guard(lambda: export_adapter(config, config.run_dir))
+        report_ = _guard(lambda: export_stage.export_adapter(config, config.run_dir, source=adapter))
     table = Table(title="export checks")
     for column in ("check", "result", "value", "detail"):
         table.add_column(column)
@@ -404,6 +422,9 @@ def export(source: ConfigArg = None, set_: SetOpt = None, run_dir: RunDirOpt = N
         verdict = {True: "[green]pass[/green]", False: "[red]FAIL[/red]", None: "skipped"}[c["passed"]]
         table.add_row(c["name"], verdict, escape(str(c["value"])), escape(c["detail"]))
     console.print(table)
+    if push_to_hub:
+        url = _guard(lambda: export_stage.push_to_hub(config.run_dir, push_to_hub, private=private))
+        console.print(f"uploaded {config.run_dir / 'adapter'} to {push_to_hub}: {url}", highlight=False)
 
 
 @app.command()

@@ -54,7 +54,7 @@ class ModelConfig(_Section):
     backend: Literal["auto", "unsloth", "transformers"] = Field(
         "auto", description="`auto`: Unsloth FastVisionModel when installed and CUDA is present, else transformers."
     )
-    load_in_4bit: bool = Field(False, description="bitsandbytes 4-bit base weights (CUDA only; an error on CPU).")
+    load_in_4bit: bool = Field(False, description="bitsandbytes nf4 base weights (CUDA, or CPU with bitsandbytes >= 0.48).")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="Weight dtype; `auto` is bfloat16 on CUDA and float32 on CPU."
     )
@@ -242,8 +242,13 @@ class HealthConfig(_Section):
 
 class ExportConfig(_Section):
     merged_16bit: bool = Field(False, description="Also write `merged-16bit/` and verify it against the adapter.")
-    merged_4bit: bool = Field(False, description="Also write `merged-4bit/` through bitsandbytes (CUDA only).")
-    gguf: bool = Field(False, description="Also export GGUF through Unsloth + llama.cpp when present.")
+    merged_4bit: bool = Field(False, description="Also write `merged-4bit/` (nf4 through bitsandbytes, CUDA or CPU).")
+    gguf: bool = Field(False, description="Also write `gguf/` with llama.cpp's converter (see docs/export.md).")
+    gguf_quantization: Literal["none", "q8_0", "q4_k_m"] = Field(
+        "q8_0", description="GGUF weights: none (f16), q8_0 (the converter itself), q4_k_m (needs llama-quantize).")
+    llama_cpp_dir: str | None = Field(
+        None, description="A llama.cpp folder holding convert_hf_to_gguf.py; default $VLMRL_LLAMA_CPP_DIR, then "
+        "vlmrl's cache (filled by `python -m vlmrl.export_gguf fetch`).")
     logits_atol: float = Field(1e-3, gt=0, description="Tolerance for reload-reproduces-logits checks.")
     checkpoint: Literal["last", "best"] = Field(
         "last",

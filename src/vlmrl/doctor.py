@@ -32,6 +32,7 @@ def collect_environment(path_for_disk: str | Path = ".") -> dict:
         "packages": {name: _version(name) for name in CORE_PACKAGES},
         "cuda": _cuda_info(),
         "backends": {name: _importable(module) for name, module in OPTIONAL_BACKENDS.items()},
+        "four_bit": _four_bit(),
         "disk_free_gib": round(shutil.disk_usage(_existing_parent(Path(path_for_disk))).free / 2**30, 1),
         "cpu_count": _cpu_count(),
         "provenance": provenance(started_at=utc_now()),
@@ -73,6 +74,14 @@ def _cuda_info() -> dict:
             }
         )
     return {"available": True, "version": torch.version.cuda, "bf16": torch.cuda.is_bf16_supported(), "devices": devices}
+
+
+def _four_bit() -> dict:
+    """Whether `model.load_in_4bit=true` can load here (bitsandbytes on CUDA, or its CPU backend), and why not."""
+    from vlmrl.models.loading import four_bit_unsupported_reason
+
+    reason = four_bit_unsupported_reason()
+    return {"available": reason is None, "reason": reason}
 
 
 def _existing_parent(path: Path) -> Path:

@@ -5,14 +5,14 @@ Checks (each with its figure, all written to `export.json`):
   - every A and B value is finite;
   - the base model recorded in the adapter is the configured one;
   - a fresh base model + the saved adapter reproduces the in-memory model's logits on a held-out item;
-  - optional `merged-16bit/`: merged, saved, reloaded, and its logits match the adapter model;
-  - optional `merged-4bit/` (CUDA + bitsandbytes) and GGUF (Unsloth + llama.cpp): done when possible,
-    otherwise recorded as skipped with the reason and the manual route.
+  - optional `merged-16bit/` and `merged-4bit/` (also over an nf4 base, CPU or CUDA): merged, saved, reloaded
+    with plain transformers, logits and greedy tokens compared with base + adapter (`vlmrl.export_merge`);
+  - optional GGUF through llama.cpp's converter, read back (`vlmrl.export_gguf`).
+Every exported folder gets the processor and a model card (`vlmrl.share`); `push_to_hub` uploads one.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import shutil
@@ -44,10 +44,12 @@ class Check:
 
 
 def export_adapter(config: Config, run_dir: Path, *, source: Path | None = None) -> dict:
-    """Save `train/final` (or `source`) to `run_dir/adapter/`, verify it, write `export.json`."""
+    """Save `train/final` (or `source`) to `run_dir/adapter/`, verify it, write the merges and GGUF asked for,
+    make every folder shareable (processor + model card), write `export.json`."""
     from vlmrl.evaluate import check_adapter
     from vlmrl.models.loading import BASE_RECORD, load_with_adapter, resolve_model_source
     from vlmrl.rundir import relative_to_run
+    from vlmrl.share import save_processor, shareable_base_name, write_model_card
 
     chosen = _chosen_checkpoint(config, run_dir) if source is None else {"choice": "given", "source": str(source)}
     source = Path(chosen["source"])
@@ -64,17 +66,18 @@ def export_adapter(config: Config, run_dir: Path, *, source: Path | None = None)
     expected_base = resolve_model_source(config.model.name, run_dir)
     checks.append(check_base_model(out, expected_base))
 
-    item = _probe_item(run_dir)
-    reference = _logits(trained, run_dir, item)
+    items = _probe_items(run_dir)
+    reference = _logits(trained, run_dir, items[0])
     reloaded = load_with_adapter(config.model, run_dir, out)
-    diff = (reference - _logits(reloaded, run_dir, item)).abs().max().item()
+    diff = (reference - _logits(reloaded, run_dir, items[0])).abs().max().item()
     checks.append(Check("reload_reproduces_logits", diff <= config.export.logits_atol, diff,
-                        f"max |logit difference| on item {item['id']}, tolerance {config.export.logits_atol}"))
+                        f"max |logit difference| on item {items[0]['id']}, tolerance {config.export.logits_atol}"))
     del reloaded
-    if config.export.merged_16bit:
-        checks.append(_merged_16bit(config, run_dir, trained, item, reference))
-    checks.append(_merged_4bit(config, run_dir, trained, item, reference))
-    checks.append(_gguf_check(config))
+    base_name = shareable_base_name(config, out, expected_base)
+    save_processor(trained.processor, out)
+    write_model_card(out, config, run_dir, kind="adapter", base_name=base_name)
+    checks += _merged_checks(config, run_dir, trained, items, base_name)
+    checks.append(_gguf_check(config, run_dir))
 
     report = {
         "fingerprint": export_fingerprint(config),
@@ -83,6 +86,7 @@ def export_adapter(config: Config, run_dir: Path, *, source: Path | None = None)
         "source": relative_to_run(source, run_dir),
         "base_model": relative_to_run(expected_base, run_dir),
         "checkpoint": {**chosen, "source": relative_to_run(Path(chosen["source"]), run_dir)},
+        "shared_base_model": base_name,
         "checks": [c.as_dict() for c in checks],
         "all_passed": all(c.passed is not False for c in checks),
     }
@@ -105,6 +109,23 @@ def _chosen_checkpoint(config: Config, run_dir: Path) -> dict:
         raise ExportError(f"export.checkpoint=best: no kept best checkpoint in {run_dir / 'train' / BEST_DIR}; "
                           "train with train.eval_every_steps set (and export.checkpoint=best), or export `last`.")
     return {"choice": "best", "source": str(run_dir / "train" / BEST_DIR), **best}
+
+
+def push_to_hub(run_dir: Path, repo_id: str, *, private: bool, folder: str = "adapter", api: Any = None) -> str:
+    """Upload an exported folder (`adapter`, `merged-16bit`, `merged-4bit`, `gguf`) of a verified export."""
+    from vlmrl.share import push_folder
+
+    report_path = run_dir / "export.json"
+    if not report_path.is_file() or not json.loads(report_path.read_text()).get("all_passed"):
+        raise ExportError(f"{run_dir}: no verified export (export.json missing or failed); run vlmrl export first.")
+    path = run_dir / folder
+    if not path.is_dir():
+        raise ExportError(f"{path}: not exported; choose one of adapter, merged-16bit, merged-4bit, gguf that exists.")
+    try:
+        return push_folder(path, repo_id, private=private, api=api)
+    except Exception as exc:  # noqa: BLE001  (network, auth, quota: whatever the hub says, in one line)
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ExportError(f"upload to {repo_id} failed: {first} (a token: `hf auth login` or $HF_TOKEN)") from None
 
 
 def export_fingerprint(config: Config) -> str:
@@ -152,76 +173,92 @@ def check_base_model(adapter_dir: Path, expected: str) -> Check:
     return Check("base_model_matches", same, recorded, f"expected {expected}")
 
 
-def _probe_item(run_dir: Path) -> dict:
+def _probe_items(run_dir: Path, count: int = 3) -> list[dict]:
     items = read_jsonl(run_dir / "data" / "holdout.jsonl")
     if not items:
         raise ExportError(f"{run_dir / 'data' / 'holdout.jsonl'}: no held-out item to verify logits on.")
-    return items[0]
+    return items[:count]
 
 
-@torch.inference_mode()
 def _logits(loaded: Any, run_dir: Path, item: dict) -> torch.Tensor:
-    from PIL import Image
+    from vlmrl.export_merge import _logits as logits
 
-    from vlmrl.data.items import record_images
-    from vlmrl.generation import encode_batch
-
-    images = []
-    for path in record_images(item):  # every image of the probe item, in order
-        with Image.open(run_dir / path) as img:
-            images.append(img.convert("RGB"))
-    batch = encode_batch(loaded.processor, [item["prompt"]], [images], loaded.device)
-    return loaded.model(**batch).logits.float().cpu()
+    return logits(loaded, run_dir, item)
 
 
-def _merged_16bit(config: Config, run_dir: Path, trained: Any, item: dict, reference: torch.Tensor) -> Check:
-    from transformers import AutoModelForImageTextToText
+def _merged_checks(config: Config, run_dir: Path, trained: Any, items: list[dict], base_name: str) -> list[Check]:
+    """`merged-16bit/` and `merged-4bit/`, each reloaded with plain transformers and compared with base+adapter."""
+    from vlmrl import export_merge as em
+    from vlmrl.share import save_processor, write_model_card
 
-    if config.model.load_in_4bit:
-        return Check("merged_16bit", None, None, "merging into 4-bit weights is lossy; load the base in 16-bit to merge")
-    out = run_dir / "merged-16bit"
-    merged = trained.model.merge_and_unload()
-    merged.save_pretrained(str(out))
-    trained.processor.save_pretrained(str(out))
-    reloaded = AutoModelForImageTextToText.from_pretrained(str(out), dtype=merged.dtype).to(trained.device).eval()
-    trained.model = reloaded
-    diff = (reference - _logits(trained, run_dir, item)).abs().max().item()
-    # Merging changes the summation order, so allow a few units of the dtype's rounding.
-    tolerance = max(config.export.logits_atol, 1e-2 if merged.dtype != torch.float32 else config.export.logits_atol)
-    return Check("merged_16bit", diff <= tolerance, diff, f"{out}: max |logit difference| vs adapter, tol {tolerance}")
-
-
-def _merged_4bit(config: Config, run_dir: Path, trained: Any, item: dict, reference: torch.Tensor) -> Check:
-    """Quantize `merged-16bit/` to bnb nf4, save, reload. 4-bit rounding moves logits by design, so the check is
-    that the reloaded model predicts the same next token as the adapter model at >= 90% of positions."""
-    if not config.export.merged_4bit:
-        return Check("merged_4bit", None, None, "not requested (export.merged_4bit=false)")
-    if not (torch.cuda.is_available() and importlib.util.find_spec("bitsandbytes")):
-        return Check("merged_4bit", None, None, "skipped: needs CUDA and bitsandbytes (pip install 'vlmrl[quant]')")
-    source = run_dir / "merged-16bit"
-    if not (source / "config.json").exists():
-        return Check("merged_4bit", None, None, "skipped: needs export.merged_16bit=true (it quantizes that folder)")
-    from transformers import AutoModelForImageTextToText
-
-    from vlmrl.models.loading import nf4_config
-
-    out = run_dir / "merged-4bit"
-    model = AutoModelForImageTextToText.from_pretrained(str(source), quantization_config=nf4_config(torch.bfloat16),
-                                                        device_map={"": torch.cuda.current_device()})
-    model.save_pretrained(str(out))
-    trained.processor.save_pretrained(str(out))
-    del model
-    trained.model = AutoModelForImageTextToText.from_pretrained(str(out), device_map={"": torch.cuda.current_device()})
-    logits = _logits(trained, run_dir, item)
-    agreement = (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()
-    return Check("merged_4bit", agreement >= 0.9, agreement, f"{out}: next-token agreement with the adapter model")
+    e = config.export
+    if not (e.merged_16bit or e.merged_4bit or e.gguf):
+        return [Check("merged_16bit", None, None, "not requested (export.merged_16bit=false)"),
+                Check("merged_4bit", None, None, "not requested (export.merged_4bit=false)")]
+    reference = em.reference_outputs(trained, run_dir, items)
+    adapter = run_dir / "adapter"
+    merged16 = run_dir / "merged-16bit"
+    dtype = em.write_merged_16bit(config, run_dir, trained, adapter, merged16)
+    save_processor(trained.processor, merged16)
+    checks = [_route_check("merged_16bit", merged16, run_dir, items, reference,
+                           em.merged_tolerance(torch.bfloat16 if config.model.load_in_4bit else dtype, e.logits_atol),
+                           "from the dequantized nf4 base" if config.model.load_in_4bit else "from the 16-bit base")]
+    write_model_card(merged16, config, run_dir, kind="merged-16bit", base_name=base_name)
+    if e.merged_4bit:
+        if (reason := _four_bit_reason()) is not None:
+            checks.append(Check("merged_4bit", False, None, f"cannot quantize here: {reason}"))
+        else:
+            merged4 = run_dir / "merged-4bit"
+            em.write_merged_4bit(merged16, merged4)
+            save_processor(trained.processor, merged4)
+            checks.append(_route_check("merged_4bit", merged4, run_dir, items, reference, em.NF4_TOLERANCE,
+                                       "merged-16bit re-quantized to nf4"))
+            write_model_card(merged4, config, run_dir, kind="merged-4bit", base_name=base_name)
+    else:
+        checks.append(Check("merged_4bit", None, None, "not requested (export.merged_4bit=false)"))
+    if not e.merged_16bit:  # written only as the source of merged-4bit / GGUF
+        checks[0] = Check("merged_16bit", checks[0].passed, checks[0].value,
+                          checks[0].detail + " (written as the source of merged-4bit/GGUF)")
+    return checks
 
 
-def _gguf_check(config: Config) -> Check:
+def _route_check(name: str, folder: Path, run_dir: Path, items: list[dict], reference: Any, tolerance: Any,
+                 route: str) -> Check:
+    from vlmrl import export_merge as em
+
+    loaded = em.load_plain(folder)
+    result = em.compare(loaded, run_dir, items, reference, tolerance)
+    del loaded
+    passed = result.pop("passed")
+    return Check(name, passed, result, f"{folder} ({route}) reloaded with plain transformers vs base+adapter on "
+                 f"{len(items)} held-out items; tolerance: {tolerance.describe()}")
+
+
+def _four_bit_reason() -> str | None:
+    from vlmrl.models.loading import four_bit_unsupported_reason
+
+    return four_bit_unsupported_reason()
+
+
+def _gguf_check(config: Config, run_dir: Path) -> Check:
+    from vlmrl import export_gguf as eg
+
     if not config.export.gguf:
         return Check("gguf", None, None, "not requested (export.gguf=false)")
-    if importlib.util.find_spec("unsloth") is None or shutil.which("llama-quantize") is None:
-        return Check("gguf", None, None,
-                     "skipped: needs Unsloth and llama.cpp. Manual route: export merged-16bit, then run llama.cpp's "
-                     "convert_hf_to_gguf.py on it (and llama-quantize for q4_k_m).")
-    return Check("gguf", None, None, "skipped: Unsloth GGUF export for vision models is not wired yet")
+    missing = eg.missing_requirements()
+    if missing:
+        raise ExportError(f"export.gguf=true needs {', '.join(missing)}: pip install 'vlmrl[gguf]'.")
+    try:
+        llama_cpp = eg.find_converter(config.export.llama_cpp_dir)
+        if llama_cpp is None:
+            llama_cpp = eg.fetch_converter()  # pip download of llama-cpp-python's sdist into the cache, once
+        result = eg.convert(run_dir / "merged-16bit", run_dir / "gguf", config.export.gguf_quantization, llama_cpp)
+    except eg.GgufError as exc:
+        raise ExportError(str(exc)) from None
+    result["read_back"] = eg.read_back(result["files"], run_dir / "merged-16bit")
+    result["llama_cpp_generation"] = eg.try_generate(result["files"]["model"])
+    result["converter"] = str(llama_cpp)
+    passed = not result["read_back"]["problems"] and result["llama_cpp_generation"]["generated"] is not False
+    return Check("gguf", passed, result, "converted by llama.cpp's convert_hf_to_gguf.py, read back with the gguf "
+                 "package (block count, embedding shape and values vs merged-16bit); "
+                 + result["llama_cpp_generation"]["detail"])

@@ -1,8 +1,10 @@
 """Stage 2, model load: one function from a `ModelConfig` to a model, its processor and where they came from.
 
 Backends: Unsloth's `FastVisionModel` when it is installed and a CUDA GPU is present (`backend: auto`), else
-transformers (+ bitsandbytes for 4-bit). A 4-bit request without CUDA is an error, never a silent fallback
-to 16/32-bit, because the memory and numbers of such a run would not be the ones the user asked for.
+transformers (+ bitsandbytes for 4-bit). 4-bit loads on CUDA, and on the CPU with bitsandbytes >= 0.48 (its
+CPU backend quantizes and dequantizes nf4 there; slow, but the same numbers, so the seed's QLoRA recipe can be
+tested offline). Where bitsandbytes cannot do 4-bit the request is an error, never a silent fallback to
+16/32-bit, because the memory and numbers of such a run would not be the ones the user asked for.
 
 `model.name` may also be `tiny:<arch>` (a random-weight offline model built into the run directory) or
 `demo-policy` (the project's small warm-started policy, built on first use; see `vlmrl.models.demo`).
@@ -83,11 +85,8 @@ def choose_backend(config: ModelConfig) -> str:
 
 def load_model(config: ModelConfig, run_dir: Path | None = None, *, for_training: bool = False) -> LoadedModel:
     """Load the base model and processor as configured (no adapter)."""
-    if config.load_in_4bit and not torch.cuda.is_available():
-        raise ModelLoadError(
-            "model.load_in_4bit=true needs a CUDA GPU (bitsandbytes 4-bit); this machine has none. "
-            "Set model.load_in_4bit=false to run in full precision on the CPU."
-        )
+    if config.load_in_4bit and (reason := four_bit_unsupported_reason()):
+        raise ModelLoadError(f"model.load_in_4bit=true cannot work here: {reason}.")
     backend = choose_backend(config)  # before resolving: a wrong backend should not cost a build or download
     source = resolve_model_source(config.name, run_dir)
     family = detect_family(source)
@@ -156,8 +155,8 @@ def _load_transformers(config: ModelConfig, source: str) -> tuple[Any, Any]:
     if config.attn_implementation != "auto":
         kwargs["attn_implementation"] = config.attn_implementation
     if config.load_in_4bit:
-        kwargs["quantization_config"] = _bnb_config(config)
-        kwargs["device_map"] = {"": torch.cuda.current_device()}
+        kwargs["quantization_config"] = nf4_config(resolve_dtype(config.dtype))
+        kwargs["device_map"] = {"": torch.cuda.current_device()} if torch.cuda.is_available() else "cpu"
     elif torch.cuda.is_available():
         kwargs["device_map"] = {"": torch.cuda.current_device()}
     try:
@@ -168,10 +167,43 @@ def _load_transformers(config: ModelConfig, source: str) -> tuple[Any, Any]:
     return model, processor
 
 
-def _bnb_config(config: ModelConfig) -> Any:
+BNB_CPU_MIN = (0, 48)  # the first bitsandbytes release whose CPU backend does nf4 (de)quantization
+
+
+def four_bit_unsupported_reason() -> str | None:
+    """Why bitsandbytes 4-bit cannot load here (None when it can): not installed, or a CPU-only machine with a
+    bitsandbytes older than its CPU backend. Checked before anything is built or downloaded."""
+    import importlib.metadata
+
     if importlib.util.find_spec("bitsandbytes") is None:
-        raise ModelLoadError("model.load_in_4bit=true needs bitsandbytes: pip install 'vlmrl[quant]'.")
-    return nf4_config(resolve_dtype(config.dtype))
+        return "bitsandbytes is not installed (pip install 'vlmrl[quant]')"
+    if torch.cuda.is_available():
+        return None
+    version = importlib.metadata.version("bitsandbytes")
+    if _version_tuple(version) < BNB_CPU_MIN:
+        return (f"this machine has no CUDA GPU and bitsandbytes {version} has no CPU 4-bit backend "
+                f"(pip install 'bitsandbytes>={BNB_CPU_MIN[0]}.{BNB_CPU_MIN[1]}', or set model.load_in_4bit=false)")
+    return None
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    """Leading numeric release parts.
+
+    >>> _version_tuple("0.50.2"), _version_tuple("0.48.0.dev0"), _version_tuple("1.0rc1")
+    ((0, 50, 2), (0, 48, 0), (1, 0))
+    """
+    parts = []
+    for piece in version.split("."):
+        digits = re.match(r"\d+", piece)
+        if not digits:
+            break
+        parts.append(int(digits.group()))
+        if digits.group() != piece:
+            break
+    return tuple(parts)
+
+
+VISION_MODULES = ("visual", "vision_tower", "multi_modal_projector")
 
 
 def nf4_config(compute_dtype: torch.dtype) -> Any:
@@ -183,8 +215,10 @@ def nf4_config(compute_dtype: torch.dtype) -> Any:
         bnb_4bit_quant_type="nf4",
         bnb_4bit_use_double_quant=True,
         bnb_4bit_compute_dtype=compute_dtype,
-        # The vision tower is frozen and small next to the language model: keep it exact.
-        llm_int8_skip_modules=["visual", "vision_tower", "multi_modal_projector", "lm_head"],
+        # The vision tower is frozen and small next to the language model: keep it exact. transformers 5 matches
+        # these from the start of the module name (or as a suffix), so "visual" alone no longer skips
+        # "model.visual.blocks..."; both spellings keep older layouts (top-level `visual`) covered.
+        llm_int8_skip_modules=[*VISION_MODULES, *(f"model.{m}" for m in VISION_MODULES), "lm_head"],
     )
 
 
