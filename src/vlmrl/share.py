@@ -84,7 +84,7 @@ def _recipe(config: Config, base_name: str) -> str:
         ("LoRA", f"r={lora.r}, alpha={lora.alpha}, attention={lora.attention}, mlp={lora.mlp}, vision={lora.vision}"),
         ("optimizer", f"{t.optim}, learning rate {t.learning_rate}, {t.lr_scheduler_type}"),
         ("length", f"max_steps={t.max_steps}, max_completion_length={t.max_completion_length}"),
-        ("rewards", f"format + correctness, weights {list(t.reward_weights)}"),
+        ("rewards", ", ".join(f"{r.name or r.function} x {r.weight:g}" for r in config.rewards)),
     ]
     return "## Recipe\n\n| | |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
 
