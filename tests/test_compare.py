@@ -69,3 +69,11 @@ def test_by_category(tmp_path):
     _write(tmp_path, before, after)
     cats = compare_runs(tmp_path).comparison["by_category"]
     assert cats["bar"]["accuracy_before"] == 0.0 and cats["bar"]["accuracy_after"] == 1.0
+
+
+def test_a_missing_run_folder_is_named_as_such(tmp_path):
+    """Before: the error blamed missing records, of a folder that does not exist."""
+    from vlmrl.compare import CompareError, compare_runs
+
+    with pytest.raises(CompareError, match=r"no such run folder"):
+        compare_runs(tmp_path / "nope")

@@ -133,6 +133,8 @@ def _main(
 
         hf_logging.disable_progress_bar()
         hf_logging.set_verbosity_error()
+        # bitsandbytes warns on import that an optional CPU kernel package is missing (it falls back on its own)
+        logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
         warnings.filterwarnings("ignore", category=FutureWarning)  # library deprecation notes, not the user's
 
 

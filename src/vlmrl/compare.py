@@ -37,6 +37,8 @@ def _images(record: dict) -> list:
 
 def compare_runs(run_dir: Path, *, seed: int = 0, top_regressions: int = 10) -> CompareResult:
     """Write `run_dir/comparison.json` from `baseline_records.jsonl` and `after_records.jsonl`."""
+    if not Path(run_dir).is_dir():
+        raise CompareError(f"{run_dir}: no such run folder (give the folder `vlmrl run` wrote, e.g. runs/demo).")
     before = _load(run_dir / "baseline_records.jsonl")
     after = _load(run_dir / "after_records.jsonl")
     ids = [i for i in before if i in after]
