@@ -342,7 +342,7 @@ def test_two_image_rows_prepare_train_and_evaluate_with_a_tiny_model(tmp_path, m
         return [0.0] * len(completions)
 
     spy.__name__ = "correctness_reward"
-    monkeypatch.setattr("vlmrl.train.correctness_reward", spy)
+    monkeypatch.setattr("vlmrl.rewards.correctness_reward", spy)
     run_dir = config.run_dir
     prepare_with_budget(config, run_dir)
     summary = json.loads((run_dir / "data" / "summary.json").read_text())

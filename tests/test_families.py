@@ -35,7 +35,7 @@ varied_reward.__name__ = "correctness_reward"  # TRL names the reward column aft
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_a_grpo_step_trains_language_lora_only(arch: str, tmp_path: Path, monkeypatch, captured) -> None:
-    monkeypatch.setattr("vlmrl.train.correctness_reward", varied_reward)
+    monkeypatch.setattr("vlmrl.rewards.correctness_reward", varied_reward)
     config = load_config(
         "demo",
         [

@@ -40,7 +40,7 @@ def four_bit_args(output_dir: Path) -> list[str]:
 def four_bit_run(tmp_path_factory) -> Path:
     output = tmp_path_factory.mktemp("ship4bit")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("vlmrl.train.correctness_reward", varied_reward)
+        patch.setattr("vlmrl.rewards.correctness_reward", varied_reward)
         result = runner.invoke(app, four_bit_args(output))
     assert result.exit_code == 0, result.output + repr(result.exception)
     return output / "demo"
@@ -48,7 +48,7 @@ def four_bit_run(tmp_path_factory) -> Path:
 
 def _generate(model, processor, run_dir: Path) -> list[int]:
     item = read_jsonl(run_dir / "data" / "holdout.jsonl")[0]
-    with Image.open(run_dir / item["image"]) as img:
+    with Image.open(run_dir / item["images"][0]) as img:
         messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": item["prompt"]}]}]
         text = processor.apply_chat_template(messages, add_generation_prompt=True)
         batch = processor(text=[text], images=[img.convert("RGB")], return_tensors="pt")

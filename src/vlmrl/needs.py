@@ -105,18 +105,21 @@ def _probe(repo_id: str, kind: str) -> str | None:
 
 
 def _gpu_problems(config: Config) -> list[str]:
-    """A CUDA GPU where the model needs one: 4-bit loading, or a model whose shapes vlmrl knows (the 8B-class
-    presets) that would not fit the card."""
+    """What the model needs of this machine: a bitsandbytes that loads 4-bit here (CUDA, or its CPU backend), and a
+    CUDA GPU for a model whose shapes vlmrl knows (the 8B-class presets) that fits it."""
     import torch
 
     from vlmrl.preflight import estimate_memory, shapes_for
 
     name = config.model.name
     shapes = None if name.startswith("tiny:") or name == "demo-policy" else shapes_for(name)
+    if config.model.load_in_4bit:
+        from vlmrl.models.loading import four_bit_unsupported_reason
+
+        reason = four_bit_unsupported_reason()  # bitsandbytes >= 0.48 also runs nf4 on the CPU
+        if reason:
+            return [f"model.load_in_4bit=true: {reason}"]
     if not torch.cuda.is_available():
-        if config.model.load_in_4bit:
-            return [("model.load_in_4bit=true needs a CUDA GPU and this machine has none (set it to false, or use "
-                     "a machine with one)")]
         if shapes is not None and not Path(name).is_dir():
             return [f"model {name!r} needs a CUDA GPU and this machine has none"]
         return []
