@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vlmrl import stats
+from vlmrl.data.items import record_hashes
 from vlmrl.io import read_jsonl, write_json_atomic
 
 BINARY_METRICS = {"accuracy": "correct", "mathvista_accuracy": "mathvista_correct", "format_compliance": "format_ok"}
@@ -29,12 +30,6 @@ class CompareResult:
     comparison: dict
 
 
-def _images(record: dict) -> list:
-    """Each image's hash: a list now, one string in records written before several images per item."""
-    hashes = record.get("image_sha256")
-    return [hashes] if isinstance(hashes, str) else list(hashes or [])
-
-
 def compare_runs(run_dir: Path, *, seed: int = 0, top_regressions: int = 10) -> CompareResult:
     """Write `run_dir/comparison.json` from `baseline_records.jsonl` and `after_records.jsonl`."""
     if not Path(run_dir).is_dir():
@@ -47,7 +42,7 @@ def compare_runs(run_dir: Path, *, seed: int = 0, top_regressions: int = 10) -> 
         raise CompareError(f"{run_dir}: baseline and after records share no id; evaluate both stages first.")
     for item_id in ids:
         b, a = before[item_id], after[item_id]
-        if (b.get("prompt_sha256"), _images(b)) != (a.get("prompt_sha256"), _images(a)):
+        if (b.get("prompt_sha256"), record_hashes(b)) != (a.get("prompt_sha256"), record_hashes(a)):
             raise CompareError(f"{run_dir}: item {item_id} differs between baseline and after (prompt or image hash).")
     pairs = [(before[i], after[i]) for i in ids]
     metrics = {}

@@ -26,11 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from PIL import Image
 
 from vlmrl import distributed, fastgen, stats
 from vlmrl.config import Config
-from vlmrl.data.items import record_images
+from vlmrl.data.items import open_record_images, record_hashes
 from vlmrl.generation import generate_batch
 from vlmrl.grading import grade, mathvista_correct, normalize_mathvista
 from vlmrl.io import append_jsonl, read_json, read_jsonl, write_json_atomic, write_jsonl_atomic
@@ -118,7 +117,7 @@ def evaluate(
             # Seeded by its place in the holdout: a sampled evaluation repeats exactly, resumed or not.
             torch.manual_seed(config.run.seed * 1_000_003 + start)
             t0 = time.perf_counter()
-            images = [open_images(run_dir, item) for item in batch]
+            images = [open_record_images(run_dir, item) for item in batch]
             generations = generate_batch(
                 loaded.model,
                 loaded.processor,
@@ -252,7 +251,7 @@ def make_record(item: dict, generations: list, settings: dict, seconds: float, s
         "answer_type": item.get("answer_type"),
         "precision": item.get("precision"),
         **first,
-        "image_sha256": _hashes(item.get("image_sha256")),  # one per image, in order
+        "image_sha256": record_hashes(item),  # one per image, in order
         "prompt_sha256": hashlib.sha256(item["prompt"].encode()).hexdigest()[:16],
         "category": item.get("category"),
         "metadata": item.get("metadata") or {},
@@ -317,7 +316,7 @@ def rescore_records(path: Path, run_dir: Path, items: list[dict], rewards: list[
         if item is None:
             continue
         samples = record.get("samples") or [record]
-        scored = score_rewards(item, [s["completion"] for s in samples], rewards, open_images(run_dir, item))
+        scored = score_rewards(item, [s["completion"] for s in samples], rewards, open_record_images(run_dir, item))
         for sample, new in zip(samples, scored):
             sample.update(new)
         record.update(scored[0], rewards_fingerprint=key)
@@ -411,16 +410,4 @@ def _shard_files(records_path: Path) -> list[Path]:
     return sorted(records_path.parent.glob(f"{records_path.stem}.rank*.jsonl"))
 
 
-def _hashes(value: object) -> list[str]:
-    """Each image's sha256 as a list (manifests from before several images per item hold one string)."""
-    return [value] if isinstance(value, str) else list(value or [])  # type: ignore[call-overload]
-
-
-def open_images(run_dir: Path, item: dict) -> list[Image.Image]:
-    """The item's images, in order (one-image items and manifests from before lists alike)."""
-    images = []
-    for path in record_images(item):
-        with Image.open(run_dir / path) as img:
-            images.append(img.convert("RGB"))
-    return images
 

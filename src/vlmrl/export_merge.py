@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from vlmrl.config import Config
+from vlmrl.data.items import open_record_images
 
 GREEDY_TOKENS = 16  # per held-out item: long enough to leave the prompt's influence, short enough for a CPU
 
@@ -154,18 +155,11 @@ def _fresh(out: Path) -> None:
         shutil.rmtree(out)
 
 
-def _image(run_dir: Path, item: dict) -> Any:
-    """Every image of the item, in order (one-image items and manifests from before lists alike)."""
-    from vlmrl.evaluate import open_images
-
-    return open_images(run_dir, item)
-
-
 @torch.inference_mode()
 def _logits(loaded: Any, run_dir: Path, item: dict) -> torch.Tensor:
     from vlmrl.generation import encode_batch
 
-    batch = encode_batch(loaded.processor, [item["prompt"]], [_image(run_dir, item)], loaded.device)
+    batch = encode_batch(loaded.processor, [item["prompt"]], [open_record_images(run_dir, item)], loaded.device)
     return loaded.model(**batch).logits.float().cpu()
 
 
@@ -174,7 +168,7 @@ def _greedy(loaded: Any, run_dir: Path, item: dict) -> list[int]:
     from vlmrl.generation import encode_batch
     from vlmrl.models.loading import multimodal_token_ids
 
-    batch = encode_batch(loaded.processor, [item["prompt"]], [_image(run_dir, item)], loaded.device)
+    batch = encode_batch(loaded.processor, [item["prompt"]], [open_record_images(run_dir, item)], loaded.device)
     tokenizer = loaded.processor.tokenizer
     # a stray image placeholder would make the next step look for an image (see multimodal_token_ids)
     out = loaded.model.generate(**batch, max_new_tokens=GREEDY_TOKENS, do_sample=False, temperature=None,

@@ -254,11 +254,12 @@ def _ignore(*args: Any, **kwargs: Any) -> None:
 def check_run_rewards(config: Config, run_dir: Path, *, items: int = 4) -> list[Reward]:
     """Load the configured rewards and call each once on the first `items` held-out items of `run_dir`
     (their prompts, images and columns, and three fake completions each). Raises RewardError."""
+    from vlmrl.data.items import open_record_images
     from vlmrl.io import read_jsonl
 
     loaded = load_rewards(config)
     rows = read_jsonl(run_dir / "data" / "holdout.jsonl")[:items]
-    images = [open_image(run_dir, row) for row in rows]
+    images = [open_record_images(run_dir, row) for row in rows]
     columns = [item_columns(row, image) for row, image in zip(rows, images)]
     check_rewards(loaded, rows, columns, images)
     return loaded
@@ -279,13 +280,3 @@ def item_columns(row: dict, image: Any = None) -> dict[str, Any]:
     return columns
 
 
-def open_image(run_dir: Path, row: dict) -> Any:
-    """The item's image as RGB, or the list of them when the record has `images` (paths in the run folder)."""
-    from PIL import Image
-
-    def load(relative: str) -> Any:
-        with Image.open(Path(run_dir) / relative) as img:
-            return img.convert("RGB")
-
-    paths = row.get("images")
-    return [load(p) for p in paths] if isinstance(paths, list) else load(row["image"])

@@ -24,7 +24,8 @@ import torch
 from transformers import TrainerCallback
 
 from vlmrl.config import Config
-from vlmrl.evaluate import load_holdout, make_record, open_images, summarize
+from vlmrl.data.items import open_record_images
+from vlmrl.evaluate import load_holdout, make_record, summarize
 from vlmrl.generation import generate_batch
 from vlmrl.io import append_jsonl, read_json, write_json_atomic
 from vlmrl.trackers import log_to_trackers
@@ -101,7 +102,7 @@ class ValidationCallback(TrainerCallback):
                     t0 = time.perf_counter()
                     generations = generate_batch(
                         model, self.processor, [i["prompt"] for i in batch],
-                        [open_images(self.run_dir, i) for i in batch],
+                        [open_record_images(self.run_dir, i) for i in batch],
                         max_new_tokens=self.config.eval.max_new_tokens, do_sample=False,
                     )
                     seconds = (time.perf_counter() - t0) / len(batch)

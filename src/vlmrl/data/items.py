@@ -137,6 +137,28 @@ def record_images(record: dict[str, Any]) -> list[str]:
     return [str(record["image"])] if record.get("image") else []
 
 
+def record_hashes(record: dict[str, Any]) -> list[str]:
+    """Each image's sha256 of an item or evaluation record, in order (one string in records written before
+    several images per item).
+
+    >>> record_hashes({"image_sha256": ["a", "b"]}), record_hashes({"image_sha256": "a"}), record_hashes({})
+    (['a', 'b'], ['a'], [])
+    """
+    hashes = record.get("image_sha256")
+    return [hashes] if isinstance(hashes, str) else list(hashes or [])
+
+
+def open_record_images(run_dir: Path, record: dict[str, Any]) -> list[Any]:
+    """The item's stored images as RGB PIL images, in order (paths relative to the run folder)."""
+    from PIL import Image
+
+    images = []
+    for path in record_images(record):
+        with Image.open(Path(run_dir) / path) as img:
+            images.append(img.convert("RGB"))
+    return images
+
+
 @dataclass(frozen=True)
 class Dropped:
     """One input row that was not kept: `reason` is a stable code, `detail` says what exactly."""
