@@ -17,7 +17,6 @@ nested too deeply, or one whose cells have types no converter expected, is dropp
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,9 +28,6 @@ from .values import MAX_DEPTH, decimals_of, depth, integer_text, is_integer_text
 __all__ = ["convert_rows", "decimals_of", "parse_number"]
 
 MATHVISTA_FIELDS = ("pid", "question", "answer", "question_type", "answer_type")
-_PLAIN_NUMBER = re.compile(r"^[-+]?(\d+(\.\d*)?|\.\d+)$")
-_THOUSANDS = re.compile(r"^[-+]?\d{1,3}(,\d{3})+(\.\d+)?$")
-_WITH_UNIT = re.compile(r"^\$?\s*([-+]?(?:\d+(?:\.\d*)?|\.\d+))\s*[^\d]*$")  # "6cm", "135°", "$4"
 
 
 def convert_rows(
@@ -68,18 +64,10 @@ def convert_rows(
 
 
 def parse_number(text: Any, *, allow_unit: bool = False) -> float | None:
-    """The number a gold answer or choice states, or None. "1,000" -> 1000.0; with allow_unit "6cm" -> 6.0."""
-    if isinstance(text, bool) or text is None:
-        return None
-    if isinstance(text, (int, float)):
-        return float(text) if math.isfinite(text) else None
-    text = str(text).strip()
-    if _THOUSANDS.match(text):
-        text = text.replace(",", "")
-    if _PLAIN_NUMBER.match(text):
-        return float(text)
-    match = _WITH_UNIT.match(text) if allow_unit else None
-    return float(match.group(1)) if match else None
+    """The number a gold answer or choice states, or None. "1,000" -> 1000.0; with allow_unit "6cm" -> 6.0.
+    (The exact text is `values.number_text`; this is its value.)"""
+    exact = number_text(text, allow_unit=allow_unit)
+    return None if exact is None else float(exact)
 
 
 def _check_schema(row: dict[str, Any], data: DataConfig, name: str) -> None:
