@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from vlmrl.config import ModelConfig
+from vlmrl.models.lora import VISION_MARKERS
 
 log = logging.getLogger(__name__)
 
@@ -203,9 +204,6 @@ def _version_tuple(version: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
-VISION_MODULES = ("visual", "vision_tower", "multi_modal_projector")
-
-
 def nf4_config(compute_dtype: torch.dtype) -> Any:
     """The one 4-bit layout used everywhere (loading, the merged-4bit export, the benchmark)."""
     from transformers import BitsAndBytesConfig
@@ -215,10 +213,11 @@ def nf4_config(compute_dtype: torch.dtype) -> Any:
         bnb_4bit_quant_type="nf4",
         bnb_4bit_use_double_quant=True,
         bnb_4bit_compute_dtype=compute_dtype,
-        # The vision tower is frozen and small next to the language model: keep it exact. transformers 5 matches
-        # these from the start of the module name (or as a suffix), so "visual" alone no longer skips
-        # "model.visual.blocks..."; both spellings keep older layouts (top-level `visual`) covered.
-        llm_int8_skip_modules=[*VISION_MODULES, *(f"model.{m}" for m in VISION_MODULES), "lm_head"],
+        # The vision tower and projector (lora.VISION_MARKERS: every family's names, the LoRA check's too) are
+        # frozen and small next to the language model: keep them exact. transformers 5 matches these from the
+        # start of the module name (or as a suffix), so "visual" alone no longer skips "model.visual.blocks...";
+        # both spellings keep older layouts (top-level `visual`) covered.
+        llm_int8_skip_modules=[*VISION_MARKERS, *(f"model.{m}" for m in VISION_MARKERS), "lm_head"],
     )
 
 
