@@ -12,9 +12,9 @@ import typer
 from typer.core import TyperOption
 
 from vlmrl.distributed import STRATEGIES
+from vlmrl.models import TINY_ARCHS
 
 HELP = {"help_option_names": ["-h", "--help"]}
-TINY_ARCHS = ("qwen3_vl", "qwen2_5_vl", "gemma3")  # vlmrl.models.tiny's (importing it loads transformers)
 # StrEnums: typer lists their values as the choices in --help, and each member still is the plain string.
 Strategy = StrEnum("Strategy", {s: s for s in STRATEGIES})
 Arch = StrEnum("Arch", {a: a for a in TINY_ARCHS})

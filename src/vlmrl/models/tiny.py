@@ -50,6 +50,7 @@ from transformers import (
 )
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN_PRETOKENIZE_REGEX
 
+from vlmrl.models import TINY_ARCHS
 from vlmrl.models.tiny_idefics3 import IDEFICS3, build_idefics3_parts
 from vlmrl.models.tiny_shared import (
     HEAD_DIM,
@@ -65,8 +66,6 @@ from vlmrl.models.tiny_shared import (
     train_bpe,
     vision_width,
 )
-
-TINY_ARCHS = ("qwen3_vl", "qwen2_5_vl", "gemma3", IDEFICS3)
 
 # In the hub order, so ids keep the hub's relative layout (text vocabulary first, then these).
 QWEN_SPECIAL_TOKENS = (
