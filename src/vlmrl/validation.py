@@ -28,6 +28,7 @@ from vlmrl.data.items import open_record_images
 from vlmrl.evaluate import load_holdout, make_record, summarize
 from vlmrl.generation import generate_batch
 from vlmrl.io import append_jsonl, read_json, write_json_atomic
+from vlmrl.reward_fns import load_rewards, rewards_fingerprint
 from vlmrl.trackers import log_to_trackers
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,8 @@ class ValidationCallback(TrainerCallback):
         self.metric = config.export.checkpoint_metric
         self.best = _recorded_best(self.best_dir) if self.keep_best else None
         self.rows = 0
+        # scored with the run's configured rewards, as evaluation is (not the defaults make_record falls back on)
+        self.rewards, self.rewards_key = load_rewards(config), rewards_fingerprint(config)
         self.settings = {"max_new_tokens": config.eval.max_new_tokens, "do_sample": False, "temperature": None,
                          "num_samples": 1, "model": config.model.name, "adapter": "training"}
 
@@ -100,14 +103,15 @@ class ValidationCallback(TrainerCallback):
                 for start in range(0, len(self.items), size):
                     batch = self.items[start : start + size]
                     t0 = time.perf_counter()
+                    images = [open_record_images(self.run_dir, i) for i in batch]
                     generations = generate_batch(
-                        model, self.processor, [i["prompt"] for i in batch],
-                        [open_record_images(self.run_dir, i) for i in batch],
+                        model, self.processor, [i["prompt"] for i in batch], images,
                         max_new_tokens=self.config.eval.max_new_tokens, do_sample=False,
                     )
                     seconds = (time.perf_counter() - t0) / len(batch)
-                    records += [make_record(item, gens, self.settings, seconds, "validation")
-                                for item, gens in zip(batch, generations)]
+                    records += [make_record(item, gens, self.settings, seconds, "validation", rewards=self.rewards,
+                                            image=imgs, rewards_key=self.rewards_key)
+                                for item, gens, imgs in zip(batch, generations, images)]
         finally:
             model.train(was_training)
         return summarize(records, stage="validation", seed=self.config.run.seed)
