@@ -96,6 +96,9 @@ def test_a_watched_run_leaves_tracker_events_validation_rows_and_reruns_as_a_no_
     ("train.max_steps=-3", "train.max_steps"),
     ("train.trl_overrides={no_such_knob: 1}", "no_such_knob"),
     ("train.trl_overrides={learning_rate: 0.1}", "train.learning_rate"),
+    # before: accepted, and TRL's weights then silently replaced the rewards: list's
+    ("train.trl_overrides={reward_weights: [1.0, 1.0]}", "top-level rewards: list"),
+    ("train.trl_overrides={report_to: [wandb]}", "train.report_to"),
 ])
 def test_config_validate_refuses_what_training_would_in_one_line(override: str, named: str) -> None:
     result = runner.invoke(app, ["config", "validate", "demo", "--set", override])

@@ -26,6 +26,8 @@ RENAMED = {
     "bf16": "model.dtype",
     "fp16": "model.dtype",
     "output_dir": "the run directory",
+    "reward_weights": "the top-level rewards: list (each entry's weight)",
+    "report_to": "train.report_to (vlmrl runs the trackers itself)",
 }
 
 
