@@ -183,7 +183,7 @@ def test_train_progress_off_a_terminal_is_one_plain_line_per_step() -> None:
 
     from rich.console import Console
 
-    from vlmrl.progress import TrainProgress
+    from vlmrl.records import TrainProgress
 
     lines: list[str] = []
     progress = TrainProgress(Console(file=_io.StringIO(), width=40), lines.append)  # not a terminal
@@ -203,7 +203,7 @@ def test_train_progress_on_a_terminal_draws_a_bar_not_lines() -> None:
 
     from rich.console import Console
 
-    from vlmrl.progress import TrainProgress
+    from vlmrl.records import TrainProgress
 
     out = _io.StringIO()
     lines: list[str] = []

@@ -275,7 +275,7 @@ def run(
     check_needs(config)
     console.print(f"vlmrl run: [bold]{escape(config.run.name)}[/bold] -> {escape(str(config.run_dir))}")
     started = time.perf_counter()
-    from vlmrl.progress import TrainProgress
+    from vlmrl.records import TrainProgress
 
     outcome = _guard(lambda: run_all(config, force=force, say=_say, progress_factory=_eval_progress,
                                      train_progress=TrainProgress(console, _say)))
@@ -359,7 +359,7 @@ def train(
 
     config = _config(source, set_, run_dir)  # a bad config fails here, before any process is launched
     check_needs(config)
-    from vlmrl.progress import TrainProgress
+    from vlmrl.records import TrainProgress
 
     with _claimed(config.run_dir, create=False):  # held by this process for the ranks it launches
         _relaunch_if_asked(gpus, strategy, [*_stage_argv("train", source, set_, run_dir),

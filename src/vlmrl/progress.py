@@ -6,7 +6,8 @@ each logged step is one plain line: no colour codes, no carriage returns, never 
 log gives one row per step. Stage progress (`Ticker`) goes to whatever sink the CLI set (`set_sink`), at most
 every few seconds, and is silent for library callers that set none.
 
-Left out: progress for evaluation (the CLI draws that bar itself) and a distributed view (rank 0 reports).
+The training display itself is a trainer callback, `vlmrl.records.TrainProgress` (this module imports no
+transformers: the CLI sets the sink at start-up). Left out: progress for evaluation (the CLI draws that bar itself) and a distributed view (rank 0 reports).
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from typing import Any
-
-from transformers import TrainerCallback
 
 Say = Callable[[str], None]
 _sink: Say | None = None
@@ -52,53 +51,6 @@ def step_line(step: int, max_steps: int, seconds_per_step: float | None, logs: d
     fmt = f"{format_rate:.2f}" if format_rate is not None else "?"
     line = f"step {step}/{max_steps} ({pct})  eta {eta}  {rate} s/step  reward {reward}  format {fmt}"
     return line + (f"  loss {logs['loss']:.4f}" if "loss" in logs else "")
-
-
-class TrainProgress(TrainerCallback):
-    """Rich bar on a terminal console, else one `step_line` per logged step through `say`."""
-
-    def __init__(self, console: Any = None, say: Say | None = None, recorder: Any = None):
-        self.console = console
-        self.say = say
-        self.recorder = recorder  # a RolloutRecorder: its last batch gives the format rate
-        self.rich = console is not None and console.is_terminal
-        self._bar: Any = None
-        self._task: Any = None
-        self._started = 0.0
-        self._first_step = 0
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self._started, self._first_step = time.perf_counter(), state.global_step
-        if self.rich and state.is_world_process_zero:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
-            self._bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("{task.fields[line]}"), console=self.console, transient=False)
-            self._bar.start()
-            self._task = self._bar.add_task("train", total=state.max_steps, completed=state.global_step, line="")
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        logs = logs or {}
-        if not state.is_world_process_zero or "train_runtime" in logs:
-            return
-        done = state.global_step - self._first_step
-        per_step = (time.perf_counter() - self._started) / done if done > 0 else None
-        line = step_line(state.global_step, state.max_steps, per_step, logs, self._format_rate(args))
-        if self._bar is not None:
-            self._bar.update(self._task, completed=state.global_step, line=line.split(")", 1)[-1].strip())
-        elif self.say:
-            self.say(line)
-
-    def on_train_end(self, args, state, control, **kwargs):
-        if self._bar is not None:
-            self._bar.stop()
-            self._bar = None
-
-    def _format_rate(self, args) -> float | None:
-        from vlmrl.records import batch_health
-
-        rows = getattr(self.recorder, "last_batch", None)
-        return batch_health(rows, group_size=args.num_generations).get("format_rate") if rows else None
 
 
 class Ticker:

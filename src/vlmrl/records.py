@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from transformers import TrainerCallback
 
 from vlmrl.contract import completion_text
 from vlmrl.io import append_jsonl, read_jsonl, write_jsonl_atomic
+from vlmrl.progress import Say, step_line
 from vlmrl.rewards import format_reward, is_degenerate
 
 log = logging.getLogger(__name__)
@@ -260,3 +262,48 @@ def batch_health(rows: list[dict], *, group_size: int, weights: list[float] | No
 
 def _finite(value: Any) -> bool:
     return isinstance(value, int | float) and math.isfinite(value)
+
+
+class TrainProgress(TrainerCallback):
+    """Rich bar on a terminal console, else one `step_line` per logged step through `say`."""
+
+    def __init__(self, console: Any = None, say: Say | None = None, recorder: Any = None):
+        self.console = console
+        self.say = say
+        self.recorder = recorder  # a RolloutRecorder: its last batch gives the format rate
+        self.rich = console is not None and console.is_terminal
+        self._bar: Any = None
+        self._task: Any = None
+        self._started = 0.0
+        self._first_step = 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._started, self._first_step = time.perf_counter(), state.global_step
+        if self.rich and state.is_world_process_zero:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+            self._bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[line]}"), console=self.console, transient=False)
+            self._bar.start()
+            self._task = self._bar.add_task("train", total=state.max_steps, completed=state.global_step, line="")
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        logs = logs or {}
+        if not state.is_world_process_zero or "train_runtime" in logs:
+            return
+        done = state.global_step - self._first_step
+        per_step = (time.perf_counter() - self._started) / done if done > 0 else None
+        line = step_line(state.global_step, state.max_steps, per_step, logs, self._format_rate(args))
+        if self._bar is not None:
+            self._bar.update(self._task, completed=state.global_step, line=line.split(")", 1)[-1].strip())
+        elif self.say:
+            self.say(line)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+    def _format_rate(self, args) -> float | None:
+        rows = getattr(self.recorder, "last_batch", None)
+        return batch_health(rows, group_size=args.num_generations).get("format_rate") if rows else None

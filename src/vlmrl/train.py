@@ -73,12 +73,12 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
     from vlmrl.fastgen import wanted as fastgen_wanted
     from vlmrl.models.loading import BASE_RECORD, base_identity, load_model
     from vlmrl.models.lora import apply_lora
-    from vlmrl.progress import TrainProgress
     from vlmrl.provenance import provenance, utc_now
     from vlmrl.records import (
         HealthMonitor,
         MetricsRecorder,
         RolloutRecorder,
+        TrainProgress,
         last_complete_checkpoint,
         trim_records_after,
     )
