@@ -341,7 +341,6 @@ def _score(item: dict, generation) -> dict:
         "format_ok": scored["format_ok"],
         "format_reward": scored["format"],
         "correctness_reward": scored["correctness"],
-        "total_reward": scored["total"],
         "correct": scored["correct"],
         "exact_match": scored["exact_match"],
         "degenerate": scored["degenerate"],

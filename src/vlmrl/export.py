@@ -46,6 +46,7 @@ class Check:
 def export_adapter(config: Config, run_dir: Path, *, source: Path | None = None) -> dict:
     """Save `train/final` (or `source`) to `run_dir/adapter/`, verify it, write the merges and GGUF asked for,
     make every folder shareable (processor + model card), write `export.json`."""
+    from vlmrl import export_merge as em
     from vlmrl.evaluate import check_adapter
     from vlmrl.models.loading import BASE_RECORD, load_with_adapter, resolve_model_source
     from vlmrl.rundir import relative_to_run
@@ -67,16 +68,16 @@ def export_adapter(config: Config, run_dir: Path, *, source: Path | None = None)
     checks.append(check_base_model(out, expected_base))
 
     items = _probe_items(run_dir)
-    reference = _logits(trained, run_dir, items[0])
+    reference = em.logits(trained, run_dir, items[0])
     reloaded = load_with_adapter(config.model, run_dir, out)
-    diff = (reference - _logits(reloaded, run_dir, items[0])).abs().max().item()
+    diff = (reference - em.logits(reloaded, run_dir, items[0])).abs().max().item()
     checks.append(Check("reload_reproduces_logits", diff <= config.export.logits_atol, diff,
                         f"max |logit difference| on item {items[0]['id']}, tolerance {config.export.logits_atol}"))
     del reloaded
     base_name = shareable_base_name(config, out, expected_base)
     save_processor(trained.processor, out)
     write_model_card(out, config, run_dir, kind="adapter", base_name=base_name)
-    checks += _merged_checks(config, run_dir, trained, items, base_name)
+    checks += _merged_checks(config, run_dir, trained, items, base_name, reference)
     checks.append(_gguf_check(config, run_dir))
 
     report = {
@@ -180,22 +181,18 @@ def _probe_items(run_dir: Path, count: int = 3) -> list[dict]:
     return items[:count]
 
 
-def _logits(loaded: Any, run_dir: Path, item: dict) -> torch.Tensor:
-    from vlmrl.export_merge import _logits as logits
-
-    return logits(loaded, run_dir, item)
-
-
-def _merged_checks(config: Config, run_dir: Path, trained: Any, items: list[dict], base_name: str) -> list[Check]:
+def _merged_checks(config: Config, run_dir: Path, trained: Any, items: list[dict], base_name: str,
+                   first_logits: torch.Tensor) -> list[Check]:
     """`merged-16bit/` and `merged-4bit/`, each reloaded with plain transformers and compared with base+adapter."""
     from vlmrl import export_merge as em
+    from vlmrl.models.loading import four_bit_unsupported_reason
     from vlmrl.share import save_processor, write_model_card
 
     e = config.export
     if not (e.merged_16bit or e.merged_4bit or e.gguf):
         return [Check("merged_16bit", None, None, "not requested (export.merged_16bit=false)"),
                 Check("merged_4bit", None, None, "not requested (export.merged_4bit=false)")]
-    reference = em.reference_outputs(trained, run_dir, items)
+    reference = em.reference_outputs(trained, run_dir, items, first_logits)  # item 0's logits: computed once
     adapter = run_dir / "adapter"
     merged16 = run_dir / "merged-16bit"
     dtype = em.write_merged_16bit(config, run_dir, trained, adapter, merged16)
@@ -205,7 +202,7 @@ def _merged_checks(config: Config, run_dir: Path, trained: Any, items: list[dict
                            "from the dequantized nf4 base" if config.model.load_in_4bit else "from the 16-bit base")]
     write_model_card(merged16, config, run_dir, kind="merged-16bit", base_name=base_name)
     if e.merged_4bit:
-        if (reason := _four_bit_reason()) is not None:
+        if (reason := four_bit_unsupported_reason()) is not None:
             checks.append(Check("merged_4bit", False, None, f"cannot quantize here: {reason}"))
         else:
             merged4 = run_dir / "merged-4bit"
@@ -232,12 +229,6 @@ def _route_check(name: str, folder: Path, run_dir: Path, items: list[dict], refe
     passed = result.pop("passed")
     return Check(name, passed, result, f"{folder} ({route}) reloaded with plain transformers vs base+adapter on "
                  f"{len(items)} held-out items; tolerance: {tolerance.describe()}")
-
-
-def _four_bit_reason() -> str | None:
-    from vlmrl.models.loading import four_bit_unsupported_reason
-
-    return four_bit_unsupported_reason()
 
 
 def _gguf_check(config: Config, run_dir: Path) -> Check:

@@ -70,15 +70,18 @@ NF4_TOLERANCE = Tolerance(None, 0.0, 0.9, 0.9)
 
 
 @torch.inference_mode()
-def reference_outputs(loaded: Any, run_dir: Path, items: list[dict]) -> Reference:
-    return Reference(_logits(loaded, run_dir, items[0]), [_greedy(loaded, run_dir, item) for item in items])
+def reference_outputs(loaded: Any, run_dir: Path, items: list[dict], first_logits: torch.Tensor | None = None
+                      ) -> Reference:
+    """base+adapter's logits on the first item (`first_logits` when the caller has them) and greedy tokens."""
+    first = first_logits if first_logits is not None else logits(loaded, run_dir, items[0])
+    return Reference(first, [_greedy(loaded, run_dir, item) for item in items])
 
 
 def compare(loaded: Any, run_dir: Path, items: list[dict], reference: Reference, tolerance: Tolerance) -> dict:
     """Observed differences of `loaded` against the reference, and whether they are within `tolerance`."""
-    logits = _logits(loaded, run_dir, items[0])
-    diff = (reference.logits - logits).abs().max().item()
-    agree = reference.logits.argmax(-1) == logits.argmax(-1)
+    got = logits(loaded, run_dir, items[0])
+    diff = (reference.logits - got).abs().max().item()
+    agree = reference.logits.argmax(-1) == got.argmax(-1)
     scale = reference.logits.abs().max().item()
     gate = None if tolerance.logits_atol is None else max(tolerance.logits_atol, tolerance.relative * scale)
     if gate is not None:
@@ -156,7 +159,7 @@ def _fresh(out: Path) -> None:
 
 
 @torch.inference_mode()
-def _logits(loaded: Any, run_dir: Path, item: dict) -> torch.Tensor:
+def logits(loaded: Any, run_dir: Path, item: dict) -> torch.Tensor:
     from vlmrl.generation import encode_batch
 
     batch = encode_batch(loaded.processor, [item["prompt"]], [open_record_images(run_dir, item)], loaded.device)

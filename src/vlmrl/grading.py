@@ -30,9 +30,8 @@ from collections.abc import Sequence
 from decimal import Context, Decimal
 from fractions import Fraction
 
+from vlmrl.data.items import ANSWER_TYPES
 from vlmrl.symbolic import MAX_EXPRESSION_CHARS, expressions_equal
-
-ANSWER_TYPES = ("integer", "float", "choice", "expression", "text")
 
 # A solution longer than this cannot be "one number" with at most one unit; refusing it early bounds the
 # work done on adversarial completions.

@@ -17,6 +17,7 @@ from pathlib import Path
 SOURCE_ROOT = Path(__file__).resolve().parents[2]  # the checkout root when running from src/
 
 
+@functools.cache
 def vlmrl_version() -> str:
     try:
         return importlib.metadata.version("vlmrl")

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from vlmrl import distributed
-from vlmrl.config import Config
+from vlmrl.config import OBSERVATION_FIELDS, Config
 from vlmrl.io import (
     DiskSpaceError,
     check_disk_space,
@@ -106,8 +106,8 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
         trackers = build_tracker_callbacks(config.train.report_to, train_dir)
     except TrackerError as exc:
         raise TrainError(str(exc)) from None
-    if gspo_loss_note(config):
-        notes.append(gspo_loss_note(config))
+    if note := gspo_loss_note(config):
+        notes.append(note)
         quiet_trl_gspo_warning()  # ours, above, says it once and why; TRL's would repeat it per trainer
         (console_callback or log.warning)(f"note: {notes[-1]}")
     # step 2: model
@@ -211,7 +211,7 @@ def _claim_checkpoints(config: Config, checkpoints: Path, *, resume: bool) -> No
 
 # Fields a resumed run may change: how long to train, how often to log, save or validate, and where to report.
 _RESUMABLE_CHANGES = ("max_steps", "num_train_epochs", "save_steps", "save_total_limit", "logging_steps",
-                      "report_to", "eval_every_steps", "eval_subset")
+                      *OBSERVATION_FIELDS["train"], "eval_every_steps", "eval_subset")
 
 
 def _checkpoint_fingerprint(config: Config) -> str:
