@@ -47,7 +47,9 @@ def hub_offline() -> bool:
 
 
 def _model_problem(name: str) -> str | None:
-    if name.startswith("tiny:") or name == "demo-policy":
+    from vlmrl.models.loading import is_local_only
+
+    if is_local_only(name):
         return None  # built offline
     path = Path(name).expanduser()
     if path.is_dir():
@@ -109,13 +111,12 @@ def _gpu_problems(config: Config) -> list[str]:
     CUDA GPU for a model whose shapes vlmrl knows (the 8B-class presets) that fits it."""
     import torch
 
+    from vlmrl.models.loading import four_bit_unsupported_reason, is_local_only
     from vlmrl.preflight import estimate_memory, shapes_for
 
     name = config.model.name
-    shapes = None if name.startswith("tiny:") or name == "demo-policy" else shapes_for(name)
+    shapes = None if is_local_only(name) else shapes_for(name)
     if config.model.load_in_4bit:
-        from vlmrl.models.loading import four_bit_unsupported_reason
-
         reason = four_bit_unsupported_reason()  # bitsandbytes >= 0.48 also runs nf4 on the CPU
         if reason:
             return [f"model.load_in_4bit=true: {reason}"]

@@ -17,17 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from vlmrl.config import Config
+from vlmrl.models.loading import is_local_only
 
 LOCAL_BASE = "base-model"  # inside adapter/, for bases no hub hosts
-
-
-def is_local_only(model_name: str) -> bool:
-    """True for the bases vlmrl builds itself, which nobody else can download.
-
-    >>> is_local_only("tiny:qwen3_vl"), is_local_only("demo-policy"), is_local_only("Qwen/Qwen3-VL-8B-Instruct")
-    (True, True, False)
-    """
-    return model_name.startswith("tiny:") or model_name == "demo-policy"
 
 
 def shareable_base_name(config: Config, adapter_dir: Path, resolved_source: str) -> str:

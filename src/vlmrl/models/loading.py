@@ -52,6 +52,15 @@ class LoadedModel:
         return next(self.model.parameters()).device
 
 
+def is_local_only(model_name: str) -> bool:
+    """True for the bases vlmrl builds itself offline (`tiny:<arch>`, `demo-policy`), which no hub hosts.
+
+    >>> is_local_only("tiny:qwen3_vl"), is_local_only("demo-policy"), is_local_only("Qwen/Qwen3-VL-8B-Instruct")
+    (True, True, False)
+    """
+    return model_name.startswith("tiny:") or model_name == "demo-policy"
+
+
 def resolve_model_source(name: str, run_dir: Path | None = None) -> str:
     """Turn `tiny:<arch>` / `demo-policy` into a folder (building it offline once); anything else is unchanged."""
     if name.startswith("tiny:"):
@@ -176,32 +185,17 @@ def four_bit_unsupported_reason() -> str | None:
     bitsandbytes older than its CPU backend. Checked before anything is built or downloaded."""
     import importlib.metadata
 
+    from packaging.version import Version
+
     if importlib.util.find_spec("bitsandbytes") is None:
         return "bitsandbytes is not installed (pip install 'vlmrl[quant]')"
     if torch.cuda.is_available():
         return None
     version = importlib.metadata.version("bitsandbytes")
-    if _version_tuple(version) < BNB_CPU_MIN:
+    if Version(version).release < BNB_CPU_MIN:
         return (f"this machine has no CUDA GPU and bitsandbytes {version} has no CPU 4-bit backend "
                 f"(pip install 'bitsandbytes>={BNB_CPU_MIN[0]}.{BNB_CPU_MIN[1]}', or set model.load_in_4bit=false)")
     return None
-
-
-def _version_tuple(version: str) -> tuple[int, ...]:
-    """Leading numeric release parts.
-
-    >>> _version_tuple("0.50.2"), _version_tuple("0.48.0.dev0"), _version_tuple("1.0rc1")
-    ((0, 50, 2), (0, 48, 0), (1, 0))
-    """
-    parts = []
-    for piece in version.split("."):
-        digits = re.match(r"\d+", piece)
-        if not digits:
-            break
-        parts.append(int(digits.group()))
-        if digits.group() != piece:
-            break
-    return tuple(parts)
 
 
 def nf4_config(compute_dtype: torch.dtype) -> Any:
