@@ -54,6 +54,7 @@ each rollout only: the loss pass runs the model exactly as plain TRL would.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -340,13 +341,20 @@ def compile_over_4bit(model: Any) -> Iterator[None]:
         yield
         return
     original = type(quantizer)
-    quantizer.__class__ = type(f"Compileable{original.__name__}", (original,), {"is_compileable": True})
+    quantizer.__class__ = _compileable(original)
     try:
         yield
     finally:
         quantizer.__class__ = original
 
 
+@functools.cache
+def _compileable(quantizer_class: type) -> type:
+    """The quantizer's class with `is_compileable` True: made once, not at every rollout."""
+    return type(f"Compileable{quantizer_class.__name__}", (quantizer_class,), {"is_compileable": True})
+
+
+@functools.cache
 def bnb_ops_traceable() -> bool:
     """Whether bitsandbytes registers its 4-bit inference matmul as a torch op (0.50 and later)."""
     try:
