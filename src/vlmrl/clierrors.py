@@ -78,8 +78,14 @@ def claimed(run_dir: Path, *, create: bool = True) -> Iterator[None]:
 
 def check_needs(config, *, gpu: bool = True) -> None:
     """The model, the data and the GPU `config` needs, before any stage starts (vlmrl.needs); exit 2 if not."""
-    from vlmrl.needs import RequirementError, check_requirements
+    import os
 
+    from vlmrl.distributed import world_size
+    from vlmrl.needs import RequirementError, check_requirements
+    from vlmrl.rundir import CLAIM_ENV
+
+    if world_size() > 1 and os.environ.get(CLAIM_ENV):
+        return  # a rank started by `--gpus N`: the launching process checked (the hub probes would repeat N times)
     try:
         check_requirements(config, gpu=gpu)
     except RequirementError as exc:
