@@ -70,24 +70,15 @@ def trim_records_after(train_dir: Path, step: int) -> None:
 
 
 class MetricsRecorder(TrainerCallback):
-    """Every logged metric to metrics.jsonl, and (given a console) one short line per step; `vlmrl train` shows
-    `vlmrl.progress` instead."""
+    """Every logged metric to metrics.jsonl (the console line per step is `TrainProgress`'s, below)."""
 
-    def __init__(self, path: Path, console: Callable[[str], None] | None = None):
+    def __init__(self, path: Path):
         self.path = path
-        self.console = console
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not (state.is_world_process_zero and logs):
             return
         append_jsonl(self.path, [{"step": state.global_step, "epoch": state.epoch, **logs}])
-        if self.console and "reward" in logs:
-            each = "".join(f"{key[8:-5]} {value:.2f}  " for key, value in logs.items()
-                           if key.startswith("rewards/") and key.endswith("/mean"))  # one per configured reward
-            self.console(
-                f"step {state.global_step}/{state.max_steps}  reward {logs['reward']:.3f}  {each}"
-                f"len {logs.get('completions/mean_length', 0):.0f}  loss {logs.get('loss', float('nan')):.4f}"
-            )
 
 
 class _RecordingReward:

@@ -135,7 +135,7 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
         callbacks=[MetricsRecorder(train_dir / "metrics.jsonl"), recorder, health, *watchers,
                    *([validation] if validation else [])],
     )
-    trainer.remove_callback(PrinterCallback)  # our MetricsRecorder prints a shorter line
+    trainer.remove_callback(PrinterCallback)  # TrainProgress prints one readable line per step instead
     fast = (
         enable_fast_generation(trainer, bucket=config.train.prompt_bucket, merge=config.train.rollout_merge,
                                adapter_copies=config.train.rollout_adapter_copies)
