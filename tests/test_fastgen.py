@@ -4,6 +4,7 @@ really skips `repeat_kv` (the copy that made compiled decode slow on the GPU).""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -163,8 +164,11 @@ def test_training_with_fast_generation_records_it_and_scopes_it_to_rollouts(merg
                           f"train.rollout_merge={str(merge).lower()}")
     prepare_with_budget(config, config.run_dir)
     train(config, config.run_dir)
-    record = read_json(config.run_dir / "train" / "summary.json")["fast_generation"]
+    summary = read_json(config.run_dir / "train" / "summary.json")
+    record = summary["fast_generation"]
     assert record["enabled"] and record["attention"] == attention.NAME
+    compile_cache = Path(summary["compile_cache"]["inductor_dir"])  # the compiled decode's cache went there
+    assert compile_cache == Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) and any(compile_cache.rglob("*"))
     assert record["prefill"] == "dynamic cache, then static"
     assert record["merge"].startswith("merged for rollouts" if merge else "not merged (train.rollout_merge=false)")
     language = {s for s in seen if s[0] == attention.NAME}

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from vlmrl import distributed, fastgen, stats
+from vlmrl.compile_cache import use_compile_cache
 from vlmrl.config import Config
 from vlmrl.data.items import open_record_images, record_hashes
 from vlmrl.generation import generate_batch
@@ -109,6 +110,8 @@ def evaluate(
     if mine:
         loaded = load_with_adapter(config.model, run_dir, adapter)
         compiled = fastgen.wanted(config.eval.compile)
+        if compiled:
+            use_compile_cache()  # before the first compile: kept with vlmrl's cache across runs
         started, tokens, finished = time.perf_counter(), 0, len(done)
         if live:
             live(finished, len(items), 0)

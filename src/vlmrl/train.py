@@ -69,6 +69,7 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOTrainer
 
+    from vlmrl.compile_cache import use_compile_cache
     from vlmrl.fastgen import FastGeneration, enable_fast_generation
     from vlmrl.fastgen import wanted as fastgen_wanted
     from vlmrl.models.loading import BASE_RECORD, base_identity, load_model
@@ -110,6 +111,7 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
         notes.append(note)
         quiet_trl_gspo_warning()  # ours, above, says it once and why; TRL's would repeat it per trainer
         (console_callback or log.warning)(f"note: {notes[-1]}")
+    compile_cache = use_compile_cache()  # before anything compiles: the first step's compile, cached across runs
     # step 2: model
     loaded = load_model(config.model, run_dir, for_training=True)
     model, lora_report = apply_lora(loaded.model, config.lora, backend=loaded.backend, seed=config.run.seed)
@@ -179,6 +181,7 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
         "notes": notes,
         "health_warnings": health.warning_count,
         "fast_generation": fast.as_dict(),
+        "compile_cache": compile_cache.as_dict(),
         "report_to": list(config.train.report_to),
         "validation": validation.summary() if validation else None,
         "provenance": provenance(started_at=started_at, finished_at=utc_now()),
