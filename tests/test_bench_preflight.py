@@ -15,6 +15,7 @@ from vlmrl.bench import (
     language_param_count,
     load_shapes,
     markdown_table,
+    path_steps,
     scaling_table,
     summarize,
     train_floor_s,
@@ -205,3 +206,15 @@ def test_adapter_copies_add_two_bytes_per_adapter_parameter_to_the_prediction():
     plain = estimate_memory(load_config("seed", [*BF16, "train.rollout_adapter_copies=true"]), SHAPES,
                             prompt_tokens=310, fast_generation=False)
     assert plain.peak_gib < copies.peak_gib  # only the fast path makes them
+
+
+def test_plain_may_run_fewer_steps_and_its_only_step_is_its_steady_one():
+    settings = BenchSettings(steps=2, steps_plain=1)
+    assert (path_steps(settings, "plain"), path_steps(settings, "vlmrl")) == (1, 2)
+    assert path_steps(BenchSettings(steps=3), "plain") == 3
+    results = [_raw("plain", [(210, 200)], 10.0), _raw("vlmrl", [(120, 110), (30, 22)], 13.0)]
+    s = summarize(settings, SHAPES, {"matmul_tflops": 800, "copy_bandwidth_tbs": 4.0}, results, prompt_tokens=300)
+    plain, fast = s["paths"]["plain"], s["paths"]["vlmrl"]
+    assert (plain["step_seconds"], plain["first_step_excluded"]) == (210, False)
+    assert (fast["step_seconds"], fast["first_step_excluded"]) == (30, True)
+    assert math.isclose(s["ratios"]["step_speedup"], 7.0)

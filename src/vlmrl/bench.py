@@ -52,6 +52,9 @@ class BenchSettings:
     generations: int = 4
     completion: int = 1024
     steps: int = 2
+    # Plain TRL compiles nothing, so its first step is already steady; in 4-bit one 1024-token step of it takes
+    # minutes, and a record run may give it fewer steps than the compiled path (None = `steps`).
+    steps_plain: int | None = None
     lora_r: int = 16
     algorithm: str = "gspo"
     load_in_4bit: bool = False
@@ -139,25 +142,33 @@ def build_shaped_model(shapes: dict, processor_dir: Path, *, load_in_4bit: bool,
     """Random weights with the real shapes; token ids from the small tokenizer (all inside the real vocab)."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from vlmrl.models.loading import nf4_config
-
     tiny = AutoConfig.from_pretrained(str(processor_dir))
     config_dict = {k: v for k, v in shapes.items() if not k.startswith("_")}
     for key in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
         config_dict[key] = getattr(tiny, key)
     config_dict["text_config"] = {**config_dict["text_config"], "pad_token_id": tiny.text_config.pad_token_id}
     config = AutoConfig.for_model(**config_dict)
+    saved = work / "bf16-weights"
+    if load_in_4bit and (saved / "config.json").exists():  # an earlier path saved these random weights
+        return _load_4bit(saved, processor_dir)
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16)
     model.generation_config = _generation_config(processor_dir)
     if not load_in_4bit:
         return model
-    # bitsandbytes quantizes while loading: save the random weights once, reload them in 4-bit.
-    saved = work / "bf16-weights"
+    # bitsandbytes quantizes while loading: save the random weights once (every path reuses them), reload in 4-bit.
     model.save_pretrained(str(saved))
     del model
     _free()
+    return _load_4bit(saved, processor_dir)
+
+
+def _load_4bit(saved: Path, processor_dir: Path) -> Any:
+    from transformers import AutoModelForImageTextToText
+
+    from vlmrl.models.loading import nf4_config
+
     model = AutoModelForImageTextToText.from_pretrained(str(saved), quantization_config=nf4_config(torch.bfloat16),
                                                         dtype=torch.bfloat16,
                                                         device_map={"": torch.cuda.current_device()})
@@ -194,7 +205,7 @@ def bench_dataset(settings: BenchSettings) -> Any:
     from vlmrl.contract import build_prompt_text
     from vlmrl.data.synthetic import generate_items
 
-    n = settings.prompts * distributed.world_size() * (settings.steps + 1)
+    n = settings.prompts * distributed.world_size() * (max(settings.steps, settings.steps_plain or 0) + 1)
     items = list(generate_items(n, seed=7, size=settings.image_size))
     return datasets.Dataset.from_dict({
         "prompt": [[{"role": "user", "content": build_prompt_text(i.question)}] for i in items],
@@ -287,7 +298,7 @@ def run_path(path: str, settings: BenchSettings, shapes: dict, processor_dir: Pa
         loss_type="dr_grpo",
         learning_rate=5e-6,
         max_grad_norm=0.1,
-        max_steps=settings.steps,
+        max_steps=path_steps(settings, path),
         gradient_checkpointing=True,
         bf16=torch.cuda.is_available(),
         use_cpu=not torch.cuda.is_available(),
@@ -337,6 +348,11 @@ def run_path(path: str, settings: BenchSettings, shapes: dict, processor_dir: Pa
     return result
 
 
+def path_steps(settings: BenchSettings, path: str) -> int:
+    """Optimizer steps a path runs: `steps`, or `steps_plain` for plain TRL when given."""
+    return settings.steps_plain if path == "plain" and settings.steps_plain else settings.steps
+
+
 def _gather(value: float) -> list[float]:
     """One value per rank (a one-element list in a single process)."""
     import torch.distributed as dist
@@ -373,7 +389,12 @@ def run_bench(settings: BenchSettings, out_dir: Path, work: Path) -> dict:
     ceilings = measure_ceilings()
     processor_dir = build_processor(work, settings.image_size)
     dataset = bench_dataset(settings)
-    results = [run_path(p, settings, shapes, processor_dir, dataset, work) for p in settings.paths]
+    results = []
+    for path in settings.paths:
+        results.append(run_path(path, settings, shapes, processor_dir, dataset, work))
+        if distributed.is_main_process():  # a run stopped by a time limit still leaves the paths it finished
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / "bench.partial.json").write_text(json.dumps(results, indent=2, default=str))
     prompt_tokens = _prompt_tokens(processor_dir, dataset)
     summary = summarize(settings, shapes, ceilings, results, prompt_tokens)
     if distributed.is_main_process():
@@ -432,6 +453,8 @@ def summarize(settings: BenchSettings, shapes: dict, ceilings: dict, results: li
             "peak_memory_gib_per_rank": r.get("peak_memory_gib_per_rank", [r["peak_memory_gib"]]),
             "peak_reserved_gib": r["peak_reserved_gib"],
             "steps_measured": len(steps),
+            # plain compiles nothing; when it ran a single step that step is its steady one, compilation-free
+            "first_step_excluded": len(r["steps"]) > 1,
             "fast_generation": r["fast_generation"],
         }
     ratios = {}

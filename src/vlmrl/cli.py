@@ -441,6 +441,8 @@ def report(run_dir: Annotated[Path, typer.Argument(help="Run directory.")] = Pat
 def bench(
     shapes: Annotated[str, typer.Option(help="Shapes file in vlmrl/shapes/ (no weights are downloaded).")] = "qwen3_vl_8b",
     steps: Annotated[int, typer.Option(help="Optimizer steps per path (the first is reported apart).")] = 2,
+    steps_plain: Annotated[int | None, typer.Option(
+        help="Steps for plain TRL alone (it compiles nothing, so one step is already steady; default: --steps).")] = None,
     completion: Annotated[int, typer.Option(help="Completion tokens, forced.")] = 1024,
     paths: Annotated[str, typer.Option(help="Comma-separated, of: plain, vlmrl, vlmrl-merged")] = "plain,vlmrl",
     load_in_4bit: Annotated[bool, typer.Option("--load-in-4bit", help="bitsandbytes 4-bit base weights.")] = False,
@@ -472,7 +474,7 @@ def bench(
     if save_model is not None:
         console.print(f"saved {save_shaped_model(save_model, shapes)}")
         return
-    settings = BenchSettings(shapes=shapes, steps=steps, completion=completion, paths=paths.split(","),
+    settings = BenchSettings(shapes=shapes, steps=steps, steps_plain=steps_plain, completion=completion, paths=paths.split(","),
                              load_in_4bit=load_in_4bit, memory_cap_gib=memory_cap_gib)
     with tempfile.TemporaryDirectory(prefix="vlmrl-bench-") as work:
         summary = run_bench(settings, out, Path(work))

@@ -20,7 +20,8 @@ Strategy = StrEnum("Strategy", {s: s for s in STRATEGIES})
 Arch = StrEnum("Arch", {a: a for a in TINY_ARCHS})
 Stage = StrEnum("Stage", {s: s for s in ("baseline", "after")})
 
-_type_of = TyperOption.display_type_rich
+# Older typer releases (pyproject allows >=0.12) have no such method and print no `<bool>`: nothing to patch.
+_type_of = getattr(TyperOption, "display_type_rich", None)
 
 
 def _flag_type(self: TyperOption, ctx) -> str | None:
@@ -28,7 +29,8 @@ def _flag_type(self: TyperOption, ctx) -> str | None:
     return None if self.is_flag else _type_of(self, ctx)
 
 
-TyperOption.display_type_rich = _flag_type
+if _type_of is not None:
+    TyperOption.display_type_rich = _flag_type
 
 
 def version_line() -> str:
