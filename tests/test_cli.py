@@ -56,3 +56,5 @@ def test_bench_needs_a_gpu_and_one_gpu_per_process(monkeypatch):
     assert "Traceback" not in result.output
     result = runner.invoke(app, ["bench", "--paths", "plain,fast"], terminal_width=200)
     assert result.exit_code != 0 and "unknown bench path(s) fast" in result.output
+    result = runner.invoke(app, ["bench", "--generation-batches", "32,50"], terminal_width=200)
+    assert result.exit_code != 0 and "generation batch 50 is not a positive multiple of the 4" in result.output

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from vlmrl import distributed
+from vlmrl.compile_cache import use_compile_cache
 
 log = logging.getLogger(__name__)
 GIB = 2**30
@@ -61,6 +62,9 @@ class BenchSettings:
     memory_cap_gib: float | None = None
     image_size: int = 512
     prompt_bucket: int = 64
+    # torch.compile's cache folder (`vlmrl.compile_cache`); None = vlmrl's default. Two processes given the same
+    # empty folder measure the first step cold, then warm.
+    compile_cache: str | None = None
 
 
 def load_shapes(name: str) -> dict:
@@ -374,17 +378,7 @@ def _free() -> None:
 
 def run_bench(settings: BenchSettings, out_dir: Path, work: Path) -> dict:
     """Run each path; under `accelerate launch` every rank runs it on its own GPU and rank 0 writes."""
-    import os
-
-    if not torch.cuda.is_available():
-        raise RuntimeError("vlmrl bench needs a CUDA GPU; the CPU tests cover its bookkeeping only.")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local_rank)
-    if distributed.world_size() > 1:
-        work = work / f"rank{distributed.rank()}"  # no two ranks write the same processor or weight files
-    if settings.memory_cap_gib:
-        total = torch.cuda.get_device_properties(local_rank).total_memory / GIB
-        torch.cuda.set_per_process_memory_fraction(min(1.0, settings.memory_cap_gib / total), local_rank)
+    compile_cache, work = prepare_device(settings, work)
     shapes = load_shapes(settings.shapes)
     ceilings = measure_ceilings()
     processor_dir = build_processor(work, settings.image_size)
@@ -395,8 +389,9 @@ def run_bench(settings: BenchSettings, out_dir: Path, work: Path) -> dict:
         if distributed.is_main_process():  # a run stopped by a time limit still leaves the paths it finished
             out_dir.mkdir(parents=True, exist_ok=True)
             (out_dir / "bench.partial.json").write_text(json.dumps(results, indent=2, default=str))
-    prompt_tokens = _prompt_tokens(processor_dir, dataset)
+    prompt_tokens = prompt_tokens_of(processor_dir, dataset)
     summary = summarize(settings, shapes, ceilings, results, prompt_tokens)
+    summary["compile_cache"] = compile_cache.as_dict()  # was the first step's compile served from disk?
     if distributed.is_main_process():
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "bench.json").write_text(json.dumps(summary, indent=2, default=str))
@@ -404,7 +399,24 @@ def run_bench(settings: BenchSettings, out_dir: Path, work: Path) -> dict:
     return summary
 
 
-def _prompt_tokens(processor_dir: Path, dataset: Any) -> int:
+def prepare_device(settings: BenchSettings, work: Path) -> tuple[Any, Path]:
+    """This rank's GPU, its memory cap and the compile cache, before anything is built; and its work folder."""
+    import os
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("vlmrl bench needs a CUDA GPU; the CPU tests cover its bookkeeping only.")
+    compile_cache = use_compile_cache(Path(settings.compile_cache) if settings.compile_cache else None)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local_rank)
+    if distributed.world_size() > 1:
+        work = work / f"rank{distributed.rank()}"  # no two ranks write the same processor or weight files
+    if settings.memory_cap_gib:
+        total = torch.cuda.get_device_properties(local_rank).total_memory / GIB
+        torch.cuda.set_per_process_memory_fraction(min(1.0, settings.memory_cap_gib / total), local_rank)
+    return compile_cache, work
+
+
+def prompt_tokens_of(processor_dir: Path, dataset: Any) -> int:
     from transformers import AutoProcessor
 
     from vlmrl.generation import count_prompt_tokens
@@ -529,6 +541,9 @@ def markdown_table(summary: dict) -> str:
                    f"{c['copy_bandwidth_tbs']:.2f} TB/s device copy. Floors: decode = (weights + mean KV cache) / "
                    f"bandwidth; training = 6 x {summary['language_params'] / 1e9:.2f}B language parameters x tokens / "
                    "matmul rate.")]
+    if cache := summary.get("compile_cache"):
+        lines.append(f"Compile cache {cache['inductor_dir']}: {'cold (empty)' if cache['cold'] else 'warm'} at the "
+                     f"start ({cache['files_at_start']} files); the first step column includes compilation.")
     r = summary["ratios"]
     for name, prefix in RATIO_PREFIXES.items():
         if f"{prefix}step_speedup" in r:

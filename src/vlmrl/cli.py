@@ -12,7 +12,7 @@ import shlex
 import time
 import warnings
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -24,6 +24,9 @@ from vlmrl.clierrors import Commands, check_needs, fail, set_debug
 from vlmrl.clierrors import claimed as _claimed
 from vlmrl.clierrors import debug as debug_on
 from vlmrl.config import PRESETS, Config, ConfigError, dump_config, load_config
+
+if TYPE_CHECKING:
+    from vlmrl.bench import BenchSettings
 
 app = typer.Typer(
     cls=Commands,
@@ -450,6 +453,12 @@ def bench(
     out: Annotated[Path, typer.Option(help="Where bench.json and bench.md go.")] = Path("bench-out"),
     save_model: Annotated[Path | None, typer.Option(
         help="Only write a loadable random-weight model of these shapes to this folder, then stop.")] = None,
+    compile_cache: Annotated[Path | None, typer.Option(
+        help="torch.compile's cache folder (default: <vlmrl cache>/compile). Run twice with the same empty folder "
+             "to measure the first step cold, then warm.")] = None,
+    generation_batches: Annotated[str | None, typer.Option(
+        help="Comma-separated generation batches (completions per rollout, multiples of 4), e.g. 32,64,128,256: "
+             "measure samples/s and peak memory at each for the paths named, instead of the side-by-side table.")] = None,
 ) -> None:
     """Side-by-side GPU benchmark: plain TRL GRPOTrainer vs vlmrl's path, same model shapes, one process.
 
@@ -460,11 +469,16 @@ def bench(
     import torch
 
     from vlmrl.bench import PATHS, BenchSettings, run_bench, save_shaped_model
+    from vlmrl.bench_throughput import parse_batches
     from vlmrl.distributed import is_main_process, world_size
 
     unknown = [p for p in paths.split(",") if p not in PATHS]
     if unknown:
         _fail(f"unknown bench path(s) {', '.join(unknown)}; choose from {', '.join(PATHS)}")
+    try:
+        batches = parse_batches(generation_batches, BenchSettings.generations) if generation_batches else None
+    except ValueError as exc:
+        _fail(f"--generation-batches: {exc}")
     if not torch.cuda.is_available():
         _fail("vlmrl bench needs a CUDA GPU (this machine has none); see benchmarks/README.md for the commands.")
     if torch.cuda.device_count() > 1 and world_size() == 1 and save_model is None:
@@ -475,7 +489,11 @@ def bench(
         console.print(f"saved {save_shaped_model(save_model, shapes)}")
         return
     settings = BenchSettings(shapes=shapes, steps=steps, steps_plain=steps_plain, completion=completion, paths=paths.split(","),
-                             load_in_4bit=load_in_4bit, memory_cap_gib=memory_cap_gib)
+                             load_in_4bit=load_in_4bit, memory_cap_gib=memory_cap_gib,
+                             compile_cache=str(compile_cache) if compile_cache else None)
+    if batches is not None:
+        _bench_throughput(settings, batches, out)
+        return
     with tempfile.TemporaryDirectory(prefix="vlmrl-bench-") as work:
         summary = run_bench(settings, out, Path(work))
     if not is_main_process():
@@ -484,6 +502,22 @@ def bench(
     failed = [name for name, p in summary["paths"].items() if p.get("error")]
     if failed:
         _fail(f"bench path(s) failed: {', '.join(failed)} (details in {out / 'bench.json'})")
+
+
+
+def _bench_throughput(settings: BenchSettings, batches: list[int], out: Path) -> None:
+    import tempfile
+
+    from vlmrl.bench_throughput import run_throughput
+    from vlmrl.distributed import is_main_process
+
+    with tempfile.TemporaryDirectory(prefix="vlmrl-bench-") as work:
+        summary = run_throughput(settings, batches, out, Path(work))
+    if not is_main_process():
+        return
+    console.print((out / "throughput.md").read_text(), markup=False, highlight=False)
+    if failed := [f"{r['path']} at {r['generation_batch']}" for r in summary["rows"] if r.get("error")]:
+        _fail(f"generation batch(es) failed or skipped: {', '.join(failed)} (details in {out / 'throughput.json'})")
 
 
 if __name__ == "__main__":
