@@ -182,6 +182,13 @@ class TrainConfig(_Section):
         description="The rollout KV cache length is rounded up to a multiple of this, so compiled decoding sees few "
         "shapes (prompts are not padded).",
     )
+    auto_batch: bool = Field(
+        False,
+        description="On a CUDA GPU, replace per_device_train_batch_size by the largest multiple of num_generations "
+        "whose predicted peak memory (vlmrl.preflight, prompts at data.max_prompt_tokens) fits 92% of the card, "
+        "capped by the training set; logged and recorded in train/auto_batch.json. A bigger batch means more "
+        "prompts per optimizer step (and fewer steps per epoch). No change on the CPU.",
+    )
     rollout_merge: bool = Field(
         False,
         description="With fast generation, merge the LoRA adapter into the base weights for each rollout and restore "

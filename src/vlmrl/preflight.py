@@ -20,6 +20,9 @@ cache afterwards, `vlmrl.fastgen`), so its temporaries meet a prompt-sized cache
 only while decoding. Host RAM: the model is loaded through host memory once, so about the weights' size plus
 4 GiB, plus the pinned copy of the adapted weights when the adapter is merged for rollouts (`vlmrl.merge`).
 
+`train.auto_batch` (`choose_batch`) uses the same prediction the other way round: the largest per-device batch
+(a multiple of num_generations) whose predicted peak fits the card, so a user with a bigger card need not search.
+
 Checked against the H200 benchmarks (`docs/benchmarks.md`: bf16 plain and vlmrl, 4-bit, 256-token
 completions); the tests pin those measured peaks and cover the arithmetic.
 """
@@ -27,13 +30,15 @@ completions); the tests pin those measured peaks and cover the arithmetic.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import os
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from vlmrl.bench import kv_bytes_per_token, language_param_count, load_shapes
 from vlmrl.config import Config
 
 GIB = 2**30
+GPU_MARGIN = 0.92  # the share of a card a prediction may fill: the allocator's fragmentation and CUDA's context
 SHAPES_BY_NAME = {"qwen3-vl-8b": "qwen3_vl_8b"}
 
 
@@ -130,7 +135,7 @@ def estimate_memory(config: Config, shapes: dict, *, prompt_tokens: int, fast_ge
 
 def advice(estimate: MemoryEstimate, gpu_gib: float | None, config: Config) -> list[str]:
     """What to change when the prediction does not fit (empty when it fits or there is no GPU to compare)."""
-    if gpu_gib is None or estimate.peak_gib <= 0.92 * gpu_gib:
+    if gpu_gib is None or estimate.peak_gib <= GPU_MARGIN * gpu_gib:
         return []
     tips = []
     if not config.model.load_in_4bit:
@@ -144,3 +149,71 @@ def advice(estimate: MemoryEstimate, gpu_gib: float | None, config: Config) -> l
     if "8bit" not in config.train.optim:
         tips.append("train.optim=adamw_8bit")
     return [f"predicted peak {estimate.peak_gib:.1f} GiB exceeds this GPU ({gpu_gib:.1f} GiB); try: " + "; ".join(tips)]
+
+
+@dataclass(frozen=True)
+class BatchChoice:
+    """What `train.auto_batch` chose, and why: recorded in the run folder (train/auto_batch.json)."""
+
+    per_device_train_batch_size: int
+    configured: int
+    gpu_gib: float | None
+    predicted_peak_gib: float | None
+    note: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def with_batch(config: Config, batch: int) -> Config:
+    return config.model_copy(update={"train": config.train.model_copy(update={"per_device_train_batch_size": batch})})
+
+
+def choose_batch(config: Config, shapes: dict, *, gpu_gib: float, max_batch: int) -> BatchChoice:
+    """The largest per_device_train_batch_size, a multiple of num_generations and at most `max_batch`, whose
+    predicted peak (prompts at data.max_prompt_tokens, the longest the data keeps) fits GPU_MARGIN of the card.
+    The prediction grows with the batch, so the search walks up until it no longer fits."""
+    t = config.train
+    step = t.num_generations
+    fast = t.fast_generation != "never"
+
+    def peak(batch: int) -> float:
+        return estimate_memory(with_batch(config, batch), shapes, prompt_tokens=config.data.max_prompt_tokens,
+                               fast_generation=fast).peak_gib
+
+    best = None
+    batch = step
+    while batch <= max_batch and peak(batch) <= GPU_MARGIN * gpu_gib:
+        best, batch = batch, batch + step
+    if best is None:
+        return BatchChoice(t.per_device_train_batch_size, t.per_device_train_batch_size, gpu_gib,
+                           peak(t.per_device_train_batch_size),
+                           f"train.auto_batch: even {step} completions per device are predicted to exceed "
+                           f"{GPU_MARGIN:.0%} of this GPU's {gpu_gib:.0f} GiB; per_device_train_batch_size stays "
+                           f"{t.per_device_train_batch_size}")
+    limit = "the data" if best + step > max_batch else "memory"
+    return BatchChoice(best, t.per_device_train_batch_size, gpu_gib, peak(best),
+                       f"train.auto_batch: per_device_train_batch_size {t.per_device_train_batch_size} -> {best} "
+                       f"(predicted peak {peak(best):.1f} of {gpu_gib:.0f} GiB; limited by {limit})")
+
+
+def auto_batch(config: Config, max_batch: int) -> BatchChoice | None:
+    """`choose_batch` for this machine's GPU; None when train.auto_batch is off; no change without a CUDA GPU or
+    without the model's shapes (a one-line note says which)."""
+    import torch
+
+    t = config.train
+    if not t.auto_batch:
+        return None
+    unchanged = t.per_device_train_batch_size
+    if not torch.cuda.is_available():
+        return BatchChoice(unchanged, unchanged, None, None,
+                           f"train.auto_batch: no CUDA GPU here; per_device_train_batch_size stays {unchanged}")
+    shapes = shapes_for(config.model.name)
+    if shapes is None:
+        return BatchChoice(unchanged, unchanged, None, None,
+                           f"train.auto_batch: no config.json or shipped shapes for {config.model.name!r} to predict "
+                           f"memory from; per_device_train_batch_size stays {unchanged}")
+    device = int(os.environ.get("LOCAL_RANK", "0"))  # the process group is not set up yet
+    gpu_gib = torch.cuda.get_device_properties(device).total_memory / GIB
+    return choose_batch(config, shapes, gpu_gib=gpu_gib, max_batch=max_batch)

@@ -41,6 +41,7 @@ from vlmrl.io import (
     read_jsonl,
     write_json_atomic,
 )
+from vlmrl.preflight import BatchChoice, auto_batch
 from vlmrl.reward_fns import check_run_rewards, rewards_fingerprint
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,9 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
     dataset = build_train_dataset(run_dir)
     _check_trainable(config, run_dir, len(dataset))
     rewards = check_run_rewards(config, run_dir)  # a broken reward fails here, not mid-run
-    args, notes = build_grpo_config(config, checkpoints, suppress_tokens=_multimodal_ids(config, run_dir))
+    choice = _auto_batch(config, train_dir, len(dataset), console_callback)
+    args, notes = build_grpo_config(config, checkpoints, suppress_tokens=_multimodal_ids(config, run_dir),
+                                    batch=choice.per_device_train_batch_size if choice else None)
     _ = args.device  # sets up the process group (several ranks) and pins this rank's GPU before the model loads
     _claim_checkpoints(config, checkpoints, resume=resume)
     try:
@@ -182,6 +185,7 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
         "health_warnings": health.warning_count,
         "fast_generation": fast.as_dict(),
         "compile_cache": compile_cache.as_dict(),
+        "auto_batch": choice.as_dict() if choice else None,
         "report_to": list(config.train.report_to),
         "validation": validation.summary() if validation else None,
         "provenance": provenance(started_at=started_at, finished_at=utc_now()),
@@ -247,6 +251,22 @@ def build_train_dataset(run_dir: Path):
     return datasets.Dataset.from_dict(table).cast_column("images", datasets.Sequence(datasets.Image()))
 
 
+def _auto_batch(config: Config, train_dir: Path, n_train: int, say: Any) -> BatchChoice | None:
+    """train.auto_batch's choice (None when off), said and written to train/auto_batch.json before training."""
+    t = config.train
+    # no bigger batch than the training set fills: one generation batch needs batch x processes x
+    # steps_per_generation / num_generations prompts (the check _check_trainable makes for the configured one)
+    per_step = distributed.world_size() * (t.steps_per_generation or t.gradient_accumulation_steps)
+    max_batch = max(t.num_generations, n_train * t.num_generations // per_step // t.num_generations * t.num_generations)
+    choice = auto_batch(config, max_batch=min(max_batch, 4096))
+    if choice is None:
+        return None
+    (say or log.info)(choice.note)
+    if distributed.is_main_process():
+        write_json_atomic(train_dir / "auto_batch.json", choice.as_dict())
+    return choice
+
+
 def _check_trainable(config: Config, run_dir: Path, n_train: int) -> None:
     """Refuse, before any model loads, a training set smaller than one generation batch (TRL would take 0 steps
     and an untrained adapter would be evaluated as if trained)."""
@@ -282,9 +302,11 @@ def total_train_loss(metrics_path: Path, steps: int) -> float | None:
 
 
 def build_grpo_config(
-    config: Config, output_dir: Path, *, suppress_tokens: list[int] | None = None
+    config: Config, output_dir: Path, *, suppress_tokens: list[int] | None = None, batch: int | None = None
 ) -> tuple[Any, list[str]]:
-    """GRPOConfig from our typed config; returns it and notes about any fallback taken."""
+    """GRPOConfig from our typed config; returns it and notes about any fallback taken. `batch` replaces
+    train.per_device_train_batch_size (train.auto_batch's choice; the config, and so its fingerprint, keep the
+    configured value)."""
     from trl import GRPOConfig
 
     t = config.train
@@ -302,7 +324,7 @@ def build_grpo_config(
         lr_scheduler_type=t.lr_scheduler_type,
         warmup_steps=t.warmup_ratio,  # transformers 5: a float in [0, 1) is a ratio of total steps
         optim=optim,
-        per_device_train_batch_size=t.per_device_train_batch_size,
+        per_device_train_batch_size=batch or t.per_device_train_batch_size,
         gradient_accumulation_steps=t.gradient_accumulation_steps,
         steps_per_generation=t.steps_per_generation,
         num_generations=t.num_generations,
