@@ -11,9 +11,10 @@ stops, for the seed recipe's step (GSPO, LoRA r=16, forced full-length completio
 Kept cheap: one process, `--steps` per batch (2: the first compiles for the new batch shape, the second is the
 steady one reported), the processor and data built once, the random weights built from the same seed for each
 batch (4-bit: the bf16 weights saved once and reloaded, `bench.build_shaped_model`). A fresh trainer per batch
-keeps each row's LoRA, optimizer and compiled graphs its own.
+keeps each row's LoRA and optimizer its own, and dynamo is reset in between (compiled graphs and CUDA-graph pools
+freed; the on-disk compile cache stays).
 A batch that fails (out of memory) is recorded with its error, and the larger batches after it are skipped, not
-attempted. Left out: plain TRL rows (pass `--paths plain` to get them; its decode does not batch better).
+attempted. Every path named in `--paths` gets its rows; the table of record is `--paths vlmrl`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import json
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from vlmrl import distributed
 from vlmrl.bench import (
@@ -72,6 +75,9 @@ def run_throughput(settings: BenchSettings, batches: list[int], out_dir: Path, w
                 measured.append((path, batch, None))
                 continue
             per_batch = replace(settings, prompts=batch // settings.generations)
+            # as a new process would start: the last batch's compiled graphs and CUDA-graph memory pools freed
+            # (torch keeps the pools process-wide), so its memory does not count in this batch's peak
+            torch._dynamo.reset()
             result = run_path(path, per_batch, shapes, processor_dir, dataset, work)
             measured.append((path, batch, result))
             if result["error"]:
