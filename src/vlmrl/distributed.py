@@ -80,6 +80,30 @@ def barrier() -> None:
         state.wait_for_everyone()
 
 
+def ranks_differing(value: str) -> list[int]:
+    """The ranks whose `value` (a file digest, say) differs from rank 0's; every rank gets the same answer, so
+    all of them can stop alike instead of leaving the others waiting at a collective. [] in a one-process run.
+
+    >>> ranks_differing("abc")  # one process
+    []
+    """
+    if world_size() <= 1:
+        return []
+    import torch.distributed as dist
+
+    ensure_process_group()
+    seen: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, value)
+    return [k for k, v in enumerate(seen) if v != seen[0]]
+
+
+def file_digest(path: Path) -> str:
+    """A short content hash of a file, to tell whether the hosts of a run read the same one."""
+    import hashlib
+
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+
+
 def my_share(items: list, *, rank_: int | None = None, world: int | None = None) -> list:
     """This rank's share of `items`, dealt round-robin: whole items (evaluation batches) stay whole, so what
     each batch generates does not depend on how many processes there are.
