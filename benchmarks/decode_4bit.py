@@ -30,9 +30,13 @@ from vlmrl.attention import packed_gqa, use_packed_gqa
 from vlmrl.fastgen import bucket_static_cache, compile_over_4bit, deferred_stop_check
 
 
-def rollout_vs_loss_logprobs(model, batch: dict, tokens: int, sampling: dict, contexts, rows: int = 8) -> dict:
+def rollout_vs_loss_logprobs(model, batch: dict, tokens: int, sampling: dict, contexts, rows: int | None = None,
+                             chunk: int = 8) -> dict:
     """Sample `tokens` tokens under `contexts`, then score the same sequences with gradients on: how far the
-    rollout's log-probs of its own tokens are from the loss pass's."""
+    rollout's log-probs of its own tokens are from the loss pass's. All rows by default: the compiled decode step
+    then runs at the batch it was compiled for instead of compiling again; the loss pass goes `chunk` rows at a
+    time."""
+    rows = rows or batch["input_ids"].shape[0]
     small = {k: (v[:rows] if torch.is_tensor(v) and v.shape[0] == batch["input_ids"].shape[0] else v)
              for k, v in batch.items()}
     # pixel_values are flattened over images: 8 prompts x 4 generations, so the first `rows` rows are prompts
@@ -57,14 +61,22 @@ def rollout_vs_loss_logprobs(model, batch: dict, tokens: int, sampling: dict, co
     # as in training (gradient checkpointing makes the embeddings' output require grad): every bitsandbytes
     # layer then takes its autograd path (dequantize + matmul), not the inference op
     model.enable_input_require_grads()
+    per_row = small["pixel_values"].shape[0] // rows
+    scored = []
     try:
-        with torch.enable_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = model(input_ids=torch.cat([small["input_ids"], completion], 1), attention_mask=mask,
-                           pixel_values=small["pixel_values"], image_grid_thw=small["image_grid_thw"], **extra).logits
+        for lo in range(0, rows, chunk):
+            hi = min(rows, lo + chunk)
+            part = {"mm_token_type_ids": extra["mm_token_type_ids"][lo:hi]} if extra else {}
+            with torch.enable_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+                logits = model(input_ids=torch.cat([small["input_ids"][lo:hi], completion[lo:hi]], 1),
+                               attention_mask=mask[lo:hi], pixel_values=small["pixel_values"][lo * per_row: hi * per_row],
+                               image_grid_thw=small["image_grid_thw"][lo:hi], **part).logits
+            part_lp = logits[:, prompt_len - 1 : -1].float().log_softmax(-1)
+            scored.append(part_lp.gather(-1, completion[lo:hi].unsqueeze(-1)).squeeze(-1).detach())
+            del logits, part_lp
     finally:
         model.disable_input_require_grads()
-    loss_pass = logits[:, prompt_len - 1 : -1].float().log_softmax(-1)
-    loss_pass = loss_pass.gather(-1, completion.unsqueeze(-1)).squeeze(-1).detach()
+    loss_pass = torch.cat(scored)
     diff = (rollout - loss_pass).abs()
     return {"rows": rows, "tokens": tokens, "max_abs": diff.max().item(), "mean_abs": diff.mean().item(),
             "seq_logprob_max_abs": (rollout.sum(1) - loss_pass.sum(1)).abs().max().item()}

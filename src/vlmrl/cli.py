@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shlex
 import time
 import warnings
 from pathlib import Path
@@ -20,6 +19,12 @@ from rich.markup import escape
 from rich.table import Table
 
 from vlmrl.cli_help import HELP, Arch, Stage, Strategy, print_version
+from vlmrl.cli_launch import AddressOpt, GpusOpt, NodeRankOpt, NodesOpt, PortOpt, StrategyOpt
+from vlmrl.cli_launch import claimed_on_host_0 as _claimed_on_host_0
+from vlmrl.cli_launch import nodes as _nodes
+from vlmrl.cli_launch import one_process_only as _one_process_only
+from vlmrl.cli_launch import relaunch_if_asked as _relaunch_if_asked
+from vlmrl.cli_launch import stage_argv as _stage_argv
 from vlmrl.clierrors import Commands, check_needs, fail, set_debug
 from vlmrl.clierrors import claimed as _claimed
 from vlmrl.clierrors import debug as debug_on
@@ -43,15 +48,6 @@ ConfigArg = Annotated[str | None, typer.Argument(
     help=f"Preset ({', '.join(PRESETS)}), YAML file or run folder (its config.yaml); default demo.")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a field: section.field=value (repeatable).")]
 RunDirOpt = Annotated[Path | None, typer.Option("--run-dir", help="Run directory (default: <output_dir>/<name>).")]
-GpusOpt = Annotated[int, typer.Option(
-    "--gpus", min=1, help="Run as N processes, one per GPU of this host, through `accelerate launch` (on a machine "
-    "without CUDA: N CPU processes). Already under accelerate launch / torchrun: ignored.")]
-StrategyOpt = Annotated[Strategy, typer.Option(
-    "--strategy",
-    help="With --gpus N: ddp (default, LoRA), fsdp, or DeepSpeed zero2 / zero3; a shipped accelerate config in "
-    "vlmrl/accelerate/.")]
-
-
 _fail = fail
 
 
@@ -70,47 +66,6 @@ def _config(source: str | None, overrides: list[str] | None, run_dir: Path | Non
         config.run.output_dir = str(run_dir.parent)
         config.run.name = run_dir.name
     return config
-
-
-def _relaunch_if_asked(gpus: int, strategy: str, command: list[str]) -> None:
-    """With --gpus N>1 in a single process, re-run `vlmrl <command>` as N processes through accelerate launch
-    and exit with its status; otherwise return and let the command run here."""
-    import subprocess
-
-    from vlmrl.distributed import STRATEGIES, LaunchError, check_launch, launch_command, world_size
-
-    if strategy not in STRATEGIES:
-        _fail(f"--strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}.", 2)
-    if gpus == 1 or world_size() > 1:  # one process asked for, or already launched as several
-        if strategy != "ddp" and world_size() == 1:
-            _fail(f"--strategy {strategy} needs --gpus N with N > 1.", 2)
-        return
-    try:
-        note = check_launch(gpus, strategy)
-    except LaunchError as exc:
-        _fail(str(exc), 2)
-    if note:
-        console.print(f"[yellow]note:[/yellow] {escape(note)}")
-    verbose = ["--verbose"] if logging.getLogger().level == logging.DEBUG else []
-    argv = launch_command([*verbose, *command], gpus=gpus, strategy=strategy)
-    console.print(f"launching: {shlex.join(argv)}", highlight=False, markup=False, soft_wrap=True)
-    raise typer.Exit(subprocess.run(argv, check=False).returncode)
-
-
-def _stage_argv(command: str, source: str | None, overrides: list[str] | None, run_dir: Path | None) -> list[str]:
-    """The arguments that repeat `vlmrl <command> ...` (config, overrides, run dir) in a launched process."""
-    argv = [command, *([source] if source else [])]
-    for item in overrides or []:
-        argv += ["--set", item]
-    return argv + (["--run-dir", str(run_dir)] if run_dir else [])
-
-
-def _one_process_only(command: str) -> None:
-    from vlmrl.distributed import world_size
-
-    if world_size() > 1:
-        _fail(f"vlmrl {command} runs as one process (every rank would write the same files); run it without "
-              "accelerate launch / torchrun. Only train and eval take several (--gpus N).", 2)
 
 
 def _say(message: str) -> None:
@@ -318,17 +273,22 @@ def eval_(
     adapter: Annotated[Path | None, typer.Option(help="Adapter folder (default for after: train/final).")] = None,
     gpus: GpusOpt = 1,
     strategy: StrategyOpt = Strategy.ddp,
+    nodes: NodesOpt = 1,
+    node_rank: NodeRankOpt = None,
+    main_address: AddressOpt = None,
+    main_port: PortOpt = None,
 ) -> None:
     """Stages 5 and 7: evaluate the held-out set, one record per item (sharded across --gpus N processes)."""
     from vlmrl.distributed import is_main_process
     from vlmrl.evaluate import evaluate
 
     config = _config(source, set_, run_dir)  # a bad config fails here, before any process is launched
+    where = _nodes(nodes, node_rank, main_address, main_port)
     check_needs(config)
     main = is_main_process()
-    with _claimed(config.run_dir, create=False):  # held by this process for the ranks it launches
+    with _claimed_on_host_0(config.run_dir, where):  # held by this process for the ranks it launches
         _relaunch_if_asked(gpus, strategy, [*_stage_argv("eval", source, set_, run_dir), "--stage", stage,
-                                            *(["--adapter", str(adapter)] if adapter else [])])
+                                            *(["--adapter", str(adapter)] if adapter else [])], where)
         result = _guard(lambda: evaluate(config, config.run_dir, stage, adapter=adapter,
                                          progress=_eval_progress(stage) if main else None))
     if not main:
@@ -355,18 +315,23 @@ def train(
     resume: Annotated[bool, typer.Option("--resume/--no-resume", help="Continue from the last checkpoint.")] = True,
     gpus: GpusOpt = 1,
     strategy: StrategyOpt = Strategy.ddp,
+    nodes: NodesOpt = 1,
+    node_rank: NodeRankOpt = None,
+    main_address: AddressOpt = None,
+    main_port: PortOpt = None,
 ) -> None:
     """Stage 6: GRPO / GSPO through TRL's GRPOTrainer (data-parallel across --gpus N processes)."""
     from vlmrl.distributed import is_main_process
     from vlmrl.train import train as train_stage
 
     config = _config(source, set_, run_dir)  # a bad config fails here, before any process is launched
+    where = _nodes(nodes, node_rank, main_address, main_port)
     check_needs(config)
     from vlmrl.records import TrainProgress
 
-    with _claimed(config.run_dir, create=False):  # held by this process for the ranks it launches
+    with _claimed_on_host_0(config.run_dir, where):  # held by this process for the ranks it launches
         _relaunch_if_asked(gpus, strategy, [*_stage_argv("train", source, set_, run_dir),
-                                            *([] if resume else ["--no-resume"])])
+                                            *([] if resume else ["--no-resume"])], where)
         result = _guard(lambda: train_stage(config, config.run_dir, resume=resume, console_callback=_say,
                                             progress=TrainProgress(console, _say)))
     if not is_main_process() or result.already_done:

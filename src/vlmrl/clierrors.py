@@ -80,12 +80,13 @@ def check_needs(config, *, gpu: bool = True) -> None:
     """The model, the data and the GPU `config` needs, before any stage starts (vlmrl.needs); exit 2 if not."""
     import os
 
-    from vlmrl.distributed import world_size
+    from vlmrl.distributed import LAUNCHED_ENV, world_size
     from vlmrl.needs import RequirementError, check_requirements
-    from vlmrl.rundir import CLAIM_ENV
 
-    if world_size() > 1 and os.environ.get(CLAIM_ENV):
-        return  # a rank started by `--gpus N`: the launching process checked (the hub probes would repeat N times)
+    if world_size() > 1 and os.environ.get(LAUNCHED_ENV):
+        # a rank started by `--gpus N` / `--nodes M`: the launching process on its host checked (the hub probes
+        # would repeat once per rank)
+        return
     try:
         check_requirements(config, gpu=gpu)
     except RequirementError as exc:

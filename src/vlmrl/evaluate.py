@@ -99,7 +99,11 @@ def evaluate(
     starts = range(0, len(items), size)
     todo = [start for start in starts if any(item["id"] not in done for item in items[start : start + size])]
     world = distributed.world_size()
-    distributed.barrier()  # every rank has read the same files before any rank writes
+    # a collective, so also the barrier: every rank has read the same files before any rank writes
+    if differing := distributed.ranks_differing(distributed.file_digest(run_dir / "data" / "holdout.jsonl")):
+        raise EvalError(f"{run_dir / 'data' / 'holdout.jsonl'} differs between rank 0 and rank(s) "
+                        f"{', '.join(map(str, differing))}: every host must read the same run folder, on a "
+                        "filesystem all of them see (docs/multi_gpu.md, Several hosts).")
     mine = distributed.my_share(todo)
     out_path = _shard_path(records_path, distributed.rank()) if world > 1 else records_path
     live = progress if world == 1 else None  # with several ranks, one rank's count is not the run's

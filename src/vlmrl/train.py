@@ -13,8 +13,9 @@ by the callbacks in `vlmrl.records`.
     step 4  train     resume from the last checkpoint when one exists
     step 5  save      train/final/ (the adapter) + train/summary.json
 
-Launched as several processes (`vlmrl train --gpus N`), every rank runs these steps (TRL shards the prompts,
-transformers the checkpoints); only rank 0 writes the records, `train/final/vlmrl_base.json` and the summary.
+Launched as several processes (`vlmrl train --gpus N`, on one host or `--nodes M`), every rank runs these steps
+(TRL shards the prompts, transformers the checkpoints) after checking that all of them read the same
+`data/train.jsonl`; only rank 0 writes the records, `train/final/vlmrl_base.json` and the summary.
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
     args, notes = build_grpo_config(config, checkpoints, suppress_tokens=_multimodal_ids(config, run_dir),
                                     batch=choice.per_device_train_batch_size if choice else None)
     _ = args.device  # sets up the process group (several ranks) and pins this rank's GPU before the model loads
+    _same_file_on_every_rank(run_dir / "data" / "train.jsonl")
     _claim_checkpoints(config, checkpoints, resume=resume)
     try:
         trackers = build_tracker_callbacks(config.train.report_to, train_dir)
@@ -178,6 +180,7 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
         "train_seconds": round(seconds, 2),
         "train_loss": output.training_loss if resumed_loss is None else resumed_loss,
         "train_items": len(dataset),
+        "world_size": distributed.world_size(),  # processes of all hosts: a generation batch is this many per-device ones
         "lora": lora_report.as_dict(),
         "backend": loaded.backend,
         "base_model": loaded.source,
@@ -265,6 +268,17 @@ def _auto_batch(config: Config, train_dir: Path, n_train: int, say: Any) -> Batc
     if distributed.is_main_process():
         write_json_atomic(train_dir / "auto_batch.json", choice.as_dict())
     return choice
+
+
+def _same_file_on_every_rank(path: Path) -> None:
+    """Refuse, on every rank alike, a run whose ranks read different copies of `path`: hosts that do not share
+    the run folder would each train on their own data and the records would mix them silently."""
+    differing = distributed.ranks_differing(distributed.file_digest(path))
+    if differing:
+        raise TrainError(
+            f"{path} differs between rank 0 and rank(s) {', '.join(map(str, differing))}: every host must read the "
+            "same run folder, on a filesystem all of them see (docs/multi_gpu.md, Several hosts)."
+        )
 
 
 def _check_trainable(config: Config, run_dir: Path, n_train: int) -> None:
