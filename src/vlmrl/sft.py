@@ -64,8 +64,10 @@ def sft_train(
     learning_rate: float = 2e-3,
     seed: int = 0,
     on_step: Callable[[int, float], None] | None = None,
+    bf16_autocast: bool = False,
 ) -> list[float]:
-    """Train `model` in place for `steps` AdamW steps on random batches of `examples`; returns the losses."""
+    """Train `model` in place for `steps` AdamW steps on random batches of `examples`; returns the losses.
+    `bf16_autocast` runs forward and backward under bfloat16 autocast (weights and optimizer stay float32)."""
     if not examples:
         raise ValueError("sft_train: no examples")
     rng = random.Random(seed)
@@ -77,7 +79,8 @@ def sft_train(
     losses = []
     for step in range(steps):
         batch = sft_batch(processor, rng.sample(examples, min(batch_size, len(examples))), device)
-        loss = model(**batch).loss
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16_autocast):
+            loss = model(**batch).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
