@@ -69,7 +69,7 @@ DEMO_GPU_RECIPE = {
 # The GPU recipe at a size two CPU cores build in seconds: the same code path (bf16 autocast included).
 DEMO_GPU_SMOKE_RECIPE = {
     **DEMO_GPU_RECIPE, "hidden_size": 64, "num_layers": 2, "vision_depth": 2, "image_size": 64,
-    "sft_items": 64, "sft_steps": 4, "sft_batch_size": 8, "device": "cpu",
+    "sft_items": 256, "sft_steps": 80, "sft_batch_size": 8, "sft_learning_rate": 3e-3, "device": "cpu",
 }
 RECIPES = {"demo-policy": DEMO_RECIPE, "demo-policy-gpu": DEMO_GPU_RECIPE, "demo-policy-gpu-smoke": DEMO_GPU_SMOKE_RECIPE}
 SFT_DATA_SEED = 1_000_003
