@@ -34,8 +34,10 @@ def say(message: str) -> None:
     print(f"[{time.perf_counter() - STARTED:7.1f}s] {message}", flush=True)
 
 
-def vlmrl_run(out: Path, overrides: list[str]) -> tuple[float, dict[str, float]]:
-    """`vlmrl run demo-gpu` with `overrides`; returns its seconds and the seconds of each stage it ran."""
+def vlmrl_run(out: Path, overrides: list[str]) -> tuple[float, dict[str, float], int]:
+    """`vlmrl run demo-gpu` with `overrides`; returns its seconds, the seconds of each stage it ran and its exit
+    status. A run that fails after its comparison (the export's checks refuse an adapter that never moved, as a
+    control whose groups all score alike can leave it) still counts; one that fails before it stops the script."""
     command = [sys.executable, "-m", "vlmrl.cli", "run", "demo-gpu", "--set", f"run.output_dir={out / 'runs'}"]
     for item in overrides:
         command += ["--set", item]
@@ -53,9 +55,10 @@ def vlmrl_run(out: Path, overrides: list[str]) -> tuple[float, dict[str, float]]
     if current:
         stages[current[0]] = round(time.perf_counter() - current[1], 1)
     if proc.returncode:
-        say(f"vlmrl run exited {proc.returncode}")
-        raise SystemExit(proc.returncode)
-    return round(time.perf_counter() - started, 1), stages
+        say(f"vlmrl run exited {proc.returncode} after stage {current[0] if current else None!r}")
+        if "compare" not in stages:
+            raise SystemExit(proc.returncode)
+    return round(time.perf_counter() - started, 1), stages, proc.returncode
 
 
 def build_policy(name: str) -> dict:
@@ -102,7 +105,8 @@ def markdown(result: dict) -> str:
             lines.append(f"| {name} | {b['n']} | {a['before_true']:.3f} | {a['before_swapped']:.3f} | "
                          f"{a['after_true']:.3f} | {a['after_swapped']:.3f} | {b['visual_gain']:+.3f} | [{lo:+.3f}, {hi:+.3f}] |")
     lines += ["", "Criteria: " + ", ".join(f"{k}: {v}" for k, v in result["criteria"].items()),
-              "", "Timings (s): " + json.dumps(result["timings"])]
+              "", "Timings (s): " + json.dumps(result["timings"]),
+              "", "Exit status of the runs: " + json.dumps(result["exit_status"])]
     return "\n".join(lines) + "\n"
 
 
@@ -117,9 +121,9 @@ def main() -> int:
     policy = build_policy(model)
     timings["policy_build"] = policy["seconds"]
     say(f"policy ready in {policy['seconds']} s (warm start {policy['sft_seconds']} s, loss {policy['sft_loss_first_last']})")
-    timings["run"], timings["run_stages"] = vlmrl_run(out, overrides)
+    timings["run"], timings["run_stages"], main_status = vlmrl_run(out, overrides)
     say(f"demo-gpu run: {timings['run']} s {timings['run_stages']}")
-    timings["control"], timings["control_stages"] = vlmrl_run(out, overrides + CONTROL)
+    timings["control"], timings["control_stages"], control_status = vlmrl_run(out, overrides + CONTROL)
     say(f"control run: {timings['control']} s {timings['control_stages']}")
     runs = out / "runs"
     main_dir = runs / next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("run.name=")), "demo-gpu")
@@ -135,6 +139,7 @@ def main() -> int:
                         "cuda": cuda},
         "policy": policy,
         "timings": timings,
+        "exit_status": {"run": main_status, "control": control_status},
         "comparison": json.loads((main_dir / "comparison.json").read_text()),
         "control_comparison": json.loads((runs / "demo-gpu-control" / "comparison.json").read_text()),
     }
@@ -143,7 +148,7 @@ def main() -> int:
     (out / "h200_visual_learning.md").write_text(markdown(result))
     say(f"wrote {out / 'h200_visual_learning.json'} and .md; criteria {result['criteria']}")
     print(markdown(result))
-    return 0
+    return main_status
 
 
 if __name__ == "__main__":
