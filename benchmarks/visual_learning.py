@@ -46,7 +46,7 @@ def vlmrl_run(out: Path, overrides: list[str]) -> tuple[float, dict[str, float],
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
         for line in proc.stdout:
             line = line.rstrip()
-            if line.startswith("[run]") or line.startswith("[skip]"):
+            if line.startswith(("[run]", "[skip]")):
                 now = time.perf_counter()
                 if current:
                     stages[current[0]] = round(now - current[1], 1)

@@ -142,3 +142,17 @@ def test_swap_images_keeps_everything_but_the_image():
     assert out[0] == {"id": "a", "question": "qa", "images": ["b.png"], "image_sha256": ["hb"], "category": "c",
                       "image_from": "b"}
     assert items[0]["images"] == ["a.png"]  # the originals are untouched
+
+
+def test_demo_gpu_preset_says_in_one_line_that_it_needs_cuda(monkeypatch):
+    import torch
+
+    from vlmrl.needs import RequirementError, check_requirements
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    config = load_config("demo-gpu")
+    assert config.eval.visual_control and config.data.holdout_size >= 384
+    with pytest.raises(RequirementError, match="CUDA GPU and this machine has none") as caught:
+        check_requirements(config)
+    assert "\n" not in str(caught.value)
+    check_requirements(load_config("demo-gpu", ["model.name=demo-policy-gpu-smoke"]))  # its CPU twin: nothing missing
