@@ -3,7 +3,7 @@
 Steps, each timed and printed as it ends (so a killed run still shows where the time went):
   1. build the demo-gpu policy (the supervised warm start; cached under VLMRL_CACHE);
   2. `vlmrl run demo-gpu` (prepare, baseline, GSPO, after, the swapped-image evaluations, compare, export,
-     report), every output line echoed with the seconds since the start;
+     report), every output line echoed with the seconds since the start, and at the same time
   3. the same run with the correctness reward's sign flipped (format weight 0), the reward control;
   4. OUTDIR/h200_visual_learning.json and .md from the two comparison.json files and the run folders.
 
@@ -18,6 +18,7 @@ import os
 import platform
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -34,31 +35,45 @@ def say(message: str) -> None:
     print(f"[{time.perf_counter() - STARTED:7.1f}s] {message}", flush=True)
 
 
-def vlmrl_run(out: Path, overrides: list[str]) -> tuple[float, dict[str, float], int]:
-    """`vlmrl run demo-gpu` with `overrides`; returns its seconds, the seconds of each stage it ran and its exit
-    status. A run that fails after its comparison (the export's checks refuse an adapter that never moved, as a
-    control whose groups all score alike can leave it) still counts; one that fails before it stops the script."""
-    command = [sys.executable, "-m", "vlmrl.cli", "run", "demo-gpu", "--set", f"run.output_dir={out / 'runs'}"]
-    for item in overrides:
-        command += ["--set", item]
-    say("$ " + " ".join(command))
-    started, stages, current = time.perf_counter(), {}, None
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
-        for line in proc.stdout:
+class Run:
+    """One `vlmrl run demo-gpu` subprocess, its output echoed line by line (prefixed with `label`) by a thread,
+    and the seconds of each stage it ran, read off its `[run]` lines."""
+
+    def __init__(self, label: str, out: Path, overrides: list[str]) -> None:
+        command = [sys.executable, "-m", "vlmrl.cli", "run", "demo-gpu", "--set", f"run.output_dir={out / 'runs'}"]
+        for item in overrides:
+            command += ["--set", item]
+        say(f"{label}: $ " + " ".join(command))
+        self.label, self.stages, self.current = label, {}, None
+        self.started = time.perf_counter()
+        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
             line = line.rstrip()
             if line.startswith(("[run]", "[skip]")):
-                now = time.perf_counter()
-                if current:
-                    stages[current[0]] = round(now - current[1], 1)
-                current = (line.split("]", 1)[1].split(":")[0].strip(), now)
-            say(line)
-    if current:
-        stages[current[0]] = round(time.perf_counter() - current[1], 1)
-    if proc.returncode:
-        say(f"vlmrl run exited {proc.returncode} after stage {current[0] if current else None!r}")
-        if "compare" not in stages:
-            raise SystemExit(proc.returncode)
-    return round(time.perf_counter() - started, 1), stages, proc.returncode
+                self._close_stage()
+                self.current = (line.split("]", 1)[1].split(":")[0].strip(), time.perf_counter())
+            say(f"{self.label}| {line}")
+
+    def _close_stage(self) -> None:
+        if self.current:
+            self.stages[self.current[0]] = round(time.perf_counter() - self.current[1], 1)
+
+    def wait(self) -> tuple[float, dict[str, float], int]:
+        """Its seconds, each stage's seconds and its exit status. A run that fails after its comparison (the
+        export's checks refuse an adapter that never moved, as a control whose groups all score alike can leave
+        it) still counts; one that fails before it stops the script."""
+        status = self.proc.wait()
+        self.reader.join()
+        self._close_stage()
+        seconds = round(time.perf_counter() - self.started, 1)
+        say(f"{self.label}: {seconds} s, exit {status}, stages {self.stages}")
+        if status and "compare" not in self.stages:
+            raise SystemExit(status)
+        return seconds, self.stages, status
 
 
 def build_policy(name: str) -> dict:
@@ -121,10 +136,14 @@ def main() -> int:
     policy = build_policy(model)
     timings["policy_build"] = policy["seconds"]
     say(f"policy ready in {policy['seconds']} s (warm start {policy['sft_seconds']} s, loss {policy['sft_loss_first_last']})")
-    timings["run"], timings["run_stages"], main_status = vlmrl_run(out, overrides)
-    say(f"demo-gpu run: {timings['run']} s {timings['run_stages']}")
-    timings["control"], timings["control_stages"], control_status = vlmrl_run(out, overrides + CONTROL)
-    say(f"control run: {timings['control']} s {timings['control_stages']}")
+    # Both runs at once: a 45M policy leaves the GPU mostly idle (decoding is launch-bound), so two processes
+    # share it for little more than the time of one.
+    runs_started = time.perf_counter()
+    main_run, control_run = Run("demo-gpu", out, overrides), Run("control", out, overrides + CONTROL)
+    timings["run"], timings["run_stages"], main_status = main_run.wait()
+    timings["control"], timings["control_stages"], control_status = control_run.wait()
+    timings["both_runs_wall"] = round(time.perf_counter() - runs_started, 1)
+    timings["total"] = round(time.perf_counter() - STARTED, 1)
     runs = out / "runs"
     main_dir = runs / next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("run.name=")), "demo-gpu")
     env = json.loads((main_dir / "env.json").read_text())

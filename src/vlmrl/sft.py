@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,9 +72,12 @@ def sft_train(
     seed: int = 0,
     on_step: Callable[[int, float], None] | None = None,
     bf16_autocast: bool = False,
+    prefetch: bool = False,
 ) -> list[float]:
     """Train `model` in place for `steps` AdamW steps on random batches of `examples`; returns the losses.
-    `bf16_autocast` runs forward and backward under bfloat16 autocast (weights and optimizer stay float32)."""
+    `bf16_autocast` runs forward and backward under bfloat16 autocast (weights and optimizer stay float32).
+    `prefetch` builds the next batch on a worker thread while this one trains (on a GPU the processor, not the
+    model, is the bottleneck); the batches and their order are the same either way."""
     if not examples:
         raise ValueError("sft_train: no examples")
     rng = random.Random(seed)
@@ -84,16 +88,33 @@ def sft_train(
     model.train()
     losses: list[float] = []
     lengths: dict[tuple[str, tuple[int, int]], int] = {}
-    for step in range(steps):
-        batch = sft_batch(processor, rng.sample(examples, min(batch_size, len(examples))), device, lengths)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16_autocast):
-            loss = model(**batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
-        if on_step:
-            on_step(step + 1, losses[-1])
+    draws = (rng.sample(examples, min(batch_size, len(examples))) for _ in range(steps))  # drawn in step order
+
+    def build(chosen: list[SftExample]) -> dict:
+        return sft_batch(processor, chosen, device, lengths)
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        upcoming = pool.submit(build, next(draws)) if prefetch and steps else None
+        for step in range(steps):
+            if upcoming is None:
+                batch = build(next(draws))
+            else:
+                batch = upcoming.result()
+                upcoming = pool.submit(build, next(draws)) if step + 1 < steps else None
+            losses.append(_step(model, batch, params, optimizer, bf16_autocast))
+            if on_step:
+                on_step(step + 1, losses[-1])
     model.eval()
     return losses
+
+
+def _step(model: Any, batch: dict, params: list, optimizer: torch.optim.Optimizer, bf16_autocast: bool) -> float:
+    """One AdamW step on `batch`; its loss."""
+    device_type = batch["input_ids"].device.type
+    with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16_autocast):
+        loss = model(**batch).loss
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(loss.detach())
