@@ -5,7 +5,9 @@ Steps, each timed and printed as it ends (so a killed run still shows where the 
   2. `vlmrl run demo-gpu` (prepare, baseline, GSPO, after, the swapped-image evaluations, compare, export,
      report), every output line echoed with the seconds since the start, and at the same time
   3. the same run with the correctness reward's sign flipped (format weight 0), the reward control;
-  4. OUTDIR/h200_visual_learning.json and .md from the two comparison.json files and the run folders.
+  4. OUTDIR/h200_visual_learning.json and .md from the two comparison.json files and the run folders, and
+     both runs' report.html. The run folders themselves and the policy cache stay under VLMRL_VISUAL_WORK
+     (default /tmp/vlmrl-visual; VLMRL_CACHE defaults to its cache/ folder).
 
 VLMRL_VISUAL_SMOKE=1 swaps in the recipe's CPU twin (model.name=demo-policy-gpu-smoke) and toy sizes: the same
 code, minutes on two cores. Left out: any threshold tuning; the file states the issue's criteria as booleans.
@@ -16,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import threading
@@ -39,8 +42,8 @@ class Run:
     """One `vlmrl run demo-gpu` subprocess, its output echoed line by line (prefixed with `label`) by a thread,
     and the seconds of each stage it ran, read off its `[run]` lines."""
 
-    def __init__(self, label: str, out: Path, overrides: list[str]) -> None:
-        command = [sys.executable, "-m", "vlmrl.cli", "run", "demo-gpu", "--set", f"run.output_dir={out / 'runs'}"]
+    def __init__(self, label: str, runs: Path, overrides: list[str]) -> None:
+        command = [sys.executable, "-m", "vlmrl.cli", "run", "demo-gpu", "--set", f"run.output_dir={runs}"]
         for item in overrides:
             command += ["--set", item]
         say(f"{label}: $ " + " ".join(command))
@@ -127,11 +130,14 @@ def markdown(result: dict) -> str:
 
 def main() -> int:
     out = Path(sys.argv[1]).resolve()
+    # The run folders (adapters with their base copied in, images) and the policy cache stay out of OUTDIR, so
+    # what comes back from the GPU machine is small: the result files, the log and the two reports.
+    runs = Path(os.environ.get("VLMRL_VISUAL_WORK", "/tmp/vlmrl-visual")).resolve() / "runs"
     extra = sys.argv[2:]
     smoke = os.environ.get("VLMRL_VISUAL_SMOKE", "") not in ("", "0")
     overrides = (SMOKE if smoke else []) + extra
     model = next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("model.name=")), "demo-policy-gpu")
-    say(f"visual-learning demo into {out} (smoke: {smoke}; cache {os.environ.get('VLMRL_CACHE')})")
+    say(f"visual-learning demo into {out} (runs in {runs}; smoke: {smoke}; cache {os.environ.get('VLMRL_CACHE')})")
     timings: dict = {}
     policy = build_policy(model)
     timings["policy_build"] = policy["seconds"]
@@ -139,12 +145,11 @@ def main() -> int:
     # Both runs at once: a 45M policy leaves the GPU mostly idle (decoding is launch-bound), so two processes
     # share it for little more than the time of one.
     runs_started = time.perf_counter()
-    main_run, control_run = Run("demo-gpu", out, overrides), Run("control", out, overrides + CONTROL)
+    main_run, control_run = Run("demo-gpu", runs, overrides), Run("control", runs, overrides + CONTROL)
     timings["run"], timings["run_stages"], main_status = main_run.wait()
     timings["control"], timings["control_stages"], control_status = control_run.wait()
     timings["both_runs_wall"] = round(time.perf_counter() - runs_started, 1)
     timings["total"] = round(time.perf_counter() - STARTED, 1)
-    runs = out / "runs"
     main_dir = runs / next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("run.name=")), "demo-gpu")
     env = json.loads((main_dir / "env.json").read_text())
     cuda = env.get("cuda") or {}
@@ -165,6 +170,9 @@ def main() -> int:
     result["criteria"] = criteria(result["comparison"], result["control_comparison"])
     (out / "h200_visual_learning.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / "h200_visual_learning.md").write_text(markdown(result))
+    for name, folder in (("report.html", main_dir), ("control_report.html", runs / "demo-gpu-control")):
+        if (folder / "report.html").exists():
+            shutil.copyfile(folder / "report.html", out / name)
     say(f"wrote {out / 'h200_visual_learning.json'} and .md; criteria {result['criteria']}")
     print(markdown(result))
     return main_status

@@ -40,3 +40,14 @@ def test_cached_prompt_lengths_match_a_fresh_count(tmp_path):
     fresh = sft_batch(processor, examples, torch.device("cpu"))
     assert torch.equal(first["labels"], again["labels"]) and torch.equal(first["labels"], fresh["labels"])
     assert (first["labels"] != -100).any(dim=1).all()  # every row keeps its answer tokens
+
+
+def test_on_step_returning_true_stops_training(tmp_path):
+    folder = build_tiny_model("qwen3_vl", tmp_path / "m", hidden_size=64, num_layers=1, image_size=64)
+    processor = AutoProcessor.from_pretrained(folder)
+    processor.tokenizer.padding_side = "left"
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+    seen = []
+    losses = sft_train(model, processor, _examples(), steps=5, batch_size=2, prefetch=True,
+                       on_step=lambda step, loss: seen.append(step) or step == 2)
+    assert seen == [1, 2] and len(losses) == 2

@@ -70,11 +70,12 @@ def sft_train(
     batch_size: int = 16,
     learning_rate: float = 2e-3,
     seed: int = 0,
-    on_step: Callable[[int, float], None] | None = None,
+    on_step: Callable[[int, float], bool | None] | None = None,
     bf16_autocast: bool = False,
     prefetch: bool = False,
 ) -> list[float]:
     """Train `model` in place for `steps` AdamW steps on random batches of `examples`; returns the losses.
+    `on_step(step, loss)` is called after each step; a true return stops training there.
     `bf16_autocast` runs forward and backward under bfloat16 autocast (weights and optimizer stay float32).
     `prefetch` builds the next batch on a worker thread while this one trains (on a GPU the processor, not the
     model, is the bottleneck); the batches and their order are the same either way."""
@@ -102,8 +103,8 @@ def sft_train(
                 batch = upcoming.result()
                 upcoming = pool.submit(build, next(draws)) if step + 1 < steps else None
             losses.append(_step(model, batch, params, optimizer, bf16_autocast))
-            if on_step:
-                on_step(step + 1, losses[-1])
+            if on_step and on_step(step + 1, losses[-1]):
+                break
     model.eval()
     return losses
 
