@@ -47,7 +47,7 @@ class Run:
         for item in overrides:
             command += ["--set", item]
         say(f"{label}: $ " + " ".join(command))
-        self.label, self.stages, self.current = label, {}, None
+        self.label, self.stages, self.current, self.ended = label, {}, None, 0.0
         self.started = time.perf_counter()
         self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
         self.reader = threading.Thread(target=self._read, daemon=True)
@@ -60,6 +60,8 @@ class Run:
                 self._close_stage()
                 self.current = (line.split("]", 1)[1].split(":")[0].strip(), time.perf_counter())
             say(f"{self.label}| {line}")
+        self._close_stage()  # its output ended: the process is exiting
+        self.ended = time.perf_counter()
 
     def _close_stage(self) -> None:
         if self.current:
@@ -71,8 +73,7 @@ class Run:
         it) still counts; one that fails before it stops the script."""
         status = self.proc.wait()
         self.reader.join()
-        self._close_stage()
-        seconds = round(time.perf_counter() - self.started, 1)
+        seconds = round(self.ended - self.started, 1)
         say(f"{self.label}: {seconds} s, exit {status}, stages {self.stages}")
         if status and "compare" not in self.stages:
             raise SystemExit(status)
@@ -88,6 +89,7 @@ def build_policy(name: str) -> dict:
     losses = info.get("sft_losses") or []
     return {"name": name, "folder": str(folder), "seconds": round(time.perf_counter() - started, 1),
             "recipe": info.get("recipe"), "sft_seconds": info.get("sft_seconds"),
+            "sft_steps_run": info.get("sft_steps_run"), "reading_checks": info.get("reading_checks"),
             "sft_loss_first_last": [losses[0], losses[-1]] if losses else None}
 
 
@@ -141,7 +143,8 @@ def main() -> int:
     timings: dict = {}
     policy = build_policy(model)
     timings["policy_build"] = policy["seconds"]
-    say(f"policy ready in {policy['seconds']} s (warm start {policy['sft_seconds']} s, loss {policy['sft_loss_first_last']})")
+    say(f"policy ready in {policy['seconds']} s (warm start {policy['sft_seconds']} s, {policy['sft_steps_run']} steps, "
+        f"loss {policy['sft_loss_first_last']}, reading checks {policy['reading_checks']})")
     # Both runs at once: a 45M policy leaves the GPU mostly idle (decoding is launch-bound), so two processes
     # share it for little more than the time of one.
     runs_started = time.perf_counter()

@@ -61,7 +61,7 @@ DEMO_GPU_RECIPE = {
     "families": ["count_squares", "bar_value", "circle_area", "function_value"],
     "sft_items": 6144,
     "bare_answer_fraction": 0.25,
-    "sft_steps": 600,
+    "sft_steps": 500,
     "sft_batch_size": 64,
     "sft_learning_rate": 5e-4,
     "stop_accuracy": 0.4,
