@@ -206,13 +206,14 @@ def _guard(action):
     from vlmrl.models.lora import LoraLayoutError
     from vlmrl.rundir import RunDirError
     from vlmrl.train import TrainError
+    from vlmrl.visual_control import VisualControlError
 
     try:
         return action()
     except RunDirError as exc:  # a folder in use or not vlmrl's: nothing was done
         _fail(str(exc), 2)
     except (ConfigError, DataError, EvalError, TrainError, CompareError, ExportError, ModelLoadError,
-            LoraLayoutError) as exc:
+            LoraLayoutError, VisualControlError) as exc:
         if debug_on():
             raise
         _fail(str(exc))
@@ -341,11 +342,27 @@ def train(
 
 
 @app.command()
-def compare(run_dir: Annotated[Path, typer.Argument(help="Run directory.")] = Path("runs/demo")) -> None:
+def compare(
+    run_dir: Annotated[Path, typer.Argument(help="Run directory.")] = Path("runs/demo"),
+    visual_control: Annotated[bool, typer.Option(
+        "--visual-control", help="First evaluate the held-out set with images swapped between items, before and "
+        "after training (skipped when done), and report the visual gain.")] = False,
+) -> None:
     """Stage 7: before/after diff with paired statistics."""
     from vlmrl.compare import compare_runs
 
-    result = _guard(lambda: compare_runs(run_dir))
+    seed = 0
+    if visual_control:
+        from vlmrl.visual_control import evaluate_swapped
+
+        config = _config(str(run_dir), None, run_dir)
+        check_needs(config)
+        seed = config.run.seed
+        with _claimed(config.run_dir, create=False):
+            _guard(lambda: evaluate_swapped(config, config.run_dir, _eval_progress))
+    elif (run_dir / "config.yaml").is_file():  # the seed the run's own compare stage used
+        seed = _config(str(run_dir), None, run_dir).run.seed
+    result = _guard(lambda: compare_runs(run_dir, seed=seed))
     _print_comparison(result.path)
 
 
@@ -364,6 +381,19 @@ def _print_comparison(path: Path) -> None:
     console.print(table)
     flips = comparison["flip_counts"]
     console.print(", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in flips.items()), highlight=False)
+    if comparison.get("visual_control"):
+        _print_visual_control(comparison["visual_control"])
+
+
+def _print_visual_control(control: dict) -> None:
+    table = Table(title="visual control: accuracy on true vs swapped images")
+    for column in ("family", "n", "before true", "before swapped", "after true", "after swapped", "visual gain", "95% CI"):
+        table.add_column(column, justify="right" if column != "family" else "left")
+    for name, b in [("all", control["overall"]), *sorted(control["by_family"].items())]:
+        a, (lo, hi) = b["accuracy"], b["visual_gain_ci95"]
+        table.add_row(name, str(b["n"]), *(f"{a[k]:.3f}" for k in ("before_true", "before_swapped", "after_true",
+                      "after_swapped")), f"{b['visual_gain']:+.3f}", escape(f"[{lo:+.3f}, {hi:+.3f}]"))
+    console.print(table)
 
 
 @app.command()

@@ -3,7 +3,8 @@
 Records are joined by id; a pair whose prompt or image hash differs is refused (the two evaluations did not
 see the same item). For each binary metric: before, after, delta, a 95% paired bootstrap interval and the
 exact McNemar p-value on the discordant pairs; for rewards, the same without McNemar: the total, and each
-configured reward (built-in or the user's) under its function's name, from the records' `rewards`. Everything is computed
+configured reward (built-in or the user's) under its function's name, from the records' `rewards`; and, when
+the swapped-image records exist, the visual control (`vlmrl.visual_control`). Everything is computed
 from the two records files, so `comparison.json` can always be regenerated and checked.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from vlmrl import stats
+from vlmrl import stats, visual_control
 from vlmrl.data.items import record_hashes
 from vlmrl.io import read_jsonl, write_json_atomic
 
@@ -73,6 +74,12 @@ def compare_runs(run_dir: Path, *, seed: int = 0, top_regressions: int = 10) -> 
         ],
         "by_category": _by_category(pairs),
     }
+    try:  # present once the swapped-image evaluations exist (`vlmrl compare --visual-control`)
+        control = visual_control.compute(run_dir, seed)
+    except visual_control.VisualControlError as exc:
+        raise CompareError(str(exc)) from None
+    if control is not None:
+        comparison["visual_control"] = control
     path = run_dir / "comparison.json"
     write_json_atomic(path, comparison)
     return CompareResult(path, comparison)

@@ -23,7 +23,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-PRESETS = ("demo", "seed", "gspo-paper")
+PRESETS = ("demo", "demo-gpu", "seed", "gspo-paper")
 TRACKERS = ("tensorboard", "wandb", "trackio", "none")
 # Fields that only change how a run is watched, not what it produces: left out of every fingerprint, so a run
 # resumes (and a finished stage stays done) under another tracker.
@@ -135,6 +135,11 @@ class EvalConfig(_Section):
     num_samples: int = Field(1, gt=0, le=256, description="Samples per item when do_sample (gives pass@k, majority vote).")
     compile: Literal["auto", "always", "never"] = Field(
         "auto", description="Static KV cache + torch.compile decode; `auto` turns it on for CUDA only."
+    )
+    visual_control: bool = Field(
+        False,
+        description="Also evaluate the held-out set with each item's image swapped for another item's (same family), "
+        "before and after training, and report the visual gain (vlmrl.visual_control).",
     )
 
 

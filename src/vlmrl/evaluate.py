@@ -70,8 +70,11 @@ def evaluate(
     *,
     adapter: Path | None = None,
     progress: Callable[[int, int, int], None] | None = None,
+    swap_seed: int | None = None,
 ) -> EvalResult:
-    """Evaluate the held-out set of `run_dir` at `stage` (baseline: no adapter; after: the trained one)."""
+    """Evaluate the held-out set of `run_dir` at `stage` (baseline: no adapter; after: the trained one).
+    With `swap_seed`, each item is shown another item's image(s) (`vlmrl.visual_control`), into
+    `<stage>_swapped_records.jsonl` / `<stage>_swapped_summary.json`."""
     from vlmrl.provenance import provenance, utc_now
 
     started_at = utc_now()
@@ -79,14 +82,21 @@ def evaluate(
     if stage not in STAGES:
         raise EvalError(f"--stage {stage!r}: choose baseline or after.")
     items = load_holdout(config, run_dir)
+    name = stage
+    if swap_seed is not None:
+        from vlmrl.visual_control import SWAPPED, derangement, swap_images
+
+        items, name = swap_images(items, derangement(items, swap_seed)), stage + SWAPPED
     rewards = check_run_rewards(config, run_dir)  # a broken reward fails here, before any model loads
     rewards_key = rewards_fingerprint(config)
     if stage == "after":
         adapter = adapter or default_adapter_dir(run_dir)
     if adapter is not None:
         check_adapter(adapter, config, run_dir)
-    records_path = run_dir / f"{stage}_records.jsonl"
+    records_path = run_dir / f"{name}_records.jsonl"
     settings = generation_settings(config, adapter, run_dir)
+    if swap_seed is not None:
+        settings["image_swap_seed"] = swap_seed
     shards = _shard_files(records_path)  # left by a killed multi-process run, if any
     done = _existing_records([records_path, *shards], settings)
     if distributed.is_main_process():
@@ -150,7 +160,7 @@ def evaluate(
     distributed.barrier()  # every shard is complete
 
     # step 3: rank 0 merges the shards, then writes the summary, recomputed from the records on disk
-    summary_path = run_dir / f"{stage}_summary.json"
+    summary_path = run_dir / f"{name}_summary.json"
     if distributed.is_main_process():
         shards = _shard_files(records_path)
         if shards:
@@ -158,7 +168,7 @@ def evaluate(
         records = read_jsonl(records_path)
         if progress and not live and todo:
             progress(len(records), len(items), sum(r["generated_tokens"] for r in records if r["id"] not in done))
-        summary = summarize(records, stage=stage, seed=config.run.seed)
+        summary = summarize(records, stage=name, seed=config.run.seed)
         summary["provenance"] = provenance(started_at=started_at, finished_at=utc_now())
         write_json_atomic(summary_path, summary)
     distributed.barrier()  # the summary exists before any rank reads it
@@ -261,6 +271,7 @@ def make_record(item: dict, generations: list, settings: dict, seconds: float, s
         "image_sha256": record_hashes(item),  # one per image, in order
         "prompt_sha256": hashlib.sha256(item["prompt"].encode()).hexdigest()[:16],
         "category": item.get("category"),
+        **({"image_from": item["image_from"]} if "image_from" in item else {}),  # the visual control's swap
         "metadata": item.get("metadata") or {},
         "generation": settings,
         "rewards_fingerprint": rewards_key,

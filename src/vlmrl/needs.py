@@ -115,6 +115,9 @@ def _gpu_problems(config: Config) -> list[str]:
     from vlmrl.preflight import estimate_memory, shapes_for
 
     name = config.model.name
+    if name == "demo-policy-gpu" and not torch.cuda.is_available():
+        return [(f"model {name!r} (the demo-gpu preset) is warm-started and trained on a CUDA GPU and this machine "
+                "has none (model.name=demo-policy-gpu-smoke runs the same path at toy size on a CPU)")]
     shapes = None if is_local_only(name) else shapes_for(name)
     if config.model.load_in_4bit:
         reason = four_bit_unsupported_reason()  # bitsandbytes >= 0.48 also runs nf4 on the CPU

@@ -67,6 +67,11 @@ def _run_stages(config: Config, run_dir: Path, say: Say, progress_factory, train
     # 7 evaluation after training, and the paired comparison
     stage("eval after", eval_done(config, run_dir, "after"),
           lambda: evaluate.evaluate(config, run_dir, "after", progress=_progress(progress_factory, "after")))
+    if config.eval.visual_control:  # the same held-out set with images swapped between items, before and after
+        from vlmrl import visual_control
+
+        stage("eval swapped images", all(eval_done(config, run_dir, s + visual_control.SWAPPED) for s in evaluate.STAGES),
+              lambda: visual_control.evaluate_swapped(config, run_dir, progress_factory))
     stage("compare", False, lambda: compare.compare_runs(run_dir, seed=config.run.seed))
     # 8 export, then the report
     stage("export", export.is_exported(config, run_dir), lambda: export.export_adapter(config, run_dir))
@@ -124,7 +129,8 @@ def retrain(config: Config, run_dir: Path, say: Say, progress=None) -> None:
     stale = summary.exists() and read_json(summary).get("fingerprint") != train.train_fingerprint(config)
     if stale:
         say("[note] train: the finished training used other rewards (a reward file changed); training again")
-    for path in [run_dir / "after_summary.json", *run_dir.glob("after_records*.jsonl")]:
+    for path in [run_dir / "after_summary.json", run_dir / "after_swapped_summary.json",
+                 *run_dir.glob("after_records*.jsonl"), *run_dir.glob("after_swapped_records*.jsonl")]:
         path.unlink(missing_ok=True)  # made with an adapter that is about to be replaced
     train.train(config, run_dir, resume=not stale, console_callback=say, progress=progress)
 

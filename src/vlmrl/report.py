@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
+from vlmrl import visual_control
 from vlmrl.io import read_json, read_jsonl, write_text_atomic
 
 THUMB_PX = 96
@@ -63,6 +64,7 @@ def build_report(run_dir: Path) -> str:
         ("headline", "Before / after", _headline_section(files)),
         ("training", "Training", _training_section(files)),
         ("categories", "By category", _category_section(files)),
+        ("visual", "Visual control", visual_control.report_html((files.json_object("comparison.json") or {}).get("visual_control"))),
         ("flips", "Flips", _flips_section(files)),
         ("samples", "Samples", _samples_section(files)),
         ("export", "Export checks", _export_section(files)),

@@ -34,7 +34,8 @@ CLAIM_ENV = "VLMRL_RUN_CLAIM"
 VLMRL_ENTRIES = frozenset({
     "config.yaml", "env.json", "data", "base-model", "baseline_records.jsonl", "baseline_summary.json", "train",
     "after_records.jsonl", "after_summary.json", "comparison.json", "adapter", "export.json", "merged-16bit",
-    "merged-4bit", "report.html", MARKER, LOCK,
+    "merged-4bit", "report.html", "baseline_swapped_records.jsonl", "baseline_swapped_summary.json",
+    "after_swapped_records.jsonl", "after_swapped_summary.json", MARKER, LOCK,
 })
 
 
@@ -50,7 +51,7 @@ def is_vlmrl_entry(name: str) -> bool:
     """
     if name in VLMRL_ENTRIES:
         return True
-    for stage in ("baseline", "after"):
+    for stage in ("baseline", "after", "baseline_swapped", "after_swapped"):
         if name.startswith(f"{stage}_records.rank") and name.endswith(".jsonl"):
             return True
     # write_bytes_atomic's temp files: .<name>.<random>.tmp

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,9 +33,13 @@ class SftExample:
     target: str  # the assistant text, e.g. contract.render_answer(reasoning, solution)
 
 
-def sft_batch(processor: Any, examples: list[SftExample], device: torch.device) -> dict:
-    """Inputs with labels: -100 on padding and on every prompt token, the assistant turn kept."""
+def sft_batch(processor: Any, examples: list[SftExample], device: torch.device,
+              lengths: dict[tuple[str, tuple[int, int]], int] | None = None) -> dict:
+    """Inputs with labels: -100 on padding and on every prompt token, the assistant turn kept. `lengths`
+    caches each (prompt, image size)'s token count across calls: a prompt's count depends on nothing else, and
+    counting it runs the image processor (most of a GPU warm start's time, without the cache)."""
     fulls, prompt_lengths = [], []
+    lengths = {} if lengths is None else lengths
     for ex in examples:
         prompt = render_prompt(processor, ex.prompt)
         messages = build_messages(ex.prompt) + [{"role": "assistant", "content": [{"type": "text", "text": ex.target}]}]
@@ -42,8 +47,10 @@ def sft_batch(processor: Any, examples: list[SftExample], device: torch.device) 
         if not full.startswith(prompt):
             raise ValueError("the chat template renders the prompt differently with and without an answer")
         fulls.append(full)
-        # the prompt's token count, image tokens included
-        prompt_lengths.append(processor(text=[prompt], images=[[ex.image]], return_tensors="pt")["input_ids"].shape[1])
+        key = (prompt, ex.image.size)
+        if key not in lengths:  # the prompt's token count, image tokens included
+            lengths[key] = processor(text=[prompt], images=[[ex.image]], return_tensors="pt")["input_ids"].shape[1]
+        prompt_lengths.append(lengths[key])
     batch = processor(text=fulls, images=[[ex.image] for ex in examples], padding=True, return_tensors="pt")
     labels = batch["input_ids"].clone()  # [B, L]
     width = labels.shape[1]
@@ -63,9 +70,15 @@ def sft_train(
     batch_size: int = 16,
     learning_rate: float = 2e-3,
     seed: int = 0,
-    on_step: Callable[[int, float], None] | None = None,
+    on_step: Callable[[int, float], bool | None] | None = None,
+    bf16_autocast: bool = False,
+    prefetch: bool = False,
 ) -> list[float]:
-    """Train `model` in place for `steps` AdamW steps on random batches of `examples`; returns the losses."""
+    """Train `model` in place for `steps` AdamW steps on random batches of `examples`; returns the losses.
+    `on_step(step, loss)` is called after each step; a true return stops training there.
+    `bf16_autocast` runs forward and backward under bfloat16 autocast (weights and optimizer stay float32).
+    `prefetch` builds the next batch on a worker thread while this one trains (on a GPU the processor, not the
+    model, is the bottleneck); the batches and their order are the same either way."""
     if not examples:
         raise ValueError("sft_train: no examples")
     rng = random.Random(seed)
@@ -74,16 +87,35 @@ def sft_train(
     optimizer = torch.optim.AdamW(params, lr=learning_rate, weight_decay=0.0)
     device = next(model.parameters()).device
     model.train()
-    losses = []
-    for step in range(steps):
-        batch = sft_batch(processor, rng.sample(examples, min(batch_size, len(examples))), device)
-        loss = model(**batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
-        if on_step:
-            on_step(step + 1, losses[-1])
+    losses: list[float] = []
+    lengths: dict[tuple[str, tuple[int, int]], int] = {}
+    draws = (rng.sample(examples, min(batch_size, len(examples))) for _ in range(steps))  # drawn in step order
+
+    def build(chosen: list[SftExample]) -> dict:
+        return sft_batch(processor, chosen, device, lengths)
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        upcoming = pool.submit(build, next(draws)) if prefetch and steps else None
+        for step in range(steps):
+            if upcoming is None:
+                batch = build(next(draws))
+            else:
+                batch = upcoming.result()
+                upcoming = pool.submit(build, next(draws)) if step + 1 < steps else None
+            losses.append(_step(model, batch, params, optimizer, bf16_autocast))
+            if on_step and on_step(step + 1, losses[-1]):
+                break
     model.eval()
     return losses
+
+
+def _step(model: Any, batch: dict, params: list, optimizer: torch.optim.Optimizer, bf16_autocast: bool) -> float:
+    """One AdamW step on `batch`; its loss."""
+    device_type = batch["input_ids"].device.type
+    with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16_autocast):
+        loss = model(**batch).loss
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(loss.detach())

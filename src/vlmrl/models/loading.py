@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from vlmrl.config import ModelConfig
+from vlmrl.models import DEMO_POLICIES
 from vlmrl.models.lora import VISION_MARKERS
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ def is_local_only(model_name: str) -> bool:
     >>> is_local_only("tiny:qwen3_vl"), is_local_only("demo-policy"), is_local_only("Qwen/Qwen3-VL-8B-Instruct")
     (True, True, False)
     """
-    return model_name.startswith("tiny:") or model_name == "demo-policy"
+    return model_name.startswith("tiny:") or model_name in DEMO_POLICIES
 
 
 def resolve_model_source(name: str, run_dir: Path | None = None) -> str:
@@ -73,10 +74,10 @@ def resolve_model_source(name: str, run_dir: Path | None = None) -> str:
         if not (folder / "config.json").exists():
             build_tiny_model(arch, folder, seed=0)
         return str(folder.resolve())
-    if name == "demo-policy":
-        from vlmrl.models.demo import ensure_demo_policy
+    if name in DEMO_POLICIES:
+        from vlmrl.models.demo import RECIPES, ensure_demo_policy
 
-        return str(ensure_demo_policy())
+        return str(ensure_demo_policy(RECIPES[name]))
     return name
 
 

@@ -90,15 +90,21 @@ def build_tiny_model(
     num_layers: int = 2,
     vocab_size: int = 1024,
     image_size: int = 128,
+    vision_depth: int = VISION_DEPTH,
 ) -> Path:
     """Write a random-weight `arch` model with its tokenizer, processor and chat template to `out_dir`.
 
     `vocab_size` is the number of embedding rows; the tokenizer is trained to fill at most that many ids.
     `image_size` is the pixel budget per side: any input image becomes about (image_size/32)^2 image tokens,
     16 at 128 (exactly so for a square input; Qwen2.5-VL's 14px patches round 128 down to 112).
-    The same arguments and seed give the same files.
+    `vision_depth` (vision transformer blocks) can grow for Qwen3-VL only: the GPU demo's policy must learn to
+    read its figures; the other families keep the tiny default. The same arguments and seed give the same files.
     """
     check_sizes(arch, TINY_ARCHS, hidden_size, num_layers, vocab_size, image_size)
+    if vision_depth != VISION_DEPTH and arch != "qwen3_vl":
+        raise ValueError(f"vision_depth={vision_depth}: only the qwen3_vl tiny build takes another vision depth.")
+    if vision_depth < 1:
+        raise ValueError(f"vision_depth={vision_depth}: use at least 1.")
     if arch == IDEFICS3:
         config, processor, generation_config = build_idefics3_parts(
             hidden_size, num_layers, vocab_size, image_size
@@ -113,8 +119,10 @@ def build_tiny_model(
     else:
         tokenizer = _qwen_tokenizer(vocab_size, arch)
         processor = _qwen_processor(arch, tokenizer, image_size)
-        make_config = _qwen3_vl_config if arch == "qwen3_vl" else _qwen2_5_vl_config
-        config = make_config(tokenizer, hidden_size, num_layers, vocab_size, image_size)
+        if arch == "qwen3_vl":
+            config = _qwen3_vl_config(tokenizer, hidden_size, num_layers, vocab_size, image_size, vision_depth)
+        else:
+            config = _qwen2_5_vl_config(tokenizer, hidden_size, num_layers, vocab_size, image_size)
     model = _random_model(config, seed)
     model.generation_config = _generation_config(arch, tokenizer)
     return save_folder(model, processor, Path(out_dir))
@@ -310,7 +318,8 @@ def _gemma_processor(tokenizer: GemmaTokenizer, image_size: int) -> Gemma3Proces
 
 
 def _qwen3_vl_config(
-    tokenizer: Any, hidden_size: int, num_layers: int, vocab_size: int, image_size: int
+    tokenizer: Any, hidden_size: int, num_layers: int, vocab_size: int, image_size: int,
+    vision_depth: int = VISION_DEPTH,
 ) -> Qwen3VLConfig:
     ids = tokenizer.convert_tokens_to_ids
     width = vision_width(hidden_size)
@@ -324,7 +333,7 @@ def _qwen3_vl_config(
         "pad_token_id": ids("<|endoftext|>"),
     }  # fmt: skip
     vision = {
-        "depth": VISION_DEPTH,
+        "depth": vision_depth,
         "hidden_size": width,
         "intermediate_size": 2 * width,
         "num_heads": width // HEAD_DIM,

@@ -1,0 +1,53 @@
+"""The supervised warm start: a prefetched run trains on the same batches as a plain one, and the cached
+prompt-token counts are the ones the processor gives."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+from vlmrl.data.synthetic import generate_items
+from vlmrl.models.demo import _prompt, _target
+from vlmrl.models.tiny import build_tiny_model
+from vlmrl.sft import SftExample, sft_batch, sft_train
+
+
+def _examples(n: int = 12) -> list[SftExample]:
+    items = generate_items(n, seed=3, size=64, families=["count_squares", "bar_value"])
+    return [SftExample(_prompt(i.question), i.image, _target(i.family, i.answer)) for i in items]
+
+
+def test_prefetch_trains_on_the_same_batches(tmp_path):
+    folder = build_tiny_model("qwen3_vl", tmp_path / "m", hidden_size=64, num_layers=1, image_size=64)
+    processor = AutoProcessor.from_pretrained(folder)
+    processor.tokenizer.padding_side = "left"
+    runs = []
+    for prefetch in (False, True):
+        model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+        runs.append(sft_train(model, processor, _examples(), steps=3, batch_size=4, seed=1, prefetch=prefetch))
+    assert runs[0] == runs[1] and len(runs[0]) == 3
+
+
+def test_cached_prompt_lengths_match_a_fresh_count(tmp_path):
+    folder = build_tiny_model("qwen3_vl", tmp_path / "m", hidden_size=64, num_layers=1, image_size=64)
+    processor = AutoProcessor.from_pretrained(folder)
+    processor.tokenizer.padding_side = "left"
+    examples = _examples(6)
+    cache: dict = {}
+    first = sft_batch(processor, examples, torch.device("cpu"), cache)
+    assert cache  # filled: the count of one prompt and image size
+    again = sft_batch(processor, examples, torch.device("cpu"), cache)
+    fresh = sft_batch(processor, examples, torch.device("cpu"))
+    assert torch.equal(first["labels"], again["labels"]) and torch.equal(first["labels"], fresh["labels"])
+    assert (first["labels"] != -100).any(dim=1).all()  # every row keeps its answer tokens
+
+
+def test_on_step_returning_true_stops_training(tmp_path):
+    folder = build_tiny_model("qwen3_vl", tmp_path / "m", hidden_size=64, num_layers=1, image_size=64)
+    processor = AutoProcessor.from_pretrained(folder)
+    processor.tokenizer.padding_side = "left"
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+    seen = []
+    losses = sft_train(model, processor, _examples(), steps=5, batch_size=2, prefetch=True,
+                       on_step=lambda step, loss: seen.append(step) or step == 2)
+    assert seen == [1, 2] and len(losses) == 2
