@@ -1,8 +1,9 @@
 """What every tiny family shares: the tokenizer corpus and BPE training, layer shapes, and writing the folder.
 
-One place for these so each family's builder (tiny.py for Qwen-VL and Gemma 3, tiny_idefics3.py for SmolVLM)
-keeps only what is its own: special tokens, chat template, processor and config. Left out: anything
-family-specific, and any choice of sizes (the builders' arguments decide those).
+One place for these so each family's module (tiny_qwen3_vl.py, tiny_qwen2_5_vl.py, tiny_gemma3.py,
+tiny_idefics3.py; tiny.py dispatches to them) keeps only what is its own: special tokens, chat template,
+processor and config. Left out: anything family-specific (the two Qwen-VL generations share theirs in
+tiny_qwen.py), and any choice of sizes (the builders' arguments decide those).
 """
 
 from __future__ import annotations
