@@ -105,3 +105,20 @@ def test_a_relative_data_source_in_a_config_file_is_beside_the_file(tmp_path, mo
     assert load_config(str(folder / "config.yaml"), ["data.source=other.jsonl"]).data.source == "other.jsonl"
     (folder / "hub.yaml").write_text("data:\n  source: AI4Math/MathVista\n")
     assert load_config(str(folder / "hub.yaml")).data.source == "AI4Math/MathVista"
+
+
+def test_the_loading_side_is_importable_alone_and_its_doctests_pass():
+    """vlmrl.config_load sits below vlmrl.config (no cycle): a fresh interpreter imports it alone."""
+    import doctest
+    import subprocess
+    import sys
+
+    import vlmrl.config_load
+
+    result = doctest.testmod(vlmrl.config_load)
+    assert result.attempted > 0 and result.failed == 0
+    probe = ("import sys, vlmrl.config_load; "
+             "print(sorted(m for m in sys.modules if m.startswith('vlmrl.') and m != 'vlmrl.config_load'))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+    assert vlmrl.config_load.ConfigError is ConfigError and vlmrl.config_load.PRESETS is PRESETS

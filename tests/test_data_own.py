@@ -365,7 +365,7 @@ def test_two_image_rows_prepare_train_and_evaluate_with_a_tiny_model(tmp_path, m
 
 
 def test_the_report_shows_every_image_of_an_item(tmp_path):
-    from vlmrl.report import _thumbnail
+    from vlmrl.report.samples import _thumbnail
 
     for name in ("a", "b"):
         placeholder_image(name).save(tmp_path / f"{name}.png")

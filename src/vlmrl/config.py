@@ -7,31 +7,38 @@ valid key, and cross-field contradictions say how to fix them. The top-level `re
 rewards and their weights; a user function's file is resolved against the config file's folder here, at load
 time (importing and checking it is `vlmrl.reward_fns`).
 
+This module holds the schema (the sections, their fields and cross-field checks, the fingerprints) and the
+entry points `load_config`, `validate_config`, `dump_config`; reading presets and YAML, applying overrides,
+refusing replaced fields and wording the errors is `vlmrl.config_load`, re-exported names included
+(`PRESETS`, `ConfigError`).
+
 Deliberately left out: a mirror of all of ``GRPOConfig``. ``train.trl_overrides`` passes anything else
 straight to TRL.
 """
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import json
-from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-PRESETS = ("demo", "demo-gpu", "seed", "gspo-paper")
+from vlmrl.config_load import (
+    PRESETS,  # noqa: F401 (re-exported: `from vlmrl.config import PRESETS`)
+    ConfigError,
+    apply_override,
+    describe_errors,
+    read_source,
+    refuse_reward_weights,
+)
+
 TRACKERS = ("tensorboard", "wandb", "trackio", "none")
 # Fields that only change how a run is watched, not what it produces: left out of every fingerprint, so a run
 # resumes (and a finished stage stays done) under another tracker.
 OBSERVATION_FIELDS = {"train": ("report_to",)}
-
-
-class ConfigError(ValueError):
-    """A config that cannot be used; the message names the file, the field and the fix."""
 
 
 class _Section(BaseModel):
@@ -394,10 +401,10 @@ class Config(_Section):
 def load_config(source: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Load a preset name or YAML path (None = `demo`), apply `key.path=value` overrides, validate."""
     source = source or "demo"
-    raw, origin = _read_source(str(source))
+    raw, origin = read_source(str(source))
     written = (raw.get("data") or {}).get("source") if isinstance(raw.get("data"), dict) else None
     for item in overrides or []:
-        _apply_override(raw, item)
+        apply_override(raw, item)
     config = validate_config(raw, origin)
     base = Path(origin).parent if Path(origin).is_file() else Path.cwd()
     _resolve_data_source(config, written, base)
@@ -429,112 +436,13 @@ def validate_config(raw: Any, origin: str = "<config>") -> Config:
     """Validate a parsed mapping, turning pydantic's errors into one readable ConfigError."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{origin}: the top level must be a mapping of sections, got {type(raw).__name__}.")
-    _refuse_reward_weights(raw, origin)
+    refuse_reward_weights(raw, origin)
     try:
         return Config.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(_describe_errors(exc, origin)) from None
-
-
-def _refuse_reward_weights(raw: dict, origin: str) -> None:
-    """`train.reward_weights` (before `rewards:` existed) is refused with the form that replaces it."""
-    train = raw.get("train")
-    if not (isinstance(train, dict) and "reward_weights" in train):
-        return
-    old = train["reward_weights"]
-    fmt, cor = old if isinstance(old, list) and len(old) == 2 else (0.3, 1.0)
-    raise ConfigError(
-        f"{origin}: train.reward_weights was replaced by a top-level `rewards:` list; write "
-        f"`rewards: [{{name: format, weight: {fmt}}}, {{name: correctness, weight: {cor}}}]` "
-        "(and add `{function: my_rewards.py:name, weight: ...}` entries for your own)."
-    )
+        raise ConfigError(describe_errors(exc, origin, Config)) from None
 
 
 def dump_config(config: Config) -> str:
     return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
 
-
-def _read_source(source: str) -> tuple[dict, str]:
-    if source in PRESETS:
-        text = resources.files("vlmrl.presets").joinpath(f"{source}.yaml").read_text()
-        origin = f"preset {source}"
-    else:
-        path = Path(source)
-        if not path.is_file():
-            raise ConfigError(f"{source}: no such config file and not a preset (presets: {', '.join(PRESETS)}).")
-        text = path.read_text(errors="replace")
-        origin = str(path)
-    try:
-        raw = _parse_yaml(text)
-    except Exception as exc:  # noqa: BLE001  see _parse_yaml
-        raise ConfigError(f"{origin}: not valid YAML ({(str(exc) or type(exc).__name__).splitlines()[0]}).") from None
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{origin}: the top level must be a mapping of sections, got {type(raw).__name__}.")
-    return raw, origin
-
-
-def _apply_override(raw: dict, item: str) -> None:
-    key, sep, value = item.partition("=")
-    if not sep or not key.strip():
-        raise ConfigError(f"override {item!r}: expected section.field=value, e.g. train.learning_rate=1e-5.")
-    parts = key.strip().split(".")
-    node = raw
-    for part in parts[:-1]:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"override {item!r}: {part} is not a section.")
-        node = child
-    try:
-        node[parts[-1]] = _parse_yaml(value)
-    except Exception:  # noqa: BLE001  not YAML: keep the text as typed, and let validation judge it
-        node[parts[-1]] = value
-
-
-def _parse_yaml(text: str) -> Any:
-    """yaml.safe_load, whose constructors raise plain ValueError, IndexError, AttributeError or RecursionError
-    (not YAMLError) on some inputs (`2001-13-01`, `!!int`, `!!timestamp x`, 5000 nested `[`): callers treat
-    any exception here as "not valid YAML" (found by tests/test_fuzz_config.py)."""
-    return yaml.safe_load(text)
-
-
-def _describe_errors(exc: ValidationError, origin: str) -> str:
-    lines = [f"{origin}: invalid configuration"]
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"])
-        if err["type"] == "extra_forbidden":
-            lines.append(f"  unknown key {loc!r}{_suggest(err['loc'])}")
-        else:
-            msg = err["msg"].removeprefix("Value error, ")
-            lines.append(f"  {loc or '(config)'}: {msg}" + (f" (got {err['input']!r})" if loc else ""))
-    return "\n".join(lines)
-
-
-def _suggest(loc: tuple) -> str:
-    if len(loc) == 1:  # a flat, TRL-style key at the top level: point to the section that holds it
-        homes = _sections_holding(str(loc[0]))
-        if homes:
-            return f"; did you mean {' or '.join(repr(h) for h in homes)}? (fields live in their section)"
-    model: type[BaseModel] = Config
-    for part in loc[:-1]:
-        field = model.model_fields.get(str(part))
-        annotation = getattr(field, "annotation", None)
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-            return ""
-        model = annotation
-    close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1, cutoff=0.5)
-    prefix = ".".join(str(p) for p in loc[:-1])
-    return f"; did you mean '{prefix + '.' if prefix else ''}{close[0]}'?" if close else ""
-
-
-def _sections_holding(name: str) -> list[str]:
-    """`section.name` for every section with a field `name`.
-
-    >>> _sections_holding("report_to")
-    ['train.report_to']
-    >>> _sections_holding("nonsense")
-    []
-    """
-    return [f"{section}.{name}" for section, field in Config.model_fields.items()
-            if name in getattr(field.annotation, "model_fields", {})]
