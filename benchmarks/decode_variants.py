@@ -4,10 +4,10 @@ Outside TRL, random-weight Qwen3-VL-8B shapes, batch 32 (8 prompts x 4), LoRA r=
 path of vlmrl's rollouts (vlmrl_sdpa, prompt pass on a dynamic cache, cache bucketed), sampling. Each variant
 is warmed up at the measured length, so no timed call includes a compile. Variants, in one process:
   lora            adapters in float32 under the rollout's bf16 autocast (the path before this change)
-  lora+deferred   the same, with transformers' stop check read one step late (`fastgen.deferred_stop_check`)
-  bf16            the adapters' bf16 copies swapped in (`vlmrl.adapter_cast`), under the same autocast
+  lora+deferred   the same, with transformers' stop check read one step late (`rollout.fast.deferred_stop_check`)
+  bf16            the adapters' bf16 copies swapped in (`vlmrl.rollout.adapter_cast`), under the same autocast
   bf16+deferred   both
-  merged+deferred adapter merged into the weights (`vlmrl.merge`), the opt-in path
+  merged+deferred adapter merged into the weights (`vlmrl.rollout.merge`), the opt-in path
 Then, on bf16+deferred: the host syncs per token step that remain (torch.cuda sync debug mode, with the Python
 frames that caused them) and a profile (GPU kernel time per step, top kernels).
 Usage (CUDA): python benchmarks/decode_variants.py OUTDIR [TOKENS]
@@ -27,13 +27,13 @@ from pathlib import Path
 import torch
 from decode_setup import profile_summary, profile_tables, shaped_model_and_batch, timed_generate
 
-from vlmrl.adapter_cast import LowPrecisionAdapters
-from vlmrl.attention import packed_gqa, use_packed_gqa
-from vlmrl.fastgen import (
+from vlmrl.rollout.adapter_cast import LowPrecisionAdapters
+from vlmrl.rollout.attention import packed_gqa, use_packed_gqa
+from vlmrl.rollout.fast import (
     bucket_static_cache,
     deferred_stop_check,
 )
-from vlmrl.merge import RolloutMerge
+from vlmrl.rollout.merge import RolloutMerge
 
 
 def host_syncs(model, batch, steps, **kwargs) -> dict:

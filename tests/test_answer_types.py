@@ -9,8 +9,8 @@ import pytest
 from vlmrl.contract import INSTRUCTION, build_prompt_text
 from vlmrl.data.items import Item
 from vlmrl.evaluate import make_record
-from vlmrl.generation import Generation
 from vlmrl.rewards import correctness_reward, score_completion
+from vlmrl.rollout.generation import Generation
 
 S0, S1 = "<SOLUTION>", "</SOLUTION>"
 ANGLES = ["135°", "140°", "145°", "150°"]

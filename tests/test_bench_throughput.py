@@ -7,9 +7,8 @@ import json
 
 import pytest
 
-from vlmrl import bench_throughput
-from vlmrl.bench import BenchSettings, load_shapes, markdown_table, summarize
-from vlmrl.compile_cache import CompileCache
+from vlmrl.bench import BenchSettings, load_shapes, markdown_table, summarize, throughput
+from vlmrl.rollout.compile_cache import CompileCache
 
 
 def _result(path: str, steps: list[tuple[float, float]], peak: float, error: str | None = None) -> dict:
@@ -24,14 +23,14 @@ def test_rows_report_the_steady_step_and_samples_per_second():
                 ("vlmrl", 64, _result("vlmrl", [(95.0, 85.0), (32.0, 20.0)], 40.0)),
                 ("vlmrl", 128, _result("vlmrl", [], 0.0, error="OutOfMemoryError: CUDA out of memory")),
                 ("vlmrl", 256, None)]
-    rows = bench_throughput.throughput_rows(settings, measured)
+    rows = throughput.throughput_rows(settings, measured)
     assert [r["per_device_batch"] for r in rows] == [8, 16, 32, 64]
     # 32 completions in the 20 s steady step (the 90 s first step compiles and is excluded)
     assert (rows[0]["step_seconds"], rows[0]["samples_per_second"], rows[0]["first_step_seconds"]) == (20.0, 1.6, 90.0)
     assert rows[1]["samples_per_second"] == 2.0 and rows[1]["decode_ms_per_step"] == 20.0
     assert rows[2]["error"].startswith("OutOfMemoryError") and "step_seconds" not in rows[2]
     assert rows[3]["error"] == "skipped: a smaller batch failed"
-    table = bench_throughput.throughput_table({"settings": {**settings.__dict__}, "prompt_tokens": 310, "rows": rows})
+    table = throughput.throughput_table({"settings": {**settings.__dict__}, "prompt_tokens": 310, "rows": rows})
     assert "| vlmrl | 64 | 16 | 32.0 | 95.0 | 2.00 | 20.0 | 40.0 | 40.0 / 39.0 | 41.0 |" in table
     assert "| vlmrl | 256 | 64 | failed: skipped: a smaller batch failed |" in table
 
@@ -47,13 +46,13 @@ def test_each_batch_runs_its_own_trainer_and_larger_ones_stop_after_a_failure(mo
         return _result(path, [(100.0, 90.0), (batch / 2, batch / 4)], batch / 2)
 
     cache = CompileCache("/c/inductor", "/c/triton", "explicit", cold=True, files_at_start=0)
-    monkeypatch.setattr(bench_throughput, "prepare_device", lambda settings, work: (cache, work))
-    monkeypatch.setattr(bench_throughput, "build_processor", lambda work, size: tmp_path)
-    monkeypatch.setattr(bench_throughput, "bench_dataset", lambda settings: list(range(settings.prompts * 3)))
-    monkeypatch.setattr(bench_throughput, "prompt_tokens_of", lambda processor_dir, dataset: 310)
-    monkeypatch.setattr(bench_throughput, "run_path", fake_run_path)
+    monkeypatch.setattr(throughput, "prepare_device", lambda settings, work: (cache, work))
+    monkeypatch.setattr(throughput, "build_processor", lambda work, size: tmp_path)
+    monkeypatch.setattr(throughput, "bench_dataset", lambda settings: list(range(settings.prompts * 3)))
+    monkeypatch.setattr(throughput, "prompt_tokens_of", lambda processor_dir, dataset: 310)
+    monkeypatch.setattr(throughput, "run_path", fake_run_path)
     settings = BenchSettings(paths=["vlmrl"], steps=2)
-    summary = bench_throughput.run_throughput(settings, [32, 64, 128, 256], tmp_path / "out", tmp_path)
+    summary = throughput.run_throughput(settings, [32, 64, 128, 256], tmp_path / "out", tmp_path)
     # per-device batch = generation batch / 4 generations; the data sized once, for the largest batch
     assert calls == [("vlmrl", 8, 192), ("vlmrl", 16, 192), ("vlmrl", 32, 192)]  # 256 never attempted
     assert [r["samples_per_second"] for r in summary["rows"][:2]] == [2.0, 2.0]
@@ -75,4 +74,4 @@ def test_the_bench_table_says_whether_the_compile_cache_was_cold():
 @pytest.mark.parametrize("text, error", [("32,x", "'x' is not a whole number"), ("0", "positive multiple")])
 def test_bad_batches_are_one_line_errors(text, error):
     with pytest.raises(ValueError, match=error):
-        bench_throughput.parse_batches(text, 4)
+        throughput.parse_batches(text, 4)

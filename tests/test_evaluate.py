@@ -17,11 +17,11 @@ import pytest
 
 from vlmrl.config import Config, load_config
 from vlmrl.evaluate import EvalError, evaluate, load_holdout, make_record, summarize
-from vlmrl.generation import Generation
 from vlmrl.io import read_json, read_jsonl
 from vlmrl.models.tiny import TINY_ARCHS
 from vlmrl.pipeline import prepare_with_budget
 from vlmrl.rewards import score_completion
+from vlmrl.rollout.generation import Generation
 
 MAX_NEW_TOKENS = 12
 HOLDOUT = 6

@@ -20,10 +20,10 @@ from vlmrl.config import Config
 from vlmrl.contract import completion_text
 from vlmrl.evaluate import EvalError
 from vlmrl.export import ExportError, check_base_model, export_adapter, verify_adapter_weights
-from vlmrl.generation import encode_batch
 from vlmrl.io import read_json, read_jsonl
 from vlmrl.models.loading import load_model
 from vlmrl.pipeline import prepare_with_budget
+from vlmrl.rollout.generation import encode_batch
 from vlmrl.train import train
 
 PASSING = ("lora_b_nonzero", "lora_finite", "base_model_matches", "reload_reproduces_logits", "merged_16bit")

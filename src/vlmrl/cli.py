@@ -464,7 +464,7 @@ def bench(
     import torch
 
     from vlmrl.bench import PATHS, BenchSettings, run_bench, save_shaped_model
-    from vlmrl.bench_throughput import parse_batches
+    from vlmrl.bench.throughput import parse_batches
     from vlmrl.distributed import is_main_process, world_size
 
     unknown = [p for p in paths.split(",") if p not in PATHS]
@@ -503,7 +503,7 @@ def bench(
 def _bench_throughput(settings: BenchSettings, batches: list[int], out: Path) -> None:
     import tempfile
 
-    from vlmrl.bench_throughput import run_throughput
+    from vlmrl.bench.throughput import run_throughput
     from vlmrl.distributed import is_main_process
 
     with tempfile.TemporaryDirectory(prefix="vlmrl-bench-") as work:

@@ -186,7 +186,7 @@ class TrainConfig(_Section):
     generation_backend: Literal["hf", "vllm"] = Field("hf", description="Rollout engine; vLLM when installed.")
     fast_generation: Literal["auto", "always", "never"] = Field(
         "auto",
-        description="Static KV cache + torch.compile for rollouts inside TRL's trainer (vlmrl.fastgen); `auto` is "
+        description="Static KV cache + torch.compile for rollouts inside TRL's trainer (vlmrl.rollout.fast); `auto` is "
         "on for CUDA only.",
     )
     prompt_bucket: int = Field(
@@ -204,13 +204,13 @@ class TrainConfig(_Section):
     rollout_merge: bool = Field(
         False,
         description="With fast generation, merge the LoRA adapter into the base weights for each rollout and restore "
-        "them exactly from a pinned host copy (vlmrl.merge): faster decoding, but adapter deltas below half a bf16 "
+        "them exactly from a pinned host copy (vlmrl.rollout.merge): faster decoding, but adapter deltas below half a bf16 "
         "step of their weight are lost in rollouts; skipped for 4-bit bases, DoRA/variants and FSDP/ZeRO.",
     )
     rollout_adapter_copies: bool = Field(
         False,
         description="With fast generation and float32 LoRA weights over a bf16 base, keep bf16 copies of the adapter "
-        "weights for rollouts (vlmrl.adapter_cast): the per-token-step casts go (0.9 ms of 12.5 per step for "
+        "weights for rollouts (vlmrl.rollout.adapter_cast): the per-token-step casts go (0.9 ms of 12.5 per step for "
         "Qwen3-VL-8B on an H200), for 2 bytes per adapter parameter kept on the GPU (0.08 GiB at r=16). Not with "
         "the adapter merged, nor under FSDP / DeepSpeed.",
     )

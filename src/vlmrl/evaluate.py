@@ -27,11 +27,9 @@ from pathlib import Path
 
 import torch
 
-from vlmrl import distributed, fastgen, stats
-from vlmrl.compile_cache import use_compile_cache
+from vlmrl import distributed, stats
 from vlmrl.config import Config
 from vlmrl.data.items import open_record_images, record_hashes
-from vlmrl.generation import generate_batch
 from vlmrl.grading import grade, mathvista_correct, normalize_mathvista
 from vlmrl.io import append_jsonl, read_json, read_jsonl, write_json_atomic, write_jsonl_atomic
 from vlmrl.models.loading import load_with_adapter
@@ -46,6 +44,9 @@ from vlmrl.reward_fns import (
     weighted_total,
 )
 from vlmrl.rewards import score_completion
+from vlmrl.rollout import fast
+from vlmrl.rollout.compile_cache import use_compile_cache
+from vlmrl.rollout.generation import generate_batch
 from vlmrl.rundir import relative_to_run
 
 log = logging.getLogger(__name__)
@@ -123,7 +124,7 @@ def evaluate(
     # step 2: generate this rank's missing batches, appending records as each batch finishes
     if mine:
         loaded = load_with_adapter(config.model, run_dir, adapter)
-        compiled = fastgen.wanted(config.eval.compile)
+        compiled = fast.wanted(config.eval.compile)
         if compiled:
             use_compile_cache()  # before the first compile: kept with vlmrl's cache across runs
         started, tokens, finished = time.perf_counter(), 0, len(done)

@@ -160,7 +160,7 @@ def _fresh(out: Path) -> None:
 
 @torch.inference_mode()
 def logits(loaded: Any, run_dir: Path, item: dict) -> torch.Tensor:
-    from vlmrl.generation import encode_batch
+    from vlmrl.rollout.generation import encode_batch
 
     batch = encode_batch(loaded.processor, [item["prompt"]], [open_record_images(run_dir, item)], loaded.device)
     return loaded.model(**batch).logits.float().cpu()
@@ -168,8 +168,8 @@ def logits(loaded: Any, run_dir: Path, item: dict) -> torch.Tensor:
 
 @torch.inference_mode()
 def _greedy(loaded: Any, run_dir: Path, item: dict) -> list[int]:
-    from vlmrl.generation import encode_batch
     from vlmrl.models.loading import multimodal_token_ids
+    from vlmrl.rollout.generation import encode_batch
 
     batch = encode_batch(loaded.processor, [item["prompt"]], [open_record_images(run_dir, item)], loaded.device)
     tokenizer = loaded.processor.tokenizer

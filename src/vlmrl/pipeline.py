@@ -89,8 +89,8 @@ def prepare_with_budget(config: Config, run_dir: Path):
 def prompt_token_counter(config: Config, run_dir: Path):
     from transformers import AutoProcessor
 
-    from vlmrl.generation import count_prompt_tokens
     from vlmrl.models.loading import resolve_model_source
+    from vlmrl.rollout.generation import count_prompt_tokens
 
     processor = AutoProcessor.from_pretrained(resolve_model_source(config.model.name, run_dir))
     return lambda prompt, images: count_prompt_tokens(processor, prompt, images)

@@ -9,16 +9,16 @@ The prediction is arithmetic on the same quantities that fill the card:
                        x layers x 2 x kv heads x head dim x 2 bytes
     prefill            generation batch x prompt tokens x (6 x intermediate + 8 x hidden) x 2 bytes: the prompt
                        pass's MLP and projection temporaries (with the LoRA branches)
-    adapter copies     with train.rollout_adapter_copies: LoRA parameters x 2 bytes (vlmrl.adapter_cast)
+    adapter copies     with train.rollout_adapter_copies: LoRA parameters x 2 bytes (vlmrl.rollout.adapter_cast)
     training           one micro-batch: checkpointed layer inputs (tokens x hidden x 2 bytes x layers) plus one
                        layer's recomputed activations and the log-prob pass over the completion tokens
 
 Rollouts and the loss pass do not overlap (transformers builds a new static cache per `generate` call and frees
 it afterwards; the H200 runs measure each phase's peak apart), so the peak is the larger of the two phases.
 In the rollout phase the prompt pass runs on a dynamic cache in both paths (vlmrl moves it into the static
-cache afterwards, `vlmrl.fastgen`), so its temporaries meet a prompt-sized cache; the full cache is reached
+cache afterwards, `vlmrl.rollout.fast`), so its temporaries meet a prompt-sized cache; the full cache is reached
 only while decoding. Host RAM: the model is loaded through host memory once, so about the weights' size plus
-4 GiB, plus the pinned copy of the adapted weights when the adapter is merged for rollouts (`vlmrl.merge`).
+4 GiB, plus the pinned copy of the adapted weights when the adapter is merged for rollouts (`vlmrl.rollout.merge`).
 
 `train.auto_batch` (`choose_batch`) uses the same prediction the other way round: the largest per-device batch
 (a multiple of num_generations) whose predicted peak fits the card, so a user with a bigger card need not search.
@@ -113,7 +113,7 @@ def estimate_memory(config: Config, shapes: dict, *, prompt_tokens: int, fast_ge
     one_layer = tokens * (6 * t["hidden_size"] + 3 * t["intermediate_size"]) * 2
     logprob_pass = tr.per_device_train_batch_size * tr.max_completion_length * t["vocab_size"] * 4 / 8  # chunked
     training = (checkpoints if tr.gradient_checkpointing else checkpoints * 8) + one_layer + logprob_pass
-    # bf16 adapter copies for rollouts (vlmrl.adapter_cast): only over an unquantized base (QLoRA's adapters are
+    # bf16 adapter copies for rollouts (vlmrl.rollout.adapter_cast): only over an unquantized base (QLoRA's adapters are
     # bf16 already); counted even with the merge asked for, which can be refused at run time
     copies = lora * 2 if fast_generation and tr.rollout_adapter_copies and not config.model.load_in_4bit else 0
     fixed = weights + lora * optimizer_bytes + copies

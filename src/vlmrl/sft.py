@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from PIL import Image
 
-from vlmrl.generation import build_messages, render_prompt
+from vlmrl.rollout.generation import build_messages, render_prompt
 
 log = logging.getLogger(__name__)
 

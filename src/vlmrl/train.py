@@ -71,9 +71,6 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOTrainer
 
-    from vlmrl.compile_cache import use_compile_cache
-    from vlmrl.fastgen import FastGeneration, enable_fast_generation
-    from vlmrl.fastgen import wanted as fastgen_wanted
     from vlmrl.models.loading import BASE_RECORD, base_identity, load_model
     from vlmrl.models.lora import apply_lora
     from vlmrl.provenance import provenance, utc_now
@@ -85,6 +82,9 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
         last_complete_checkpoint,
         trim_records_after,
     )
+    from vlmrl.rollout.compile_cache import use_compile_cache
+    from vlmrl.rollout.fast import FastGeneration, enable_fast_generation
+    from vlmrl.rollout.fast import wanted as fast_wanted
     from vlmrl.trackers import TrackerError, build_tracker_callbacks
     from vlmrl.trainargs import gspo_loss_note, quiet_trl_gspo_warning
     from vlmrl.validation import ValidationCallback
@@ -146,7 +146,7 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
     fast = (
         enable_fast_generation(trainer, bucket=config.train.prompt_bucket, merge=config.train.rollout_merge,
                                adapter_copies=config.train.rollout_adapter_copies)
-        if fastgen_wanted(config.train.fast_generation)
+        if fast_wanted(config.train.fast_generation)
         else FastGeneration(False, f"train.fast_generation={config.train.fast_generation}")
     )
     recorder.attach(trainer)

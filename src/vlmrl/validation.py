@@ -26,9 +26,9 @@ from transformers import TrainerCallback
 from vlmrl.config import Config
 from vlmrl.data.items import open_record_images
 from vlmrl.evaluate import load_holdout, make_record, summarize
-from vlmrl.generation import generate_batch
 from vlmrl.io import append_jsonl, read_json, write_json_atomic
 from vlmrl.reward_fns import load_rewards, rewards_fingerprint
+from vlmrl.rollout.generation import generate_batch
 from vlmrl.trackers import log_to_trackers
 
 log = logging.getLogger(__name__)

@@ -175,8 +175,8 @@ def _greedy_accuracy(model, processor, items: list, batch: int = 128) -> float:
     """The share of `items` the model answers right, greedily (the warm start's stop criterion)."""
     import torch
 
-    from vlmrl.generation import generate_batch
     from vlmrl.rewards import score_completion
+    from vlmrl.rollout.generation import generate_batch
 
     model.eval()
     right = 0

@@ -30,7 +30,7 @@ import torch
 
 class LowPrecisionAdapters:
     def __init__(self, model: Any, dtype: torch.dtype):
-        from vlmrl.merge import lora_layers
+        from vlmrl.rollout.merge import lora_layers
 
         self.dtype = dtype
         self.entries: list[tuple[torch.nn.Module, torch.nn.Parameter, torch.nn.Parameter]] = []

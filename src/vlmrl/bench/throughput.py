@@ -10,7 +10,7 @@ stops, for the seed recipe's step (GSPO, LoRA r=16, forced full-length completio
 
 Kept cheap: one process, `--steps` per batch (2: the first compiles for the new batch shape, the second is the
 steady one reported), the processor and data built once, the random weights built from the same seed for each
-batch (4-bit: the bf16 weights saved once and reloaded, `bench.build_shaped_model`). A fresh trainer per batch
+batch (4-bit: the bf16 weights saved once and reloaded, `shaped.build_shaped_model`). A fresh trainer per batch
 keeps each row's LoRA and optimizer its own, and dynamo is reset in between (compiled graphs and CUDA-graph pools
 freed; the on-disk compile cache stays).
 A batch that fails (out of memory) is recorded with its error, and the larger batches after it are skipped, not
@@ -27,15 +27,8 @@ from typing import Any
 import torch
 
 from vlmrl import distributed
-from vlmrl.bench import (
-    BenchSettings,
-    bench_dataset,
-    build_processor,
-    load_shapes,
-    prepare_device,
-    prompt_tokens_of,
-    run_path,
-)
+from vlmrl.bench.run import prepare_device, prompt_tokens_of, run_path
+from vlmrl.bench.shaped import BenchSettings, bench_dataset, build_processor, load_shapes
 
 
 def parse_batches(text: str, generations: int) -> list[int]:

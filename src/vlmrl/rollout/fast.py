@@ -16,7 +16,7 @@ settings serve `vlmrl eval`. (Where transformers has no `_prepare_static_cache` 
 to the bucket instead, through TRL's `pad_to_multiple_of`.)
 
 Under compilation transformers' SDPA path copies the keys and values once per query head group
-(`repeat_kv`) at every token step; `vlmrl.attention` swaps in `vlmrl_sdpa`, which folds the query heads
+(`repeat_kv`) at every token step; `vlmrl.rollout.attention` swaps in `vlmrl_sdpa`, which folds the query heads
 instead (same attention, no copies). See docs/benchmarks.md for what each piece is worth on an H200.
 
 PEFT keeps LoRA weights in float32 next to a bf16 base (`autocast_adapter_dtype`), and TRL's loss pass runs
@@ -26,7 +26,7 @@ bf16 base output in float32. Rollouts therefore run under the same bf16 autocast
 adapter's matmuls match the numerics the policy is trained with. Measured on an H200: peak memory 0.5 GiB
 lower; decode time unchanged (22.5 vs 22.1 ms per token step), since the adapters' cost there (about 6 ms of
 it) is the number of small kernels, not their precision. Merging the adapter for the
-rollout removes that cost (`vlmrl.merge`: exact restore from a pinned host copy; 19.9 -> 14.3 ms per token
+rollout removes that cost (`vlmrl.rollout.merge`: exact restore from a pinned host copy; 19.9 -> 14.3 ms per token
 step outside TRL, on an H200), but it is opt-in (`train.rollout_merge`): bf16 rounding drops small adapter
 deltas from the rollout policy.
 
@@ -37,7 +37,7 @@ dynamo guard checks, launch and sampling ops ran while the GPU sat idle. transfo
 the flag one step late (`DeferredStopCheck`) but turns it on for Apple GPUs only; rollouts and compiled
 evaluation turn it on for CUDA (`deferred_stop_check`). Measured on an H200, Qwen3-VL-8B shapes, batch 32:
 18.96 -> 12.51 ms per token step (`benchmarks/decode_variants.py`). The float32 adapter weights can also be
-read from bf16 copies made once per rollout instead of cast at every token step (`vlmrl.adapter_cast`, opt-in
+read from bf16 copies made once per rollout instead of cast at every token step (`vlmrl.rollout.adapter_cast`, opt-in
 `train.rollout_adapter_copies`: 12.51 -> 11.63 ms, for 0.08 GiB kept on the GPU).
 
 Memory: a static cache is allocated in full before the prompt pass, so that pass's temporaries (the last
@@ -100,7 +100,7 @@ def enable_fast_generation(
         return FastGeneration(False, "the trainer generates with vLLM, which has its own fast path")
     if getattr(trainer, "use_transformers_continuous_batching", False):
         return FastGeneration(False, "continuous batching is configured; it manages its own cache")
-    from vlmrl.attention import NAME, packed_gqa, packed_gqa_applies
+    from vlmrl.rollout.attention import NAME, packed_gqa, packed_gqa_applies
 
     config.disable_compile = False
     config.cache_implementation = "static"
@@ -133,7 +133,7 @@ def enable_fast_generation(
 
 
 def _adapter_copies(trainer: Any, dtype: torch.dtype | None, *, wanted: bool) -> tuple[Any, str]:
-    """The bf16 adapter copies for rollouts (`vlmrl.adapter_cast`) when asked for and useful, and what was done."""
+    """The bf16 adapter copies for rollouts (`vlmrl.rollout.adapter_cast`) when asked for and useful, and what was done."""
     if dtype is None:
         return None, "as stored (no float32 adapters over a low-precision base)"
     cast = f"float32, cast to {_dtype_name(dtype)} at each token step"
@@ -142,7 +142,7 @@ def _adapter_copies(trainer: Any, dtype: torch.dtype | None, *, wanted: bool) ->
     if _sharded(trainer):
         # accelerate shards (and replaces) the parameters after this point; copies of them would go stale
         return None, f"{cast} (no copies: parameters are sharded by FSDP / DeepSpeed)"
-    from vlmrl.adapter_cast import LowPrecisionAdapters
+    from vlmrl.rollout.adapter_cast import LowPrecisionAdapters
 
     copies = LowPrecisionAdapters(trainer.model, dtype)
     return copies, f"{_dtype_name(dtype)} copies, refreshed per rollout ({copies.nbytes / 2**30:.2f} GiB)"
@@ -174,7 +174,7 @@ def _deferred_stop_check_class() -> Any:
 
 
 def _rollout_merge(trainer: Any) -> tuple[Any, str]:
-    from vlmrl.merge import RolloutMerge, available_host_bytes, host_bytes, unsupported_reason
+    from vlmrl.rollout.merge import RolloutMerge, available_host_bytes, host_bytes, unsupported_reason
 
     if _sharded(trainer):
         return None, "not merged: parameters are sharded (FSDP / DeepSpeed)"
@@ -192,7 +192,7 @@ def _rollout_merge(trainer: Any) -> tuple[Any, str]:
     except (RuntimeError, MemoryError) as exc:  # pinning can fail where locked memory is limited
         return None, f"not merged: the host copy could not be made ({type(exc).__name__}: {exc})"[:300]
     log.warning("rollouts sample from merged bf16 weights: adapter deltas below half a bf16 step of their weight "
-                "are lost in rollouts (vlmrl.merge)")
+                "are lost in rollouts (vlmrl.rollout.merge)")
     return merger, f"merged for rollouts (host copy {need / 2**30:.1f} GiB)"
 
 
@@ -252,7 +252,7 @@ def bucket_static_cache(model: Any, bucket: int) -> bool:
     """Round every static cache `generate` builds for `model` up to a multiple of `bucket` positions.
 
     Wraps the model's `_prepare_static_cache` (transformers 5.x); False when there is none to wrap."""
-    from vlmrl.attention import base_model
+    from vlmrl.rollout.attention import base_model
 
     base = base_model(model)
     original = getattr(base, "_prepare_static_cache", None)
@@ -275,7 +275,7 @@ def prefill_into_dynamic_cache(model: Any) -> str:
     full-attention layers and is empty; anything else (sliding-window layers, chunked prefill, a cache that is
     already filled, another transformers layout) takes the original path. Returns what it did.
     """
-    from vlmrl.attention import base_model
+    from vlmrl.rollout.attention import base_model
 
     base = base_model(model)
     original = getattr(base, "_prefill", None)

@@ -6,7 +6,7 @@ rendered by the processor's own chat template (so Qwen's `<|vision_start|><|imag
 
 On CUDA with `compile` on, decoding uses a static KV cache and `torch.compile` (DESIGN.md measured 4.6x
 faster decode for Qwen3-VL-8B on an H200), with the stop check read one step late so the host does not wait on
-the device between token steps (`vlmrl.fastgen.deferred_stop_check`). On the CPU the plain dynamic-cache path
+the device between token steps (`vlmrl.rollout.fast.deferred_stop_check`). On the CPU the plain dynamic-cache path
 is used: compilation costs more than it saves for tiny models.
 """
 
@@ -102,8 +102,8 @@ def generate_batch(
     bucket = None
     stop_check: Any = contextlib.nullcontext()
     if compiled:
-        from vlmrl.attention import use_packed_gqa
-        from vlmrl.fastgen import (
+        from vlmrl.rollout.attention import use_packed_gqa
+        from vlmrl.rollout.fast import (
             bucket_static_cache,
             compile_over_4bit,
             compile_settings,
@@ -113,7 +113,7 @@ def generate_batch(
 
         use_packed_gqa(model)
         prefill_into_dynamic_cache(model)
-        # Compiled decoding recompiles per cache length: bucket it so a whole evaluation sees few (fastgen);
+        # Compiled decoding recompiles per cache length: bucket it so a whole evaluation sees few (rollout.fast);
         # where the cache cannot be bucketed, the prompts are.
         bucket = None if bucket_static_cache(model, 64) else 64
         kwargs.update(compile_settings(all_devices=compile_all_devices))

@@ -1,0 +1,54 @@
+"""`vlmrl bench`: plain TRL `GRPOTrainer` and vlmrl's path, side by side, in one process, on one GPU.
+
+Both paths train the same random-weight model with the real shapes of a named model (shipped in
+`vlmrl/shapes/*.json`, no download), the same LoRA (r=16 on language attention + MLP), the same GRPOConfig
+(the seed recipe: 8 prompts x 4 generations per step, GSPO) and completions forced to the full length
+(`min_new_tokens`), so only the generation path differs:
+
+  plain           `GRPOTrainer` exactly as a user writes it;
+  vlmrl           the same trainer after `vlmrl.rollout.fast.enable_fast_generation` (static cache + compiled
+                  decode), as `vlmrl train` runs it by default;
+  vlmrl-merged    vlmrl with the adapter merged into the weights for rollouts (`train.rollout_merge=true`,
+                  opt-in; optional).
+
+Measured per optimizer step: wall time, generation time (decode ms per token step, tokens/s), training
+tokens/s, peak GPU memory; and the two floors from ceilings measured on the same device in the same run.
+Results go to `bench.json` and a markdown table `bench.md`.
+
+The pieces: `shaped` (settings, the shaped model, the data), `floors` (floors and measured ceilings), `run`
+(one path measured, the whole benchmark), `summary` (figures, ratios, markdown tables), `throughput`
+(`--generation-batches`: one row per generation batch). This module re-exports what the CLI, the tests and the
+scripts under benchmarks/ use; `_StepClock` included, since GPU scripts patch its `wrap_generation`.
+Left out: the CPU preflight memory estimate (`vlmrl.preflight`, which reuses the floors' counts).
+"""
+
+from vlmrl.bench.floors import (
+    decode_floor_ms,
+    kv_bytes_per_token,
+    language_param_count,
+    measure_ceilings,
+    train_floor_s,
+)
+from vlmrl.bench.run import _StepClock, path_steps, prepare_device, prompt_tokens_of, run_bench, run_path
+from vlmrl.bench.shaped import (
+    GIB,
+    LORA_TARGETS,
+    PATHS,
+    BenchSettings,
+    bench_dataset,
+    build_processor,
+    build_shaped_model,
+    free_memory,
+    load_shapes,
+    save_shaped_model,
+)
+from vlmrl.bench.summary import RATIO_PREFIXES, SETTING_LABELS, markdown_table, scaling_table, summarize
+from vlmrl.bench.throughput import parse_batches, run_throughput
+
+__all__ = [
+    "GIB", "LORA_TARGETS", "PATHS", "RATIO_PREFIXES", "SETTING_LABELS", "BenchSettings", "_StepClock",
+    "bench_dataset", "build_processor", "build_shaped_model", "decode_floor_ms", "free_memory",
+    "kv_bytes_per_token", "language_param_count", "load_shapes", "markdown_table", "measure_ceilings",
+    "parse_batches", "path_steps", "prepare_device", "prompt_tokens_of", "run_bench", "run_path",
+    "run_throughput", "save_shaped_model", "scaling_table", "summarize", "train_floor_s",
+]

@@ -1,0 +1,232 @@
+"""One bench path measured (`run_path`), and the whole benchmark (`run_bench`): every path, then the summary.
+
+Each path builds the shaped model afresh, trains it with TRL's `GRPOTrainer` (vlmrl's paths after
+`vlmrl.rollout.fast.enable_fast_generation`), and records wall time per optimizer step, generation time inside
+it and the peak GPU memory of rollouts and of the rest (`_StepClock`). One path failing records its error and
+leaves the others' numbers. Left out: the model and data (`shaped`), the figures and tables (`summary`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vlmrl import distributed
+from vlmrl.bench.floors import measure_ceilings
+from vlmrl.bench.shaped import (
+    GIB,
+    LORA_TARGETS,
+    BenchSettings,
+    bench_dataset,
+    build_processor,
+    build_shaped_model,
+    free_memory,
+    load_shapes,
+)
+from vlmrl.bench.summary import markdown_table, summarize
+from vlmrl.rollout.compile_cache import use_compile_cache
+
+log = logging.getLogger(__name__)
+
+
+class _StepClock:
+    """Wall time per optimizer step and generation time inside it (TRL generates once per step here), and the
+    peak GPU memory of each phase: rollouts (inside `generate`) and everything else (loss pass, optimizer)."""
+
+    def __init__(self):
+        self.steps: list[dict] = []
+        self._start = 0.0
+        self._gen = 0.0
+        self.generation_peaks: list[int] = []  # bytes, per generate call: is the first (compiling) call special?
+        self.other_peak = 0
+        self.reserved_peak = 0  # the allocator's own peak, kept across the per-phase resets
+
+    def callback(self) -> Any:
+        from transformers import TrainerCallback
+
+        clock = self
+
+        class Clock(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                torch.cuda.synchronize()
+                clock._start, clock._gen = time.perf_counter(), 0.0
+
+            def on_step_end(self, args, state, control, **kwargs):
+                torch.cuda.synchronize()
+                clock.steps.append({"seconds": time.perf_counter() - clock._start, "generate_seconds": clock._gen})
+
+        return Clock()
+
+    def wrap_generation(self, trainer: Any) -> None:
+        inner = trainer._generate_single_turn
+
+        def timed(*args, **kwargs):
+            torch.cuda.synchronize()
+            self.other_peak = max(self.other_peak, self.take_peak())
+            start = time.perf_counter()
+            out = inner(*args, **kwargs)
+            torch.cuda.synchronize()
+            self._gen += time.perf_counter() - start
+            self.generation_peaks.append(self.take_peak())
+            return out
+
+        trainer._generate_single_turn = timed
+
+    def take_peak(self) -> int:
+        """Allocated-memory peak since the last call (bytes), then start a new phase."""
+        peak = torch.cuda.max_memory_allocated()
+        self.reserved_peak = max(self.reserved_peak, torch.cuda.max_memory_reserved())
+        torch.cuda.reset_peak_memory_stats()
+        return peak
+
+
+def run_path(path: str, settings: BenchSettings, shapes: dict, processor_dir: Path, dataset: Any, work: Path) -> dict:
+    from peft import LoraConfig
+    from transformers import AutoProcessor
+    from trl import GRPOConfig, GRPOTrainer
+
+    from vlmrl.models.loading import multimodal_token_ids
+    from vlmrl.rewards import correctness_reward, format_reward
+    from vlmrl.rollout.fast import enable_fast_generation
+
+    free_memory()
+    model = build_shaped_model(shapes, processor_dir, load_in_4bit=settings.load_in_4bit, work=work)
+    torch.cuda.reset_peak_memory_stats()  # the peak of training, not of building the random model
+    processor = AutoProcessor.from_pretrained(str(processor_dir))
+    # TRL re-processes prompts for the loss with the processor's own padding side but pads prompt ids on the
+    # left; with right padding and prompts of different lengths the image-token mask is shifted and Qwen's
+    # rope index crashes (TRL 1.16). vlmrl's loader always sets left; the plain path needs it to run at all.
+    processor.tokenizer.padding_side = "left"
+    args = GRPOConfig(
+        output_dir=str(work / f"out-{path}"),
+        per_device_train_batch_size=settings.prompts,
+        gradient_accumulation_steps=settings.generations,
+        num_generations=settings.generations,
+        max_completion_length=settings.completion,
+        # Full-length completions; and no image/video delimiter tokens, which a random-weight model samples
+        # (TRL suppresses only the image token; a stray <|vision_start|> crashes the next forward pass).
+        generation_kwargs={"min_new_tokens": settings.completion,
+                           "suppress_tokens": multimodal_token_ids(model.config)},
+        importance_sampling_level="sequence" if settings.algorithm == "gspo" else "token",
+        loss_type="dr_grpo",
+        learning_rate=5e-6,
+        max_grad_norm=0.1,
+        max_steps=path_steps(settings, path),
+        gradient_checkpointing=True,
+        bf16=torch.cuda.is_available(),
+        use_cpu=not torch.cuda.is_available(),
+        optim="adamw_8bit" if settings.load_in_4bit else "adamw_torch",
+        reward_weights=[0.3, 1.0],
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+    )
+    peft_config = LoraConfig(r=settings.lora_r, lora_alpha=settings.lora_r, task_type="CAUSAL_LM",
+                             target_modules=LORA_TARGETS)
+    clock = _StepClock()
+    trainer = GRPOTrainer(model=model, reward_funcs=[format_reward, correctness_reward], args=args,
+                          train_dataset=dataset, processing_class=processor, peft_config=peft_config,
+                          callbacks=[clock.callback()])
+    fast = (enable_fast_generation(trainer, bucket=settings.prompt_bucket, merge=path == "vlmrl-merged")
+            if path.startswith("vlmrl") else None)
+    clock.wrap_generation(trainer)
+    started = time.perf_counter()
+    error = None
+    try:
+        trainer.train()
+    except Exception as exc:  # one path failing must not hide the other's numbers
+        error = f"{type(exc).__name__}: {exc}"[:2000]
+        log.exception("bench path %s failed", path)
+    other_peak = max(clock.other_peak, clock.take_peak())
+    generation_peak = max(clock.generation_peaks, default=0)
+    peak = max(generation_peak, other_peak) / GIB
+    result = {
+        "path": path,
+        "error": error,
+        "fast_generation": fast.as_dict() if fast else None,
+        "total_seconds": time.perf_counter() - started,
+        "steps": clock.steps,
+        "peak_memory_gib": peak,
+        "generation_peak_gib": generation_peak / GIB,
+        "generation_peaks_gib": [round(p / GIB, 3) for p in clock.generation_peaks],
+        "training_peak_gib": other_peak / GIB,
+        "peak_reserved_gib": clock.reserved_peak / GIB,
+        "world_size": distributed.world_size(),
+        "peak_memory_gib_per_rank": _gather(peak),
+        "log": [row for row in trainer.state.log_history if "loss" in row],
+    }
+    del trainer, model
+    free_memory()
+    return result
+
+
+def path_steps(settings: BenchSettings, path: str) -> int:
+    """Optimizer steps a path runs: `steps`, or `steps_plain` for plain TRL when given."""
+    return settings.steps_plain if path == "plain" and settings.steps_plain else settings.steps
+
+
+def _gather(value: float) -> list[float]:
+    """One value per rank (a one-element list in a single process)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return [value]
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def run_bench(settings: BenchSettings, out_dir: Path, work: Path) -> dict:
+    """Run each path; under `accelerate launch` every rank runs it on its own GPU and rank 0 writes."""
+    compile_cache, work = prepare_device(settings, work)
+    shapes = load_shapes(settings.shapes)
+    ceilings = measure_ceilings()
+    processor_dir = build_processor(work, settings.image_size)
+    dataset = bench_dataset(settings)
+    results = []
+    for path in settings.paths:
+        results.append(run_path(path, settings, shapes, processor_dir, dataset, work))
+        if distributed.is_main_process():  # a run stopped by a time limit still leaves the paths it finished
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / "bench.partial.json").write_text(json.dumps(results, indent=2, default=str))
+    prompt_tokens = prompt_tokens_of(processor_dir, dataset)
+    summary = summarize(settings, shapes, ceilings, results, prompt_tokens)
+    summary["compile_cache"] = compile_cache.as_dict()  # was the first step's compile served from disk?
+    if distributed.is_main_process():
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "bench.json").write_text(json.dumps(summary, indent=2, default=str))
+        (out_dir / "bench.md").write_text(markdown_table(summary))
+    return summary
+
+
+def prepare_device(settings: BenchSettings, work: Path) -> tuple[Any, Path]:
+    """This rank's GPU, its memory cap and the compile cache, before anything is built; and its work folder."""
+    import os
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("vlmrl bench needs a CUDA GPU; the CPU tests cover its bookkeeping only.")
+    compile_cache = use_compile_cache(Path(settings.compile_cache) if settings.compile_cache else None)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local_rank)
+    if distributed.world_size() > 1:
+        work = work / f"rank{distributed.rank()}"  # no two ranks write the same processor or weight files
+    if settings.memory_cap_gib:
+        total = torch.cuda.get_device_properties(local_rank).total_memory / GIB
+        torch.cuda.set_per_process_memory_fraction(min(1.0, settings.memory_cap_gib / total), local_rank)
+    return compile_cache, work
+
+
+def prompt_tokens_of(processor_dir: Path, dataset: Any) -> int:
+    from transformers import AutoProcessor
+
+    from vlmrl.rollout.generation import count_prompt_tokens
+
+    processor = AutoProcessor.from_pretrained(str(processor_dir))
+    row = dataset[0]
+    return count_prompt_tokens(processor, row["prompt"][0]["content"], row["image"])

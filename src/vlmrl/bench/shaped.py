@@ -1,0 +1,147 @@
+"""What both bench paths train: the settings, the random-weight model with a named model's real shapes, the data.
+
+The shapes ship in `vlmrl/shapes/*.json` (no download); the processor is a tiny Qwen3-VL folder whose tokenizer
+serves the shaped model; the data is vlmrl's synthetic chart items. `save_shaped_model` writes the same model as
+a loadable folder for the multi-GPU record check. Left out: measuring anything (`run`), the floors (`floors`).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vlmrl import distributed
+
+GIB = 2**30
+
+
+PATHS = ("plain", "vlmrl", "vlmrl-merged")
+# The bench's LoRA: language attention + MLP projections (the seed recipe's targets), vision tower frozen.
+LORA_TARGETS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+
+
+@dataclass
+class BenchSettings:
+    shapes: str = "qwen3_vl_8b"
+    paths: list[str] = field(default_factory=lambda: ["plain", "vlmrl"])
+    prompts: int = 8
+    generations: int = 4
+    completion: int = 1024
+    steps: int = 2
+    # Plain TRL compiles nothing, so its first step is already steady; in 4-bit one 1024-token step of it takes
+    # minutes, and a record run may give it fewer steps than the compiled path (None = `steps`).
+    steps_plain: int | None = None
+    lora_r: int = 16
+    algorithm: str = "gspo"
+    load_in_4bit: bool = False
+    memory_cap_gib: float | None = None
+    image_size: int = 512
+    prompt_bucket: int = 64
+    # torch.compile's cache folder (`vlmrl.rollout.compile_cache`); None = vlmrl's default. Two processes given the same
+    # empty folder measure the first step cold, then warm.
+    compile_cache: str | None = None
+
+
+def load_shapes(name: str) -> dict:
+    text = resources.files("vlmrl.shapes").joinpath(f"{name}.json").read_text()
+    return json.loads(text)
+
+
+def build_processor(work: Path, image_size: int) -> Path:
+    """A tiny Qwen3-VL folder whose tokenizer/processor/chat template serve the shaped model."""
+    from vlmrl.models.tiny import build_tiny_model
+
+    folder = work / "processor"
+    if not (folder / "config.json").exists():
+        build_tiny_model("qwen3_vl", folder, image_size=image_size)
+    return folder
+
+
+def build_shaped_model(shapes: dict, processor_dir: Path, *, load_in_4bit: bool, work: Path) -> Any:
+    """Random weights with the real shapes; token ids from the small tokenizer (all inside the real vocab)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    tiny = AutoConfig.from_pretrained(str(processor_dir))
+    config_dict = {k: v for k, v in shapes.items() if not k.startswith("_")}
+    for key in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
+        config_dict[key] = getattr(tiny, key)
+    config_dict["text_config"] = {**config_dict["text_config"], "pad_token_id": tiny.text_config.pad_token_id}
+    config = AutoConfig.for_model(**config_dict)
+    saved = work / "bf16-weights"
+    if load_in_4bit and (saved / "config.json").exists():  # an earlier path saved these random weights
+        return _load_4bit(saved, processor_dir)
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16)
+    model.generation_config = _generation_config(processor_dir)
+    if not load_in_4bit:
+        return model
+    # bitsandbytes quantizes while loading: save the random weights once (every path reuses them), reload in 4-bit.
+    model.save_pretrained(str(saved))
+    del model
+    free_memory()
+    return _load_4bit(saved, processor_dir)
+
+
+def _load_4bit(saved: Path, processor_dir: Path) -> Any:
+    from transformers import AutoModelForImageTextToText
+
+    from vlmrl.models.loading import nf4_config
+
+    model = AutoModelForImageTextToText.from_pretrained(str(saved), quantization_config=nf4_config(torch.bfloat16),
+                                                        dtype=torch.bfloat16,
+                                                        device_map={"": torch.cuda.current_device()})
+    model.generation_config = _generation_config(processor_dir)
+    return model
+
+
+def save_shaped_model(out_dir: Path, shapes: str | dict = "qwen3_vl_8b", image_size: int = 512) -> Path:
+    """A loadable model folder (random weights with the real shapes, the small processor): what `vlmrl eval`
+    reads as `model.name=<folder>` in the multi-GPU record check (benchmarks/gpu_multi.sh)."""
+    import shutil
+
+    processor_dir = build_processor(out_dir.parent / f".{out_dir.name}-processor", image_size)
+    shapes = load_shapes(shapes) if isinstance(shapes, str) else shapes
+    model = build_shaped_model(shapes, processor_dir, load_in_4bit=False, work=out_dir.parent)
+    model.save_pretrained(str(out_dir))
+    for f in processor_dir.iterdir():
+        if f.is_file() and not (out_dir / f.name).exists():  # tokenizer, processor, chat template
+            shutil.copy2(f, out_dir / f.name)
+    del model
+    free_memory()
+    return out_dir
+
+
+def _generation_config(processor_dir: Path) -> Any:
+    from transformers import GenerationConfig
+
+    return GenerationConfig.from_pretrained(str(processor_dir))
+
+
+def bench_dataset(settings: BenchSettings) -> Any:
+    import datasets
+
+    from vlmrl.contract import build_prompt_text
+    from vlmrl.data.synthetic import generate_items
+
+    n = settings.prompts * distributed.world_size() * (max(settings.steps, settings.steps_plain or 0) + 1)
+    items = list(generate_items(n, seed=7, size=settings.image_size))
+    return datasets.Dataset.from_dict({
+        "prompt": [[{"role": "user", "content": build_prompt_text(i.question)}] for i in items],
+        "image": [i.image for i in items],
+        "answer": [i.answer for i in items],
+    })
+
+
+
+def free_memory() -> None:
+    """Collect garbage and hand cached CUDA blocks back, so one path's model does not count in the next's peak."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

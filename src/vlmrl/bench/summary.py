@@ -1,0 +1,168 @@
+"""The bench's figures and tables: per-path steady-state figures, ratios to plain TRL, markdown for bench.md.
+
+`summarize` turns the raw per-step records of each path into steady-state figures (the first, compiling step
+excluded when there are more) next to the floors; `markdown_table` writes bench.md; `scaling_table` compares
+one GPU with N. Pure bookkeeping (tested on the CPU); left out: anything that runs a model (`run`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import torch
+
+from vlmrl.bench.floors import decode_floor_ms, kv_bytes_per_token, language_param_count, train_floor_s
+from vlmrl.bench.shaped import BenchSettings
+
+# Each fast path's ratios to plain are keyed with its prefix.
+RATIO_PREFIXES = {"vlmrl": "", "vlmrl-merged": "merged_"}
+
+
+def summarize(settings: BenchSettings, shapes: dict, ceilings: dict, results: list[dict], prompt_tokens: int) -> dict:
+    """Per-path steady-state figures (first step excluded when there are more) and the floors."""
+    text = shapes["text_config"]
+    batch = settings.prompts * settings.generations
+    language = language_param_count(text)
+    weight_bytes = language * (0.5 if settings.load_in_4bit else 2)
+    bandwidth = ceilings["copy_bandwidth_tbs"] * 1e12
+    tokens = batch * (prompt_tokens + settings.completion)
+    floors = {
+        "decode_ms_per_step": decode_floor_ms(weight_bytes, kv_bytes_per_token(text), batch, prompt_tokens,
+                                              settings.completion, bandwidth),
+        "train_seconds_per_step": train_floor_s(language, tokens, ceilings["matmul_tflops"] * 1e12),
+    }
+    floors["step_seconds"] = floors["decode_ms_per_step"] * settings.completion / 1e3 + floors["train_seconds_per_step"]
+    paths = {}
+    for r in results:
+        steps = r["steps"][1:] if len(r["steps"]) > 1 else r["steps"]
+        if not steps:
+            paths[r["path"]] = {"error": r["error"] or "no step completed"}
+            continue
+        step = sum(s["seconds"] for s in steps) / len(steps)
+        gen = sum(s["generate_seconds"] for s in steps) / len(steps)
+        world = r.get("world_size", 1)
+        paths[r["path"]] = {
+            "error": r["error"],
+            "world_size": world,
+            "samples_per_second": batch * world / step,
+            "first_step_seconds": r["steps"][0]["seconds"],
+            "step_seconds": step,
+            "generate_seconds": gen,
+            "decode_ms_per_step": 1e3 * gen / settings.completion,
+            "decode_tokens_per_second": batch * settings.completion / gen if gen else None,
+            "train_tokens_per_second": tokens / (step - gen) if step > gen else None,
+            "peak_memory_gib": r["peak_memory_gib"],
+            "generation_peak_gib": r.get("generation_peak_gib"),
+            "training_peak_gib": r.get("training_peak_gib"),
+            "peak_memory_gib_per_rank": r.get("peak_memory_gib_per_rank", [r["peak_memory_gib"]]),
+            "peak_reserved_gib": r["peak_reserved_gib"],
+            "steps_measured": len(steps),
+            # plain compiles nothing; when it ran a single step that step is its steady one, compilation-free
+            "first_step_excluded": len(r["steps"]) > 1,
+            "fast_generation": r["fast_generation"],
+        }
+    ratios = {}
+    for name, prefix in RATIO_PREFIXES.items():
+        if "step_seconds" in paths.get("plain", {}) and "step_seconds" in paths.get(name, {}):
+            p, v = paths["plain"], paths[name]
+            ratios.update({
+                f"{prefix}step_speedup": p["step_seconds"] / v["step_seconds"],
+                f"{prefix}decode_speedup": p["decode_ms_per_step"] / v["decode_ms_per_step"],
+                f"{prefix}vlmrl_decode_vs_floor": v["decode_ms_per_step"] / floors["decode_ms_per_step"],
+                f"{prefix}peak_memory_ratio": v["peak_memory_gib"] / p["peak_memory_gib"],
+            })
+    return {
+        "settings": asdict(settings),
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "versions": _versions(),
+        "ceilings": ceilings,
+        "prompt_tokens": prompt_tokens,
+        "language_params": language,
+        "floors": floors,
+        "paths": paths,
+        "ratios": ratios,
+        "raw": results,
+    }
+
+
+def _versions() -> dict:
+    import importlib.metadata as md
+
+    out = {}
+    for name in ("torch", "transformers", "trl", "peft", "bitsandbytes"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+# What each fast path ran, as the markdown table names it (fields of `FastGeneration`; absent in older records).
+SETTING_LABELS = (("attention ", "attention"), ("autocast ", "autocast"), ("prompt pass: ", "prefill"),
+                  ("adapter: ", "merge"), ("adapter weights: ", "adapters"), ("stop check: ", "stop_check"))
+
+
+def markdown_table(summary: dict) -> str:
+    s = summary["settings"]
+    lines = [
+        f"Device: {summary['device']}; shapes {s['shapes']}; {s['prompts']} prompts x {s['generations']} generations, "
+        f"completion {s['completion']} tokens (forced), prompt {summary['prompt_tokens']} tokens, LoRA r={s['lora_r']}, "
+        f"{s['algorithm'].upper()}, {'4-bit' if s['load_in_4bit'] else 'bf16'}"
+        + (f", memory capped at {s['memory_cap_gib']} GiB" if s["memory_cap_gib"] else ""),
+        "",
+        ("| path | step s | first step s | generate s | decode ms/step | decode tok/s | train tok/s | peak GiB "
+         "| peak in rollouts / rest GiB | GPUs | samples/s |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, p in summary["paths"].items():
+        if "step_seconds" not in p:
+            lines.append(f"| {name} | failed: {p['error']} | | | | | | | | | |")
+            continue
+        phases = (f"{p['generation_peak_gib']:.1f} / {p['training_peak_gib']:.1f}"
+                  if p.get("generation_peak_gib") is not None else "")
+        lines.append(
+            f"| {name} | {p['step_seconds']:.1f} | {p['first_step_seconds']:.1f} | {p['generate_seconds']:.1f} | "
+            f"{p['decode_ms_per_step']:.1f} | {p['decode_tokens_per_second'] or 0:.0f} | "
+            f"{p['train_tokens_per_second'] or 0:.0f} | {p['peak_memory_gib']:.1f} | {phases} | "
+            f"{p.get('world_size', 1)} | {p.get('samples_per_second', 0):.2f} |"
+        )
+    f = summary["floors"]
+    lines.append(f"| floor | {f['step_seconds']:.1f} | | | {f['decode_ms_per_step']:.1f} | | | | | | |")
+    c = summary["ceilings"]
+    lines += ["", (f"Ceilings measured in this run: {c['matmul_tflops']:.0f} TFLOP/s bf16 matmul, "
+                   f"{c['copy_bandwidth_tbs']:.2f} TB/s device copy. Floors: decode = (weights + mean KV cache) / "
+                   f"bandwidth; training = 6 x {summary['language_params'] / 1e9:.2f}B language parameters x tokens / "
+                   "matmul rate.")]
+    if cache := summary.get("compile_cache"):
+        lines.append(f"Compile cache {cache['inductor_dir']}: {'cold (empty)' if cache['cold'] else 'warm'} at the "
+                     f"start ({cache['files_at_start']} files); the first step column includes compilation.")
+    r = summary["ratios"]
+    for name, prefix in RATIO_PREFIXES.items():
+        if f"{prefix}step_speedup" in r:
+            lines.append(f"Ratios, {name} vs plain: step {r[prefix + 'step_speedup']:.2f}x faster, decode "
+                         f"{r[prefix + 'decode_speedup']:.2f}x faster, decode {r[prefix + 'vlmrl_decode_vs_floor']:.2f}x "
+                         f"the floor, peak memory {r[prefix + 'peak_memory_ratio']:.2f}x plain.")
+    for name, p in summary["paths"].items():  # what each fast path ran, as recorded when it was set up
+        fast = p.get("fast_generation") or {}
+        if fast.get("enabled"):
+            ran = [f"{label}{fast[key]}" for label, key in SETTING_LABELS if fast.get(key) is not None]
+            lines.append(f"{name}: {', '.join(ran)}.")
+    return "\n".join(lines) + "\n"
+
+
+def scaling_table(one: dict, many: dict, path: str = "vlmrl") -> tuple[str, dict]:
+    """Markdown and figures for the same bench on 1 GPU and on N GPUs (same per-GPU batch)."""
+    a, b = one["paths"][path], many["paths"][path]
+    figures = {
+        "gpus": [a["world_size"], b["world_size"]],
+        "samples_per_second": [a["samples_per_second"], b["samples_per_second"]],
+        "speedup": b["samples_per_second"] / a["samples_per_second"],
+        "peak_memory_gib_per_gpu": [a["peak_memory_gib_per_rank"], b["peak_memory_gib_per_rank"]],
+    }
+    lines = ["| GPUs | step s | samples/s | peak GiB per GPU |", "|---|---|---|---|"]
+    for p in (a, b):
+        peaks = ", ".join(f"{x:.1f}" for x in p["peak_memory_gib_per_rank"])
+        lines.append(f"| {p['world_size']} | {p['step_seconds']:.1f} | {p['samples_per_second']:.2f} | {peaks} |")
+    lines.append("")
+    lines.append(f"Samples per second on {b['world_size']} GPUs: {figures['speedup']:.2f}x one GPU.")
+    return "\n".join(lines) + "\n", figures
