@@ -1,9 +1,11 @@
-"""The CLI surface: commands listed, doctor works without a GPU, config errors exit 2."""
+"""The CLI surface: commands listed, doctor works without a GPU, config errors exit 2, bench results printed."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
+import typer
 from typer.testing import CliRunner
 
 from vlmrl.cli import app
@@ -58,3 +60,29 @@ def test_bench_needs_a_gpu_and_one_gpu_per_process(monkeypatch):
     assert result.exit_code != 0 and "unknown bench path(s) fast" in result.output
     result = runner.invoke(app, ["bench", "--generation-batches", "32,50"], terminal_width=200)
     assert result.exit_code != 0 and "generation batch 50 is not a positive multiple of the 4" in result.output
+
+
+def test_config_validate_with_a_broken_checker_answers_in_one_line(monkeypatch):
+    def broken(config):
+        raise RuntimeError("boom\nsecond line")
+
+    monkeypatch.setattr("vlmrl.trainargs.training_problems", broken)
+    result = runner.invoke(app, ["config", "validate", "demo"], terminal_width=200)
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "could not check the training settings: RuntimeError: boom" in result.output
+    assert "second line" not in result.output
+
+
+def test_bench_results_print_as_written_and_a_failed_path_exits_1(tmp_path, capsys):
+    from vlmrl.cli_show import show_bench, show_throughput
+
+    (tmp_path / "bench.md").write_text("| path | samples/s |\n| plain | 1.0 |\n")
+    show_bench(tmp_path, {"paths": {"plain": {"samples_per_s": 1.0}}})
+    assert "| plain | 1.0 |" in capsys.readouterr().out
+    with pytest.raises(typer.Exit) as exited:
+        show_bench(tmp_path, {"paths": {"plain": {}, "vlmrl": {"error": "CUDA out of memory"}}})
+    assert exited.value.exit_code == 1 and "bench path(s) failed: vlmrl" in capsys.readouterr().out
+    (tmp_path / "throughput.md").write_text("| batch |\n")
+    with pytest.raises(typer.Exit):
+        show_throughput(tmp_path, {"rows": [{"path": "vlmrl", "generation_batch": 64, "error": "skipped"}]})
+    assert "generation batch(es) failed or skipped: vlmrl at 64" in capsys.readouterr().out

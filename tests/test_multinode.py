@@ -116,7 +116,7 @@ def test_a_busy_port_on_host_0_is_refused_before_launching(prepared):
 
 
 def test_ranks_started_by_a_vlmrl_launcher_skip_the_requirement_check(monkeypatch, prepared):
-    from vlmrl import clierrors, needs
+    from vlmrl import cli_errors, needs
 
     _, path = prepared
     config = load_config(str(path))
@@ -124,9 +124,9 @@ def test_ranks_started_by_a_vlmrl_launcher_skip_the_requirement_check(monkeypatc
     monkeypatch.setattr(needs, "check_requirements", lambda *a, **k: calls.append(a))
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.delenv(distributed.LAUNCHED_ENV, raising=False)
-    clierrors.check_needs(config)  # a bare accelerate launch / torchrun: every rank checks
+    cli_errors.check_needs(config)  # a bare accelerate launch / torchrun: every rank checks
     monkeypatch.setenv(distributed.LAUNCHED_ENV, "1")
-    clierrors.check_needs(config)  # started by `--gpus N` or `--nodes M` on any host: its launcher checked
+    cli_errors.check_needs(config)  # started by `--gpus N` or `--nodes M` on any host: its launcher checked
     assert len(calls) == 1
 
 

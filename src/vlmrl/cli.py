@@ -1,12 +1,14 @@
 """The `vlmrl` command line: one small command per stage, plus run / doctor / config / bench / tiny-model.
 
-Console output (rich) lives here and only here; stage functions return dataclasses and write files.
-Every command that takes a config accepts a preset name or a YAML path plus `--set section.field=value`.
+Only argument handling lives here: each command parses and checks its options, calls one stage function and
+hands the result to a `show_*` of vlmrl.cli_show. Console output (rich) lives in the cli modules only; stage
+functions return dataclasses and write files. Every command that takes a config accepts a preset name or a
+YAML path plus `--set section.field=value`. Beside it: cli_show (what the commands print), cli_errors (one
+line and an exit code per failure), cli_launch (--gpus / --nodes), cli_help (help and --version).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import warnings
@@ -14,20 +16,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
+from vlmrl import cli_show as show
+from vlmrl.cli_errors import Commands, check_needs, fail, guarded, set_debug
+from vlmrl.cli_errors import claimed as _claimed
 from vlmrl.cli_help import HELP, Arch, Stage, Strategy, print_version
 from vlmrl.cli_launch import AddressOpt, GpusOpt, NodeRankOpt, NodesOpt, PortOpt, StrategyOpt
 from vlmrl.cli_launch import claimed_on_host_0 as _claimed_on_host_0
 from vlmrl.cli_launch import nodes as _nodes
+from vlmrl.cli_launch import one_gpu_per_process as _one_gpu_per_process
 from vlmrl.cli_launch import one_process_only as _one_process_only
 from vlmrl.cli_launch import relaunch_if_asked as _relaunch_if_asked
 from vlmrl.cli_launch import stage_argv as _stage_argv
-from vlmrl.clierrors import Commands, check_needs, fail, set_debug
-from vlmrl.clierrors import claimed as _claimed
-from vlmrl.clierrors import debug as debug_on
+from vlmrl.cli_show import console, eval_progress, say
 from vlmrl.config import PRESETS, Config, ConfigError, dump_config, load_config
 
 if TYPE_CHECKING:
@@ -42,35 +44,28 @@ app = typer.Typer(
 )
 config_app = typer.Typer(no_args_is_help=True, context_settings=HELP, help="Show or validate a configuration.")
 app.add_typer(config_app, name="config")
-console = Console()
 
 ConfigArg = Annotated[str | None, typer.Argument(
     help=f"Preset ({', '.join(PRESETS)}), YAML file or run folder (its config.yaml); default demo.")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a field: section.field=value (repeatable).")]
 RunDirOpt = Annotated[Path | None, typer.Option("--run-dir", help="Run directory (default: <output_dir>/<name>).")]
-_fail = fail
 
 
 def _config(source: str | None, overrides: list[str] | None, run_dir: Path | None = None) -> Config:
     """A preset, a YAML file, or a run folder (its config.yaml; the run then lives in that folder)."""
     if source is not None and Path(source).is_dir():
         if not (Path(source) / "config.yaml").is_file():
-            _fail(f"{source}: a folder without config.yaml; give a preset, a YAML file or a run folder.", 2)
+            fail(f"{source}: a folder without config.yaml; give a preset, a YAML file or a run folder.", 2)
         run_dir = run_dir or Path(source)
         source = str(Path(source) / "config.yaml")
     try:
         config = load_config(source, overrides)
     except ConfigError as exc:
-        _fail(str(exc), 2)
+        fail(str(exc), 2)
     if run_dir is not None:
         config.run.output_dir = str(run_dir.parent)
         config.run.name = run_dir.name
     return config
-
-
-def _say(message: str) -> None:
-    """A plain line: never wrapped (a log keeps one line per record), no markup read from the message."""
-    console.print(message, highlight=False, markup=False, soft_wrap=True)
 
 
 @app.callback()
@@ -83,7 +78,7 @@ def _main(
     from vlmrl.progress import set_sink
 
     set_debug(debug)
-    set_sink(_say)  # preparation and the demo-policy build report their progress here
+    set_sink(say)  # preparation and the demo-policy build report their progress here
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if not verbose:
         # Weight-loading and shard-writing bars from transformers would interleave with our own progress.
@@ -109,48 +104,12 @@ def doctor(
     from vlmrl.io import write_json_atomic
 
     env = collect_environment(run_dir or ".")
-    table = Table(title="vlmrl doctor", show_header=False)
-    table.add_row("python", env["python"])
-    for name, version in env["packages"].items():
-        table.add_row(name, version or "[red]missing[/red]")
-    cuda = env["cuda"]
-    if cuda["available"]:
-        for dev in cuda["devices"]:
-            table.add_row(f"cuda:{dev['index']}", f"{dev['name']} ({dev['memory_gib']} GiB, sm {dev['capability']})")
-    else:
-        table.add_row("cuda", "not available (CPU only: tiny models and the demo run)")
-    four_bit = env["four_bit"]
-    table.add_row("4-bit (nf4)", "[green]available[/green]" + ("" if cuda["available"] else " on the CPU (slow)")
-                  if four_bit["available"] else f"not available: {escape(four_bit['reason'])}")
-    for name, ok in env["backends"].items():
-        table.add_row(name, "[green]available[/green]" if ok else "not installed")
-    table.add_row("disk free", f"{env['disk_free_gib']} GiB")
-    console.print(table)
+    show.show_environment(env)
     if config_source is not None:
-        _preflight(_config(config_source, set_), env, prompt_tokens)
+        show.show_preflight(_config(config_source, set_), env, prompt_tokens)
     if run_dir is not None:
         write_json_atomic(Path(run_dir) / "env.json", env)
         console.print(f"wrote {Path(run_dir) / 'env.json'}", markup=False)
-
-
-def _preflight(config: Config, env: dict, prompt_tokens: int) -> None:
-    from vlmrl.preflight import advice, estimate_memory, shapes_for
-
-    shapes = shapes_for(config.model.name)
-    if shapes is None:
-        console.print(f"preflight: no local config.json or shipped shapes for {config.model.name!r}; "
-                      "point model.name at a downloaded folder to get a prediction.", highlight=False, markup=False)
-        return
-    # The prediction is for the GPU the config is meant for, where `auto` turns fast generation on.
-    estimate = estimate_memory(config, shapes, prompt_tokens=prompt_tokens,
-                               fast_generation=config.train.fast_generation != "never")
-    table = Table(title=f"memory preflight: {config.model.name} (prompt {prompt_tokens} tokens)", show_header=False)
-    for key, value in estimate.as_dict().items():
-        table.add_row(key.removesuffix("_gib").replace("_", " "), f"{value:.1f} GiB")
-    console.print(table)
-    devices = env["cuda"]["devices"]
-    for line in advice(estimate, devices[0]["memory_gib"] if devices else None, config):
-        console.print(f"[yellow]warning:[/yellow] {escape(line)}")
 
 
 @config_app.command("show")
@@ -164,15 +123,11 @@ def config_show(source: ConfigArg = None, set_: SetOpt = None) -> None:
 def config_validate(source: Annotated[str, typer.Argument(help="YAML file or preset.")], set_: SetOpt = None) -> None:
     """Validate a configuration as training would (names TRL and transformers know, trackers installed); exit 2
     with one line per problem when it is not usable."""
-    from vlmrl.trainargs import training_problems
+    from vlmrl.trainargs import validation_problems
 
     config = _config(source, set_)
-    try:
-        problems = training_problems(config)
-    except Exception as exc:  # noqa: BLE001  a checker that breaks must still answer in one line, not a traceback
-        problems = [f"could not check the training settings: {type(exc).__name__}: {exc}".splitlines()[0]]
-    if problems:
-        _fail(f"{source}: not trainable\n" + "\n".join(f"  {p}" for p in problems), 2)
+    if problems := validation_problems(config):
+        fail(f"{source}: not trainable\n" + "\n".join(f"  {p}" for p in problems), 2)
     console.print(f"ok: {source} is valid (fingerprint {config.fingerprint()})", markup=False)
 
 
@@ -186,37 +141,7 @@ def tiny_model(
     from vlmrl.models.tiny import build_tiny_model, tiny_model_summary
 
     path = build_tiny_model(arch, out, seed=seed)
-    console.print_json(json.dumps(tiny_model_summary(path)))
-    console.print(f"wrote {path}", markup=False)
-
-
-def _eval_progress(label: str):
-    from vlmrl.progress import EvalProgress
-
-    return EvalProgress(console, label)
-
-
-def _guard(action):
-    """Run a stage, turning the project's own errors into one red line and exit 1 (no traceback)."""
-    from vlmrl.compare import CompareError
-    from vlmrl.data.items import DataError
-    from vlmrl.evaluate import EvalError
-    from vlmrl.export import ExportError
-    from vlmrl.models.loading import ModelLoadError
-    from vlmrl.models.lora import LoraLayoutError
-    from vlmrl.rundir import RunDirError
-    from vlmrl.train import TrainError
-    from vlmrl.visual_control import VisualControlError
-
-    try:
-        return action()
-    except RunDirError as exc:  # a folder in use or not vlmrl's: nothing was done
-        _fail(str(exc), 2)
-    except (ConfigError, DataError, EvalError, TrainError, CompareError, ExportError, ModelLoadError,
-            LoraLayoutError, VisualControlError) as exc:
-        if debug_on():
-            raise
-        _fail(str(exc))
+    show.show_tiny_model(path, tiny_model_summary(path))
 
 
 @app.command()
@@ -236,15 +161,9 @@ def run(
     started = time.perf_counter()
     from vlmrl.records import TrainProgress
 
-    outcome = _guard(lambda: run_all(config, force=force, say=_say, progress_factory=_eval_progress,
-                                     train_progress=TrainProgress(console, _say)))
-    _print_comparison(outcome.run_dir / "comparison.json")
-    console.print(f"\n[bold]done[/bold] in {time.perf_counter() - started:.0f} s: {escape(str(outcome.run_dir))}")
-    for name in ("config.yaml", "data/summary.json", "baseline_records.jsonl", "train/metrics.jsonl",
-                 "train/rollouts.jsonl", "after_records.jsonl", "comparison.json", "adapter", "export.json",
-                 "report.html"):
-        if (outcome.run_dir / name).exists():
-            console.print(f"  {outcome.run_dir / name}", highlight=False, markup=False)
+    outcome = guarded(lambda: run_all(config, force=force, say=say, progress_factory=eval_progress,
+                                      train_progress=TrainProgress(console, say)))
+    show.show_run_done(outcome.run_dir, time.perf_counter() - started)
 
 
 @app.command()
@@ -256,12 +175,8 @@ def prepare(source: ConfigArg = None, set_: SetOpt = None, run_dir: RunDirOpt = 
     config = _config(source, set_, run_dir)
     check_needs(config, gpu=False)
     with _claimed(config.run_dir):
-        result = _guard(lambda: prepare_with_budget(config, config.run_dir))
-    summary = json.loads((config.run_dir / "data" / "summary.json").read_text())
-    console.print_json(json.dumps({k: v for k, v in summary.items() if k != "by_category"}))
-    if summary.get("comparable_to_published") is False:
-        console.print(f"[yellow]warning:[/yellow] {escape(str(summary.get('message')))}")
-    console.print(f"wrote {config.run_dir / 'data'}", markup=False)
+        result = guarded(lambda: prepare_with_budget(config, config.run_dir))
+    show.show_prepared(config.run_dir)
     return result
 
 
@@ -290,22 +205,10 @@ def eval_(
     with _claimed_on_host_0(config.run_dir, where):  # held by this process for the ranks it launches
         _relaunch_if_asked(gpus, strategy, [*_stage_argv("eval", source, set_, run_dir), "--stage", stage,
                                             *(["--adapter", str(adapter)] if adapter else [])], where)
-        result = _guard(lambda: evaluate(config, config.run_dir, stage, adapter=adapter,
-                                         progress=_eval_progress(stage) if main else None))
-    if not main:
-        return
-    s = result.summary
-    table = Table(title=f"{stage} ({s['n']} items)")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    table.add_column("95% CI", justify="right")
-    for key in ("accuracy", "mathvista_accuracy", "format_compliance", "total_reward"):
-        lo, hi = s[key]["ci95"]
-        table.add_row(key, f"{s[key]['mean']:.3f}", escape(f"[{lo:.3f}, {hi:.3f}]"))
-    table.add_row("truncation_rate", f"{s['truncation_rate']:.3f}", "")
-    table.add_row("gibberish_rate", f"{s['gibberish_rate']:.3f}", "")
-    console.print(table)
-    console.print(f"records: {result.records_path}", markup=False)
+        result = guarded(lambda: evaluate(config, config.run_dir, stage, adapter=adapter,
+                                          progress=eval_progress(stage) if main else None))
+    if main:
+        show.show_eval(stage, result)
 
 
 @app.command()
@@ -333,12 +236,10 @@ def train(
     with _claimed_on_host_0(config.run_dir, where):  # held by this process for the ranks it launches
         _relaunch_if_asked(gpus, strategy, [*_stage_argv("train", source, set_, run_dir),
                                             *([] if resume else ["--no-resume"])], where)
-        result = _guard(lambda: train_stage(config, config.run_dir, resume=resume, console_callback=_say,
-                                            progress=TrainProgress(console, _say)))
-    if not is_main_process() or result.already_done:
-        return
-    console.print_json(json.dumps(result.summary, default=str))
-    console.print(f"adapter: {result.final_dir}", markup=False)
+        result = guarded(lambda: train_stage(config, config.run_dir, resume=resume, console_callback=say,
+                                             progress=TrainProgress(console, say)))
+    if is_main_process() and not result.already_done:
+        show.show_trained(result)
 
 
 @app.command()
@@ -359,41 +260,11 @@ def compare(
         check_needs(config)
         seed = config.run.seed
         with _claimed(config.run_dir, create=False):
-            _guard(lambda: evaluate_swapped(config, config.run_dir, _eval_progress))
+            guarded(lambda: evaluate_swapped(config, config.run_dir, eval_progress))
     elif (run_dir / "config.yaml").is_file():  # the seed the run's own compare stage used
         seed = _config(str(run_dir), None, run_dir).run.seed
-    result = _guard(lambda: compare_runs(run_dir, seed=seed))
-    _print_comparison(result.path)
-
-
-def _print_comparison(path: Path) -> None:
-    if not path.exists():
-        return
-    comparison = json.loads(path.read_text())
-    table = Table(title=f"before -> after ({comparison['n_paired']} held-out items)")
-    for column in ("metric", "before", "after", "delta", "95% CI", "McNemar p"):
-        table.add_column(column, justify="right" if column != "metric" else "left")
-    for name, m in comparison["metrics"].items():
-        lo, hi = m["delta_ci95"]
-        p = f"{m['mcnemar_p']:.3g}" if "mcnemar_p" in m else ""
-        table.add_row(name, f"{m['before']:.3f}", f"{m['after']:.3f}", f"{m['delta']:+.3f}",
-                      escape(f"[{lo:+.3f}, {hi:+.3f}]"), p)
-    console.print(table)
-    flips = comparison["flip_counts"]
-    console.print(", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in flips.items()), highlight=False)
-    if comparison.get("visual_control"):
-        _print_visual_control(comparison["visual_control"])
-
-
-def _print_visual_control(control: dict) -> None:
-    table = Table(title="visual control: accuracy on true vs swapped images")
-    for column in ("family", "n", "before true", "before swapped", "after true", "after swapped", "visual gain", "95% CI"):
-        table.add_column(column, justify="right" if column != "family" else "left")
-    for name, b in [("all", control["overall"]), *sorted(control["by_family"].items())]:
-        a, (lo, hi) = b["accuracy"], b["visual_gain_ci95"]
-        table.add_row(name, str(b["n"]), *(f"{a[k]:.3f}" for k in ("before_true", "before_swapped", "after_true",
-                      "after_swapped")), f"{b['visual_gain']:+.3f}", escape(f"[{lo:+.3f}, {hi:+.3f}]"))
-    console.print(table)
+    result = guarded(lambda: compare_runs(run_dir, seed=seed))
+    show.show_comparison(result.path)
 
 
 @app.command()
@@ -412,16 +283,9 @@ def export(
     _one_process_only("export")
     config = _config(source, set_, run_dir)
     with _claimed(config.run_dir, create=False):
-        report_ = _guard(lambda: export_stage.export_adapter(config, config.run_dir, source=adapter))
-    table = Table(title="export checks")
-    for column in ("check", "result", "value", "detail"):
-        table.add_column(column)
-    for c in report_["checks"]:
-        verdict = {True: "[green]pass[/green]", False: "[red]FAIL[/red]", None: "skipped"}[c["passed"]]
-        table.add_row(c["name"], verdict, escape(str(c["value"])), escape(c["detail"]))
-    console.print(table)
+        show.show_export_checks(guarded(lambda: export_stage.export_adapter(config, config.run_dir, source=adapter)))
     if push_to_hub:
-        url = _guard(lambda: export_stage.push_to_hub(config.run_dir, push_to_hub, private=private))
+        url = guarded(lambda: export_stage.push_to_hub(config.run_dir, push_to_hub, private=private))
         console.print(f"uploaded {config.run_dir / 'adapter'} to {push_to_hub}: {url}", highlight=False)
 
 
@@ -431,7 +295,7 @@ def report(run_dir: Annotated[Path, typer.Argument(help="Run directory.")] = Pat
     from vlmrl.report import write_report
 
     if not run_dir.is_dir():
-        _fail(f"{run_dir}: no such run directory")
+        fail(f"{run_dir}: no such run directory")
     console.print(f"wrote {write_report(run_dir)}", markup=False)
 
 
@@ -461,25 +325,18 @@ def bench(
     writes the results (samples per second and peak memory of every GPU included)."""
     import tempfile
 
-    import torch
-
     from vlmrl.bench import PATHS, BenchSettings, run_bench, save_shaped_model
     from vlmrl.bench.throughput import parse_batches
     from vlmrl.distributed import is_main_process, world_size
 
     unknown = [p for p in paths.split(",") if p not in PATHS]
     if unknown:
-        _fail(f"unknown bench path(s) {', '.join(unknown)}; choose from {', '.join(PATHS)}")
+        fail(f"unknown bench path(s) {', '.join(unknown)}; choose from {', '.join(PATHS)}")
     try:
         batches = parse_batches(generation_batches, BenchSettings.generations) if generation_batches else None
     except ValueError as exc:
-        _fail(f"--generation-batches: {exc}")
-    if not torch.cuda.is_available():
-        _fail("vlmrl bench needs a CUDA GPU (this machine has none); see benchmarks/README.md for the commands.")
-    if torch.cuda.device_count() > 1 and world_size() == 1 and save_model is None:
-        _fail(f"{torch.cuda.device_count()} GPUs are visible to one process, and vlmrl bench measures one GPU per "
-              "process: set CUDA_VISIBLE_DEVICES=0, or run it under `accelerate launch --num_processes "
-              f"{torch.cuda.device_count()}` to measure them all (docs/multi_gpu.md).")
+        fail(f"--generation-batches: {exc}")
+    _one_gpu_per_process(world_size(), saving=save_model is not None)
     if save_model is not None:
         console.print(f"saved {save_shaped_model(save_model, shapes)}")
         return
@@ -491,13 +348,8 @@ def bench(
         return
     with tempfile.TemporaryDirectory(prefix="vlmrl-bench-") as work:
         summary = run_bench(settings, out, Path(work))
-    if not is_main_process():
-        return
-    console.print((out / "bench.md").read_text(), markup=False, highlight=False)
-    failed = [name for name, p in summary["paths"].items() if p.get("error")]
-    if failed:
-        _fail(f"bench path(s) failed: {', '.join(failed)} (details in {out / 'bench.json'})")
-
+    if is_main_process():
+        show.show_bench(out, summary)
 
 
 def _bench_throughput(settings: BenchSettings, batches: list[int], out: Path) -> None:
@@ -508,11 +360,8 @@ def _bench_throughput(settings: BenchSettings, batches: list[int], out: Path) ->
 
     with tempfile.TemporaryDirectory(prefix="vlmrl-bench-") as work:
         summary = run_throughput(settings, batches, out, Path(work))
-    if not is_main_process():
-        return
-    console.print((out / "throughput.md").read_text(), markup=False, highlight=False)
-    if failed := [f"{r['path']} at {r['generation_batch']}" for r in summary["rows"] if r.get("error")]:
-        _fail(f"generation batch(es) failed or skipped: {', '.join(failed)} (details in {out / 'throughput.json'})")
+    if is_main_process():
+        show.show_throughput(out, summary)
 
 
 if __name__ == "__main__":

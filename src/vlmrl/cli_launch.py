@@ -1,8 +1,9 @@
 """How `vlmrl train` and `vlmrl eval` start several processes: `--gpus N` on this host, `--nodes M` hosts, each
 host re-running the same command through `accelerate launch` (vlmrl.distributed builds the command).
 
-Kept apart from `cli.py`, which holds the commands. Left out: starting the other hosts (each runs its own
-command with its own `--node-rank`) and any launcher of our own.
+Kept apart from `cli.py`, which holds the commands; also the one-GPU-per-process check of `vlmrl bench`.
+Left out: starting the other hosts (each runs its own command with its own `--node-rank`) and any launcher of
+our own.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from vlmrl.cli_errors import claimed, fail
 from vlmrl.cli_help import Strategy
-from vlmrl.clierrors import claimed, fail
 from vlmrl.distributed import (
     LAUNCHED_ENV,
     ONE_HOST,
@@ -85,7 +86,7 @@ def relaunch_if_asked(gpus: int, strategy: str, command: list[str], nodes: Nodes
     verbose = ["--verbose"] if logging.getLogger().level == logging.DEBUG else []
     argv = launch_command([*verbose, *command], gpus=gpus, strategy=strategy, nodes=nodes)
     console.print(f"launching: {shlex.join(argv)}", highlight=False, markup=False, soft_wrap=True)
-    # the ranks skip the requirement check this process ran for this host (vlmrl.clierrors.check_needs)
+    # the ranks skip the requirement check this process ran for this host (vlmrl.cli_errors.check_needs)
     raise typer.Exit(subprocess.run(argv, check=False, env={**os.environ, LAUNCHED_ENV: "1"}).returncode)
 
 
@@ -101,3 +102,16 @@ def one_process_only(command: str) -> None:
     if world_size() > 1:
         fail(f"vlmrl {command} runs as one process (every rank would write the same files); run it without "
              "accelerate launch / torchrun. Only train and eval take several (--gpus N).", 2)
+
+
+def one_gpu_per_process(processes: int, *, saving: bool) -> None:
+    """`vlmrl bench` measures one GPU per process: exit 1 on a machine without CUDA, or when one process sees
+    several GPUs (unless it only saves a model, which needs no GPU of its own)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        fail("vlmrl bench needs a CUDA GPU (this machine has none); see benchmarks/README.md for the commands.")
+    if torch.cuda.device_count() > 1 and processes == 1 and not saving:
+        fail(f"{torch.cuda.device_count()} GPUs are visible to one process, and vlmrl bench measures one GPU per "
+             "process: set CUDA_VISIBLE_DEVICES=0, or run it under `accelerate launch --num_processes "
+             f"{torch.cuda.device_count()}` to measure them all (docs/multi_gpu.md).")

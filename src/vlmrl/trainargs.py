@@ -51,6 +51,15 @@ def training_problems(config: Config) -> list[str]:
     return problems
 
 
+def validation_problems(config: Config) -> list[str]:
+    """training_problems for `vlmrl config validate`: a checker that breaks is one more problem line, never a
+    traceback (the command must answer in one line per problem)."""
+    try:
+        return training_problems(config)
+    except Exception as exc:  # noqa: BLE001  a checker that breaks must still answer in one line
+        return [f"could not check the training settings: {type(exc).__name__}: {exc}".splitlines()[0]]
+
+
 def override_problems(overrides: dict) -> list[str]:
     from trl import GRPOConfig
 

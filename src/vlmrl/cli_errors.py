@@ -8,16 +8,17 @@ here still ends in a traceback, which is what a bug report needs).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 import typer
 from rich.console import Console
 from rich.text import Text
 from typer.core import TyperGroup
 
+T = TypeVar("T")
 console = Console()  # rich finds sys.stdout when it writes, so this and cli's console share the stream
 _state = {"debug": False}
 
@@ -61,6 +62,31 @@ class Commands(TyperGroup):
             if debug():
                 raise
             fail(f"{describe(exc)} (--debug shows the traceback)", 2)
+
+
+def guarded(action: Callable[[], T]) -> T:
+    """Run a stage, turning the project's own errors into one red line and exit 1 (a folder in use or not
+    vlmrl's: exit 2, nothing was done); with --debug the traceback instead."""
+    from vlmrl.compare import CompareError
+    from vlmrl.config import ConfigError
+    from vlmrl.data.items import DataError
+    from vlmrl.evaluate import EvalError
+    from vlmrl.export import ExportError
+    from vlmrl.models.loading import ModelLoadError
+    from vlmrl.models.lora import LoraLayoutError
+    from vlmrl.rundir import RunDirError
+    from vlmrl.train import TrainError
+    from vlmrl.visual_control import VisualControlError
+
+    try:
+        return action()
+    except RunDirError as exc:
+        fail(str(exc), 2)
+    except (ConfigError, DataError, EvalError, TrainError, CompareError, ExportError, ModelLoadError,
+            LoraLayoutError, VisualControlError) as exc:
+        if debug():
+            raise
+        fail(str(exc))
 
 
 @contextmanager
