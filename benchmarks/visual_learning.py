@@ -3,10 +3,12 @@
 Steps, each timed and printed as it ends (so a killed run still shows where the time went):
   1. build the demo-gpu policy (the supervised warm start; cached under VLMRL_CACHE);
   2. `vlmrl run demo-gpu` (prepare, baseline, GSPO, after, the swapped-image evaluations, compare, export,
-     report), every output line echoed with the seconds since the start, and at the same time
-  3. the same run with the correctness reward's sign flipped (format weight 0), the reward control;
-  4. OUTDIR/h200_visual_learning.json and .md from the two comparison.json files and the run folders, and
-     both runs' report.html. The run folders themselves and the policy cache stay under VLMRL_VISUAL_WORK
+     report), every output line echoed with the seconds since the start; then OUTDIR/h200_visual_learning.json
+     and .md from its comparison.json (the control marked as not run yet), so a call that runs out of time
+     still leaves the main result;
+  3. the same run with the correctness reward's sign flipped (format weight 0), the reward control, after the
+     main run (run side by side, the two processes' CPU threads slowed each step 4-6x in the first H200 run);
+  4. the result files again, with both comparisons, and both runs' report.html. The run folders themselves and the policy cache stay under VLMRL_VISUAL_WORK
      (default /tmp/vlmrl-visual; VLMRL_CACHE defaults to its cache/ folder).
 
 VLMRL_VISUAL_SMOKE=1 swaps in the recipe's CPU twin (model.name=demo-policy-gpu-smoke) and toy sizes: the same
@@ -93,14 +95,15 @@ def build_policy(name: str) -> dict:
             "sft_loss_first_last": [losses[0], losses[-1]] if losses else None}
 
 
-def criteria(main: dict, control: dict) -> dict:
-    """The issue's "done when", read off the two comparisons (booleans; nothing is tuned to pass them)."""
+def criteria(main: dict, control: dict | None) -> dict:
+    """The issue's "done when", read off the two comparisons (booleans, None for a control not run; nothing is
+    tuned to pass them)."""
     accuracy = main["metrics"]["accuracy"]
     visual = (main.get("visual_control") or {}).get("overall") or {}
     return {
         "accuracy_rises_ci_excludes_zero": accuracy["delta_ci95"][0] > 0,
         "visual_gain_ci_excludes_zero": bool(visual) and visual["visual_gain_ci95"][0] > 0,
-        "control_accuracy_does_not_rise": control["metrics"]["accuracy"]["delta"] <= 0,
+        "control_accuracy_does_not_rise": None if control is None else control["metrics"]["accuracy"]["delta"] <= 0,
     }
 
 
@@ -112,18 +115,26 @@ def markdown(result: dict) -> str:
         m = main["metrics"][name]
         lines.append(f"| {name} | {m['before']:.3f} | {m['after']:.3f} | {m['delta']:+.3f} | "
                      f"[{m['delta_ci95'][0]:+.3f}, {m['delta_ci95'][1]:+.3f}] |")
-    m = control["metrics"]["accuracy"]
-    lines.append(f"| accuracy, sign-flipped control | {m['before']:.3f} | {m['after']:.3f} | {m['delta']:+.3f} | "
-                 f"[{m['delta_ci95'][0]:+.3f}, {m['delta_ci95'][1]:+.3f}] |")
+    if control is None:
+        lines.append("| accuracy, sign-flipped control | not run | | | |")
+    else:
+        m = control["metrics"]["accuracy"]
+        lines.append(f"| accuracy, sign-flipped control | {m['before']:.3f} | {m['after']:.3f} | {m['delta']:+.3f} | "
+                     f"[{m['delta_ci95'][0]:+.3f}, {m['delta_ci95'][1]:+.3f}] |")
     visual = main.get("visual_control")
     if visual:
         lines += ["", "Visual control (accuracy on true / swapped images):", "",
-                  "| family | n | before true | before swapped | after true | after swapped | visual gain | 95% CI |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  ("| family | n | before true | before swapped | after true | after swapped | visual gain | 95% CI "
+                   "| format true before/after | gain, items formatted in all four (n) | 95% CI |"),
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for name, b in [("all", visual["overall"]), *sorted(visual["by_family"].items())]:
             a, (lo, hi) = b["accuracy"], b["visual_gain_ci95"]
+            f, held = b.get("format_compliance") or {}, b.get("all_formatted") or {}
+            fixed = (f"{held['visual_gain']:+.3f} ({held['n']}) | [{held['visual_gain_ci95'][0]:+.3f}, "
+                     f"{held['visual_gain_ci95'][1]:+.3f}]") if held.get("visual_gain") is not None else "- | -"
             lines.append(f"| {name} | {b['n']} | {a['before_true']:.3f} | {a['before_swapped']:.3f} | "
-                         f"{a['after_true']:.3f} | {a['after_swapped']:.3f} | {b['visual_gain']:+.3f} | [{lo:+.3f}, {hi:+.3f}] |")
+                         f"{a['after_true']:.3f} | {a['after_swapped']:.3f} | {b['visual_gain']:+.3f} | [{lo:+.3f}, {hi:+.3f}] "
+                         f"| {f.get('before_true', float('nan')):.3f} / {f.get('after_true', float('nan')):.3f} | {fixed} |")
     lines += ["", "Criteria: " + ", ".join(f"{k}: {v}" for k, v in result["criteria"].items()),
               "", "Timings (s): " + json.dumps(result["timings"]),
               "", "Exit status of the runs: " + json.dumps(result["exit_status"])]
@@ -145,15 +156,21 @@ def main() -> int:
     timings["policy_build"] = policy["seconds"]
     say(f"policy ready in {policy['seconds']} s (warm start {policy['sft_seconds']} s, {policy['sft_steps_run']} steps, "
         f"loss {policy['sft_loss_first_last']}, reading checks {policy['reading_checks']})")
-    # Both runs at once: a 45M policy leaves the GPU mostly idle (decoding is launch-bound), so two processes
-    # share it for little more than the time of one.
-    runs_started = time.perf_counter()
-    main_run, control_run = Run("demo-gpu", runs, overrides), Run("control", runs, overrides + CONTROL)
-    timings["run"], timings["run_stages"], main_status = main_run.wait()
-    timings["control"], timings["control_stages"], control_status = control_run.wait()
-    timings["both_runs_wall"] = round(time.perf_counter() - runs_started, 1)
-    timings["total"] = round(time.perf_counter() - STARTED, 1)
     main_dir = runs / next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("run.name=")), "demo-gpu")
+    control_dir = runs / "demo-gpu-control"
+    status = {}
+    timings["run"], timings["run_stages"], status["run"] = Run("demo-gpu", runs, overrides).wait()
+    result = write_result(out, extra, overrides, smoke, policy, timings, status, main_dir, None)
+    timings["control"], timings["control_stages"], status["control"] = Run("control", runs, overrides + CONTROL).wait()
+    timings["total"] = round(time.perf_counter() - STARTED, 1)
+    result = write_result(out, extra, overrides, smoke, policy, timings, status, main_dir, control_dir)
+    print(markdown(result))
+    return status["run"]
+
+
+def write_result(out: Path, extra: list[str], overrides: list[str], smoke: bool, policy: dict, timings: dict,
+                 status: dict, main_dir: Path, control_dir: Path | None) -> dict:
+    """OUTDIR/h200_visual_learning.json and .md (and the runs' report.html) from the run folders as they are."""
     env = json.loads((main_dir / "env.json").read_text())
     cuda = env.get("cuda") or {}
     result = {
@@ -166,19 +183,18 @@ def main() -> int:
                         "cuda": cuda},
         "policy": policy,
         "timings": timings,
-        "exit_status": {"run": main_status, "control": control_status},
+        "exit_status": status,
         "comparison": json.loads((main_dir / "comparison.json").read_text()),
-        "control_comparison": json.loads((runs / "demo-gpu-control" / "comparison.json").read_text()),
+        "control_comparison": json.loads((control_dir / "comparison.json").read_text()) if control_dir else None,
     }
     result["criteria"] = criteria(result["comparison"], result["control_comparison"])
     (out / "h200_visual_learning.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / "h200_visual_learning.md").write_text(markdown(result))
-    for name, folder in (("report.html", main_dir), ("control_report.html", runs / "demo-gpu-control")):
-        if (folder / "report.html").exists():
+    for name, folder in (("report.html", main_dir), ("control_report.html", control_dir)):
+        if folder and (folder / "report.html").exists():
             shutil.copyfile(folder / "report.html", out / name)
     say(f"wrote {out / 'h200_visual_learning.json'} and .md; criteria {result['criteria']}")
-    print(markdown(result))
-    return main_status
+    return result
 
 
 if __name__ == "__main__":

@@ -122,6 +122,29 @@ def test_visual_gain_pairs_by_id_and_matches_a_hand_computed_interval(evaluated,
     assert "Visual control" in build_report(run_dir) and "+0.500" in build_report(run_dir)
 
 
+def test_a_gain_that_only_comes_from_more_formatted_answers_vanishes_when_format_is_held_fixed(evaluated, tmp_path):
+    """Before: items 0-3 unformatted (and wrong), 4-7 formatted and read right on the true image only. After: all
+    formatted, all read right on the true image. The gap widens by 0.5, all of it from format."""
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(evaluated.run_dir, run_dir)
+    ids = [r["id"] for r in read_jsonl(run_dir / "baseline_records.jsonl")]
+    late = set(ids[4:])
+    for name in ("baseline", "baseline_swapped", "after", "after_swapped"):
+        records = read_jsonl(run_dir / f"{name.replace('after', 'baseline')}_records.jsonl")
+        rows = []
+        for r in records:
+            formatted = name.startswith("after") or r["id"] in late
+            rows.append({**r, "format_ok": formatted, "correct": formatted and "swapped" not in name})
+        write_jsonl_atomic(run_dir / f"{name}_records.jsonl", rows)
+    overall = compare_runs(run_dir, seed=3).comparison["visual_control"]["overall"]
+    assert overall["visual_gain"] == pytest.approx(0.5)
+    assert overall["format_compliance"] == {"before_true": 0.5, "after_true": 1.0, "before_swapped": 0.5,
+                                            "after_swapped": 1.0}
+    assert overall["all_formatted"] == {"n": 4, "visual_gain": 0.0, "visual_gain_ci95": [0.0, 0.0]}
+
+
 def test_a_swapped_record_that_saw_its_own_image_is_refused(evaluated, tmp_path):
     import shutil
 

@@ -27,6 +27,8 @@ from vlmrl.data.items import record_hashes
 from vlmrl.io import read_jsonl
 
 SWAPPED = "_swapped"  # records/summary names: baseline_swapped_records.jsonl, after_swapped_summary.json
+FORMAT = "_format"  # a row's key for the record's format_ok
+COLUMNS = ("baseline", "after", "baseline" + SWAPPED, "after" + SWAPPED)
 IMAGE_FIELDS = ("images", "image", "image_sha256")
 
 
@@ -103,8 +105,7 @@ def evaluate_swapped(config, run_dir: Path, progress_factory: Callable[[str], ob
 
 def compute(run_dir: Path, seed: int = 0) -> dict | None:
     """The control from the four records files; None when the swapped evaluations have not run."""
-    paths = {name: Path(run_dir) / f"{name}_records.jsonl"
-             for name in ("baseline", "after", "baseline" + SWAPPED, "after" + SWAPPED)}
+    paths = {name: Path(run_dir) / f"{name}_records.jsonl" for name in COLUMNS}
     if not (paths["baseline" + SWAPPED].exists() and paths["after" + SWAPPED].exists()):
         return None
     sets = {name: {r["id"]: r for r in read_jsonl(path)} for name, path in paths.items()}
@@ -113,8 +114,9 @@ def compute(run_dir: Path, seed: int = 0) -> dict | None:
         raise VisualControlError(f"{run_dir}: the true- and swapped-image records share no id; evaluate them first.")
     for item_id in ids:
         _check_pairing(run_dir, item_id, sets)
-    rows = [{name: float(bool(sets[name][i]["correct"])) for name in sets} | {"category": sets["baseline"][i].get("category")}
-            for i in ids]
+    rows = [{name: float(bool(sets[name][i]["correct"])) for name in sets}
+            | {f"{name}{FORMAT}": float(bool(sets[name][i].get("format_ok"))) for name in sets}
+            | {"category": sets["baseline"][i].get("category")} for i in ids]
     by_family: dict[str, list[dict]] = {}
     for row in rows:
         by_family.setdefault(str(row["category"] or "unknown"), []).append(row)
@@ -146,22 +148,40 @@ def _check_pairing(run_dir: Path, item_id: str, sets: dict[str, dict[str, dict]]
 
 
 def _block(rows: list[dict], seed: int) -> dict:
-    """Accuracies of one group and its visual gain: mean((after true - after swapped) - (before true - before swapped))."""
-    col = {name: [r[name] for r in rows] for name in ("baseline", "after", "baseline" + SWAPPED, "after" + SWAPPED)}
+    """Accuracies of one group and its visual gain: mean((after true - after swapped) - (before true - before swapped)).
+
+    A policy that answers in the structure more often after training widens the true-minus-swapped gap even if
+    it reads no better (more of its readings become gradable), so the block also gives each column's format
+    compliance and the same gain over the items whose four answers were all in the structure."""
+    col = {name: [r[name] for r in rows] for name in COLUMNS}
     gap_before = [t - s for t, s in zip(col["baseline"], col["baseline" + SWAPPED])]
     gap_after = [t - s for t, s in zip(col["after"], col["after" + SWAPPED])]
     gain = stats.mean(gap_after) - stats.mean(gap_before)
+    formatted = [r for r in rows if all(r[name + FORMAT] for name in COLUMNS)]
     return {
         "n": len(rows),
         "accuracy": {"before_true": stats.mean(col["baseline"]), "before_swapped": stats.mean(col["baseline" + SWAPPED]),
                      "after_true": stats.mean(col["after"]), "after_swapped": stats.mean(col["after" + SWAPPED])},
+        "format_compliance": {key: stats.mean([r[name + FORMAT] for r in rows]) for key, name in
+                              zip(("before_true", "after_true", "before_swapped", "after_swapped"), COLUMNS)},
         "gap_before": stats.mean(gap_before),
         "gap_after": stats.mean(gap_after),
         "visual_gain": gain,
         "visual_gain_ci95": list(stats.paired_bootstrap_ci(gap_before, gap_after, seed=seed)),
         "true_delta_ci95": list(stats.paired_bootstrap_ci(col["baseline"], col["after"], seed=seed)),
         "swapped_delta_ci95": list(stats.paired_bootstrap_ci(col["baseline" + SWAPPED], col["after" + SWAPPED], seed=seed)),
+        "all_formatted": _formatted_gain(formatted, seed),
     }
+
+
+def _formatted_gain(rows: list[dict], seed: int) -> dict:
+    """The visual gain over the items answered in the structure in all four evaluations (format held fixed)."""
+    if len(rows) < 2:
+        return {"n": len(rows), "visual_gain": None, "visual_gain_ci95": None}
+    before = [r["baseline"] - r["baseline" + SWAPPED] for r in rows]
+    after = [r["after"] - r["after" + SWAPPED] for r in rows]
+    return {"n": len(rows), "visual_gain": stats.mean(after) - stats.mean(before),
+            "visual_gain_ci95": list(stats.paired_bootstrap_ci(before, after, seed=seed))}
 
 
 def report_html(control: dict | None) -> str:
