@@ -51,3 +51,25 @@ def test_on_step_returning_true_stops_training(tmp_path):
     losses = sft_train(model, processor, _examples(), steps=5, batch_size=2, prefetch=True,
                        on_step=lambda step, loss: seen.append(step) or step == 2)
     assert seen == [1, 2] and len(losses) == 2
+
+
+def test_reading_check_counts_right_answers_per_family(monkeypatch):
+    """The warm start's check, per family: a fake generator answers bar values right and everything else wrong."""
+    from vlmrl.models import demo
+    from vlmrl.rollout import generation
+
+    items = list(generate_items(12, seed=4, size=32, families=["bar_value", "count_squares"]))
+
+    def answers(model, processor, prompts, images, **kwargs):
+        by_image = {id(i.image): i for i in items}  # questions repeat across items; their pictures do not
+        shown = [by_image[id(pictures[0])] for pictures in images]
+        return [[generation.Generation(_target(i.family, i.answer if i.family == "bar_value" else "-1"), tokens=9,
+                                       truncated=False)] for i in shown]
+
+    monkeypatch.setattr(generation, "generate_batch", answers)
+    model = torch.nn.Linear(1, 1)
+    result = demo.reading_check(model, None, items, batch=5)
+    bars = sum(i.family == "bar_value" for i in items)
+    assert 0 < bars < len(items)
+    assert result == {"greedy_accuracy": bars / len(items), "by_family": {"bar_value": 1.0, "count_squares": 0.0}}
+    assert model.training

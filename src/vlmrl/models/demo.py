@@ -159,9 +159,10 @@ def build_demo_policy(out_dir: Path, recipe: dict = DEMO_RECIPE, say=None) -> di
         tick(step, recipe["sft_steps"])
         if not stop_at or step % recipe["check_every"]:
             return False
-        checks.append({"step": step, "greedy_accuracy": _greedy_accuracy(model, processor, check_items)})
+        checks.append({"step": step, **reading_check(model, processor, check_items)})
+        by_family = ", ".join(f"{k} {v:.2f}" for k, v in checks[-1]["by_family"].items())
         (say or log.warning)(f"demo policy: step {step}, greedy accuracy on {len(check_items)} unseen figures "
-                             f"{checks[-1]['greedy_accuracy']:.3f} (stops at {stop_at})")
+                             f"{checks[-1]['greedy_accuracy']:.3f} (stops at {stop_at}; {by_family})")
         return checks[-1]["greedy_accuracy"] >= stop_at
 
     losses = sft_train(model, processor, examples, steps=recipe["sft_steps"], batch_size=recipe["sft_batch_size"],
@@ -173,24 +174,31 @@ def build_demo_policy(out_dir: Path, recipe: dict = DEMO_RECIPE, say=None) -> di
             "sft_steps_run": len(losses), "reading_checks": checks}
 
 
-def _greedy_accuracy(model, processor, items: list, batch: int = 128) -> float:
-    """The share of `items` the model answers right, greedily (the warm start's stop criterion)."""
+def reading_check(model, processor, items: list, batch: int = 128) -> dict:
+    """The share of `items` the model answers right greedily (the warm start's stop criterion), overall and per
+    family: a family at its answer prior is one the policy does not read yet, and RL cannot sharpen that reading.
+
+    The model is left in train mode."""
     import torch
 
     from vlmrl.rewards import score_completion
     from vlmrl.rollout.generation import generate_batch
 
     model.eval()
-    right = 0
+    right: dict[str, list[bool]] = {}
     with torch.no_grad():
         for start in range(0, len(items), batch):
             chunk = items[start : start + batch]
             generations = generate_batch(model, processor, [_prompt(i.question) for i in chunk],
                                          [[i.image] for i in chunk], max_new_tokens=48)
-            right += sum(score_completion(g[0].text, i.answer, answer_type=i.answer_type,
-                                          precision=i.precision)["correct"] for g, i in zip(generations, chunk))
+            for g, item in zip(generations, chunk):
+                correct = score_completion(g[0].text, item.answer, answer_type=item.answer_type,
+                                           precision=item.precision)["correct"]
+                right.setdefault(item.family, []).append(bool(correct))
     model.train()
-    return right / len(items)
+    total = sum(len(v) for v in right.values())
+    return {"greedy_accuracy": sum(sum(v) for v in right.values()) / total if total else 0.0,
+            "by_family": {name: sum(v) / len(v) for name, v in sorted(right.items())}}
 
 
 def _prompt(question: str) -> str:
