@@ -1,0 +1,322 @@
+"""The README and docs/ name real things: modules, files, commands and flags.
+
+A user reads README.md and docs/*.md before the code, so every reference there that can be checked mechanically
+is checked here: each `vlmrl.<module>[.<name>]` dotted name resolves to a module file under src/ (and the name to
+a definition in it), each `src/vlmrl/...`, `benchmarks/...`, `docs/...`, `tests/...` and `examples/...` path
+exists (with `{a,b}` and `*` expanded), each relative markdown link resolves, each `config.section.field` named
+in the docs is a field of `Config`, the README's Layout block names existing files, and every `--flag` of a
+`vlmrl <command>` shown in code (fenced blocks and inline code) appears in that command's --help.
+
+Left out: prose claims (what a function does, default values and measured figures), which need a reader.
+Modules are resolved by reading their source with `ast`, not by importing them, so no torch import and no model
+load: the whole file runs in about a second.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]
+# Paths the docs name that a command writes, not the repository: path -> the file that writes it.
+GENERATED = {"examples/shapes_quiz/data/": "examples/shapes_quiz/make_data.py"}
+
+DOTTED = re.compile(r"(?<![\w./-])vlmrl(?:\.\w+)+\*?")
+PATH = re.compile(r"(?<![\w/.-])((?:src/vlmrl|benchmarks|docs|tests|examples)/[\w./*{},-]*)")
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+FIELD = re.compile(r"(?<![\w./-])(run|model|lora|data|eval|train|health|export)\.([a-z_][a-z0-9_]*)(?![\w/])")
+FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
+INLINE = re.compile(r"`((?:[^`\n]|\n(?!\n))+)`")  # a span may wrap onto the next line
+COMMAND = re.compile(r"(?:^|[\s/(])vlmrl((?:\s+--[\w-]+)*)\s+([a-z][a-z-]*(?:\|[a-z][a-z-]*)*)(?=\s|$)")
+# `train.jsonl`, `export.json`, `data.md`: file names, not `section.field`.
+FILE_SUFFIXES = {"json", "jsonl", "md", "py", "yaml", "html"}
+
+
+def _docs() -> list[tuple[Path, str]]:
+    return [(p, p.read_text()) for p in DOCS if p.is_file()]
+
+
+def _where(path: Path, text: str, pos: int) -> str:
+    return f"{path.relative_to(ROOT)}:{text.count(chr(10), 0, pos) + 1}"
+
+
+# --- dotted module names -------------------------------------------------------------------------------------
+
+
+def _module_file(parts: list[str]) -> Path | None:
+    """src/vlmrl/a/b.py or src/vlmrl/a/b/__init__.py for ["vlmrl", "a", "b"]."""
+    base = SRC.joinpath(*parts)
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+@cache
+def _names(path: Path) -> dict[str, ast.AST | None]:
+    """Top-level names a module defines or imports (classes map to their node, for `Class.method`)."""
+    names: dict[str, ast.AST | None] = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names[node.name] = node if isinstance(node, ast.ClassDef) else None
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                for leaf in ast.walk(target):
+                    if isinstance(leaf, ast.Name):
+                        names[leaf.id] = None
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                names[(alias.asname or alias.name).split(".")[0]] = None
+    return names
+
+
+def resolve_dotted(ref: str) -> str | None:
+    """None when `vlmrl.a.b.name` names a module file and a definition in it, else what is missing.
+
+    A trailing `*` (`vlmrl.io.write_*`) asks for some name with that prefix.
+
+    >>> resolve_dotted("vlmrl.grading.grade") is None
+    True
+    >>> resolve_dotted("vlmrl.nosuchmodule")
+    'no module vlmrl.nosuchmodule'
+    """
+    prefix = ref.endswith("*")
+    parts = ref.rstrip("*").split(".")
+    for cut in range(len(parts), 0, -1):
+        module = _module_file(parts[:cut])
+        if module is not None:
+            break
+    else:
+        return f"no module {ref}"
+    rest = parts[cut:]
+    if not rest:
+        return None
+    scope: dict[str, ast.AST | None] = _names(module)
+    for i, name in enumerate(rest):
+        last = i == len(rest) - 1
+        if last and prefix:
+            if not any(n.startswith(name) for n in scope):
+                return f"nothing named {name}* in {'.'.join(parts[:cut])}"
+            return None
+        if name not in scope:
+            where = ".".join(parts[:cut + i])
+            return f"no module {'.'.join(parts[:cut + i + 1])}" if i == 0 else f"{name} not defined in {where}"
+        node = scope[name]
+        if not last:
+            if not isinstance(node, ast.ClassDef):
+                return f"{name} in {'.'.join(parts[:cut])} is not a class with members"
+            scope = {n.name: None for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    return None
+
+
+def test_dotted_names_resolve() -> None:
+    broken = []
+    for path, text in _docs():
+        for m in DOTTED.finditer(text):
+            problem = resolve_dotted(m.group(0))
+            if problem:
+                broken.append(f"{_where(path, text, m.start())}: `{m.group(0)}`: {problem}")
+    assert not broken, "\n".join(broken)
+
+
+# --- paths and links ---------------------------------------------------------------------------------------
+
+
+def expand(pattern: str) -> list[str]:
+    """One level of `{a,b}` alternatives.
+
+    >>> expand("results/x.{md,json}")
+    ['results/x.md', 'results/x.json']
+    >>> expand("docs/data.md")
+    ['docs/data.md']
+    """
+    m = re.search(r"\{([^{}]*)\}", pattern)
+    if not m:
+        return [pattern]
+    return [pattern[:m.start()] + alt + pattern[m.end():] for alt in m.group(1).split(",")]
+
+
+def _exists(relative: str, base: Path = ROOT) -> bool:
+    if "*" in relative:
+        return any(base.glob(relative.rstrip("/")))
+    return (base / relative).exists()
+
+
+def test_paths_exist() -> None:
+    broken = []
+    for path, text in _docs():
+        for m in PATH.finditer(text):
+            ref = m.group(1).rstrip(".,:;")
+            if ref in GENERATED:
+                assert (ROOT / GENERATED[ref]).is_file(), GENERATED[ref]
+                continue
+            missing = [p for p in expand(ref) if not _exists(p)]
+            if missing:
+                broken.append(f"{_where(path, text, m.start())}: `{ref}` ({', '.join(missing)} missing)")
+    assert not broken, "\n".join(broken)
+
+
+def test_markdown_links_resolve() -> None:
+    broken = []
+    for path, text in _docs():
+        for m in LINK.finditer(text):
+            target = m.group(1).split("#")[0]
+            if not target or re.match(r"[a-z]+:", target):
+                continue
+            if not (path.parent / target).exists():
+                broken.append(f"{_where(path, text, m.start())}: link to {target}")
+    assert not broken, "\n".join(broken)
+
+
+def test_config_fields_exist() -> None:
+    """`train.rollout_merge` and the like are fields of Config (run outputs such as `train.jsonl` are not fields)."""
+    from pydantic import BaseModel
+
+    from vlmrl.config import Config
+
+    fields: set[str] = set()
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, info in model.model_fields.items():
+            fields.add(prefix + name)
+            if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):
+                walk(info.annotation, f"{prefix}{name}.")
+
+    walk(Config, "")
+    refused = {"train.reward_weights"}  # named in docs/rewards.md as the old key the loader refuses
+    broken = []
+    for path, text in _docs():
+        for m in FIELD.finditer(text):
+            name = f"{m.group(1)}.{m.group(2)}"
+            if name in fields or name in refused or m.group(2) in FILE_SUFFIXES or text[m.end():m.end() + 1] == "(":
+                continue  # a field, or a file such as `train.jsonl`, or a call such as `model.dequantize()`
+            broken.append(f"{_where(path, text, m.start())}: `{name}` is not a config field")
+    assert not broken, "\n".join(broken)
+
+
+# --- the Layout block ----------------------------------------------------------------------------------------
+
+
+def _layout_block() -> str:
+    text = (ROOT / "README.md").read_text()
+    assert "\n## Layout" in text, "README has no Layout section"
+    section = text.split("\n## Layout", 1)[1].split("\n## ", 1)[0]
+    blocks = FENCE.findall(section)
+    assert blocks, "README's Layout section has no code block"
+    return blocks[0]
+
+
+def test_layout_names_existing_files() -> None:
+    block = _layout_block()
+    base = SRC / "vlmrl"
+    broken = []
+    for line in block.splitlines()[1:]:
+        left = re.split(r"\s{2,}", line.strip(), maxsplit=1)[0]
+        for entry in re.findall(r"[\w*]+\.py|\w+/", left):
+            if not (any(base.glob(entry)) if "*" in entry else (base / entry).exists()):
+                broken.append(f"src/vlmrl/{entry}")
+    assert not broken, f"README Layout names missing files: {broken}"
+
+
+@pytest.mark.parametrize("package", ["rollout", "bench", "report"])
+def test_layout_lists_every_module_of_a_listed_package(package: str) -> None:
+    """The Layout lines for these packages name their modules; a module added later must be named too."""
+    words = set(re.findall(r"\w+", _layout_block()))
+    modules = sorted(p.stem for p in (SRC / "vlmrl" / package).glob("*.py") if p.stem != "__init__")
+    assert modules and not [m for m in modules if m not in words], f"{package}/ modules unnamed in Layout"
+
+
+# --- commands and flags ---------------------------------------------------------------------------------------
+
+
+def _option_names(help_text: str) -> set[str]:
+    """The option names of a rendered --help: each row's leading `--x` / `-x` tokens."""
+    names: set[str] = set()
+    for line in help_text.splitlines():
+        row = line.strip().lstrip("│|").strip()
+        for token in row.split():
+            if not token.startswith("-"):
+                break
+            names.add(token)
+    return names
+
+
+@cache
+def _help(command: str) -> set[str] | None:
+    """Options in `vlmrl [command] --help`, rendered in-process; None for an unknown command."""
+    from typer.testing import CliRunner
+
+    from vlmrl.cli import app
+
+    args = [*command.split(), "--help"] if command else ["--help"]
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "200", "NO_COLOR": "1"})
+    if result.exit_code != 0:
+        return None
+    return _option_names(result.output)
+
+
+def _code_lines() -> list[tuple[str, str]]:
+    """(where, line) for each line of a fenced block (backslash continuations joined) and each inline span."""
+    lines = []
+    for path, text in _docs():
+        for m in FENCE.finditer(text):
+            joined = m.group(1).replace("\\\n", " ")
+            for offset, line in enumerate(joined.splitlines()):
+                lines.append((_where(path, text, m.start(1)) + f"+{offset}", line))
+        prose = FENCE.sub(lambda f: "\n" * f.group(0).count("\n"), text)  # same line numbers, no blocks
+        for m in INLINE.finditer(prose):
+            lines.append((_where(path, prose, m.start()), m.group(1).replace("\n", " ").replace("\\|", "|")))
+    return lines
+
+
+def flags_of(line: str) -> list[tuple[str, list[str]]]:
+    """(command, flags) for each `vlmrl <command> ...` in a line of code, comments dropped.
+
+    >>> flags_of("vlmrl train CONFIG --gpus 2 --strategy fsdp   # FSDP2 --not-this")
+    [('train', ['--gpus', '--strategy'])]
+    >>> flags_of("vlmrl config show seed --set run.name=x")
+    [('config show', ['--set'])]
+    >>> flags_of("vlmrl --debug train|eval X --nodes 2")
+    [('', ['--debug']), ('train', ['--nodes']), ('eval', ['--nodes'])]
+    """
+    code = re.split(r"\s#", line, maxsplit=1)[0]
+    found = []
+    matches = list(COMMAND.finditer(code))
+    for i, m in enumerate(matches):
+        tail = code[m.end():matches[i + 1].start() if i + 1 < len(matches) else len(code)]
+        tail = re.split(r"\s(?:&&|;|\|)\s", tail, maxsplit=1)[0]
+        if m.group(1).strip():
+            found.append(("", m.group(1).split()))
+        for command in m.group(2).split("|"):
+            sub = re.match(r"\s+(show|validate)\b", tail) if command == "config" else None
+            found.append((f"config {sub.group(1)}" if sub else command, re.findall(r"(?<![\w-])--[\w-]+", tail)))
+    return found
+
+
+def test_command_flags_exist() -> None:
+    broken = []
+    for where, line in _code_lines():
+        for command, flags in flags_of(line):
+            options = _help(command)
+            if options is None:
+                broken.append(f"{where}: `vlmrl {command}` is not a command ({line.strip()})")
+                continue
+            broken += [f"{where}: `vlmrl {command}` has no {f} ({line.strip()})" for f in flags if f not in options]
+    assert not broken, "\n".join(broken)
+
+
+def test_the_checks_can_fail() -> None:
+    """Each checker reports a reference that does not exist (so a pass above means something)."""
+    assert resolve_dotted("vlmrl.fastgen") == "no module vlmrl.fastgen"
+    assert resolve_dotted("vlmrl.rollout.fast.no_such_function") is not None
+    assert resolve_dotted("vlmrl.io.write_*") is None and resolve_dotted("vlmrl.io.nothing_*") is not None
+    assert not _exists("src/vlmrl/fastgen.py") and _exists("src/vlmrl/rollout/fast.py")
+    assert flags_of("vlmrl train X --no-such-flag") == [("train", ["--no-such-flag"])]
+    assert "--no-such-flag" not in (_help("train") or set()) and "--gpus" in (_help("train") or set())
+    assert _help("fastgen") is None
