@@ -31,7 +31,7 @@ DOTTED = re.compile(r"(?<![\w./-])vlmrl(?:\.\w+)+\*?")
 PATH = re.compile(r"(?<![\w/.-])((?:src/vlmrl|benchmarks|docs|tests|examples)/[\w./*{},-]*)")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 FIELD = re.compile(r"(?<![\w./-])(run|model|lora|data|eval|train|health|export)\.([a-z_][a-z0-9_]*)(?![\w/])")
-FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
+FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.DOTALL | re.MULTILINE)
 INLINE = re.compile(r"`((?:[^`\n]|\n(?!\n))+)`")  # a span may wrap onto the next line
 COMMAND = re.compile(r"(?:^|[\s/(])vlmrl((?:\s+--[\w-]+)*)\s+([a-z][a-z-]*(?:\|[a-z][a-z-]*)*)(?=\s|$)")
 # `train.jsonl`, `export.json`, `data.md`: file names, not `section.field`.
@@ -105,13 +105,17 @@ def resolve_dotted(ref: str) -> str | None:
                 return f"nothing named {name}* in {'.'.join(parts[:cut])}"
             return None
         if name not in scope:
-            where = ".".join(parts[:cut + i])
-            return f"no module {'.'.join(parts[:cut + i + 1])}" if i == 0 else f"{name} not defined in {where}"
+            where = ".".join(parts[: cut + i])
+            return (
+                f"no module {'.'.join(parts[: cut + i + 1])}" if i == 0 else f"{name} not defined in {where}"
+            )
         node = scope[name]
         if not last:
             if not isinstance(node, ast.ClassDef):
                 return f"{name} in {'.'.join(parts[:cut])} is not a class with members"
-            scope = {n.name: None for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+            scope = {
+                n.name: None for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+            }
     return None
 
 
@@ -139,7 +143,7 @@ def expand(pattern: str) -> list[str]:
     m = re.search(r"\{([^{}]*)\}", pattern)
     if not m:
         return [pattern]
-    return [pattern[:m.start()] + alt + pattern[m.end():] for alt in m.group(1).split(",")]
+    return [pattern[: m.start()] + alt + pattern[m.end() :] for alt in m.group(1).split(",")]
 
 
 def _exists(relative: str, base: Path = ROOT) -> bool:
@@ -194,7 +198,12 @@ def test_config_fields_exist() -> None:
     for path, text in _docs():
         for m in FIELD.finditer(text):
             name = f"{m.group(1)}.{m.group(2)}"
-            if name in fields or name in refused or m.group(2) in FILE_SUFFIXES or text[m.end():m.end() + 1] == "(":
+            if (
+                name in fields
+                or name in refused
+                or m.group(2) in FILE_SUFFIXES
+                or text[m.end() : m.end() + 1] == "("
+            ):
                 continue  # a field, or a file such as `train.jsonl`, or a call such as `model.dequantize()`
             broken.append(f"{_where(path, text, m.start())}: `{name}` is not a config field")
     assert not broken, "\n".join(broken)
@@ -289,13 +298,15 @@ def flags_of(line: str) -> list[tuple[str, list[str]]]:
     found = []
     matches = list(COMMAND.finditer(code))
     for i, m in enumerate(matches):
-        tail = code[m.end():matches[i + 1].start() if i + 1 < len(matches) else len(code)]
+        tail = code[m.end() : matches[i + 1].start() if i + 1 < len(matches) else len(code)]
         tail = re.split(r"\s(?:&&|;|\|)\s", tail, maxsplit=1)[0]
         if m.group(1).strip():
             found.append(("", m.group(1).split()))
         for command in m.group(2).split("|"):
             sub = re.match(r"\s+(show|validate)\b", tail) if command == "config" else None
-            found.append((f"config {sub.group(1)}" if sub else command, re.findall(r"(?<![\w-])--[\w-]+", tail)))
+            found.append(
+                (f"config {sub.group(1)}" if sub else command, re.findall(r"(?<![\w-])--[\w-]+", tail))
+            )
     return found
 
 
@@ -307,7 +318,9 @@ def test_command_flags_exist() -> None:
             if options is None:
                 broken.append(f"{where}: `vlmrl {command}` is not a command ({line.strip()})")
                 continue
-            broken += [f"{where}: `vlmrl {command}` has no {f} ({line.strip()})" for f in flags if f not in options]
+            broken += [
+                f"{where}: `vlmrl {command}` has no {f} ({line.strip()})" for f in flags if f not in options
+            ]
     assert not broken, "\n".join(broken)
 
 
