@@ -129,6 +129,41 @@ def test_dotted_names_resolve() -> None:
     assert not broken, "\n".join(broken)
 
 
+def _config_fields() -> set[str]:
+    from pydantic import BaseModel
+
+    from vlmrl.config import Config
+
+    fields: set[str] = set()
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, info in model.model_fields.items():
+            fields.add(prefix + name)
+            if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):
+                walk(info.annotation, f"{prefix}{name}.")
+
+    walk(Config, "")
+    return fields
+
+
+def test_short_module_names_resolve() -> None:
+    """`pipeline.settings_fingerprint`, `rollout.fast.deferred_stop_check`: a code span whose first part is a
+    vlmrl module names something in it (config fields such as `train.optim` and files such as `train.jsonl`
+    are not module names)."""
+    fields = _config_fields()
+    broken = []
+    for path, text in _docs():
+        for m in re.finditer(r"`([a-z_]\w*(?:\.\w+)+)(?:\(\))?`", text):
+            ref = m.group(1)
+            first, last = ref.split(".")[0], ref.split(".")[-1]
+            if ref in fields or last in FILE_SUFFIXES or _module_file(["vlmrl", first]) is None:
+                continue
+            problem = resolve_dotted(f"vlmrl.{ref}")
+            if problem:
+                broken.append(f"{_where(path, text, m.start())}: `{ref}`: {problem}")
+    assert not broken, "\n".join(broken)
+
+
 # --- paths and links ---------------------------------------------------------------------------------------
 
 
@@ -180,19 +215,7 @@ def test_markdown_links_resolve() -> None:
 
 def test_config_fields_exist() -> None:
     """`train.rollout_merge` and the like are fields of Config (run outputs such as `train.jsonl` are not fields)."""
-    from pydantic import BaseModel
-
-    from vlmrl.config import Config
-
-    fields: set[str] = set()
-
-    def walk(model: type[BaseModel], prefix: str) -> None:
-        for name, info in model.model_fields.items():
-            fields.add(prefix + name)
-            if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):
-                walk(info.annotation, f"{prefix}{name}.")
-
-    walk(Config, "")
+    fields = _config_fields()
     refused = {"train.reward_weights"}  # named in docs/rewards.md as the old key the loader refuses
     broken = []
     for path, text in _docs():
@@ -333,3 +356,11 @@ def test_the_checks_can_fail() -> None:
     assert flags_of("vlmrl train X --no-such-flag") == [("train", ["--no-such-flag"])]
     assert "--no-such-flag" not in (_help("train") or set()) and "--gpus" in (_help("train") or set())
     assert _help("fastgen") is None
+
+
+def test_doctests_of_this_file() -> None:
+    import doctest
+    import sys
+
+    result = doctest.testmod(sys.modules[__name__])
+    assert result.attempted and not result.failed
