@@ -164,6 +164,18 @@ def test_short_module_names_resolve() -> None:
     assert not broken, "\n".join(broken)
 
 
+def test_imports_in_code_resolve() -> None:
+    """`from vlmrl.report import write_report` in a docs example imports names that exist."""
+    broken = []
+    for path, text in _docs():
+        for m in re.finditer(r"from (vlmrl(?:\.\w+)*) import ([\w, ]+?)(?: as \w+)?(?=[;\n)\"'`]|$)", text):
+            for name in (n.strip() for n in m.group(2).split(",")):
+                problem = resolve_dotted(f"{m.group(1)}.{name}")
+                if problem:
+                    broken.append(f"{_where(path, text, m.start())}: `{m.group(0)}`: {problem}")
+    assert not broken, "\n".join(broken)
+
+
 # --- paths and links ---------------------------------------------------------------------------------------
 
 
@@ -230,6 +242,15 @@ def test_config_fields_exist() -> None:
                 continue  # a field, or a file such as `train.jsonl`, or a call such as `model.dequantize()`
             broken.append(f"{_where(path, text, m.start())}: `{name}` is not a config field")
     assert not broken, "\n".join(broken)
+
+
+def test_benchmarks_readme_names_every_script() -> None:
+    """benchmarks/README.md's table is the index of benchmarks/: a script added there must be listed."""
+    readme = (ROOT / "benchmarks" / "README.md").read_text()
+    scripts = sorted(p.name for p in (ROOT / "benchmarks").iterdir() if p.suffix in (".sh", ".py"))
+    assert scripts and not [s for s in scripts if f"`{s}`" not in readme], (
+        "scripts missing from benchmarks/README.md"
+    )
 
 
 # --- the Layout block ----------------------------------------------------------------------------------------
