@@ -277,6 +277,17 @@ def test_layout_names_existing_files() -> None:
     assert not broken, f"README Layout names missing files: {broken}"
 
 
+def test_layout_names_every_module_and_package() -> None:
+    """A new user reads the Layout block as the map of src/vlmrl/: every module and package is on it."""
+    block = _layout_block()
+    named = set(re.findall(r"\w+(?=\.py|/)", block))
+    named |= {p.stem for pattern in re.findall(r"[\w*]+\.py", block) for p in (SRC / "vlmrl").glob(pattern)}
+    named |= set(re.findall(r"cli_\w+", block))  # the cli line names its helpers without `.py`
+    entries = [p for p in (SRC / "vlmrl").iterdir() if p.suffix == ".py" or (p / "__init__.py").is_file()]
+    unnamed = sorted(p.name for p in entries if p.stem not in named and p.name != "__init__.py")
+    assert not unnamed, f"README Layout does not name: {unnamed}"
+
+
 @pytest.mark.parametrize("package", ["rollout", "bench", "report"])
 def test_layout_lists_every_module_of_a_listed_package(package: str) -> None:
     """The Layout lines for these packages name their modules; a module added later must be named too."""
