@@ -1,15 +1,20 @@
-"""The README and docs/ name real things: modules, files, commands and flags.
+"""The README and docs/ name real things: modules, files, commands, flags, config fields.
 
 A user reads README.md and docs/*.md before the code, so every reference there that can be checked mechanically
-is checked here: each `vlmrl.<module>[.<name>]` dotted name resolves to a module file under src/ (and the name to
-a definition in it), each `src/vlmrl/...`, `benchmarks/...`, `docs/...`, `tests/...` and `examples/...` path
-exists (with `{a,b}` and `*` expanded), each relative markdown link resolves, each `config.section.field` named
-in the docs is a field of `Config`, the README's Layout block names existing files, and every `--flag` of a
-`vlmrl <command>` shown in code (fenced blocks and inline code) appears in that command's --help.
+is checked here:
+- each `vlmrl.<module>[.<name>]` dotted name (and `from vlmrl.x import y`, and a code span such as
+  `pipeline.settings_fingerprint` that starts with a vlmrl module) resolves to a module file under src/ and a
+  definition in it;
+- each `src/vlmrl/...`, `benchmarks/...`, `docs/...`, `tests/...`, `examples/...` path exists (`{a,b}` and `*`
+  expanded), and each relative markdown link resolves;
+- each `section.field` is a field of `Config`, and each `VLMRL_*` variable is read by some code;
+- every `--flag` of a `vlmrl <command>` shown in code (fenced blocks and inline spans) is in that command's --help;
+- the README's Layout block names existing files and every module and package of src/vlmrl/, and
+  benchmarks/README.md names every script in benchmarks/.
 
-Left out: prose claims (what a function does, default values and measured figures), which need a reader.
-Modules are resolved by reading their source with `ast`, not by importing them, so no torch import and no model
-load: the whole file runs in about a second.
+Left out: prose claims (what a function does, default values, measured figures), which need a reader, and
+option values (`--strategy fsdp`). Modules are resolved by reading their source with `ast`, not by importing
+them: no torch import, no model load, about two seconds for the file.
 """
 
 from __future__ import annotations
@@ -83,8 +88,8 @@ def resolve_dotted(ref: str) -> str | None:
 
     >>> resolve_dotted("vlmrl.grading.grade") is None
     True
-    >>> resolve_dotted("vlmrl.nosuchmodule")
-    'no module vlmrl.nosuchmodule'
+    >>> resolve_dotted("vlmrl.rollout.nosuchmodule")
+    'no module vlmrl.rollout.nosuchmodule, nor nosuchmodule in vlmrl.rollout'
     """
     prefix = ref.endswith("*")
     parts = ref.rstrip("*").split(".")
@@ -105,10 +110,7 @@ def resolve_dotted(ref: str) -> str | None:
                 return f"nothing named {name}* in {'.'.join(parts[:cut])}"
             return None
         if name not in scope:
-            where = ".".join(parts[: cut + i])
-            return (
-                f"no module {'.'.join(parts[: cut + i + 1])}" if i == 0 else f"{name} not defined in {where}"
-            )
+            return f"no module {'.'.join(parts[: cut + i + 1])}, nor {name} in {'.'.join(parts[: cut + i])}"
         node = scope[name]
         if not last:
             if not isinstance(node, ast.ClassDef):
@@ -253,6 +255,22 @@ def test_benchmarks_readme_names_every_script() -> None:
     )
 
 
+def test_environment_variables_exist() -> None:
+    """Every `VLMRL_*` name the docs tell a user to set is read somewhere in src/ or benchmarks/."""
+    code = "\n".join(
+        p.read_text()
+        for root in (SRC, ROOT / "benchmarks")
+        for p in root.rglob("*")
+        if p.suffix in (".py", ".sh")
+    )
+    broken = []
+    for path, text in _docs():
+        for m in re.finditer(r"\bVLMRL_[A-Z_]+\b", text):
+            if m.group(0) not in code:
+                broken.append(f"{_where(path, text, m.start())}: {m.group(0)} is read nowhere")
+    assert not broken, "\n".join(broken)
+
+
 # --- the Layout block ----------------------------------------------------------------------------------------
 
 
@@ -381,7 +399,7 @@ def test_command_flags_exist() -> None:
 
 def test_the_checks_can_fail() -> None:
     """Each checker reports a reference that does not exist (so a pass above means something)."""
-    assert resolve_dotted("vlmrl.fastgen") == "no module vlmrl.fastgen"
+    assert resolve_dotted("vlmrl.fastgen") == "no module vlmrl.fastgen, nor fastgen in vlmrl"
     assert resolve_dotted("vlmrl.rollout.fast.no_such_function") is not None
     assert resolve_dotted("vlmrl.io.write_*") is None and resolve_dotted("vlmrl.io.nothing_*") is not None
     assert not _exists("src/vlmrl/fastgen.py") and _exists("src/vlmrl/rollout/fast.py")
