@@ -317,20 +317,22 @@ def test_layout_lists_every_module_of_a_listed_package(package: str) -> None:
 # --- commands and flags ---------------------------------------------------------------------------------------
 
 
-def _option_names(help_text: str) -> set[str]:
-    """The option names of a rendered --help: each row's leading `--x` / `-x` tokens."""
-    names: set[str] = set()
+def _options(help_text: str) -> dict[str, frozenset[str] | None]:
+    """The options of a rendered --help: each row's leading `--x` / `-x` tokens, with the choices that row lists
+    (`--strategy <ddp|fsdp|zero2|zero3>`), or None for a free value or a flag."""
+    options: dict[str, frozenset[str] | None] = {}
     for line in help_text.splitlines():
-        row = line.strip().lstrip("│|").strip()
-        for token in row.split():
-            if not token.startswith("-"):
-                break
-            names.add(token)
-    return names
+        row = line.strip().lstrip("│|").strip().split()
+        names = [t for t in row[: next((k for k, t in enumerate(row) if not t.startswith("-")), len(row))]]
+        rest = row[len(names) :]
+        choice = re.fullmatch(r"<([\w-]+(?:\|[\w-]+)+)>", rest[0]) if rest else None
+        for name in names:
+            options[name] = frozenset(choice.group(1).split("|")) if choice else None
+    return options
 
 
 @cache
-def _help(command: str) -> set[str] | None:
+def _help(command: str) -> dict[str, frozenset[str] | None] | None:
     """Options in `vlmrl [command] --help`, rendered in-process; None for an unknown command."""
     from typer.testing import CliRunner
 
@@ -340,7 +342,7 @@ def _help(command: str) -> set[str] | None:
     result = CliRunner().invoke(app, args, env={"COLUMNS": "200", "NO_COLOR": "1"})
     if result.exit_code != 0:
         return None
-    return _option_names(result.output)
+    return _options(result.output)
 
 
 def _code_lines() -> list[tuple[str, str]]:
@@ -357,8 +359,30 @@ def _code_lines() -> list[tuple[str, str]]:
     return lines
 
 
+def commands_in(line: str) -> list[tuple[str, str]]:
+    """(command, the rest of its invocation) for each `vlmrl <command> ...` in a line of code, comments dropped.
+
+    >>> commands_in("vlmrl train CONFIG --gpus 2   # FSDP2 --not-this")
+    [('train', 'CONFIG --gpus 2')]
+    >>> commands_in("vlmrl config show seed && vlmrl --debug train|eval X")
+    [('config show', 'seed'), ('', '--debug'), ('train', 'X'), ('eval', 'X')]
+    """
+    code = re.split(r"\s#", line, maxsplit=1)[0]
+    found = []
+    matches = list(COMMAND.finditer(code))
+    for i, m in enumerate(matches):
+        tail = code[m.end() : matches[i + 1].start() if i + 1 < len(matches) else len(code)]
+        tail = re.split(r"\s(?:&&|;|\|)(?:\s|$)", tail, maxsplit=1)[0].strip()
+        if m.group(1).strip():
+            found.append(("", m.group(1).strip()))
+        for command in m.group(2).split("|"):
+            sub = re.match(r"(show|validate)\b", tail) if command == "config" else None
+            found.append((f"config {sub.group(1)}", tail[sub.end() :].strip()) if sub else (command, tail))
+    return found
+
+
 def flags_of(line: str) -> list[tuple[str, list[str]]]:
-    """(command, flags) for each `vlmrl <command> ...` in a line of code, comments dropped.
+    """(command, its `--flags`) for each command in a line of code.
 
     >>> flags_of("vlmrl train CONFIG --gpus 2 --strategy fsdp   # FSDP2 --not-this")
     [('train', ['--gpus', '--strategy'])]
@@ -367,33 +391,47 @@ def flags_of(line: str) -> list[tuple[str, list[str]]]:
     >>> flags_of("vlmrl --debug train|eval X --nodes 2")
     [('', ['--debug']), ('train', ['--nodes']), ('eval', ['--nodes'])]
     """
-    code = re.split(r"\s#", line, maxsplit=1)[0]
-    found = []
-    matches = list(COMMAND.finditer(code))
-    for i, m in enumerate(matches):
-        tail = code[m.end() : matches[i + 1].start() if i + 1 < len(matches) else len(code)]
-        tail = re.split(r"\s(?:&&|;|\|)\s", tail, maxsplit=1)[0]
-        if m.group(1).strip():
-            found.append(("", m.group(1).split()))
-        for command in m.group(2).split("|"):
-            sub = re.match(r"\s+(show|validate)\b", tail) if command == "config" else None
-            found.append(
-                (f"config {sub.group(1)}" if sub else command, re.findall(r"(?<![\w-])--[\w-]+", tail))
-            )
-    return found
+    return [(command, re.findall(r"(?<![\w-])--[\w-]+", tail)) for command, tail in commands_in(line)]
+
+
+def _placeholder(token: str) -> bool:
+    """`CONFIG`, `RUN_DIR`, `$COMMON`, `...`, `[--private]`: written for the reader to fill in."""
+    return not re.fullmatch(r"[a-z0-9][\w.|-]*", token)
 
 
 def test_command_flags_exist() -> None:
-    broken = []
+    broken = []  # an unknown command, or a flag its --help does not list
     for where, line in _code_lines():
         for command, flags in flags_of(line):
             options = _help(command)
             if options is None:
                 broken.append(f"{where}: `vlmrl {command}` is not a command ({line.strip()})")
                 continue
-            broken += [
-                f"{where}: `vlmrl {command}` has no {f} ({line.strip()})" for f in flags if f not in options
-            ]
+            broken += [f"{where}: `vlmrl {command}` has no {f} ({line})" for f in flags if f not in options]
+    assert not broken, "\n".join(broken)
+
+
+def test_option_values_and_presets_exist() -> None:
+    """`--strategy fsdp` is one of the listed choices, and `vlmrl run seed` names a preset."""
+    from vlmrl.config_load import PRESETS
+
+    takes_config = {"run", "prepare", "eval", "train", "export", "config show", "config validate"}
+    broken = []
+    for where, line in _code_lines():
+        for command, tail in commands_in(line):
+            options, tokens = _help(command) or {}, tail.split()
+            for k, token in enumerate(tokens[:-1]):
+                choices, value = options.get(token), tokens[k + 1]
+                if choices and not _placeholder(value) and not set(value.split("|")) <= choices:
+                    broken.append(f"{where}: `vlmrl {command} {token} {value}`: not one of {sorted(choices)}")
+            first = tokens[0] if command in takes_config and tokens else ""
+            if command == "doctor" and "--config" in tokens[:-1]:  # `vlmrl doctor --config seed`
+                first = tokens[tokens.index("--config") + 1]
+            named = first and not _placeholder(first) and "/" not in first and not first.endswith(".yaml")
+            if named and first not in PRESETS:
+                broken.append(
+                    f"{where}: `vlmrl {command} ... {first}`: no preset {first!r} ({', '.join(PRESETS)})"
+                )
     assert not broken, "\n".join(broken)
 
 
@@ -404,7 +442,8 @@ def test_the_checks_can_fail() -> None:
     assert resolve_dotted("vlmrl.io.write_*") is None and resolve_dotted("vlmrl.io.nothing_*") is not None
     assert not _exists("src/vlmrl/fastgen.py") and _exists("src/vlmrl/rollout/fast.py")
     assert flags_of("vlmrl train X --no-such-flag") == [("train", ["--no-such-flag"])]
-    assert "--no-such-flag" not in (_help("train") or set()) and "--gpus" in (_help("train") or set())
+    assert "--no-such-flag" not in (_help("train") or {}) and "--gpus" in (_help("train") or {})
+    assert (_help("train") or {})["--strategy"] == {"ddp", "fsdp", "zero2", "zero3"}
     assert _help("fastgen") is None
 
 
