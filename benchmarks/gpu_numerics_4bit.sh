@@ -3,5 +3,6 @@
 # pass's (gradients on) on the same sequences, for the eager (plain TRL's) and the compiled (vlmrl's) decode.
 # Needs bitsandbytes. Run from the repository root: bash benchmarks/gpu_numerics_4bit.sh OUTDIR
 OUT=${1:-${OUT:-numerics-4bit}}
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)  # absolute: the script runs from benchmarks/
 export PYTHONUNBUFFERED=1
 cd benchmarks && python3 decode_4bit.py "$OUT" 128 eager-dynamic,compiled && cp "$OUT/decode_4bit.json" "$OUT/h200_numerics_4bit.json"

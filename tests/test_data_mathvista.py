@@ -92,7 +92,7 @@ def test_multiple_choice_rows_without_a_usable_gold_are_dropped_with_a_reason(ma
     config = load_config("demo", [f"data.source={path}", "train.per_device_train_batch_size=4", *overrides])
     result = prepare_data(config, tmp_path / "run")
     dropped = [json.loads(line) for line in (result.data_dir / "dropped.jsonl").read_text().splitlines()]
-    assert sorted(d["reason"] for d in dropped) == ["answer_not_a_choice", "missing_choices"]
+    assert sorted(d["reason"] for d in dropped) == ["answer_not_in_choices", "missing_choices"]
     assert result.num_train + result.num_holdout == 2
 
 

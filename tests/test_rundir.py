@@ -110,6 +110,8 @@ def test_a_folder_vlmrl_did_not_make_is_neither_written_nor_deleted(tmp_path):
         assert result.exit_code == 2 and "not a vlmrl run folder" in result.output, result.output
     with pytest.raises(RunDirError):
         remove_vlmrl_outputs(config.run_dir)
+    doctor = CliRunner().invoke(app, ["doctor", str(config.run_dir)], terminal_width=300)
+    assert doctor.exit_code != 0 and "not a vlmrl run folder" in doctor.output, doctor.output
     assert sorted(p.relative_to(config.run_dir) for p in config.run_dir.rglob("*")) == before
 
 
@@ -119,6 +121,8 @@ def test_force_removes_only_what_vlmrl_wrote(tmp_path):
     run = config.run_dir
     for name in ("baseline_records.jsonl", "baseline_records.rank1.jsonl", "comparison.json", ".env.json.ab12.tmp"):
         (run / name).write_text("{}\n")
+    (run / "gguf").mkdir()  # export.gguf's folder
+    (run / "gguf" / "model-f16.gguf").write_bytes(b"GGUF")
     (run / "train" / "checkpoints").mkdir(parents=True)
     (run / "notes.txt").write_text("mine")
     (run / "plots").mkdir()

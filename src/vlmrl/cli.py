@@ -108,7 +108,8 @@ def doctor(
     if config_source is not None:
         show.show_preflight(_config(config_source, set_), env, prompt_tokens)
     if run_dir is not None:
-        write_json_atomic(Path(run_dir) / "env.json", env)
+        with _claimed(Path(run_dir)):  # a folder vlmrl did not make is refused, never written into
+            write_json_atomic(Path(run_dir) / "env.json", env)
         console.print(f"wrote {Path(run_dir) / 'env.json'}", markup=False)
 
 

@@ -34,7 +34,7 @@ CLAIM_ENV = "VLMRL_RUN_CLAIM"
 VLMRL_ENTRIES = frozenset({
     "config.yaml", "env.json", "data", "base-model", "baseline_records.jsonl", "baseline_summary.json", "train",
     "after_records.jsonl", "after_summary.json", "comparison.json", "adapter", "export.json", "merged-16bit",
-    "merged-4bit", "report.html", "baseline_swapped_records.jsonl", "baseline_swapped_summary.json",
+    "merged-4bit", "gguf", "report.html", "baseline_swapped_records.jsonl", "baseline_swapped_summary.json",
     "after_swapped_records.jsonl", "after_swapped_summary.json", MARKER, LOCK,
 })
 

@@ -108,7 +108,7 @@ def _mathvista(
             return Dropped(pid, "missing_choices", "multi_choice without a non-empty `choices` list")
         stripped = [c.strip() for c in choices]
         if answer not in stripped:
-            return Dropped(pid, "answer_not_a_choice", f"answer {answer!r} is not one of the choices {choices}")
+            return Dropped(pid, "answer_not_in_choices", f"answer {answer!r} is not one of the choices {choices}")
         # Graded as `choice`: the gold is the choice's text, the model may answer with it or with its letter
         # (the prompt lists the lettered choices, contract.build_prompt_text).
         text, atype, precision = answer, "choice", None
