@@ -125,3 +125,50 @@ def test_the_cli_refuses_the_unsloth_path_in_one_line_without_unsloth(tmp_path):
     lines = (done.stdout + done.stderr).strip().splitlines()
     assert done.returncode == 1 and len(lines) == 1 and "bench path unsloth needs the unsloth package" in lines[0]
     assert not (tmp_path / "out").exists()
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_slimming_the_unsloth_wheel_drops_studio_and_the_cli_and_keeps_the_library(tmp_path):
+    import importlib.util
+    import zipfile
+
+    spec = importlib.util.spec_from_file_location("slim", REPO / "benchmarks" / "slim_unsloth_wheel.py")
+    slim = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(slim)
+    wheel = tmp_path / "unsloth-1.0-py3-none-any.whl"
+    files = {"unsloth/__init__.py": "x = 1\n", "studio/big.js": "a" * 10000, "unsloth_cli/app.py": "app = 1\n",
+             "unsloth-1.0.dist-info/top_level.txt": "studio\nunsloth\nunsloth_cli\n",
+             "unsloth-1.0.dist-info/entry_points.txt": "[console_scripts]\nunsloth = unsloth_cli:app\n",
+             "unsloth-1.0.dist-info/RECORD": "unsloth/__init__.py,sha256=a,6\nstudio/big.js,sha256=b,10000\n"
+                                             "unsloth_cli/app.py,sha256=c,8\nunsloth-1.0.dist-info/RECORD,,\n"}
+    with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+    before, after = slim.slim_wheel(wheel)
+    assert after < before
+    with zipfile.ZipFile(wheel) as z:
+        assert sorted(z.namelist()) == sorted(n for n in files if not n.startswith(("studio/", "unsloth_cli/")))
+        assert z.read("unsloth/__init__.py") == b"x = 1\n"
+        assert z.read("unsloth-1.0.dist-info/top_level.txt") == b"unsloth\n"
+        assert z.read("unsloth-1.0.dist-info/RECORD").decode().splitlines() == [
+            "unsloth/__init__.py,sha256=a,6", "unsloth-1.0.dist-info/RECORD,,"]
+        assert b"unsloth_cli" not in z.read("unsloth-1.0.dist-info/entry_points.txt")
+
+
+def test_the_gpu_script_refuses_without_wheels_and_combines_what_it_finds(tmp_path):
+    script = REPO / "benchmarks" / "gpu_unsloth.sh"
+    env = {**os.environ, SITE_ENV: str(tmp_path / "site")}
+    done = subprocess.run(["bash", str(script), str(tmp_path / "out"), "bf16"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode != 0 and "no .whl-unsloth/*.whl here" in done.stderr
+    out = tmp_path / "results"
+    out.mkdir()
+    (out / "h200_unsloth_4bit.json").write_text(json.dumps({"paths": {"unsloth": {"error": "x"}}}))
+    (out / "h200_unsloth_4bit.md").write_text("| unsloth | failed: x |\n")
+    done = subprocess.run(["bash", str(script), str(out), "combine"], capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    assert list(json.loads((out / "h200_unsloth.json").read_text())) == ["4bit"]
+    assert (out / "h200_unsloth.md").read_text().startswith("## 4bit\n\n| unsloth | failed: x |")
