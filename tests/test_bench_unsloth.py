@@ -172,3 +172,25 @@ def test_the_gpu_script_refuses_without_wheels_and_combines_what_it_finds(tmp_pa
     assert done.returncode == 0, done.stderr
     assert list(json.loads((out / "h200_unsloth.json").read_text())) == ["4bit"]
     assert (out / "h200_unsloth.md").read_text().startswith("## 4bit\n\n| unsloth | failed: x |")
+
+
+@pytest.mark.slow
+def test_run_bench_sends_the_unsloth_path_to_its_own_process_and_writes_its_row(fake_unsloth, tmp_path, monkeypatch):
+    from vlmrl.bench import run
+    from vlmrl.rollout.compile_cache import CompileCache
+
+    def no_in_process_run(*args, **kwargs):
+        raise AssertionError("the unsloth path ran in the bench's own process")
+
+    saved = []
+    cache = CompileCache("/c/inductor", "/c/triton", "explicit", cold=True, files_at_start=0)
+    monkeypatch.setattr(run, "prepare_device", lambda settings, work: (cache, work))
+    monkeypatch.setattr(run, "measure_ceilings", lambda: {"matmul_tflops": 800, "copy_bandwidth_tbs": 4.0})
+    # the tiny processor folder is a complete model: it stands in for the 8B-shaped weights saved once
+    monkeypatch.setattr(run, "save_weights_once", lambda shapes, processor_dir, work: saved.append(1) or processor_dir)
+    monkeypatch.setattr(run, "run_path", no_in_process_run)
+    summary = run.run_bench(_settings(), tmp_path / "out", tmp_path / "work")
+    assert saved == [1] and summary["paths"]["unsloth"]["error"] is None
+    written = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert written["paths"]["unsloth"]["steps_measured"] == 1 and written["raw"][0]["imported_before_unsloth"] == []
+    assert "| unsloth | " in (tmp_path / "out" / "bench.md").read_text()
