@@ -64,9 +64,11 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def run_unsloth(settings: Any, model_dir: Path, work: Path, timeout_s: float | None = None) -> dict:
+def run_unsloth(settings: Any, model_dir: Path, work: Path) -> dict:
     """Run the unsloth path in its own interpreter and return its record; a failed process is recorded as the
-    path's error (its last output lines), never raised, so the other paths' numbers stay."""
+    path's error (its last output lines), never raised, so the other paths' numbers stay. Its output is passed
+    through as it comes: a bench cut short by a time limit still shows how far the child got."""
+    from collections import deque
     from dataclasses import asdict
 
     from vlmrl.bench.shaped import free_memory
@@ -78,15 +80,16 @@ def run_unsloth(settings: Any, model_dir: Path, work: Path, timeout_s: float | N
     out_file.unlink(missing_ok=True)
     command = [sys.executable, "-c", CHILD_CODE, str(settings_file), str(model_dir), str(work / "unsloth"),
                str(out_file)]
-    try:
-        done = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=timeout_s,
-                              check=False)
-    except subprocess.TimeoutExpired:
-        return failed_record(f"the unsloth process ran past {timeout_s} s")
-    sys.stderr.write(done.stderr[-20000:])  # its log belongs in the bench's log
-    if done.returncode != 0 or not out_file.is_file():
-        tail = " | ".join(line for line in done.stderr.strip().splitlines()[-6:])
-        return failed_record(f"the unsloth process exited {done.returncode}: {tail}"[:2000])
+    tail: deque[str] = deque(maxlen=6)
+    with subprocess.Popen(command, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True) as child:
+        for line in child.stdout or ():
+            sys.stderr.write(line)
+            if line.strip():
+                tail.append(line.strip())
+        code = child.wait()
+    if code != 0 or not out_file.is_file():
+        return failed_record(f"the unsloth process exited {code}: {' | '.join(tail)}"[:2000])
     return json.loads(out_file.read_text())
 
 
