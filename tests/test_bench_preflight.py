@@ -183,6 +183,7 @@ def test_step_clock_splits_peaks_into_rollouts_and_the_rest(monkeypatch):
 
     allocated = iter([10, 30, 12, 25, 11])  # before rollout 1, after it, before rollout 2, after it, at the end
     reserved = iter([40, 50, 45, 44, 41])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the clock reads memory only on CUDA
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: next(allocated))

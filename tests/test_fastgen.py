@@ -192,6 +192,12 @@ def test_attention_switch_is_scoped_to_its_block(tiny):
         assert eager.config.text_config._attn_implementation == "eager"
 
 
+def _cache(out):
+    """The generate output's cache: `cache` in transformers after 5.17, `past_key_values` up to 5.17 (the version
+    Unsloth's bench runs with)."""
+    return out.cache if hasattr(out, "cache") else out.past_key_values
+
+
 def test_prompt_pass_on_a_dynamic_cache_fills_the_static_cache_the_same(tiny, monkeypatch):
     from vlmrl.rollout.fast import prefill_into_dynamic_cache
     from vlmrl.rollout.generation import encode_batch
@@ -211,7 +217,7 @@ def test_prompt_pass_on_a_dynamic_cache_fills_the_static_cache_the_same(tiny, mo
     moved = model.generate(**batch, **settings)
     assert prompt_caches == [1], "the prompt pass ran on a dynamic cache"
     assert torch.equal(moved.sequences, plain.sequences)
-    for a, b in zip(plain.cache.layers, moved.cache.layers):
+    for a, b in zip(_cache(plain).layers, _cache(moved).layers):
         assert a.keys.shape == b.keys.shape  # the static cache keeps its full length
         torch.testing.assert_close(a.keys, b.keys, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(a.values, b.values, rtol=1e-5, atol=1e-5)
@@ -231,11 +237,11 @@ def test_the_static_cache_length_is_bucketed_and_the_prompt_is_not_padded(tiny):
     settings = {"do_sample": False, "cache_implementation": "static", "return_dict_in_generate": True}
     plain = model.generate(**batch, max_new_tokens=5, **settings)
     width = batch["input_ids"].shape[1]
-    assert plain.cache.layers[0].keys.shape[2] == width + 4  # transformers: prompt + max_new_tokens - 1
+    assert _cache(plain).layers[0].keys.shape[2] == width + 4  # transformers: prompt + max_new_tokens - 1
     assert bucket_static_cache(model, 64) and bucket_static_cache(model, 16)  # the second replaces the first
     assert not hasattr(model._prepare_static_cache._vlmrl_original, "_vlmrl_original")  # no wrapper in a wrapper
     out = model.generate(**batch, max_new_tokens=5, **settings)
-    assert out.cache.layers[0].keys.shape[2] == -(-(width + 4) // 16) * 16
+    assert _cache(out).layers[0].keys.shape[2] == -(-(width + 4) // 16) * 16
     assert out.sequences.shape[1] == width + 5 and torch.equal(out.sequences, plain.sequences)
 
 

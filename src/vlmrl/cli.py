@@ -307,7 +307,9 @@ def bench(
     steps_plain: Annotated[int | None, typer.Option(
         help="Steps for plain TRL alone (it compiles nothing, so one step is already steady; default: --steps).")] = None,
     completion: Annotated[int, typer.Option(help="Completion tokens, forced.")] = 1024,
-    paths: Annotated[str, typer.Option(help="Comma-separated, of: plain, vlmrl, vlmrl-merged")] = "plain,vlmrl",
+    paths: Annotated[str, typer.Option(
+        help="Comma-separated, of: plain, vlmrl, vlmrl-merged, unsloth (Unsloth's FastVisionModel, in a process of "
+             "its own)")] = "plain,vlmrl",
     load_in_4bit: Annotated[bool, typer.Option("--load-in-4bit", help="bitsandbytes 4-bit base weights.")] = False,
     memory_cap_gib: Annotated[float | None, typer.Option(help="Cap this process's GPU memory.")] = None,
     out: Annotated[Path, typer.Option(help="Where bench.json and bench.md go.")] = Path("bench-out"),
@@ -333,6 +335,8 @@ def bench(
     unknown = [p for p in paths.split(",") if p not in PATHS]
     if unknown:
         fail(f"unknown bench path(s) {', '.join(unknown)}; choose from {', '.join(PATHS)}")
+    if "unsloth" in paths.split(","):
+        _unsloth_bench_checks(generation_batches is not None)
     try:
         batches = parse_batches(generation_batches, BenchSettings.generations) if generation_batches else None
     except ValueError as exc:
@@ -351,6 +355,19 @@ def bench(
         summary = run_bench(settings, out, Path(work))
     if is_main_process():
         show.show_bench(out, summary)
+
+
+def _unsloth_bench_checks(batches: bool) -> None:
+    """The unsloth path: installed, on CUDA, one process, the side-by-side table only (one-line refusals)."""
+    from vlmrl.bench.unsloth_path import unsloth_unavailable_reason
+    from vlmrl.distributed import world_size
+
+    if reason := unsloth_unavailable_reason():
+        fail(reason)
+    if batches:
+        fail("bench path unsloth is measured in the side-by-side table only, not with --generation-batches.")
+    if world_size() > 1:
+        fail("bench path unsloth runs on one GPU in one process; run it without accelerate launch / torchrun.")
 
 
 def _bench_throughput(settings: BenchSettings, batches: list[int], out: Path) -> None:

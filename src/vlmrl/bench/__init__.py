@@ -9,7 +9,9 @@ Both paths train the same random-weight model with the real shapes of a named mo
   vlmrl           the same trainer after `vlmrl.rollout.fast.enable_fast_generation` (static cache + compiled
                   decode), as `vlmrl train` runs it by default;
   vlmrl-merged    vlmrl with the adapter merged into the weights for rollouts (`train.rollout_merge=true`,
-                  opt-in; optional).
+                  opt-in; optional);
+  unsloth         Unsloth's `FastVisionModel` (+ `get_peft_model`) under the same trainer, in a process of its
+                  own whose first import is unsloth (`unsloth_path`; optional, needs Unsloth and CUDA).
 
 Measured per optimizer step: wall time, generation time (decode ms per token step, tokens/s), training
 tokens/s, peak GPU memory; and the two floors from ceilings measured on the same device in the same run.
@@ -29,7 +31,15 @@ from vlmrl.bench.floors import (
     measure_ceilings,
     train_floor_s,
 )
-from vlmrl.bench.run import _StepClock, path_steps, prepare_device, prompt_tokens_of, run_bench, run_path
+from vlmrl.bench.run import (
+    _StepClock,
+    path_steps,
+    prepare_device,
+    prompt_tokens_of,
+    run_bench,
+    run_path,
+    train_and_measure,
+)
 from vlmrl.bench.shaped import (
     GIB,
     LORA_TARGETS,
@@ -41,14 +51,44 @@ from vlmrl.bench.shaped import (
     free_memory,
     load_shapes,
     save_shaped_model,
+    save_weights_once,
 )
 from vlmrl.bench.summary import RATIO_PREFIXES, SETTING_LABELS, markdown_table, scaling_table, summarize
 from vlmrl.bench.throughput import parse_batches, run_throughput
+from vlmrl.bench.unsloth_path import UNSLOTH_PATHS, run_unsloth, unsloth_unavailable_reason
 
 __all__ = [
-    "GIB", "LORA_TARGETS", "PATHS", "RATIO_PREFIXES", "SETTING_LABELS", "BenchSettings", "_StepClock",
-    "bench_dataset", "build_processor", "build_shaped_model", "decode_floor_ms", "free_memory",
-    "kv_bytes_per_token", "language_param_count", "load_shapes", "markdown_table", "measure_ceilings",
-    "parse_batches", "path_steps", "prepare_device", "prompt_tokens_of", "run_bench", "run_path",
-    "run_throughput", "save_shaped_model", "scaling_table", "summarize", "train_floor_s",
+    "GIB",
+    "LORA_TARGETS",
+    "PATHS",
+    "RATIO_PREFIXES",
+    "SETTING_LABELS",
+    "UNSLOTH_PATHS",
+    "BenchSettings",
+    "_StepClock",
+    "bench_dataset",
+    "build_processor",
+    "build_shaped_model",
+    "decode_floor_ms",
+    "free_memory",
+    "kv_bytes_per_token",
+    "language_param_count",
+    "load_shapes",
+    "markdown_table",
+    "measure_ceilings",
+    "parse_batches",
+    "path_steps",
+    "prepare_device",
+    "prompt_tokens_of",
+    "run_bench",
+    "run_path",
+    "run_throughput",
+    "run_unsloth",
+    "save_shaped_model",
+    "save_weights_once",
+    "scaling_table",
+    "summarize",
+    "train_and_measure",
+    "train_floor_s",
+    "unsloth_unavailable_reason",
 ]

@@ -3,7 +3,8 @@
 Each path builds the shaped model afresh, trains it with TRL's `GRPOTrainer` (vlmrl's paths after
 `vlmrl.rollout.fast.enable_fast_generation`), and records wall time per optimizer step, generation time inside
 it and the peak GPU memory of rollouts and of the rest (`_StepClock`). One path failing records its error and
-leaves the others' numbers. Left out: the model and data (`shaped`), the figures and tables (`summary`).
+leaves the others' numbers. The unsloth path runs in a process of its own (`unsloth_path`) through the same
+`train_and_measure`. Left out: the model and data (`shaped`), the figures and tables (`summary`).
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ from vlmrl.bench.shaped import (
     build_shaped_model,
     free_memory,
     load_shapes,
+    save_weights_once,
 )
 from vlmrl.bench.summary import markdown_table, summarize
+from vlmrl.bench.unsloth_path import UNSLOTH_PATHS, run_unsloth
 from vlmrl.rollout.compile_cache import use_compile_cache
 
 log = logging.getLogger(__name__)
@@ -53,11 +56,11 @@ class _StepClock:
 
         class Clock(TrainerCallback):
             def on_step_begin(self, args, state, control, **kwargs):
-                torch.cuda.synchronize()
+                _sync()
                 clock._start, clock._gen = time.perf_counter(), 0.0
 
             def on_step_end(self, args, state, control, **kwargs):
-                torch.cuda.synchronize()
+                _sync()
                 clock.steps.append({"seconds": time.perf_counter() - clock._start, "generate_seconds": clock._gen})
 
         return Clock()
@@ -66,11 +69,11 @@ class _StepClock:
         inner = trainer._generate_single_turn
 
         def timed(*args, **kwargs):
-            torch.cuda.synchronize()
+            _sync()
             self.other_peak = max(self.other_peak, self.take_peak())
             start = time.perf_counter()
             out = inner(*args, **kwargs)
-            torch.cuda.synchronize()
+            _sync()
             self._gen += time.perf_counter() - start
             self.generation_peaks.append(self.take_peak())
             return out
@@ -78,26 +81,45 @@ class _StepClock:
         trainer._generate_single_turn = timed
 
     def take_peak(self) -> int:
-        """Allocated-memory peak since the last call (bytes), then start a new phase."""
+        """Allocated-memory peak since the last call (bytes), then start a new phase; 0 without CUDA."""
+        if not torch.cuda.is_available():  # the CPU tests of the unsloth process's wiring
+            return 0
         peak = torch.cuda.max_memory_allocated()
         self.reserved_peak = max(self.reserved_peak, torch.cuda.max_memory_reserved())
         torch.cuda.reset_peak_memory_stats()
         return peak
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def run_path(path: str, settings: BenchSettings, shapes: dict, processor_dir: Path, dataset: Any, work: Path) -> dict:
     from peft import LoraConfig
     from transformers import AutoProcessor
+
+    free_memory()
+    model = build_shaped_model(shapes, processor_dir, load_in_4bit=settings.load_in_4bit, work=work)
+    processor = AutoProcessor.from_pretrained(str(processor_dir))
+    peft_config = LoraConfig(r=settings.lora_r, lora_alpha=settings.lora_r, task_type="CAUSAL_LM",
+                             target_modules=LORA_TARGETS)
+    return train_and_measure(path, settings, model, processor, dataset, work, peft_config=peft_config)
+
+
+def train_and_measure(path: str, settings: BenchSettings, model: Any, processor: Any, dataset: Any, work: Path, *,
+                      peft_config: Any) -> dict:
+    """Train `model` with TRL's GRPOTrainer under the step clock (the seed recipe's GRPOConfig) and return the
+    path's record. `peft_config` None: the model already carries its adapter (the unsloth path's)."""
+    # In the unsloth process this import follows `import unsloth`, so it is Unsloth's patched trainer.
     from trl import GRPOConfig, GRPOTrainer
 
     from vlmrl.models.loading import multimodal_token_ids
     from vlmrl.rewards import correctness_reward, format_reward
     from vlmrl.rollout.fast import enable_fast_generation
 
-    free_memory()
-    model = build_shaped_model(shapes, processor_dir, load_in_4bit=settings.load_in_4bit, work=work)
-    torch.cuda.reset_peak_memory_stats()  # the peak of training, not of building the random model
-    processor = AutoProcessor.from_pretrained(str(processor_dir))
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()  # the peak of training, not of building the random model
     # TRL re-processes prompts for the loss with the processor's own padding side but pads prompt ids on the
     # left; with right padding and prompts of different lengths the image-token mask is shifted and Qwen's
     # rope index crashes (TRL 1.16). vlmrl's loader always sets left; the plain path needs it to run at all.
@@ -127,8 +149,6 @@ def run_path(path: str, settings: BenchSettings, shapes: dict, processor_dir: Pa
         report_to="none",
         disable_tqdm=True,
     )
-    peft_config = LoraConfig(r=settings.lora_r, lora_alpha=settings.lora_r, task_type="CAUSAL_LM",
-                             target_modules=LORA_TARGETS)
     clock = _StepClock()
     trainer = GRPOTrainer(model=model, reward_funcs=[format_reward, correctness_reward], args=args,
                           train_dataset=dataset, processing_class=processor, peft_config=peft_config,
@@ -160,6 +180,8 @@ def run_path(path: str, settings: BenchSettings, shapes: dict, processor_dir: Pa
         "world_size": distributed.world_size(),
         "peak_memory_gib_per_rank": _gather(peak),
         "log": [row for row in trainer.state.log_history if "loss" in row],
+        # LoRA layers trained: the unsloth path names its targets its own way, so the table shows they match
+        "lora_modules": sum(1 for name, _ in trainer.model.named_modules() if name.endswith(".lora_A")),
     }
     del trainer, model
     free_memory()
@@ -191,7 +213,10 @@ def run_bench(settings: BenchSettings, out_dir: Path, work: Path) -> dict:
     dataset = bench_dataset(settings)
     results = []
     for path in settings.paths:
-        results.append(run_path(path, settings, shapes, processor_dir, dataset, work))
+        if path in UNSLOTH_PATHS:  # its own interpreter: this one has imported transformers, TRL and PEFT
+            results.append(run_unsloth(settings, save_weights_once(shapes, processor_dir, work), work))
+        else:
+            results.append(run_path(path, settings, shapes, processor_dir, dataset, work))
         if distributed.is_main_process():  # a run stopped by a time limit still leaves the paths it finished
             out_dir.mkdir(parents=True, exist_ok=True)
             (out_dir / "bench.partial.json").write_text(json.dumps(results, indent=2, default=str))

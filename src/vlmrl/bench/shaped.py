@@ -21,7 +21,7 @@ from vlmrl import distributed
 GIB = 2**30
 
 
-PATHS = ("plain", "vlmrl", "vlmrl-merged")
+PATHS = ("plain", "vlmrl", "vlmrl-merged", "unsloth")  # unsloth: in its own process (`bench.unsloth_path`)
 # The bench's LoRA: language attention + MLP projections (the seed recipe's targets), vision tower frozen.
 LORA_TARGETS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 
@@ -87,6 +87,23 @@ def build_shaped_model(shapes: dict, processor_dir: Path, *, load_in_4bit: bool,
     del model
     free_memory()
     return _load_4bit(saved, processor_dir)
+
+
+def save_weights_once(shapes: dict, processor_dir: Path, work: Path) -> Path:
+    """The random bf16 weights as a loadable folder with the small processor beside them, written once per bench
+    (`work/bf16-weights`): what 4-bit paths reload through bitsandbytes and the unsloth process loads by name."""
+    import shutil
+
+    saved = work / "bf16-weights"
+    if not (saved / "config.json").exists():
+        model = build_shaped_model(shapes, processor_dir, load_in_4bit=False, work=work)
+        model.save_pretrained(str(saved))
+        del model
+        free_memory()
+    for f in processor_dir.iterdir():
+        if f.is_file() and not (saved / f.name).exists():  # tokenizer, processor, chat template
+            shutil.copy2(f, saved / f.name)
+    return saved
 
 
 def _load_4bit(saved: Path, processor_dir: Path) -> Any:

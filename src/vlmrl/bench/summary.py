@@ -15,7 +15,7 @@ from vlmrl.bench.floors import decode_floor_ms, kv_bytes_per_token, language_par
 from vlmrl.bench.shaped import BenchSettings
 
 # Each fast path's ratios to plain are keyed with its prefix.
-RATIO_PREFIXES = {"vlmrl": "", "vlmrl-merged": "merged_"}
+RATIO_PREFIXES = {"vlmrl": "", "vlmrl-merged": "merged_", "unsloth": "unsloth_"}
 
 
 def summarize(settings: BenchSettings, shapes: dict, ceilings: dict, results: list[dict], prompt_tokens: int) -> dict:
@@ -60,6 +60,10 @@ def summarize(settings: BenchSettings, shapes: dict, ceilings: dict, results: li
             # plain compiles nothing; when it ran a single step that step is its steady one, compilation-free
             "first_step_excluded": len(r["steps"]) > 1,
             "fast_generation": r["fast_generation"],
+            "lora_modules": r.get("lora_modules"),
+            # set for a path run in its own process (unsloth): its own package versions
+            "versions": r.get("versions"),
+            "imported_before_unsloth": r.get("imported_before_unsloth"),
         }
     ratios = {}
     for name, prefix in RATIO_PREFIXES.items():
@@ -71,6 +75,11 @@ def summarize(settings: BenchSettings, shapes: dict, ceilings: dict, results: li
                 f"{prefix}vlmrl_decode_vs_floor": v["decode_ms_per_step"] / floors["decode_ms_per_step"],
                 f"{prefix}peak_memory_ratio": v["peak_memory_gib"] / p["peak_memory_gib"],
             })
+    if "step_seconds" in paths.get("vlmrl", {}) and "step_seconds" in paths.get("unsloth", {}):
+        v, u = paths["vlmrl"], paths["unsloth"]
+        ratios["vlmrl_vs_unsloth_step_speedup"] = u["step_seconds"] / v["step_seconds"]
+        ratios["vlmrl_vs_unsloth_decode_speedup"] = u["decode_ms_per_step"] / v["decode_ms_per_step"]
+        ratios["vlmrl_vs_unsloth_peak_memory_ratio"] = v["peak_memory_gib"] / u["peak_memory_gib"]
     return {
         "settings": asdict(settings),
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
@@ -142,6 +151,15 @@ def markdown_table(summary: dict) -> str:
             lines.append(f"Ratios, {name} vs plain: step {r[prefix + 'step_speedup']:.2f}x faster, decode "
                          f"{r[prefix + 'decode_speedup']:.2f}x faster, decode {r[prefix + 'vlmrl_decode_vs_floor']:.2f}x "
                          f"the floor, peak memory {r[prefix + 'peak_memory_ratio']:.2f}x plain.")
+    if "vlmrl_vs_unsloth_step_speedup" in r:
+        lines.append(f"Ratios, vlmrl vs unsloth: step {r['vlmrl_vs_unsloth_step_speedup']:.2f}x faster, decode "
+                     f"{r['vlmrl_vs_unsloth_decode_speedup']:.2f}x faster, peak memory "
+                     f"{r['vlmrl_vs_unsloth_peak_memory_ratio']:.2f}x unsloth's.")
+    for name, p in summary["paths"].items():  # a path run in its own process ran its own versions
+        if p.get("versions"):
+            ran = ", ".join(f"{k} {v}" for k, v in p["versions"].items() if v)
+            lines.append(f"{name}: its own process ({ran}); LoRA layers {p.get('lora_modules')}; imported before "
+                         f"unsloth: {', '.join(p.get('imported_before_unsloth') or []) or 'nothing it patches'}.")
     for name, p in summary["paths"].items():  # what each fast path ran, as recorded when it was set up
         fast = p.get("fast_generation") or {}
         if fast.get("enabled"):

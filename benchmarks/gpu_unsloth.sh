@@ -1,0 +1,72 @@
+# Unsloth's FastVisionModel beside vlmrl's transformers path (issue 21, item 5): the seed recipe (Qwen3-VL-8B
+# shapes, random weights, 8 prompts x 4 generations, 1024 forced tokens, GSPO, LoRA r=16 on the language layers),
+# `vlmrl bench --paths unsloth,vlmrl --steps 2`, bf16, then 4-bit under a 24 GiB cap (as gpu_record_4bit.sh).
+# The unsloth path runs in a process of its own whose first import is unsloth (src/vlmrl/bench/unsloth_path.py).
+#
+# Both paths run with Unsloth's pins (trl 1.15.0, datasets 4.8.5, the image's transformers 5.17), installed from
+# the carried wheels into their own folder, /tmp/unsloth-site, apart from vlmrl's usual carry (.whl/: trl 1.16,
+# datasets 5.2, transformers 5.24, which Unsloth 2026.10.9 does not admit); every record lists its versions.
+#
+# Before the device calls, here (51.1 MiB of wheels, see benchmarks/unsloth_wheels.txt for the exact command):
+#   pip download ... -d .whl-unsloth ...; python benchmarks/slim_unsloth_wheel.py .whl-unsloth/unsloth-*.whl
+# Device calls (one per precision, each under the 10-minute limit; a fresh machine installs in under a minute):
+#   run(command="bash benchmarks/gpu_unsloth.sh $OUT bf16", carry=[".whl-unsloth"], timeout_s=600)
+#   run(command="bash benchmarks/gpu_unsloth.sh $OUT 4bit", carry=[".whl-unsloth"], timeout_s=600)
+# Expected, not measured: per call about 1 min to install and build, vlmrl 2-3 min (its first step compiles,
+# ~140 s cold), unsloth unknown (its GRPO without vLLM generates with transformers: plain TRL's bf16 step is
+# ~100 s, 4-bit ~210 s). Each bench is cut at 570 s; the paths it finished stay in bench.partial.json, and the
+# unsloth path runs first because it is the one not yet measured.
+# Afterwards, here: copy both h200_unsloth_{bf16,4bit}.json/.md into benchmarks/results/ and run
+#   bash benchmarks/gpu_unsloth.sh benchmarks/results combine   # h200_unsloth.json/.md, both precisions
+set -uo pipefail
+OUT=${1:?usage: gpu_unsloth.sh OUTDIR [bf16|4bit|both|combine]}
+MODE=${2:-both}
+SITE=${VLMRL_UNSLOTH_SITE:-/tmp/unsloth-site}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 UNSLOTH_COMPILE_LOCATION=/tmp/unsloth_compiled_cache
+mkdir -p "$OUT"
+
+install_site() {
+  [ -f "$SITE/unsloth/__init__.py" ] && return 0
+  if ! ls .whl-unsloth/*.whl >/dev/null 2>&1; then
+    echo "no .whl-unsloth/*.whl here: download them as benchmarks/unsloth_wheels.txt says and carry .whl-unsloth" >&2
+    return 1
+  fi
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl-unsloth/*.whl
+}
+
+bench() {  # $1 = bf16 | 4bit
+  local flags=()
+  [ "$1" = 4bit ] && flags=(--load-in-4bit --memory-cap-gib 24)
+  mkdir -p "$OUT/$1"
+  # /dev/shm: the once-saved random bf16 weights (16 GB) are written and read back quickly
+  [ -w /dev/shm ] && export TMPDIR=/dev/shm
+  VLMRL_UNSLOTH_SITE=$SITE PYTHONPATH=$SITE:$PWD/src timeout 570 python3 -m vlmrl.cli bench --paths unsloth,vlmrl \
+    --steps 2 --completion 1024 "${flags[@]}" --out "$OUT/$1" 2>&1 | tee "$OUT/$1/bench.log"
+  local rc=$?
+  [ -f "$OUT/$1/bench.json" ] && mv "$OUT/$1/bench.json" "$OUT/h200_unsloth_$1.json" \
+    && mv "$OUT/$1/bench.md" "$OUT/h200_unsloth_$1.md" && rm -f "$OUT/$1/bench.partial.json"
+  return $rc
+}
+
+combine() {
+  python3 - "$OUT" <<'PY'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+records = {p: json.loads((out / f"h200_unsloth_{p}.json").read_text())
+           for p in ("bf16", "4bit") if (out / f"h200_unsloth_{p}.json").is_file()}
+if not records:
+    sys.exit(f"no h200_unsloth_bf16.json / h200_unsloth_4bit.json in {out}")
+(out / "h200_unsloth.json").write_text(json.dumps(records, indent=2))
+text = "".join(f"## {p}\n\n" + (out / f"h200_unsloth_{p}.md").read_text() + "\n" for p in records)
+(out / "h200_unsloth.md").write_text(text)
+print(text)
+PY
+}
+
+case "$MODE" in
+  bf16|4bit) install_site && bench "$MODE"; rc=$?; combine; exit $rc ;;
+  both) install_site && bench bf16 && bench 4bit; rc=$?; combine; exit $rc ;;
+  combine) combine ;;
+  *) echo "mode: bf16, 4bit, both or combine" >&2; exit 2 ;;
+esac
