@@ -3,6 +3,7 @@ scratch folder (never the cache), never stopping early, and writes its per-famil
 
 Run from the repository root on the GPU machine (about 3 minutes on an H200):
     PYTHONPATH=src python3 benchmarks/warm_start_check.py OUTDIR sft_items=25600 check_items=256
+    ... OUTDIR families=count_squares,scatter_count,bar_max image_size=384     (lists: comma-separated)
 Writes OUTDIR/warm_start_check.json: the recipe as run, the greedy accuracy on `check_items` unseen figures every
 `check_every` steps, overall and per family, and the build's seconds. Left out: any RL (docs/learning.md).
 """
@@ -26,7 +27,9 @@ def main() -> int:
         key, value = item.split("=", 1)
         if key not in recipe:
             raise SystemExit(f"{key}: not a recipe key ({', '.join(sorted(recipe))})")
-        recipe[key] = type(recipe[key])(value) if not isinstance(recipe[key], bool) else value == "true"
+        default = recipe[key]
+        recipe[key] = (value == "true" if isinstance(default, bool) else value.split(",") if isinstance(default, list)
+                       else type(default)(value))
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
         info = build_demo_policy(Path(folder), recipe, say=lambda m: print(m, flush=True))
