@@ -86,7 +86,10 @@ def build_policy(name: str) -> dict:
     from vlmrl.models.demo import RECIPES, ensure_demo_policy
 
     started = time.perf_counter()
-    folder = ensure_demo_policy(RECIPES[name], say=say)
+    # model.name=FOLDER: a policy already built (benchmarks/warm_start_check.py --keep FOLDER, a recipe variant)
+    folder = Path(name) if name not in RECIPES else ensure_demo_policy(RECIPES[name], say=say)
+    if not (folder / "demo_policy.json").is_file():
+        raise SystemExit(f"model.name={name}: neither a demo recipe ({', '.join(RECIPES)}) nor a built policy folder")
     info = json.loads((folder / "demo_policy.json").read_text())
     losses = info.get("sft_losses") or []
     return {"name": name, "folder": str(folder), "seconds": round(time.perf_counter() - started, 1),
