@@ -7,9 +7,10 @@ Steps, each timed and printed as it ends (so a killed run still shows where the 
      and .md from its comparison.json (the control marked as not run yet), so a call that runs out of time
      still leaves the main result;
   3. the same run with the correctness reward's sign flipped (format weight 0), the reward control, after the
-     main run (run side by side, the two processes' CPU threads slowed each step 4-6x in the first H200 run);
-  4. the result files again, with both comparisons, and both runs' report.html. The run folders themselves and the policy cache stay under VLMRL_VISUAL_WORK
-     (default /tmp/vlmrl-visual; VLMRL_CACHE defaults to its cache/ folder).
+     main run (side by side in the first H200 run, each step took 4-6x longer);
+  4. the result files again, with both comparisons, and both runs' report.html. The run folders themselves and
+     the policy cache stay under VLMRL_VISUAL_WORK (default /tmp/vlmrl-visual; VLMRL_CACHE defaults to its
+     cache/ folder).
 
 VLMRL_VISUAL_SMOKE=1 swaps in the recipe's CPU twin (model.name=demo-policy-gpu-smoke) and toy sizes: the same
 code, minutes on two cores. Left out: any threshold tuning; the file states the issue's criteria as booleans.
@@ -163,7 +164,7 @@ def main() -> int:
     control_dir = runs / "demo-gpu-control"
     status = {}
     timings["run"], timings["run_stages"], status["run"] = Run("demo-gpu", runs, overrides).wait()
-    result = write_result(out, extra, overrides, smoke, policy, timings, status, main_dir, None)
+    write_result(out, extra, overrides, smoke, policy, timings, status, main_dir, None)
     timings["control"], timings["control_stages"], status["control"] = Run("control", runs, overrides + CONTROL).wait()
     timings["total"] = round(time.perf_counter() - STARTED, 1)
     result = write_result(out, extra, overrides, smoke, policy, timings, status, main_dir, control_dir)

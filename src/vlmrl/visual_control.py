@@ -154,8 +154,7 @@ def _block(rows: list[dict], seed: int) -> dict:
     it reads no better (more of its readings become gradable), so the block also gives each column's format
     compliance and the same gain over the items whose four answers were all in the structure."""
     col = {name: [r[name] for r in rows] for name in COLUMNS}
-    gap_before = [t - s for t, s in zip(col["baseline"], col["baseline" + SWAPPED])]
-    gap_after = [t - s for t, s in zip(col["after"], col["after" + SWAPPED])]
+    gap_before, gap_after = _gaps(rows)
     gain = stats.mean(gap_after) - stats.mean(gap_before)
     formatted = [r for r in rows if all(r[name + FORMAT] for name in COLUMNS)]
     return {
@@ -178,10 +177,14 @@ def _formatted_gain(rows: list[dict], seed: int) -> dict:
     """The visual gain over the items answered in the structure in all four evaluations (format held fixed)."""
     if len(rows) < 2:
         return {"n": len(rows), "visual_gain": None, "visual_gain_ci95": None}
-    before = [r["baseline"] - r["baseline" + SWAPPED] for r in rows]
-    after = [r["after"] - r["after" + SWAPPED] for r in rows]
+    before, after = _gaps(rows)
     return {"n": len(rows), "visual_gain": stats.mean(after) - stats.mean(before),
             "visual_gain_ci95": list(stats.paired_bootstrap_ci(before, after, seed=seed))}
+
+
+def _gaps(rows: list[dict]) -> tuple[list[float], list[float]]:
+    """Per item, correct on the true image minus on the swapped one: before training, and after."""
+    return ([r["baseline"] - r["baseline" + SWAPPED] for r in rows], [r["after"] - r["after" + SWAPPED] for r in rows])
 
 
 def report_html(control: dict | None) -> str:

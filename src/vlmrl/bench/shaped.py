@@ -73,20 +73,15 @@ def build_shaped_model(shapes: dict, processor_dir: Path, *, load_in_4bit: bool,
         config_dict[key] = getattr(tiny, key)
     config_dict["text_config"] = {**config_dict["text_config"], "pad_token_id": tiny.text_config.pad_token_id}
     config = AutoConfig.for_model(**config_dict)
-    saved = work / "bf16-weights"
-    if load_in_4bit and (saved / "config.json").exists():  # an earlier path saved these random weights
-        return _load_4bit(saved, processor_dir)
+    if load_in_4bit:
+        # bitsandbytes quantizes while loading: the random weights are saved once (every path reuses them) and
+        # reloaded in 4-bit.
+        return _load_4bit(save_weights_once(shapes, processor_dir, work), processor_dir)
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16)
     model.generation_config = _generation_config(processor_dir)
-    if not load_in_4bit:
-        return model
-    # bitsandbytes quantizes while loading: save the random weights once (every path reuses them), reload in 4-bit.
-    model.save_pretrained(str(saved))
-    del model
-    free_memory()
-    return _load_4bit(saved, processor_dir)
+    return model
 
 
 def save_weights_once(shapes: dict, processor_dir: Path, work: Path) -> Path:
