@@ -8,7 +8,9 @@ Steps, each timed and printed as it ends (so a killed run still shows where the 
      still leaves the main result;
   3. the same run with the correctness reward's sign flipped (format weight 0), the reward control, after the
      main run (side by side in the first H200 run, each step took 4-6x longer);
-  4. the result files again, with both comparisons, and both runs' report.html. The run folders themselves and
+  4. the main run's adapter evaluated once more with the other decoding (greedy <-> sampled at the run's
+     temperature), in a copy of its folder: the same items, images and weights, only the decoding differs;
+  5. the result files again, with all comparisons, and both runs' report.html. The run folders themselves and
      the policy cache stay under VLMRL_VISUAL_WORK (default /tmp/vlmrl-visual; VLMRL_CACHE defaults to its
      cache/ folder).
 
@@ -112,16 +114,29 @@ def criteria(main: dict, control: dict | None) -> dict:
 
 
 def markdown(result: dict) -> str:
-    main, control = result["comparison"], result["control_comparison"]
     lines = [f"# GPU visual-learning demo ({result['gpu'] or 'no GPU: smoke run'})", "",
-             f"Command: `{result['command']}`", "", "| metric | before | after | delta | 95% CI |", "|---|---|---|---|---|"]
+             f"Command: `{result['command']}`", ""]
+    lines += _tables(result["comparison"], result["control_comparison"])
+    lines += ["", "Criteria: " + ", ".join(f"{k}: {v}" for k, v in result["criteria"].items())]
+    other = result.get("other_decoding")
+    if other:
+        how = "sampled (temperature as in training)" if other["do_sample"] else "greedy"
+        lines += ["", f"## The same adapter, evaluated {how}", ""]
+        lines += _tables(other["comparison"], None)
+        lines += ["", "Criteria: " + ", ".join(f"{k}: {v}" for k, v in other["criteria"].items())]
+    lines += ["", "Timings (s): " + json.dumps(result["timings"]),
+              "", "Exit status of the runs: " + json.dumps(result["exit_status"])]
+    return "\n".join(lines) + "\n"
+
+
+def _tables(main: dict, control: dict | None) -> list[str]:
+    """The metrics table (with the control's accuracy when given) and the visual control per family."""
+    lines = ["| metric | before | after | delta | 95% CI |", "|---|---|---|---|---|"]
     for name in ("accuracy", "format_compliance", "total_reward"):
         m = main["metrics"][name]
         lines.append(f"| {name} | {m['before']:.3f} | {m['after']:.3f} | {m['delta']:+.3f} | "
                      f"[{m['delta_ci95'][0]:+.3f}, {m['delta_ci95'][1]:+.3f}] |")
-    if control is None:
-        lines.append("| accuracy, sign-flipped control | not run | | | |")
-    else:
+    if control is not None:
         m = control["metrics"]["accuracy"]
         lines.append(f"| accuracy, sign-flipped control | {m['before']:.3f} | {m['after']:.3f} | {m['delta']:+.3f} | "
                      f"[{m['delta_ci95'][0]:+.3f}, {m['delta_ci95'][1]:+.3f}] |")
@@ -139,10 +154,7 @@ def markdown(result: dict) -> str:
             lines.append(f"| {name} | {b['n']} | {a['before_true']:.3f} | {a['before_swapped']:.3f} | "
                          f"{a['after_true']:.3f} | {a['after_swapped']:.3f} | {b['visual_gain']:+.3f} | [{lo:+.3f}, {hi:+.3f}] "
                          f"| {f.get('before_true', float('nan')):.3f} / {f.get('after_true', float('nan')):.3f} | {fixed} |")
-    lines += ["", "Criteria: " + ", ".join(f"{k}: {v}" for k, v in result["criteria"].items()),
-              "", "Timings (s): " + json.dumps(result["timings"]),
-              "", "Exit status of the runs: " + json.dumps(result["exit_status"])]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def main() -> int:
@@ -166,14 +178,45 @@ def main() -> int:
     timings["run"], timings["run_stages"], status["run"] = Run("demo-gpu", runs, overrides).wait()
     write_result(out, extra, overrides, smoke, policy, timings, status, main_dir, None)
     timings["control"], timings["control_stages"], status["control"] = Run("control", runs, overrides + CONTROL).wait()
+    write_result(out, extra, overrides, smoke, policy, timings, status, main_dir, control_dir)
+    started = time.perf_counter()
+    other = other_decoding(main_dir)
+    timings["other_decoding"] = round(time.perf_counter() - started, 1)
     timings["total"] = round(time.perf_counter() - STARTED, 1)
-    result = write_result(out, extra, overrides, smoke, policy, timings, status, main_dir, control_dir)
+    result = write_result(out, extra, overrides, smoke, policy, timings, status, main_dir, control_dir, other)
     print(markdown(result))
     return status["run"]
 
 
+def other_decoding(main_dir: Path) -> Path:
+    """A copy of the main run's folder whose held-out set (true and swapped images, before and after) is evaluated
+    again with `eval.do_sample` flipped: greedy shows the policy's most likely answer, sampling at the rollout
+    temperature the distribution GSPO trained. Same items, images, adapter; only the decoding differs."""
+    from vlmrl.config import dump_config, load_config
+
+    copy = main_dir.with_name(main_dir.name + "-other-decoding")
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(main_dir, copy, ignore=shutil.ignore_patterns("checkpoint-*"))
+    config = load_config(str(copy / "config.yaml"))
+    config.eval.do_sample = not config.eval.do_sample
+    config.run.name, config.run.output_dir = copy.name, str(copy.parent)
+    (copy / "config.yaml").write_text(dump_config(config))
+    for path in [*copy.glob("baseline*"), *copy.glob("after*"), copy / "comparison.json"]:
+        path.unlink()
+    say(f"other decoding (do_sample={config.eval.do_sample}) of the main run's adapter, in {copy}")
+    cli = [sys.executable, "-m", "vlmrl.cli"]
+    for command in ([*cli, "eval", str(copy), "--run-dir", str(copy), "--stage", "baseline"],
+                    [*cli, "eval", str(copy), "--run-dir", str(copy), "--stage", "after"],
+                    [*cli, "compare", str(copy), "--visual-control"]):
+        done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        say(f"other decoding| $ {' '.join(command[3:])}: exit {done.returncode}; " + done.stdout[-2000:].strip())
+        if done.returncode:
+            raise SystemExit(done.returncode)
+    return copy
+
+
 def write_result(out: Path, extra: list[str], overrides: list[str], smoke: bool, policy: dict, timings: dict,
-                 status: dict, main_dir: Path, control_dir: Path | None) -> dict:
+                 status: dict, main_dir: Path, control_dir: Path | None, other_dir: Path | None = None) -> dict:
     """OUTDIR/h200_visual_learning.json and .md (and the runs' report.html) from the run folders as they are."""
     env = json.loads((main_dir / "env.json").read_text())
     cuda = env.get("cuda") or {}
@@ -192,6 +235,13 @@ def write_result(out: Path, extra: list[str], overrides: list[str], smoke: bool,
         "control_comparison": json.loads((control_dir / "comparison.json").read_text()) if control_dir else None,
     }
     result["criteria"] = criteria(result["comparison"], result["control_comparison"])
+    if other_dir:  # the same adapter under the other decoding: reported beside, never in place of, the run's own
+        other = json.loads((other_dir / "comparison.json").read_text())
+        from vlmrl.config import load_config
+
+        result["other_decoding"] = {"do_sample": load_config(str(other_dir / "config.yaml")).eval.do_sample,
+                                    "comparison": other,
+                                    "criteria": criteria(other, result["control_comparison"])}
     (out / "h200_visual_learning.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / "h200_visual_learning.md").write_text(markdown(result))
     for name, folder in (("report.html", main_dir), ("control_report.html", control_dir)):
