@@ -16,11 +16,17 @@
 # ~140 s cold), unsloth unknown (its GRPO without vLLM generates with transformers: plain TRL's bf16 step is
 # ~100 s, 4-bit ~210 s). Each bench is cut at 570 s; the paths it finished stay in bench.partial.json, and the
 # unsloth path runs first because it is the one not yet measured.
+# Measured (h200_unsloth_bf16_partial.md): Unsloth's bf16 first step alone is 245 s, so both paths of one
+# precision do not fit one 10-minute call; a third argument runs only the paths named, one call each:
+#   run(command="bash benchmarks/gpu_unsloth.sh $OUT bf16 unsloth", ...)   -> h200_unsloth_bf16_unsloth.json
+#   run(command="bash benchmarks/gpu_unsloth.sh $OUT bf16 vlmrl", ...)     -> h200_unsloth_bf16_vlmrl.json
+# (two machines of one kind, not one process: the table says so by listing each record apart).
 # Afterwards, here: copy both h200_unsloth_{bf16,4bit}.json/.md into benchmarks/results/ and run
 #   bash benchmarks/gpu_unsloth.sh benchmarks/results combine   # h200_unsloth.json/.md, both precisions
 set -uo pipefail
-OUT=${1:?usage: gpu_unsloth.sh OUTDIR [bf16|4bit|both|combine]}
+OUT=${1:?usage: gpu_unsloth.sh OUTDIR [bf16|4bit|both|combine] [PATHS]}
 MODE=${2:-both}
+PATHS=${3:-unsloth,vlmrl}
 SITE=${VLMRL_UNSLOTH_SITE:-/tmp/unsloth-site}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 UNSLOTH_COMPILE_LOCATION=/tmp/unsloth_compiled_cache
 mkdir -p "$OUT"
@@ -40,11 +46,13 @@ bench() {  # $1 = bf16 | 4bit
   mkdir -p "$OUT/$1"
   # /dev/shm: the once-saved random bf16 weights (16 GB) are written and read back quickly
   [ -w /dev/shm ] && export TMPDIR=/dev/shm
-  VLMRL_UNSLOTH_SITE=$SITE PYTHONPATH=$SITE:$PWD/src timeout 570 python3 -m vlmrl.cli bench --paths unsloth,vlmrl \
+  local name=h200_unsloth_$1
+  [ "$PATHS" = unsloth,vlmrl ] || name=${name}_${PATHS//,/_}
+  VLMRL_UNSLOTH_SITE=$SITE PYTHONPATH=$SITE:$PWD/src timeout 570 python3 -m vlmrl.cli bench --paths "$PATHS" \
     --steps 2 --completion 1024 "${flags[@]}" --out "$OUT/$1" 2>&1 | tee "$OUT/$1/bench.log"
   local rc=$?
-  [ -f "$OUT/$1/bench.json" ] && mv "$OUT/$1/bench.json" "$OUT/h200_unsloth_$1.json" \
-    && mv "$OUT/$1/bench.md" "$OUT/h200_unsloth_$1.md" && rm -f "$OUT/$1/bench.partial.json"
+  [ -f "$OUT/$1/bench.json" ] && mv "$OUT/$1/bench.json" "$OUT/$name.json" \
+    && mv "$OUT/$1/bench.md" "$OUT/$name.md" && rm -f "$OUT/$1/bench.partial.json"
   return $rc
 }
 
@@ -53,10 +61,13 @@ combine() {
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
-records = {p: json.loads((out / f"h200_unsloth_{p}.json").read_text())
-           for p in ("bf16", "4bit") if (out / f"h200_unsloth_{p}.json").is_file()}
+# one record per call: bf16, 4bit, or bf16_unsloth, bf16_vlmrl ... when the paths ran in calls of their own
+order = {"bf16": 0, "4bit": 1}
+names = sorted((p.stem[len("h200_unsloth_"):] for p in out.glob("h200_unsloth_*.json") if not p.stem.endswith("_partial")),
+               key=lambda n: (order.get(n.split("_")[0], 2), n))
+records = {n: json.loads((out / f"h200_unsloth_{n}.json").read_text()) for n in names}
 if not records:
-    sys.exit(f"no h200_unsloth_bf16.json / h200_unsloth_4bit.json in {out}")
+    sys.exit(f"no h200_unsloth_bf16*.json / h200_unsloth_4bit*.json in {out}")
 (out / "h200_unsloth.json").write_text(json.dumps(records, indent=2))
 text = "".join(f"## {p}\n\n" + (out / f"h200_unsloth_{p}.md").read_text() + "\n" for p in records)
 (out / "h200_unsloth.md").write_text(text)

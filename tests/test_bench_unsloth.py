@@ -194,3 +194,19 @@ def test_run_bench_sends_the_unsloth_path_to_its_own_process_and_writes_its_row(
     written = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert written["paths"]["unsloth"]["steps_measured"] == 1 and written["raw"][0]["imported_before_unsloth"] == []
     assert "| unsloth | " in (tmp_path / "out" / "bench.md").read_text()
+
+
+def test_the_gpu_script_combines_paths_run_in_calls_of_their_own(tmp_path):
+    """Unsloth's first step alone takes ~4 of a call's 10 minutes, so each path can run in its own call
+    (`gpu_unsloth.sh OUT bf16 unsloth`); combine keeps every record, bf16 before 4-bit."""
+    script = REPO / "benchmarks" / "gpu_unsloth.sh"
+    for name in ("4bit", "bf16_vlmrl", "bf16_unsloth"):
+        (tmp_path / f"h200_unsloth_{name}.json").write_text(json.dumps({"name": name}))
+        (tmp_path / f"h200_unsloth_{name}.md").write_text(f"| {name} |\n")
+    done = subprocess.run(["bash", str(script), str(tmp_path), "combine"], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    combined = json.loads((tmp_path / "h200_unsloth.json").read_text())
+    assert list(combined) == ["bf16_unsloth", "bf16_vlmrl", "4bit"]
+    assert combined["bf16_vlmrl"] == {"name": "bf16_vlmrl"}
+    assert "## bf16_unsloth\n\n| bf16_unsloth |" in (tmp_path / "h200_unsloth.md").read_text()
