@@ -9,24 +9,24 @@
 #
 # Before the device calls, here (51.1 MiB of wheels, see benchmarks/unsloth_wheels.txt for the exact command):
 #   pip download ... -d .whl-unsloth ...; python benchmarks/slim_unsloth_wheel.py .whl-unsloth/unsloth-*.whl
-# Device calls (one per precision, each under the 10-minute limit; a fresh machine installs in under a minute):
-#   run(command="bash benchmarks/gpu_unsloth.sh $OUT bf16", carry=[".whl-unsloth"], timeout_s=600)
-#   run(command="bash benchmarks/gpu_unsloth.sh $OUT 4bit", carry=[".whl-unsloth"], timeout_s=600)
-# Expected, not measured: per call about 1 min to install and build, vlmrl 2-3 min (its first step compiles,
-# ~140 s cold), unsloth unknown (its GRPO without vLLM generates with transformers: plain TRL's bf16 step is
-# ~100 s, 4-bit ~210 s). Each bench is cut at 570 s; the paths it finished stay in bench.partial.json, and the
-# unsloth path runs first because it is the one not yet measured.
-# Measured (h200_unsloth_bf16_partial.md): Unsloth's bf16 first step alone is 245 s, so both paths of one
-# precision do not fit one 10-minute call; a third argument runs only the paths named, one call each:
-#   run(command="bash benchmarks/gpu_unsloth.sh $OUT bf16 unsloth", ...)   -> h200_unsloth_bf16_unsloth.json
-#   run(command="bash benchmarks/gpu_unsloth.sh $OUT bf16 vlmrl", ...)     -> h200_unsloth_bf16_vlmrl.json
-# (two machines of one kind, not one process: the table says so by listing each record apart).
-# Afterwards, here: copy both h200_unsloth_{bf16,4bit}.json/.md into benchmarks/results/ and run
-#   bash benchmarks/gpu_unsloth.sh benchmarks/results combine   # h200_unsloth.json/.md, both precisions
+# Device calls, one path each (a fresh machine installs in under a minute; each bench is cut at 570 s, and the
+# paths it finished stay in bench.partial.json). Measured (h200_unsloth_bf16_partial.md): Unsloth's bf16 first
+# step alone is 245 s, so both paths of one precision do not fit one 10-minute call:
+#   run(command="bash benchmarks/gpu_unsloth.sh $OUT bf16 unsloth", carry=[".whl-unsloth"], timeout_s=600)
+#   run(command="bash benchmarks/gpu_unsloth.sh $OUT bf16 vlmrl", carry=[".whl-unsloth"], timeout_s=600)
+#   ... and the same with 4bit     -> h200_unsloth_{bf16,4bit}_{unsloth,vlmrl}.json/.md
+# Paths run in separate calls are on two machines of one kind, not in one process: the table lists each record
+# apart. Without a third argument both paths run in one call (unsloth first) -> h200_unsloth_{bf16,4bit}.json.
+# Afterwards, here: copy the h200_unsloth_*.json/.md into benchmarks/results/ and run
+#   bash benchmarks/gpu_unsloth.sh benchmarks/results combine   # h200_unsloth.json/.md, every record
 set -uo pipefail
 OUT=${1:?usage: gpu_unsloth.sh OUTDIR [bf16|4bit|both|combine] [PATHS]}
 MODE=${2:-both}
 PATHS=${3:-unsloth,vlmrl}
+case "$PATHS" in
+  unsloth,vlmrl|unsloth|vlmrl) ;;
+  *) echo "paths: unsloth,vlmrl (the default), unsloth or vlmrl" >&2; exit 2 ;;
+esac
 SITE=${VLMRL_UNSLOTH_SITE:-/tmp/unsloth-site}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 UNSLOTH_COMPILE_LOCATION=/tmp/unsloth_compiled_cache
 mkdir -p "$OUT"
@@ -65,6 +65,12 @@ out = Path(sys.argv[1])
 order = {"bf16": 0, "4bit": 1}
 names = sorted((p.stem[len("h200_unsloth_"):] for p in out.glob("h200_unsloth_*.json") if not p.stem.endswith("_partial")),
                key=lambda n: (order.get(n.split("_")[0], 2), n))
+missing = [n for n in names if not (out / f"h200_unsloth_{n}.md").is_file()]
+if missing:
+    sys.exit(f"no h200_unsloth_{missing[0]}.md beside its .json in {out}: copy both files of each record")
+for precision in ("bf16", "4bit"):
+    if precision in names and any(n.startswith(precision + "_") for n in names):
+        print(f"note: {out} holds both a {precision} record of both paths and per-path {precision} records; all are kept")
 records = {n: json.loads((out / f"h200_unsloth_{n}.json").read_text()) for n in names}
 if not records:
     sys.exit(f"no h200_unsloth_bf16*.json / h200_unsloth_4bit*.json in {out}")

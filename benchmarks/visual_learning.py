@@ -9,7 +9,8 @@ Steps, each timed and printed as it ends (so a killed run still shows where the 
   3. the same run with the correctness reward's sign flipped (format weight 0), the reward control, after the
      main run (side by side in the first H200 run, each step took 4-6x longer);
   4. the main run's adapter evaluated once more with the other decoding (greedy <-> sampled at the run's
-     temperature), in a copy of its folder: the same items, images and weights, only the decoding differs;
+     temperature), in a copy of its folder: the same items, images and weights, only the decoding differs
+     (about a minute on an H200; VLMRL_VISUAL_OTHER_DECODING=0 skips it, and a failed main run skips it);
   5. the result files again, with all comparisons, and both runs' report.html. The run folders themselves and
      the policy cache stay under VLMRL_VISUAL_WORK (default /tmp/vlmrl-visual; VLMRL_CACHE defaults to its
      cache/ folder).
@@ -115,12 +116,16 @@ def criteria(main: dict, control: dict | None) -> dict:
 
 def markdown(result: dict) -> str:
     lines = [f"# GPU visual-learning demo ({result['gpu'] or 'no GPU: smoke run'})", "",
-             f"Command: `{result['command']}`", ""]
+             f"Command: `{result['command']}` (commit {result.get('git_commit')})", ""]
+    main = result.get("evaluation") or {}
+    if main:
+        lines += ["Held-out set evaluated " + (f"by sampling at temperature {main['temperature']}, one draw per item"
+                                             if main["do_sample"] else "greedily") + ".", ""]
     lines += _tables(result["comparison"], result["control_comparison"])
     lines += ["", "Criteria: " + ", ".join(f"{k}: {v}" for k, v in result["criteria"].items())]
     other = result.get("other_decoding")
     if other:
-        how = "sampled (temperature as in training)" if other["do_sample"] else "greedy"
+        how = f"sampled at temperature {other['temperature']}" if other["do_sample"] else "greedy"
         lines += ["", f"## The same adapter, evaluated {how}", ""]
         lines += _tables(other["comparison"], None)
         lines += ["", "Criteria: " + ", ".join(f"{k}: {v}" for k, v in other["criteria"].items())]
@@ -179,9 +184,11 @@ def main() -> int:
     write_result(out, extra, overrides, smoke, policy, timings, status, main_dir, None)
     timings["control"], timings["control_stages"], status["control"] = Run("control", runs, overrides + CONTROL).wait()
     write_result(out, extra, overrides, smoke, policy, timings, status, main_dir, control_dir)
-    started = time.perf_counter()
-    other = other_decoding(main_dir)
-    timings["other_decoding"] = round(time.perf_counter() - started, 1)
+    other = None
+    if status["run"] == 0 and os.environ.get("VLMRL_VISUAL_OTHER_DECODING", "1") != "0":
+        started = time.perf_counter()
+        other = other_decoding(main_dir)
+        timings["other_decoding"] = round(time.perf_counter() - started, 1)
     timings["total"] = round(time.perf_counter() - STARTED, 1)
     result = write_result(out, extra, overrides, smoke, policy, timings, status, main_dir, control_dir, other)
     print(markdown(result))
@@ -202,17 +209,35 @@ def other_decoding(main_dir: Path) -> Path:
     config.run.name, config.run.output_dir = copy.name, str(copy.parent)
     (copy / "config.yaml").write_text(dump_config(config))
     for path in [*copy.glob("baseline*"), *copy.glob("after*"), copy / "comparison.json"]:
-        path.unlink()
+        path.unlink(missing_ok=True)
     say(f"other decoding (do_sample={config.eval.do_sample}) of the main run's adapter, in {copy}")
     cli = [sys.executable, "-m", "vlmrl.cli"]
     for command in ([*cli, "eval", str(copy), "--run-dir", str(copy), "--stage", "baseline"],
                     [*cli, "eval", str(copy), "--run-dir", str(copy), "--stage", "after"],
                     [*cli, "compare", str(copy), "--visual-control"]):
-        done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        done = subprocess.run(command, check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         say(f"other decoding| $ {' '.join(command[3:])}: exit {done.returncode}; " + done.stdout[-2000:].strip())
         if done.returncode:
             raise SystemExit(done.returncode)
     return copy
+
+
+def _decoding(run_dir: Path) -> dict:
+    from vlmrl.config import load_config
+
+    decoding = load_config(str(run_dir / "config.yaml")).eval
+    return {"do_sample": decoding.do_sample, "temperature": decoding.temperature}
+
+
+def _commit() -> str | None:
+    """The checkout's commit, with "+changes" when the tree differs from it; None outside a git checkout."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+changes" if dirty else "")
 
 
 def write_result(out: Path, extra: list[str], overrides: list[str], smoke: bool, policy: dict, timings: dict,
@@ -225,6 +250,8 @@ def write_result(out: Path, extra: list[str], overrides: list[str], smoke: bool,
         "command": "bash benchmarks/gpu_visual_learning.sh " + " ".join([str(out), *extra]),
         "smoke": smoke,
         "overrides": overrides,
+        "evaluation": _decoding(main_dir),  # which decoding the criteria above were read under
+        "git_commit": _commit(),
         "gpu": (cuda.get("devices") or [{}])[0].get("name"),
         "environment": {"python": env.get("python"), "platform": platform.platform(), "packages": env.get("packages"),
                         "cuda": cuda},
@@ -237,11 +264,8 @@ def write_result(out: Path, extra: list[str], overrides: list[str], smoke: bool,
     result["criteria"] = criteria(result["comparison"], result["control_comparison"])
     if other_dir:  # the same adapter under the other decoding: reported beside, never in place of, the run's own
         other = json.loads((other_dir / "comparison.json").read_text())
-        from vlmrl.config import load_config
-
-        result["other_decoding"] = {"do_sample": load_config(str(other_dir / "config.yaml")).eval.do_sample,
-                                    "comparison": other,
-                                    "criteria": criteria(other, result["control_comparison"])}
+        # no control criterion: the control run was evaluated with the main run's decoding, not this one
+        result["other_decoding"] = {**_decoding(other_dir), "comparison": other, "criteria": criteria(other, None)}
     (out / "h200_visual_learning.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / "h200_visual_learning.md").write_text(markdown(result))
     for name, folder in (("report.html", main_dir), ("control_report.html", control_dir)):

@@ -9,7 +9,7 @@ The embedded `vlmrl run` then has room to show RL moving both numbers.
 It is built once per recipe into a cache folder (`$VLMRL_CACHE`, default `~/.cache/vlmrl`) in about a
 minute on 2 cores, and reused. `DEMO_GPU_RECIPE` (model name `demo-policy-gpu`, the `demo-gpu` preset) is the
 same build at a size that can learn to read its figures (45.6M parameters, 256 px, two counting families), warm-started
-on a CUDA GPU in bf16 autocast for about a minute and stopped while its reading is still noisy;
+on a CUDA GPU in bf16 autocast (2-3 minutes on an H200, at most 400 steps) while its reading is still noisy;
 `DEMO_GPU_SMOKE_RECIPE` (`demo-policy-gpu-smoke`) is that recipe shrunk so its every line runs on a CPU. The warm-start data use a different seed from any run's data stream
 (`SFT_DATA_SEED`), so the demo's held-out items are never seen in the warm start.
 """
@@ -45,8 +45,8 @@ DEMO_RECIPE = {
     "version": 1,
 }
 # Sized to read, not to be fast: 12 text layers at 512, a 6-block vision tower seeing 256 px (64 image tokens).
-# The warm start teaches the structure and the answer prior within the first hundred steps; reading bars,
-# squares, radius labels and plotted points takes longer, so the stop is a reading criterion, not a step count:
+# The warm start teaches the structure and the answer prior within the first hundred steps; reading the count
+# of squares or points takes longer, so the stop is a reading criterion, not a step count:
 # every `check_every` steps the policy answers `check_items` unseen figures greedily, and the warm start stops
 # once `stop_accuracy` of them are right (at most `sft_steps`). Stopped there, sampling at temperature 1 gives
 # groups holding right and wrong readings of one image: the signal GSPO needs to sharpen the reading itself.
