@@ -319,3 +319,20 @@ def test_a_finished_run_is_not_trained_again(prepared, tmp_path: Path, learnable
     assert sorted(p for p in (run_dir / "train").rglob("*") if p.is_file()) == files
     # another tracker is not another training config
     assert train(quick_config(tmp_path, "train.report_to=[none]"), run_dir).already_done
+
+
+def test_trl_without_a_cpu_path_is_refused_on_a_cpu_only(prepared, tmp_path: Path, no_model_load, monkeypatch) -> None:
+    """TRL 1.15 (Unsloth's pin) computes log-probs with Triton kernels only: on a CPU that fails mid-step, so
+    `train` refuses it in one line before any model loads; on a GPU, or with TRL >= 1.16, nothing is said."""
+    from vlmrl import train as train_module
+
+    assert train_module.trl_device_problem("cuda", "1.15.0") is None
+    assert train_module.trl_device_problem("cpu", "1.16.0") is None
+    assert train_module.trl_device_problem("cpu", "1.17.0.dev0") is None
+    assert "trl>=1.16" in train_module.trl_device_problem("cpu", "1.15.0")
+    monkeypatch.setattr(train_module, "_trl_version", lambda: "1.15.0")
+    config = quick_config(tmp_path)
+    run_dir = copy_run(prepared, tmp_path)
+    with pytest.raises(TrainError, match=r"trl 1\.15\.0 computes GRPO's log-probs with Triton kernels only"):
+        train(config, run_dir)
+    assert not (run_dir / "train" / "checkpoints").exists()

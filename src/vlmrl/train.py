@@ -59,6 +59,24 @@ class TrainResult:
     already_done: bool = False  # a finished run of this config was found; nothing was trained
 
 
+def _trl_version() -> str:
+    from importlib.metadata import version
+
+    return version("trl")
+
+
+def trl_device_problem(device_type: str, trl_version: str) -> str | None:
+    """Why this TRL cannot train on this device, or None. TRL 1.15's GRPOTrainer computes the loss pass's
+    log-probs with Triton kernels only (`trl.kernels`), which do not run on a CPU; TRL 1.16 added a CPU path.
+    vlmrl admits 1.15 because Unsloth 2026.10.9 pins trl<=1.15, and that pairing is for a GPU."""
+    from packaging.version import Version
+
+    if device_type != "cpu" or Version(trl_version) >= Version("1.16"):
+        return None
+    return (f"trl {trl_version} computes GRPO's log-probs with Triton kernels only, which do not run on a CPU; "
+            "training on a CPU needs trl>=1.16 (pip install -U 'trl>=1.16'), or run on a CUDA GPU.")
+
+
 def train_fingerprint(config: Config) -> str:
     """What a trained adapter depends on (the run's name and folder are not part of it)."""
     return (config.fingerprint("model", "lora", "data", "train") + config.data_fingerprint()[:4]
@@ -106,6 +124,8 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
     args, notes = build_grpo_config(config, checkpoints, suppress_tokens=_multimodal_ids(config, run_dir),
                                     batch=choice.per_device_train_batch_size if choice else None)
     _ = args.device  # sets up the process group (several ranks) and pins this rank's GPU before the model loads
+    if problem := trl_device_problem(args.device.type, _trl_version()):
+        raise TrainError(problem)
     _same_file_on_every_rank(run_dir / "data" / "train.jsonl")
     _claim_checkpoints(config, checkpoints, resume=resume)
     try:
