@@ -13,7 +13,7 @@ import pytest
 from vlmrl.data.canvas import MIN_FONT_PX, Canvas
 from vlmrl.data.images import to_png_bytes
 from vlmrl.data.items import DataError
-from vlmrl.data.synthetic import FAMILIES, generate_item, generate_items
+from vlmrl.data.synthetic import DEFAULT_FAMILIES, FAMILIES, check_families, generate_item, generate_items
 
 REQUIRED = {
     "bar_value",
@@ -36,6 +36,8 @@ REQUIRED = {
     "triangle_angle",
     "table_lookup",
     "count_squares",
+    "bar_tallest",
+    "polygon_sides",
 }
 
 
@@ -57,7 +59,7 @@ def test_all_required_families_exist():
 @pytest.mark.parametrize("size", [128, 512])
 def test_every_family_produces_a_well_formed_item(size, difficulty):
     for index, family in enumerate(FAMILIES):
-        item = generate_item(index, seed=difficulty, size=size, difficulty=difficulty)
+        item = generate_item(index, seed=difficulty, size=size, difficulty=difficulty, families=list(FAMILIES))
         assert item.family == family and item.id == f"syn-{family}-{index}"
         assert item.image.size == (size, size) and item.image.mode == "RGB"
         assert item.question.endswith("?") or item.question.endswith(".")
@@ -197,6 +199,44 @@ def test_count_squares_draws_exactly_the_answer():
 def test_scatter_count_matches_spec():
     for item in items_of("scatter_count", difficulty=3):
         assert value(item) == item.spec["points"] and 7 <= value(item) <= 15
+
+
+def test_bar_tallest_is_the_position_of_a_bar_that_stands_out():
+    positions = set()
+    for difficulty in (1, 2, 3):
+        for item in items_of("bar_tallest", 15, difficulty=difficulty, size=256):
+            heights = list(item.spec["bars"].values())
+            top, second = sorted(heights)[-1], sorted(heights)[-2]
+            assert int(item.answer) == heights.index(top) + 1 and item.precision is None
+            assert list(item.spec["bars"])[int(item.answer) - 1] == item.spec["tallest"]
+            assert top - second >= top / 10 - 1e-9  # visible without reading a label
+            positions.add(int(item.answer))
+    assert len(positions) >= 4
+
+
+def test_polygon_sides_draws_a_convex_polygon_with_that_many_visible_corners():
+    from vlmrl.data.geometry import _turns
+
+    seen = set()
+    for difficulty, top in ((1, 6), (2, 8), (3, 10)):
+        for item in items_of("polygon_sides", 40, difficulty=difficulty, size=256):
+            corners = [tuple(xy) for xy in item.spec["corners"]]
+            assert int(item.answer) == item.spec["sides"] == len(corners) and 3 <= len(corners) <= top
+            turns = _turns(corners)
+            # convex (every turn the same way), each corner a real corner, and the outline closes once
+            assert min(turns) >= 24.9 and abs(sum(turns) - 360) < 1e-6
+            pixels = np.asarray(item.image).astype(int)
+            assert (np.abs(pixels - pixels[0, 0]).sum(axis=2) > 0).sum() > 200  # drawn, not blank
+            seen.add(len(corners))
+    assert seen == set(range(3, 11))
+
+
+def test_empty_families_means_the_first_data_versions_twenty():
+    """An empty `data.families` is pinned: a family added later does not change any config's data."""
+    assert check_families([]) == list(DEFAULT_FAMILIES) and len(DEFAULT_FAMILIES) == 20
+    assert set(FAMILIES) - set(DEFAULT_FAMILIES) == {"bar_tallest", "polygon_sides"}
+    stream = list(generate_items(22, seed=0, size=128))
+    assert [i.family for i in stream] == [*DEFAULT_FAMILIES, *DEFAULT_FAMILIES[:2]]
 
 
 # --- determinism, selection, knobs ---------------------------------------------------------------

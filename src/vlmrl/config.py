@@ -129,7 +129,8 @@ class DataConfig(_Section):
     num_synthetic: int = Field(400, gt=0, le=1_000_000, description="Items generated when source is `synthetic`.")
     difficulty: int = Field(1, ge=1, le=3, description="Synthetic difficulty: 1 easy .. 3 hard.")
     families: list[str] = Field(
-        default_factory=list, description="Synthetic families to draw from; empty means all."
+        default_factory=list, description="Synthetic families to draw from; empty means the first data version's 20 "
+        "(vlmrl.data.synthetic.DEFAULT_FAMILIES); bar_tallest and polygon_sides are drawn only when named."
     )
     max_items: int | None = Field(None, gt=0, le=10_000_000, description="Cap on source rows read (for quick runs).")
 

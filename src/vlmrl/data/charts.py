@@ -21,8 +21,9 @@ def _tenths(rng: random.Random, count: int, low: int, high: int, decimals: bool)
     return [10 * v for v in rng.sample(range(low, high + 1), count)]
 
 
-def _bar_chart(c: Canvas, difficulty: int) -> tuple[list[str], list[int], int | None]:
-    """Draw a labelled bar chart; returns bar labels, values in tenths, and the answer precision."""
+def _bar_chart(c: Canvas, difficulty: int, *, separated: bool = False) -> tuple[list[str], list[int], int | None]:
+    """Draw a labelled bar chart; returns bar labels, values in tenths, and the answer precision. `separated`:
+    the tallest bar is taller than the next by at least a tenth of its height, so the eye can tell."""
     rng = c.rng
     n = rng.randint(*{1: (3, 4), 2: (4, 5), 3: (5, 6)}[difficulty])
     n = min(n, max(3, c.size // 24))  # keep bars (and their value labels) readable on small canvases
@@ -30,6 +31,8 @@ def _bar_chart(c: Canvas, difficulty: int) -> tuple[list[str], list[int], int | 
     labels = [chr(ord("A") + first + i) for i in range(n)]
     decimals = difficulty == 3 and rng.random() < 0.5
     values = _tenths(rng, n, 1, {1: 10, 2: 30, 3: 60}[difficulty], decimals)
+    while separated and sorted(values)[-1] - sorted(values)[-2] < max(values) / 10:
+        values = _tenths(rng, n, 1, {1: 10, 2: 30, 3: 60}[difficulty], decimals)
     top = max(values) / 10
     step = nice_step(top * 1.2, 4)
     axes = chart_axes(c, (0, n), (0, step * (int(top * 1.2 / step) + 1)))
@@ -70,6 +73,14 @@ def bar_max(c: Canvas, difficulty: int) -> Problem:
         ("What is the largest value in the bar chart?", "What is the value of the tallest bar?")
     )
     return Problem(question, max(values) / 10, precision, {"bars": _bars(labels, values)})
+
+
+def bar_tallest(c: Canvas, difficulty: int) -> Problem:
+    """The tallest bar's position from the left: read off the heights, no label or value needed."""
+    labels, values, _ = _bar_chart(c, difficulty, separated=True)
+    k = values.index(max(values))
+    question = "Counting from the left, which bar is the tallest? Answer with its position (1 is the leftmost)."
+    return Problem(question, k + 1, None, {"bars": _bars(labels, values), "tallest": labels[k]})
 
 
 def bar_difference(c: Canvas, difficulty: int) -> Problem:

@@ -144,6 +144,39 @@ def circle_circumference(c: Canvas, difficulty: int) -> Problem:
     return Problem(question, round(2 * math.pi * radius, 2), 2, {"radius": radius})
 
 
+def polygon_sides(c: Canvas, difficulty: int) -> Problem:
+    """A filled convex polygon, regular or (harder) with its corners moved: count its sides. No text in the picture.
+
+    Every corner turns the outline by at least 25 degrees, so no corner hides in a near-straight edge."""
+    rng = c.rng
+    n = rng.randint(3, {1: 6, 2: 8, 3: 10}[difficulty])
+    jitter = {1: 0.0, 2: 0.12, 3: 0.22}[difficulty]
+    cx, cy = c.size / 2, c.size / 2
+    while True:
+        radius, turn = c.size * rng.uniform(0.25, 0.4), rng.uniform(0, 2 * math.pi)
+        points = []
+        for i in range(n):
+            angle = turn + 2 * math.pi * (i + rng.uniform(-jitter, jitter)) / n
+            r = radius * (1 - rng.uniform(0, jitter))
+            points.append((cx + r * math.cos(angle), cy + r * math.sin(angle)))
+        if min(_turns(points)) >= 25:
+            break
+    c.draw.polygon(points, fill=rng.choice(LIGHT_FILLS), outline=c.ink, width=max(2, c.px(0.01)))
+    question = rng.choice(("How many sides does the polygon have?", "How many sides does this shape have?"))
+    return Problem(question, n, None, {"sides": n, "corners": [[round(x, 1), round(y, 1)] for x, y in points]})
+
+
+def _turns(points: list[tuple[float, float]]) -> list[float]:
+    """How far the outline turns at each corner, in degrees, signed by direction: all positive when convex
+    and counter-clockwise in image coordinates' angle order."""
+    turns = []
+    for i, (x, y) in enumerate(points):
+        (px, py), (nx, ny) = points[i - 1], points[(i + 1) % len(points)]
+        before, after = math.atan2(y - py, x - px), math.atan2(ny - y, nx - x)
+        turns.append(math.degrees((after - before + math.pi) % (2 * math.pi) - math.pi))
+    return turns
+
+
 def triangle_angle(c: Canvas, difficulty: int) -> Problem:
     """Two angles of a triangle are labelled; the third is 180 minus their sum."""
     rng = c.rng

@@ -25,6 +25,7 @@ from .items import DataError
 FAMILIES: dict[str, Callable[[Canvas, int], Problem]] = {
     "bar_value": charts.bar_value,
     "bar_max": charts.bar_max,
+    "bar_tallest": charts.bar_tallest,
     "bar_difference": charts.bar_difference,
     "bar_sum": charts.bar_sum,
     "line_value": charts.line_value,
@@ -41,6 +42,7 @@ FAMILIES: dict[str, Callable[[Canvas, int], Problem]] = {
     "circle_area": geometry.circle_area,
     "circle_circumference": geometry.circle_circumference,
     "triangle_angle": geometry.triangle_angle,
+    "polygon_sides": geometry.polygon_sides,
     "table_lookup": charts.table_lookup,
     "count_squares": charts.count_squares,
 }
@@ -61,15 +63,26 @@ class SyntheticItem:
     spec: dict[str, Any] = field(default_factory=dict)  # the numbers the picture was drawn from
 
 
+# What an empty `data.families` means: the families of the first data version, in this order (item i's family
+# is `families[i % n]`). A family added since is drawn only when named, so the data of a config never change
+# because vlmrl gained a family.
+DEFAULT_FAMILIES = (
+    "bar_value", "bar_max", "bar_difference", "bar_sum", "line_value", "function_value", "slope", "intercept",
+    "linear_root", "quadratic_root", "pie_percentage", "scatter_count", "pythagoras", "rectangle_area",
+    "rectangle_perimeter", "circle_area", "circle_circumference", "triangle_angle", "table_lookup", "count_squares",
+)
+
+
 def check_families(families: Sequence[str]) -> list[str]:
-    """The families to draw from (all when empty); an unknown name is an error listing the valid ones."""
+    """The families to draw from (`DEFAULT_FAMILIES` when empty); an unknown name is an error listing the valid
+    ones."""
     unknown = [name for name in families if name not in FAMILIES]
     if unknown:
         raise DataError(
             f"data.families: unknown synthetic family {', '.join(map(repr, unknown))}; "
             f"valid families are: {', '.join(FAMILIES)}."
         )
-    return list(families) or list(FAMILIES)
+    return list(families) or list(DEFAULT_FAMILIES)
 
 
 def generate_item(
