@@ -117,21 +117,25 @@ def criteria(main: dict, control: dict | None) -> dict:
 def markdown(result: dict) -> str:
     lines = [f"# GPU visual-learning demo ({result['gpu'] or 'no GPU: smoke run'})", "",
              f"Command: `{result['command']}` (commit {result.get('git_commit')})", ""]
-    main = result.get("evaluation") or {}
-    if main:
-        lines += ["Held-out set evaluated " + (f"by sampling at temperature {main['temperature']}, one draw per item"
-                                             if main["do_sample"] else "greedily") + ".", ""]
+    if result.get("evaluation"):
+        lines += [f"Held-out set evaluated {_decoding_text(result['evaluation'])}.", ""]
     lines += _tables(result["comparison"], result["control_comparison"])
     lines += ["", "Criteria: " + ", ".join(f"{k}: {v}" for k, v in result["criteria"].items())]
     other = result.get("other_decoding")
     if other:
-        how = f"sampled at temperature {other['temperature']}" if other["do_sample"] else "greedy"
-        lines += ["", f"## The same adapter, evaluated {how}", ""]
+        lines += ["", f"## The same adapter, evaluated {_decoding_text(other)}", ""]
         lines += _tables(other["comparison"], None)
         lines += ["", "Criteria: " + ", ".join(f"{k}: {v}" for k, v in other["criteria"].items())]
     lines += ["", "Timings (s): " + json.dumps(result["timings"]),
               "", "Exit status of the runs: " + json.dumps(result["exit_status"])]
     return "\n".join(lines) + "\n"
+
+
+def _decoding_text(decoding: dict) -> str:
+    """How a held-out set was decoded, from `_decoding`'s fields."""
+    if decoding["do_sample"]:
+        return f"by sampling at temperature {decoding['temperature']}, one draw per item"
+    return "greedily"
 
 
 def _tables(main: dict, control: dict | None) -> list[str]:
