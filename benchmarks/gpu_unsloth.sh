@@ -17,10 +17,12 @@
 #   ... and the same with 4bit     -> h200_unsloth_{bf16,4bit}_{unsloth,vlmrl}.json/.md
 # Paths run in separate calls are on two machines of one kind, not in one process: the table lists each record
 # apart. Without a third argument both paths run in one call (unsloth first) -> h200_unsloth_{bf16,4bit}.json.
+# BENCH_TIMEOUT (seconds, default 570) lifts the cut where the bench runs detached, beyond one call
+# (gpu_parallel.sh, benchmarks/gpu_issue21.plan); `install` only installs the site (once, before parallel jobs).
 # Afterwards, here: copy the h200_unsloth_*.json/.md into benchmarks/results/ and run
 #   bash benchmarks/gpu_unsloth.sh benchmarks/results combine   # h200_unsloth.json/.md, every record
 set -uo pipefail
-OUT=${1:?usage: gpu_unsloth.sh OUTDIR [bf16|4bit|both|combine] [PATHS]}
+OUT=${1:?usage: gpu_unsloth.sh OUTDIR [bf16|4bit|both|combine|install] [PATHS]}
 MODE=${2:-both}
 PATHS=${3:-unsloth,vlmrl}
 case "$PATHS" in
@@ -48,7 +50,7 @@ bench() {  # $1 = bf16 | 4bit
   [ -w /dev/shm ] && export TMPDIR=/dev/shm
   local name=h200_unsloth_$1
   [ "$PATHS" = unsloth,vlmrl ] || name=${name}_${PATHS//,/_}
-  VLMRL_UNSLOTH_SITE=$SITE PYTHONPATH=$SITE:$PWD/src timeout 570 python3 -m vlmrl.cli bench --paths "$PATHS" \
+  VLMRL_UNSLOTH_SITE=$SITE PYTHONPATH=$SITE:$PWD/src timeout "${BENCH_TIMEOUT:-570}" python3 -m vlmrl.cli bench --paths "$PATHS" \
     --steps 2 --completion 1024 "${flags[@]}" --out "$OUT/$1" 2>&1 | tee "$OUT/$1/bench.log"
   local rc=$?
   [ -f "$OUT/$1/bench.json" ] && mv "$OUT/$1/bench.json" "$OUT/$name.json" \
@@ -85,5 +87,6 @@ case "$MODE" in
   bf16|4bit) install_site && bench "$MODE"; rc=$?; combine; exit $rc ;;
   both) install_site && bench bf16 && bench 4bit; rc=$?; combine; exit $rc ;;
   combine) combine ;;
-  *) echo "mode: bf16, 4bit, both or combine" >&2; exit 2 ;;
+  install) install_site ;;
+  *) echo "mode: bf16, 4bit, both, combine or install" >&2; exit 2 ;;
 esac
