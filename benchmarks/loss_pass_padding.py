@@ -141,7 +141,6 @@ def measure(model, batches: list[dict], repeats: int) -> dict:
     """Loss-pass seconds untrimmed vs trimmed (alternating per micro-batch), counters and the log-prob gap."""
     import trl.trainer.utils as trl_utils
     from peft import LoraConfig, get_peft_model
-    from trl import GRPOTrainer
 
     from vlmrl.bench.shaped import LORA_TARGETS
     from vlmrl.loss_pass import enable_padding_trim
@@ -191,7 +190,7 @@ def stand_in(model):
 def loss_pass(trainer, model, batch: dict) -> torch.Tensor:
     """Forward and backward of one micro-batch, as `_compute_loss` runs them (a masked sum stands in for the loss)."""
     b = dict(batch)
-    logps, entropies, _ = trainer._get_per_token_logps_and_entropies(
+    logps, _, _ = trainer._get_per_token_logps_and_entropies(
         model, b.pop("input_ids"), b.pop("attention_mask"), b.pop("logits_to_keep"), compute_entropy=True, **b)
     mask = batch["attention_mask"][:, -logps.shape[1]:]
     (logps * mask).sum().backward()
@@ -207,18 +206,20 @@ def summary(values: list[int]) -> dict:
 
 def table(r: dict) -> str:
     s, c, per_round = r["loss_pass_seconds"], r["completion_tokens"], r["seconds_per_round"]
+    untrimmed = ", ".join(f"{v:.2f}" for v in per_round["untrimmed"])
+    trimmed = ", ".join(f"{v:.2f}" for v in per_round["trimmed"])
+    notes = (f"Padding: {r['padding_share']:.1%} of the untrimmed positions; skipped: {r['trimmed_share']:.1%}. "
+             f"Largest log-prob difference at a scored token: {r['max_log_prob_difference']:.1e}.\n"
+             f"Completions: {r['completions']}; tokens min {c['min']}, median {c['median']}, mean {c['mean']}, "
+             f"max {c['max']} ({c['count']}). Batching: {r['batching']}. CPU, {r['torch_threads']} threads.")
     return "\n".join([
         "| loss pass (TRL's, forward + backward) | untrimmed | trimmed (vlmrl.loss_pass) |",
         "|---|---|---|",
         f"| positions per round ({r['micro_batches']} micro-batches) | {r['positions_untrimmed']} | {r['positions']} |",
         f"| seconds ({r['repeats']} rounds) | {s['untrimmed']:.2f} | {s['trimmed']:.2f} ({r['speedup']:.2f}x) |",
-        f"| seconds per round | {', '.join(f'{v:.2f}' for v in per_round['untrimmed'])} | "
-        f"{', '.join(f'{v:.2f}' for v in per_round['trimmed'])} |",
+        f"| seconds per round | {untrimmed} | {trimmed} |",
         "",
-        f"Padding: {r['padding_share']:.1%} of the untrimmed positions; skipped: {r['trimmed_share']:.1%}. "
-        f"Largest log-prob difference at a scored token: {r['max_log_prob_difference']:.1e}.",
-        f"Completions: {r['completions']}; tokens min {c['min']}, median {c['median']}, mean {c['mean']}, "
-        f"max {c['max']} ({c['count']}). Batching: {r['batching']}. CPU, {r['torch_threads']} threads.",
+        notes,
         "",
     ])
 
