@@ -21,7 +21,13 @@ Exactness:
   angles (measured on the tiny models: logits within 5e-7 in float32, the same order as reordering the sums).
   A family with absolute position embeddings, or positions that depend on the sequence length, would not be
   exact, so the left side is trimmed only for the families in `LEFT_TRIM_FAMILIES`, each checked on a tiny model
-  (tests/test_loss_pass_trim.py); another model type keeps its left padding.
+  (tests/test_loss_pass_trim.py); another model type keeps its left padding (Qwen2-VL too: the same rope code,
+  but no tiny build to check it on).
+
+What it is worth depends on the completion lengths inside each micro-batch (TRL shuffles rows before the split):
+on the demo policy's sampled lengths at the seed's batching, 17.5% of the loss pass's positions are padding and
+1.2% are in all-padding columns (`benchmarks/loss_pass_padding.py`, docs/benchmarks.md); the rest sit in rows
+shorter than their micro-batch's longest, which only a packed or length-grouped pass would skip.
 
 Left out: trimming per chunk inside one call (the old / reference passes run over the whole generation batch in
 chunks of `batch_size` rows; they are trimmed to the columns the whole batch uses, not per chunk), and
