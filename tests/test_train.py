@@ -220,6 +220,10 @@ def test_training_changes_only_lora_weights_and_records_everything(
         assert any("adamw_8bit" in note for note in summary["notes"])
     else:
         assert summary["notes"] == []
+    trim = summary["loss_pass"]  # vlmrl.loss_pass on by default; tiny:qwen3_vl trims both sides
+    assert trim["trim_padding"] and trim["left_padding_trimmed"] and trim["calls"] >= 2
+    assert 0 < trim["positions"] <= trim["positions_untrimmed"]
+    assert all(0 <= r["loss_pass/padding_trimmed"] < 1 for r in step_rows(run_dir / "train" / "metrics.jsonl"))
     assert is_trained(config, run_dir)
 
     check_records(run_dir / "train", steps=[1, 2])

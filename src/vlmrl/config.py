@@ -36,9 +36,9 @@ from vlmrl.config_load import (
 )
 
 TRACKERS = ("tensorboard", "wandb", "trackio", "none")
-# Fields that only change how a run is watched, not what it produces: left out of every fingerprint, so a run
-# resumes (and a finished stage stays done) under another tracker.
-OBSERVATION_FIELDS = {"train": ("report_to",)}
+# Fields that only change how a run is watched or how fast it runs, not what it produces: left out of every
+# fingerprint, so a run resumes (and a finished stage stays done) under another tracker or trim setting.
+OBSERVATION_FIELDS = {"train": ("report_to", "trim_padding")}
 
 
 class _Section(BaseModel):
@@ -214,6 +214,11 @@ class TrainConfig(_Section):
         "weights for rollouts (vlmrl.rollout.adapter_cast): the per-token-step casts go (0.9 ms of 12.5 per step for "
         "Qwen3-VL-8B on an H200), for 2 bytes per adapter parameter kept on the GPU (0.08 GiB at r=16). Not with "
         "the adapter merged, nor under FSDP / DeepSpeed.",
+    )
+    trim_padding: bool = Field(
+        True,
+        description="The loss pass skips columns that are padding in every row of a micro-batch (vlmrl.loss_pass): "
+        "the same log-probs and gradients, less compute; logged as loss_pass/padding_trimmed. False: TRL's pass as is.",
     )
     report_to: list[Literal["tensorboard", "wandb", "trackio", "none"]] = Field(
         default_factory=list,

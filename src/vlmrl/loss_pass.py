@@ -1,0 +1,162 @@
+"""The loss pass without its all-padding columns: TRL's log-prob pass, run on the columns some row uses.
+
+TRL's `GRPOTrainer` pads a whole generation batch at once, prompts on the left to the longest prompt and
+completions on the right to the longest completion, then splits it into `steps_per_generation` micro-batches.
+A micro-batch therefore carries columns that are padding in every one of its rows, and
+`GRPOTrainer._get_per_token_logps_and_entropies` runs the model over them anyway: forward, checkpoint recompute
+and backward in the loss pass, the forward in the old / reference log-prob passes. `enable_padding_trim` wraps
+that method on one trainer instance: it drops those columns, calls TRL's own method on what is left and pads the
+per-token log-probs and entropies back to the caller's width (zeros where a column was dropped; the completion
+mask is 0 there, so no loss term, metric or gradient reads them). TRL's loop, loss and masks are untouched.
+
+Exactness:
+- right side (completion columns after the last column any row attends to): exact for any causal LM, since no
+  earlier position sees a later one; `logits_to_keep` shrinks by the columns dropped.
+- left side (prompt columns before the first column any row attends to): exact where dropping them leaves every
+  attention score unchanged, which depends on how the family positions its tokens. Qwen2.5-VL and Qwen3-VL, given
+  an image, compute their M-RoPE index from the attention mask (`get_rope_index`): the kept tokens get the very
+  same positions. Without an image they, and Gemma 3 and Idefics3 (SmolVLM) always, use column indices; dropping
+  k columns that are padding in every row then shifts every kept token's position by the same k, and rotary
+  embeddings see only differences of positions, so scores are unchanged up to the rounding of the rotation
+  angles (measured on the tiny models: logits within 5e-7 in float32, the same order as reordering the sums).
+  A family with absolute position embeddings, or positions that depend on the sequence length, would not be
+  exact, so the left side is trimmed only for the families in `LEFT_TRIM_FAMILIES`, each checked on a tiny model
+  (tests/test_loss_pass_trim.py); another model type keeps its left padding (Qwen2-VL too: the same rope code,
+  but no tiny build to check it on).
+
+What it is worth depends on the completion lengths inside each micro-batch (TRL shuffles rows before the split):
+on the demo policy's sampled lengths at the seed's batching, 17.5% of the loss pass's positions are padding and
+1.2% are in all-padding columns (`benchmarks/loss_pass_padding.py`, docs/benchmarks.md); the rest sit in rows
+shorter than their micro-batch's longest, which only a packed or length-grouped pass would skip.
+
+Left out: trimming per chunk inside one call (the old / reference passes run over the whole generation batch in
+chunks of `batch_size` rows; they are trimmed to the columns the whole batch uses, not per chunk), and
+reordering rows by length to create more all-padding columns (it would change the batches TRL forms).
+The trim costs one host sync per call (reading the bounds of the used columns).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# model_type values whose kept tokens see the same attention scores without the left padding columns: positions
+# from the attention mask, or column positions used only through rotary embeddings (see the docstring). Each is
+# checked on a tiny model in tests/test_loss_pass_trim.py; any other family keeps its left padding.
+LEFT_TRIM_FAMILIES = frozenset({"qwen2_5_vl", "qwen3_vl", "gemma3", "idefics3"})
+# Keyword tensors of shape [B, T] aligned with input_ids: sliced with it.
+PER_COLUMN = ("token_type_ids", "mm_token_type_ids")
+METRIC = "loss_pass/padding_trimmed"  # share of the call's positions not run through the model
+
+
+@dataclass
+class PaddingTrim:
+    """What the trim did on this process: positions run vs what the untrimmed calls would have run."""
+
+    left: bool  # the model family allows trimming left padding
+    calls: int = 0
+    positions: int = 0  # rows x columns run through the model
+    positions_untrimmed: int = 0  # rows x columns TRL would have run
+    padding: int = 0  # positions whose attention_mask is 0, in the untrimmed calls
+
+    def count(self, rows: int, kept: int, width: int, padding: int) -> float:
+        self.calls += 1
+        self.positions += rows * kept
+        self.positions_untrimmed += rows * width
+        self.padding += padding
+        return 1.0 - kept / width if width else 0.0
+
+    def as_dict(self) -> dict:
+        total = self.positions_untrimmed
+        return {"trim_padding": True, "left_padding_trimmed": self.left, "calls": self.calls,
+                "positions": self.positions, "positions_untrimmed": total,
+                "padding_share": round(self.padding / total, 4) if total else None,
+                "trimmed_share": round(1 - self.positions / total, 4) if total else None}
+
+
+def kept_columns(first: int, last: int, width: int, logits_to_keep: int, *, left: bool) -> tuple[int, int]:
+    """The columns [start, end) to run, given the first and last column any row attends to.
+
+    At least one prompt column (the first completion token's log-prob is read from the position before it) and
+    one completion column are kept, so TRL's slicing by `logits_to_keep` stays valid.
+
+    >>> kept_columns(3, 7, 10, 4, left=True)    # prompt = columns 0-5, completion 6-9; 0-2 and 8-9 unused
+    (3, 8)
+    >>> kept_columns(3, 7, 10, 4, left=False)   # a family not on the list: the left padding stays
+    (0, 8)
+    >>> kept_columns(0, 4, 10, 4, left=True)    # every completion column is padding: keep one
+    (0, 7)
+    >>> kept_columns(0, 9, 10, 4, left=True)    # nothing to drop
+    (0, 10)
+    """
+    prompt = width - logits_to_keep
+    start = min(first, prompt - 1) if left else 0
+    end = max(last + 1, prompt + 1)
+    return max(start, 0), min(end, width)
+
+
+def enable_padding_trim(trainer: Any) -> PaddingTrim:
+    """Wrap `trainer._get_per_token_logps_and_entropies` so it skips all-padding columns; returns the counters."""
+    model = getattr(trainer.model, "module", trainer.model)  # DDP keeps the model under .module
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    trim = PaddingTrim(left=model_type in LEFT_TRIM_FAMILIES)
+    original = trainer._get_per_token_logps_and_entropies
+
+    def trimmed(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        rows, width = input_ids.shape  # [B, T]
+        columns = _used_columns(attention_mask, logits_to_keep, args, kwargs)
+        if columns is None:
+            return original(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+        first, last, real = columns
+        start, end = kept_columns(first, last, width, logits_to_keep, left=trim.left)
+        share = trim.count(rows, end - start, width, rows * width - real)
+        _log_metric(trainer, share)
+        if (start, end) == (0, width):
+            return original(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+        for name in PER_COLUMN:
+            if kwargs.get(name) is not None:
+                kwargs[name] = kwargs[name][:, start:end]
+        logps, entropies, aux = original(model, input_ids[:, start:end], attention_mask[:, start:end],
+                                         logits_to_keep - (width - end), *args, **kwargs)
+        dropped = width - end  # [B, logits_to_keep - dropped] -> [B, logits_to_keep], zeros where dropped
+        pad = (lambda t: torch.nn.functional.pad(t, (0, dropped)) if t is not None and dropped else t)
+        return pad(logps), pad(entropies), aux
+
+    trainer._get_per_token_logps_and_entropies = trimmed
+    log.info("loss pass: all-padding columns skipped (right side; left side %s)",
+             "too" if trim.left else f"kept: {model_type} is not in vlmrl.loss_pass.LEFT_TRIM_FAMILIES")
+    return trim
+
+
+def _used_columns(attention_mask: torch.Tensor, logits_to_keep: int, args: tuple,
+                  kwargs: dict) -> tuple[int, int, int] | None:
+    """(first, last, real positions) of the columns some row attends to, or None where trimming must not apply:
+    an unexpected call shape, a per-column tensor of another width, or a mask with no real position."""
+    if args or attention_mask.dim() != 2 or not 0 < logits_to_keep < attention_mask.shape[1]:
+        return None
+    rows, width = attention_mask.shape
+    for name in PER_COLUMN:
+        tensor = kwargs.get(name)
+        if tensor is not None and (not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != (rows, width)):
+            return None
+    used = attention_mask.bool()
+    columns = used.any(dim=0).nonzero()
+    if columns.numel() == 0:
+        return None
+    first, last, real = torch.stack([columns[0, 0], columns[-1, 0], used.sum()]).tolist()  # one host sync
+    return first, last, real
+
+
+def _log_metric(trainer: Any, share: float) -> None:
+    """Appended per call, as TRL appends its own; TRL's `log` averages the list over the logging interval."""
+    metrics = getattr(trainer, "_metrics", None)
+    if metrics is None:
+        return
+    mode = "train" if getattr(trainer.model, "training", True) else "eval"
+    metrics[mode][METRIC].append(share)
