@@ -38,6 +38,7 @@ The trim costs one host sync per call (reading the bounds of the used columns).
 from __future__ import annotations
 
 import logging
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -160,3 +161,143 @@ def _log_metric(trainer: Any, share: float) -> None:
         return
     mode = "train" if getattr(trainer.model, "training", True) else "eval"
     metrics[mode][METRIC].append(share)
+
+
+# --- length-grouped micro-batches -------------------------------------------------------------------------------
+
+# Loss types whose accumulated gradient over one generation batch does not depend on which rows share a
+# micro-batch (TRL 1.16 `_compute_loss`), given micro-batches of equal row counts: grpo / sapo / luspo average
+# per-sequence terms over the micro-batch's rows and divide by the accumulation steps; dr_grpo divides the token sum
+# by rows x max_completion_length; dapo / cispo / vespo divide it by `num_items_in_batch`, counted over the whole
+# generation batch. Not bnpo: it divides by the micro-batch's own token count, which grouping changes.
+GROUPING_LOSS_TYPES = frozenset({"grpo", "sapo", "luspo", "dr_grpo", "dapo", "cispo", "vespo"})
+_ACTIVE: ContextVar[LengthGrouping | None] = ContextVar("vlmrl_length_grouping", default=None)
+
+
+@dataclass
+class LengthGrouping:
+    """Whether this trainer's generation batches are cut into micro-batches of similar lengths, and why not."""
+
+    grouped: bool
+    why_not: str | None = None
+    steps: int = 0  # micro-batches per generation batch (steps_per_generation)
+    generation_batches: int = 0  # generation batches grouped
+    kept_shuffled: int = 0  # generation batches left in TRL's random order at run time (see `shuffle`)
+
+    def as_dict(self) -> dict:
+        return {"group_by_length": self.grouped, "group_by_length_why_not": self.why_not,
+                "generation_batches_grouped": self.generation_batches,
+                "generation_batches_kept_shuffled": self.kept_shuffled}
+
+    def shuffle(self, seq_dict: dict[str, Any]) -> dict[str, Any]:
+        """TRL's `shuffle_sequence_dict` for this trainer: the same `torch.randperm` draw, used to break ties in
+        the length order. Rows that do not split into equal micro-batches keep TRL's order (`split_tensor_dict`
+        would drop the last rows: grouped, always the longest)."""
+        rows = len(next(v for v in seq_dict.values() if v is not None))
+        permutation = torch.randperm(rows)  # TRL's own draw: seeds and resumed runs consume the same RNG
+        masks = seq_dict.get("completion_mask"), seq_dict.get("prompt_mask")
+        if rows % self.steps or any(not isinstance(m, torch.Tensor) or m.dim() != 2 for m in masks):
+            self.kept_shuffled += 1
+            if self.kept_shuffled == 1:
+                log.info("loss pass: a generation batch of %d rows does not split into %d equal micro-batches; "
+                         "kept in TRL's random order", rows, self.steps)
+            order = permutation
+        else:
+            self.generation_batches += 1
+            completion, prompt = (m.sum(1).cpu() for m in masks)  # what the loss pass's attention mask counts
+            order = length_order(completion, prompt, permutation)
+        return {key: _permute(value, order) for key, value in seq_dict.items()}
+
+
+def length_order(completion: torch.Tensor, prompt: torch.Tensor, permutation: torch.Tensor) -> torch.Tensor:
+    """Row indices by completion length, then prompt length, ties in `permutation`'s order (a stable sort of the
+    permuted rows; with all lengths equal the result is `permutation` itself).
+
+    >>> length_order(torch.tensor([5, 2, 5, 2]), torch.tensor([1, 1, 0, 1]), torch.tensor([3, 2, 1, 0])).tolist()
+    [3, 1, 2, 0]
+    >>> length_order(torch.tensor([4, 4, 4]), torch.tensor([7, 7, 7]), torch.tensor([2, 0, 1])).tolist()
+    [2, 0, 1]
+    """
+    key = completion.long() * (int(prompt.max()) + 1) + prompt.long()  # (completion, prompt), lexicographic
+    return permutation[torch.sort(key[permutation], stable=True).indices]
+
+
+def _permute(value: Any, order: torch.Tensor) -> Any:
+    """TRL's `shuffle_sequence_dict.permute`: tensors with a batch dimension are indexed, 0-dim tensors (such as
+    `num_items_in_batch`) and None pass through, any other sequence (per-row pixel_values after
+    `split_pixel_values_by_grid`, num_images) is reordered as a list."""
+    if value is None or (isinstance(value, torch.Tensor) and value.ndim == 0):
+        return value
+    if isinstance(value, torch.Tensor):
+        return value[order]
+    return [value[i] for i in order]
+
+
+def grouping_problem(*, loss_type: str, steps_per_generation: int, accumulation_steps: int,
+                     top_entropy_quantile: float, entropy_bonus: bool, aux_loss: bool) -> str | None:
+    """Why grouping rows by length could change an optimizer step's gradient under these settings; None if not.
+
+    >>> grouping_problem(loss_type="dr_grpo", steps_per_generation=4, accumulation_steps=4,
+    ...                  top_entropy_quantile=1.0, entropy_bonus=False, aux_loss=False) is None
+    True
+    >>> grouping_problem(loss_type="bnpo", steps_per_generation=4, accumulation_steps=4,
+    ...                  top_entropy_quantile=1.0, entropy_bonus=False, aux_loss=False)
+    "loss_type=bnpo divides each micro-batch's loss by that micro-batch's own token count"
+    """
+    if steps_per_generation != accumulation_steps:
+        return (f"steps_per_generation={steps_per_generation} differs from gradient_accumulation_steps="
+                f"{accumulation_steps}: an optimizer step would train on part of a generation batch, grouped on its "
+                "shortest or longest rows only")
+    if loss_type not in GROUPING_LOSS_TYPES:
+        return f"loss_type={loss_type} divides each micro-batch's loss by that micro-batch's own token count"
+    if top_entropy_quantile < 1.0:
+        return f"top_entropy_quantile={top_entropy_quantile}: the entropy mask is a quantile over each micro-batch"
+    if entropy_bonus:
+        return "the entropy bonus is a token mean over each micro-batch"
+    if aux_loss:
+        return "the router's auxiliary loss is computed over each micro-batch"
+    return None
+
+
+def enable_length_grouping(trainer: Any) -> LengthGrouping:
+    """Cut this trainer's generation batches into micro-batches of similar lengths, where that leaves every
+    optimizer step's gradient the same (`grouping_problem`); otherwise keep TRL's shuffle and say why."""
+    args = trainer.args
+    problem = grouping_problem(
+        loss_type=trainer.loss_type, steps_per_generation=args.steps_per_generation,
+        accumulation_steps=args.gradient_accumulation_steps, top_entropy_quantile=trainer.top_entropy_quantile,
+        entropy_bonus=trainer._entropy_bonus_enabled, aux_loss=trainer.aux_loss_enabled)
+    if problem:
+        log.info("loss pass: micro-batches keep TRL's random grouping: %s", problem)
+        return LengthGrouping(False, why_not=problem)
+    _install_dispatch()
+    grouping = LengthGrouping(True, steps=args.steps_per_generation)
+    original = trainer._prepare_inputs
+
+    def grouped(generation_batch: dict[str, Any]) -> dict[str, Any]:
+        token = _ACTIVE.set(grouping)  # TRL's shuffle, called inside, groups for this trainer only
+        try:
+            return original(generation_batch)
+        finally:
+            _ACTIVE.reset(token)
+
+    trainer._prepare_inputs = grouped
+    log.info("loss pass: micro-batches grouped by completion length (%d per generation batch)", grouping.steps)
+    return grouping
+
+
+def _install_dispatch() -> None:
+    """Put a dispatcher in place of `shuffle_sequence_dict` in grpo_trainer's globals, where `_prepare_inputs`
+    looks it up: inside a grouped trainer's `_prepare_inputs` it groups, anywhere else it is TRL's function."""
+    from trl.trainer import grpo_trainer
+
+    original = grpo_trainer.shuffle_sequence_dict
+    if getattr(original, "vlmrl_dispatch", False):
+        return
+
+    def shuffle_sequence_dict(seq_dict: dict[str, Any]) -> dict[str, Any]:
+        grouping = _ACTIVE.get()
+        return original(seq_dict) if grouping is None else grouping.shuffle(seq_dict)
+
+    shuffle_sequence_dict.vlmrl_dispatch = True  # type: ignore[attr-defined]
+    grpo_trainer.shuffle_sequence_dict = shuffle_sequence_dict
