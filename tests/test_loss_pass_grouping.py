@@ -23,7 +23,13 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer import grpo_trainer
 
-from vlmrl.loss_pass import LengthGrouping, enable_length_grouping, enable_padding_trim, grouping_problem
+from vlmrl.loss_pass import (
+    LengthGrouping,
+    enable_length_grouping,
+    enable_loss_pass,
+    enable_padding_trim,
+    grouping_problem,
+)
 from vlmrl.models.tiny import build_tiny_model
 
 STEPS, ROWS = 4, 2  # micro-batches per generation batch (= gradient accumulation), rows per micro-batch
@@ -238,3 +244,25 @@ def test_the_dispatcher_groups_only_inside_a_grouped_trainers_prepare_inputs():
     assert grouping.generation_batches == 1
     enable_length_grouping(types.SimpleNamespace(**{**vars(trainer), "_prepare_inputs": prepare}))  # installed once
     assert getattr(grpo_trainer.shuffle_sequence_dict, "vlmrl_dispatch", False)
+
+
+def _stand_in(steps: int):
+    return types.SimpleNamespace(
+        args=types.SimpleNamespace(steps_per_generation=steps, gradient_accumulation_steps=steps), loss_type="dr_grpo",
+        top_entropy_quantile=1.0, _entropy_bonus_enabled=False, aux_loss_enabled=False,
+        _prepare_inputs=lambda batch: batch, _get_per_token_logps_and_entropies=lambda *a, **k: None,
+        model=types.SimpleNamespace(config=types.SimpleNamespace(model_type="qwen3_vl")))
+
+
+@pytest.mark.parametrize(("trim", "group", "steps", "why"), [
+    (True, True, 4, None),
+    (True, True, 1, "one micro-batch per generation batch: nothing to group"),
+    (True, False, 4, "group_by_length is off"),
+    (False, True, 4, "trim_padding is off: grouping saves nothing without it"),
+])
+def test_the_record_says_whether_and_why_not_micro_batches_were_grouped(trim, group, steps, why):
+    trainer = _stand_in(steps)
+    record = enable_loss_pass(trainer, trim=trim, group=group).as_dict()
+    assert record["trim_padding"] is trim and record["group_by_length"] is (why is None)
+    assert record["group_by_length_why_not"] == why
+    assert (trainer._prepare_inputs.__name__ == "grouped") is (why is None)  # wrapped only where grouped

@@ -167,7 +167,9 @@ def test_training_without_prepared_data_names_the_file(tmp_path: Path, no_model_
 def test_training_changes_only_lora_weights_and_records_everything(
     algorithm: str, level: str, prepared, tmp_path: Path, learnable, captured
 ) -> None:
-    extra = ["train.optim=adamw_8bit"] if algorithm == "gspo" else []  # the CPU fallback, end to end
+    # gspo: the CPU fallback of adamw_8bit, end to end; grpo: two micro-batches per generation batch, length-grouped
+    extra = ["train.optim=adamw_8bit"] if algorithm == "gspo" else [
+        "train.gradient_accumulation_steps=2", f"train.per_device_train_batch_size={GENERATION_BATCH // 2}"]
     config = quick_config(tmp_path, f"train.algorithm={algorithm}", *extra)
     run_dir = copy_run(prepared, tmp_path)
     base_file = run_dir / "base-model" / "model.safetensors"
@@ -224,6 +226,11 @@ def test_training_changes_only_lora_weights_and_records_everything(
     assert trim["trim_padding"] and trim["left_padding_trimmed"] and trim["calls"] >= 2
     assert 0 < trim["positions"] <= trim["positions_untrimmed"]
     assert all(0 <= r["loss_pass/padding_trimmed"] < 1 for r in step_rows(run_dir / "train" / "metrics.jsonl"))
+    if algorithm == "grpo":  # dr_grpo, steps_per_generation = accumulation = 2: one generation batch per step
+        assert trim["group_by_length"] and trim["generation_batches_grouped"] == 2
+        assert trim["group_by_length_why_not"] is None
+    else:
+        assert not trim["group_by_length"] and "one micro-batch" in trim["group_by_length_why_not"]
     assert is_trained(config, run_dir)
 
     check_records(run_dir / "train", steps=[1, 2])

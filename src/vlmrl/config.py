@@ -37,8 +37,9 @@ from vlmrl.config_load import (
 
 TRACKERS = ("tensorboard", "wandb", "trackio", "none")
 # Fields that only change how a run is watched or how fast it runs, not what it produces: left out of every
-# fingerprint, so a run resumes (and a finished stage stays done) under another tracker or trim setting.
-OBSERVATION_FIELDS = {"train": ("report_to", "trim_padding")}
+# fingerprint, so a run resumes (and a finished stage stays done) under another tracker or trim setting. Trim and
+# grouping change float summation order only (grouping also how TRL averages its per-micro-batch metrics).
+OBSERVATION_FIELDS = {"train": ("report_to", "trim_padding", "group_by_length")}
 
 
 class _Section(BaseModel):
@@ -219,6 +220,12 @@ class TrainConfig(_Section):
         True,
         description="The loss pass skips columns that are padding in every row of a micro-batch (vlmrl.loss_pass): "
         "the same log-probs and gradients, less compute; logged as loss_pass/padding_trimmed. False: TRL's pass as is.",
+    )
+    group_by_length: bool = Field(
+        True,
+        description="With trim_padding, cut each generation batch into micro-batches of similar completion lengths "
+        "(instead of TRL's random ones) so the trim drops more: the same optimizer step, where the loss allows it "
+        "(not bnpo, top_entropy_quantile < 1, steps_per_generation != gradient_accumulation_steps; recorded why).",
     )
     report_to: list[Literal["tensorboard", "wandb", "trackio", "none"]] = Field(
         default_factory=list,

@@ -267,6 +267,8 @@ def enable_length_grouping(trainer: Any) -> LengthGrouping:
         loss_type=trainer.loss_type, steps_per_generation=args.steps_per_generation,
         accumulation_steps=args.gradient_accumulation_steps, top_entropy_quantile=trainer.top_entropy_quantile,
         entropy_bonus=trainer._entropy_bonus_enabled, aux_loss=trainer.aux_loss_enabled)
+    if args.steps_per_generation == 1:
+        problem = "one micro-batch per generation batch: nothing to group"
     if problem:
         log.info("loss pass: micro-batches keep TRL's random grouping: %s", problem)
         return LengthGrouping(False, why_not=problem)
@@ -301,3 +303,25 @@ def _install_dispatch() -> None:
 
     shuffle_sequence_dict.vlmrl_dispatch = True  # type: ignore[attr-defined]
     grpo_trainer.shuffle_sequence_dict = shuffle_sequence_dict
+
+
+@dataclass
+class LossPass:
+    """What vlmrl changed in one trainer's loss pass: the trim's counters and the micro-batch grouping."""
+
+    trim: PaddingTrim | None
+    grouping: LengthGrouping
+
+    def as_dict(self) -> dict:
+        return {**(self.trim.as_dict() if self.trim else {"trim_padding": False}), **self.grouping.as_dict()}
+
+
+def enable_loss_pass(trainer: Any, *, trim: bool = True, group: bool = True) -> LossPass:
+    """The trim (`enable_padding_trim`) and, with it, the length grouping (`enable_length_grouping`) on `trainer`.
+    Grouping alone would change nothing but the order of the sums, so it needs the trim."""
+    counters = enable_padding_trim(trainer) if trim else None
+    if not group:
+        return LossPass(counters, LengthGrouping(False, why_not="group_by_length is off"))
+    if not counters:
+        return LossPass(None, LengthGrouping(False, why_not="trim_padding is off: grouping saves nothing without it"))
+    return LossPass(counters, enable_length_grouping(trainer))

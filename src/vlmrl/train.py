@@ -89,7 +89,7 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOTrainer
 
-    from vlmrl.loss_pass import enable_padding_trim
+    from vlmrl.loss_pass import enable_loss_pass
     from vlmrl.models.loading import BASE_RECORD, base_identity, load_model
     from vlmrl.models.lora import apply_lora
     from vlmrl.provenance import provenance, utc_now
@@ -170,7 +170,7 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
         if fast_wanted(config.train.fast_generation)
         else FastGeneration(False, f"train.fast_generation={config.train.fast_generation}")
     )
-    trim = enable_padding_trim(trainer) if config.train.trim_padding else None
+    loss_pass = enable_loss_pass(trainer, trim=config.train.trim_padding, group=config.train.group_by_length)
     recorder.attach(trainer)
     health.attach(recorder)
     # step 4: train, resuming from the last complete checkpoint if there is one
@@ -209,7 +209,7 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
         "notes": notes,
         "health_warnings": health.warning_count,
         "fast_generation": fast.as_dict(),
-        "loss_pass": trim.as_dict() if trim else {"trim_padding": False},  # this process's log-prob passes
+        "loss_pass": loss_pass.as_dict(),  # this process's log-prob passes and how its micro-batches were formed
         "compile_cache": compile_cache.as_dict(),
         "auto_batch": choice.as_dict() if choice else None,
         "report_to": list(config.train.report_to),

@@ -114,7 +114,7 @@ def train_and_measure(path: str, settings: BenchSettings, model: Any, processor:
     # In the unsloth process this import follows `import unsloth`, so it is Unsloth's patched trainer.
     from trl import GRPOConfig, GRPOTrainer
 
-    from vlmrl.loss_pass import enable_padding_trim
+    from vlmrl.loss_pass import enable_loss_pass
     from vlmrl.models.loading import multimodal_token_ids
     from vlmrl.rewards import correctness_reward, format_reward
     from vlmrl.rollout.fast import enable_fast_generation
@@ -156,7 +156,7 @@ def train_and_measure(path: str, settings: BenchSettings, model: Any, processor:
                           callbacks=[clock.callback()])
     fast = (enable_fast_generation(trainer, bucket=settings.prompt_bucket, merge=path == "vlmrl-merged")
             if path.startswith("vlmrl") else None)
-    trim = enable_padding_trim(trainer) if path.startswith("vlmrl") else None  # plain: TRL as a user writes it
+    loss_pass = enable_loss_pass(trainer) if path.startswith("vlmrl") else None  # plain: TRL as a user writes it
     clock.wrap_generation(trainer)
     started = time.perf_counter()
     error = None
@@ -172,7 +172,7 @@ def train_and_measure(path: str, settings: BenchSettings, model: Any, processor:
         "path": path,
         "error": error,
         "fast_generation": fast.as_dict() if fast else None,
-        "loss_pass": trim.as_dict() if trim else None,
+        "loss_pass": loss_pass.as_dict() if loss_pass else None,
         "total_seconds": time.perf_counter() - started,
         "steps": clock.steps,
         "peak_memory_gib": peak,
