@@ -1,4 +1,4 @@
-"""The loss pass without its all-padding columns: TRL's log-prob pass, run on the columns some row uses.
+"""The loss pass without its all-padding columns, on micro-batches grouped by length so that there are many.
 
 TRL's `GRPOTrainer` pads a whole generation batch at once, prompts on the left to the longest prompt and
 completions on the right to the longest completion, then splits it into `steps_per_generation` micro-batches.
@@ -24,15 +24,29 @@ Exactness:
   (tests/test_loss_pass_trim.py); another model type keeps its left padding (Qwen2-VL too: the same rope code,
   but no tiny build to check it on).
 
-What it is worth depends on the completion lengths inside each micro-batch (TRL shuffles rows before the split):
-on the demo policy's sampled lengths at the seed's batching, 17.5% of the loss pass's positions are padding and
-1.2% are in all-padding columns (`benchmarks/loss_pass_padding.py`, docs/benchmarks.md); the rest sit in rows
-shorter than their micro-batch's longest, which only a packed or length-grouped pass would skip.
+Length-grouped micro-batches (`enable_length_grouping`, `train.group_by_length`): TRL shuffles a generation
+batch's rows at random before the split (`shuffle_sequence_dict`), so each micro-batch mixes short and long
+completions and few of its columns are padding in every row: on the demo policy's sampled lengths 17.5% of the loss
+pass's positions are padding but 1.2% are in all-padding columns (`benchmarks/loss_pass_padding.py`,
+docs/benchmarks.md). Grouping sorts the rows by completion length, then prompt length, ties broken by TRL's own
+`torch.randperm` draw (the same random stream as before), so each micro-batch's rows have similar lengths and the
+trim drops the rest. An optimizer step's gradient stays the same up to float summation order where one generation
+batch is one optimizer step (steps_per_generation == gradient_accumulation_steps), micro-batches have equal row
+counts, and nothing in TRL 1.16's `_compute_loss` depends on which rows share one: true of grpo / sapo / luspo
+(per-sequence terms averaged over equal micro-batches), dr_grpo (rows x max_completion_length), dapo / cispo /
+vespo (`num_items_in_batch`, counted over the generation batch); not of bnpo (the micro-batch's own token count),
+`top_entropy_quantile < 1` (a quantile over the micro-batch), the entropy bonus (a token mean over it) or a router
+auxiliary loss. `grouping_problem` names the first that applies; TRL's shuffle is then kept and the reason logged
+and recorded. The hook is per trainer: a dispatcher in place of `shuffle_sequence_dict` in grpo_trainer's globals
+groups only inside a grouped trainer's `_prepare_inputs` (a context variable), and is TRL's function elsewhere.
+What changes is how TRL's per-micro-batch metrics (entropy, clip ratios) average, and float summation order.
 
 Left out: trimming per chunk inside one call (the old / reference passes run over the whole generation batch in
-chunks of `batch_size` rows; they are trimmed to the columns the whole batch uses, not per chunk), and
-reordering rows by length to create more all-padding columns (it would change the batches TRL forms).
-The trim costs one host sync per call (reading the bounds of the used columns).
+chunks of `batch_size` rows; they are trimmed to the columns the whole batch uses, not per chunk), a packed,
+variable-length loss pass (it would also skip the padding of rows shorter than their micro-batch's longest), and
+grouping where an optimizer step spans part of a generation batch (it would bias that step toward short or long
+rows). The trim costs one host sync per call (reading the bounds of the used columns), the grouping one per
+generation batch (the row lengths).
 """
 
 from __future__ import annotations
