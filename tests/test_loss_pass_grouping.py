@@ -82,21 +82,28 @@ def _generation_batch(folder) -> dict:
             "mm_token_type_ids": mm, "num_images": [1] * rows}
 
 
-def _accumulate(trainer, prepare, batch: dict) -> tuple[dict, list[list[int]]]:
-    """One optimizer step's accumulated gradient over a generation batch, as TRL's loop forms it."""
+def _accumulate(trainer, prepare, batch: dict) -> list[tuple[dict, list[list[int]], list[float]]]:
+    """Each optimizer step's accumulated gradient over a generation batch, as TRL's loop forms them, with the
+    completion lengths of its micro-batches and its rows' advantages (which name the rows)."""
     trainer._generate_and_score_completions = lambda _: dict(batch)
     trainer._buffered_inputs, trainer._step = None, 0
-    trainer.current_gradient_accumulation_steps = STEPS  # set by transformers' loop per accumulation window
+    accumulation = trainer.args.gradient_accumulation_steps
+    trainer.current_gradient_accumulation_steps = accumulation  # set by transformers' loop per accumulation window
     trainer.model.train()
-    trainer.model.zero_grad(set_to_none=True)
     torch.manual_seed(7)
-    lengths = []
-    for _ in range(STEPS):
-        inputs = prepare(batch)
-        trainer.compute_loss(trainer.model, inputs).backward()
-        lengths.append(inputs["completion_mask"].sum(1).tolist())
-        trainer._step += 1
-    return {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}, lengths
+    steps = []
+    for _ in range(trainer.args.steps_per_generation // accumulation):
+        trainer.model.zero_grad(set_to_none=True)
+        lengths, rows = [], []
+        for _ in range(accumulation):
+            inputs = prepare(batch)
+            trainer.compute_loss(trainer.model, inputs).backward()
+            lengths.append(inputs["completion_mask"].sum(1).tolist())
+            rows += inputs["advantages"].tolist()
+            trainer._step += 1
+        grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+        steps.append((grads, lengths, sorted(rows)))
+    return steps
 
 
 def _trl_grouping(trainer):
@@ -116,9 +123,9 @@ def test_grouped_micro_batches_give_the_same_step_and_trim_more(folder, tmp_path
     grouping = enable_length_grouping(trainer)
     assert grouping.grouped and grouping.why_not is None
     batch = _generation_batch(folder)
-    random_grads, random_lengths = _accumulate(trainer, _trl_grouping(trainer), batch)
+    [(random_grads, random_lengths, _)] = _accumulate(trainer, _trl_grouping(trainer), batch)
     random_trim = (trim.positions, trim.positions_untrimmed)
-    grouped_grads, grouped_lengths = _accumulate(trainer, trainer._prepare_inputs, batch)
+    [(grouped_grads, grouped_lengths, _)] = _accumulate(trainer, trainer._prepare_inputs, batch)
     grouped_trim = (trim.positions - random_trim[0], trim.positions_untrimmed - random_trim[1])
     flat = [n for micro in grouped_lengths for n in micro]
     assert flat == sorted(COMPLETIONS) and [n for m in random_lengths for n in m] != flat  # not vacuous
@@ -137,14 +144,33 @@ def test_bnpo_would_change_the_step_which_is_why_it_is_not_grouped(folder, tmp_p
     assert enable_length_grouping(forced).grouped
     forced.loss_type = "bnpo"  # grouped anyway: the per-micro-batch token count changes the weights
     batch = _generation_batch(folder)
-    random_grads, _ = _accumulate(forced, _trl_grouping(forced), batch)
-    grouped_grads, _ = _accumulate(forced, forced._prepare_inputs, batch)
+    [(random_grads, _, _)] = _accumulate(forced, _trl_grouping(forced), batch)
+    [(grouped_grads, _, _)] = _accumulate(forced, forced._prepare_inputs, batch)
     assert not _same(random_grads, grouped_grads)
 
 
 @pytest.mark.slow
+def test_a_generation_batch_of_two_optimizer_steps_gives_each_step_its_own_rows_grouped(folder, tmp_path):
+    """steps_per_generation = 2 x accumulation: each step's share of TRL's draw is grouped on its own, so both
+    steps train on the rows TRL gives them, with the same gradients."""
+    trainer = _trainer(folder, tmp_path, gradient_accumulation_steps=2, steps_per_generation=4)
+    grouping = enable_length_grouping(trainer)
+    assert grouping.grouped and grouping.windows == 2
+    batch = _generation_batch(folder)
+    random = _accumulate(trainer, _trl_grouping(trainer), batch)
+    grouped = _accumulate(trainer, trainer._prepare_inputs, batch)
+    assert len(random) == len(grouped) == 2
+    for (random_grads, random_lengths, random_rows), (grads, lengths, rows) in zip(random, grouped, strict=True):
+        assert rows == random_rows  # the same rows in this optimizer step as TRL's
+        flat = [n for micro in lengths for n in micro]
+        assert flat == sorted(flat) and sorted(flat) == sorted(n for m in random_lengths for n in m)
+        assert _same(random_grads, grads)
+    assert [n for _, lengths, _ in grouped for m in lengths for n in m] != sorted(COMPLETIONS)  # not one sort
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(("overrides", "words"), [
-    ({"steps_per_generation": 8}, "steps_per_generation=8 differs from gradient_accumulation_steps=4"),
+    ({"steps_per_generation": 6}, "steps_per_generation=6 is not a multiple of gradient_accumulation_steps=4"),
     ({"top_entropy_quantile": 0.5}, "quantile over each micro-batch"),
 ])
 def test_settings_that_depend_on_the_grouping_keep_trls_shuffle(folder, tmp_path, overrides, words):

@@ -225,7 +225,7 @@ class TrainConfig(_Section):
         True,
         description="With trim_padding, cut each generation batch into micro-batches of similar completion lengths "
         "(instead of TRL's random ones) so the trim drops more: the same optimizer step, where the loss allows it "
-        "(not bnpo, top_entropy_quantile < 1, steps_per_generation != gradient_accumulation_steps; recorded why).",
+        "(not bnpo, top_entropy_quantile < 1, steps_per_generation not a multiple of the accumulation; says why).",
     )
     report_to: list[Literal["tensorboard", "wandb", "trackio", "none"]] = Field(
         default_factory=list,
