@@ -282,7 +282,7 @@ def _stand_in(steps: int):
 
 @pytest.mark.parametrize(("trim", "group", "steps", "why"), [
     (True, True, 4, None),
-    (True, True, 1, "one micro-batch per generation batch: nothing to group"),
+    (True, True, 1, "one micro-batch per optimizer step: nothing to group"),
     (True, False, 4, "group_by_length is off"),
     (False, True, 4, "trim_padding is off: grouping saves nothing without it"),
 ])

@@ -285,8 +285,8 @@ def enable_length_grouping(trainer: Any) -> LengthGrouping:
         loss_type=trainer.loss_type, steps_per_generation=args.steps_per_generation,
         accumulation_steps=args.gradient_accumulation_steps, top_entropy_quantile=trainer.top_entropy_quantile,
         entropy_bonus=trainer._entropy_bonus_enabled, aux_loss=trainer.aux_loss_enabled)
-    if args.steps_per_generation == 1:
-        problem = "one micro-batch per generation batch: nothing to group"
+    if not problem and args.gradient_accumulation_steps == 1:  # each micro-batch is a step's whole share
+        problem = "one micro-batch per optimizer step: nothing to group"
     if problem:
         log.info("loss pass: micro-batches keep TRL's random grouping: %s", problem)
         return LengthGrouping(False, why_not=problem)
