@@ -79,11 +79,11 @@ case "$cmd" in
     done < "$plan"
     [ "$n" -gt 0 ] || { echo "$plan: no jobs" >&2; exit 2; }
     cat "$tmp/jobs" >> "$STATE/jobs"
+    export -f queue
     for f in "$tmp"/gpu*; do
       gpu=${f##*/gpu}
       q=$(mktemp "$STATE/queues/gpu$gpu.XXXX")
       cp "$f" "$q"
-      export -f queue
       STATE=$STATE ROOT=$ROOT setsid bash -c "queue $gpu $q" > /dev/null 2>&1 < /dev/null &
     done
     rm -rf "$tmp"

@@ -18,7 +18,7 @@ SCRIPT = ROOT / "benchmarks" / "gpu_parallel.sh"
 
 def _run(args: list[str], state: Path, timeout: float = 60) -> subprocess.CompletedProcess:
     env = {**os.environ, "VLMRL_PARALLEL_STATE": str(state)}
-    return subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+    return subprocess.run(["bash", str(SCRIPT), *args], check=False, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -45,7 +45,7 @@ def test_queues_run_in_order_per_gpu_and_wait_packs_results(tmp_path: Path) -> N
 
     with tarfile.open(out / "parallel.tar.gz") as tar:
         files = {m.name.lstrip("./"): m for m in tar.getmembers() if m.isfile()}
-        read = lambda name: tar.extractfile(files[name]).read().decode()  # noqa: E731
+        read = lambda name: tar.extractfile(files[name]).read().decode()
         # the second job on GPU 0 started after the first had written its file: one queue runs in order
         assert read("out/second/second.txt").strip() == "gpu=0"
         assert read("out/other/other.txt").strip() == "gpu=1"
@@ -62,8 +62,8 @@ def test_wait_stops_at_its_limit_and_says_what_is_still_running(tmp_path: Path) 
         waited = _run(["wait", "1", str(tmp_path / "out")], state)
         assert waited.returncode == 1  # not every job ended
         table = waited.stdout
-        assert re.search(r"^slow\s+0\s+running", table, re.M)
-        assert re.search(r"^after\s+0\s+queued", table, re.M)
+        assert re.search(r"^slow\s+0\s+running", table, re.MULTILINE)
+        assert re.search(r"^after\s+0\s+queued", table, re.MULTILINE)
         assert (tmp_path / "out" / "parallel.tar.gz").is_file()  # what exists so far is packed anyway
     finally:
         subprocess.run(["pkill", "-f", "sleep 30; echo done"], check=False)
@@ -106,5 +106,5 @@ def test_issue21_plan_names_scripts_and_modes_that_exist() -> None:
         script = ROOT / words[1]
         assert script.is_file(), command
         mode = words[3]
-        modes = re.search(r'case "\$MODE" in\n(.*?)esac', script.read_text(), re.S).group(1)
-        assert re.search(rf"(^|[\s|]){mode}[|)]", modes, re.M), f"{script.name} has no mode {mode}"
+        modes = re.search(r'case "\$MODE" in\n(.*?)esac', script.read_text(), re.DOTALL).group(1)
+        assert re.search(rf"(^|[\s|]){mode}[|)]", modes, re.MULTILINE), f"{script.name} has no mode {mode}"

@@ -119,8 +119,9 @@ def kept_columns(first: int, last: int, width: int, logits_to_keep: int, *, left
 
 def enable_padding_trim(trainer: Any) -> PaddingTrim:
     """Wrap `trainer._get_per_token_logps_and_entropies` so it skips all-padding columns; returns the counters."""
-    model = getattr(trainer.model, "module", trainer.model)  # DDP keeps the model under .module
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    from vlmrl.rollout.attention import base_model
+
+    model_type = getattr(getattr(base_model(trainer.model), "config", None), "model_type", None)
     trim = PaddingTrim(left=model_type in LEFT_TRIM_FAMILIES)
     original = trainer._get_per_token_logps_and_entropies
 
@@ -139,9 +140,9 @@ def enable_padding_trim(trainer: Any) -> PaddingTrim:
         for name in PER_COLUMN:
             if kwargs.get(name) is not None:
                 kwargs[name] = kwargs[name][:, start:end]
-        logps, entropies, aux = original(model, input_ids[:, start:end], attention_mask[:, start:end],
-                                         logits_to_keep - (width - end), *args, **kwargs)
         dropped = width - end  # [B, logits_to_keep - dropped] -> [B, logits_to_keep], zeros where dropped
+        logps, entropies, aux = original(model, input_ids[:, start:end], attention_mask[:, start:end],
+                                         logits_to_keep - dropped, *args, **kwargs)
         pad = (lambda t: torch.nn.functional.pad(t, (0, dropped)) if t is not None and dropped else t)
         return pad(logps), pad(entropies), aux
 
