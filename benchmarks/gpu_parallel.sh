@@ -5,8 +5,9 @@
 # wall time. One device call is capped at 10 minutes and a machine goes back ~30 s after a call ends, so the jobs
 # run detached (setsid; they survive the call) and each following call waits on them, then packs what finished.
 #
-#   bash benchmarks/gpu_parallel.sh start PLAN [GPUS] start PLAN's queues (one per GPU index; jobs in file order);
-#                                                    GPUS (e.g. 0,1) starts only those GPUs' lines
+#   bash benchmarks/gpu_parallel.sh start PLAN [ONLY] start PLAN's queues (one per GPU index; jobs in file order);
+#                                                    ONLY (e.g. 0,1 or 'unsloth_*') starts only the lines whose GPU
+#                                                    index or job name matches one of its comma-separated patterns
 #   bash benchmarks/gpu_parallel.sh wait SECONDS OUT until every job started has ended or SECONDS passed; then a
 #                                                    status table, the failed jobs' log tails, and OUT/parallel.tar.gz
 #                                                    (every job's JOB_OUT files under 4 MB, and its log's last 400 lines)
@@ -14,15 +15,17 @@
 #
 # A plan line is `GPU NAME COMMAND...`: COMMAND runs under bash from the repository root with
 # CUDA_VISIBLE_DEVICES=GPU and JOB_OUT=<state>/out/NAME (an empty folder for its results); `#` starts a comment.
-# `start` may be called again with another plan (e.g. after a second carry of wheels) for other GPUs.
+# `start` may be called again (e.g. after a second carry of wheels): a queue for a GPU that already has one waits
+# until that one has finished (a lock folder per GPU), so one GPU never runs two jobs at once.
 # The state folder is $VLMRL_PARALLEL_STATE (default /tmp/vlmrl-parallel). The plan of issue 21:
 # benchmarks/gpu_issue21.plan (its header has the device calls). Tested on the CPU: tests/test_gpu_parallel.py.
 set -uo pipefail
 STATE=${VLMRL_PARALLEL_STATE:-/tmp/vlmrl-parallel}
-cmd=${1:?usage: gpu_parallel.sh start PLAN [GPUS] | wait SECONDS OUT | status}
+cmd=${1:?usage: gpu_parallel.sh start PLAN [ONLY] | wait SECONDS OUT | status}
 
 queue() {  # $1 = GPU index, $2 = file of "NAME<TAB>COMMAND" lines: run them one after the other
   local gpu=$1 name command start rc
+  until mkdir "$STATE/locks/gpu$gpu" 2>/dev/null; do sleep 2; done   # the GPU's earlier queue goes first
   while IFS=$'\t' read -r name command; do
     mkdir -p "$STATE/out/$name"
     start=$(date +%s)
@@ -32,6 +35,7 @@ queue() {  # $1 = GPU index, $2 = file of "NAME<TAB>COMMAND" lines: run them one
     rc=$?
     echo "$rc $(( $(date +%s) - start ))" > "$STATE/rc/$name"
   done < "$2"
+  rmdir "$STATE/locks/gpu$gpu"
 }
 
 table() {  # prints the jobs' state; returns 0 when every job has ended
@@ -55,18 +59,26 @@ table() {  # prints the jobs' state; returns 0 when every job has ended
 
 case "$cmd" in
   start)
-    plan=${2:?usage: gpu_parallel.sh start PLAN [GPUS]}
+    plan=${2:?usage: gpu_parallel.sh start PLAN [ONLY]}
     only=${3:-}
     [ -f "$plan" ] || { echo "no plan file $plan" >&2; exit 2; }
     ROOT=$(pwd)
-    mkdir -p "$STATE"/{out,logs,rc,run,queues}
+    mkdir -p "$STATE"/{out,logs,rc,run,queues,locks}
     touch "$STATE/jobs"
     # parse first, start nothing if any line is malformed or names a job that exists already
     tmp=$(mktemp -d)
     n=0
     while read -r gpu name command; do
       case "$gpu" in ''|'#'*) continue ;; esac
-      [ -z "$only" ] || [[ ",$only," == *",$gpu,"* ]] || continue
+      if [ -n "$only" ]; then
+        keep=0
+        IFS=, read -ra patterns <<< "$only"
+        for pattern in "${patterns[@]}"; do
+          # shellcheck disable=SC2053  # the pattern is a glob on purpose
+          [[ "$gpu" == $pattern || "$name" == $pattern ]] && keep=1
+        done
+        [ "$keep" = 1 ] || continue
+      fi
       if ! [[ "$gpu" =~ ^[0-9]+$ ]] || [ -z "$name" ] || [ -z "$command" ]; then
         echo "$plan: not 'GPU NAME COMMAND': $gpu $name $command" >&2; exit 2
       fi
@@ -110,5 +122,5 @@ case "$cmd" in
     exit $all_ended
     ;;
   status) table ;;
-  *) echo "usage: gpu_parallel.sh start PLAN [GPUS] | wait SECONDS OUT | status" >&2; exit 2 ;;
+  *) echo "usage: gpu_parallel.sh start PLAN [ONLY] | wait SECONDS OUT | status" >&2; exit 2 ;;
 esac

@@ -93,6 +93,22 @@ def test_start_takes_only_the_named_gpus_and_refuses_a_job_twice(tmp_path: Path)
     assert _run(["wait", "20", str(tmp_path / "out")], state).returncode == 0
 
 
+def test_start_by_job_name_and_a_second_start_on_a_busy_gpu_waits_for_the_first(tmp_path: Path) -> None:
+    plan = tmp_path / "p.plan"
+    plan.write_text('0 early_a  sleep 2; echo a > "$JOB_OUT/a"\n'
+                    '1 early_b  true\n'
+                    '0 late_a   cat "$JOB_OUT/../early_a/a" > "$JOB_OUT/seen"\n')
+    state = tmp_path / "state"
+    first = _run(["start", str(plan), "early_*"], state)
+    assert "started 2 jobs" in first.stdout, first.stderr
+    second = _run(["start", str(plan), "late_a"], state)  # GPU 0 is still busy with early_a
+    assert "started 1 jobs" in second.stdout, second.stderr
+    assert _run(["wait", "30", str(tmp_path / "out")], state).returncode == 0
+    # late_a ran only after early_a had written its file, although its queue was started while early_a ran
+    assert (state / "out" / "late_a" / "seen").read_text().strip() == "a"
+    assert not (state / "locks" / "gpu0").exists()
+
+
 def test_issue21_plan_names_scripts_and_modes_that_exist() -> None:
     """Each line of the plan of record runs a committed script with a mode that script accepts."""
     plan = ROOT / "benchmarks" / "gpu_issue21.plan"
