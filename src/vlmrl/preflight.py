@@ -9,9 +9,12 @@ The prediction is arithmetic on the same quantities that fill the card:
                        x layers x 2 x kv heads x head dim x 2 bytes
     prefill            generation batch x prompt tokens x (6 x intermediate + 8 x hidden) x 2 bytes: the prompt
                        pass's MLP and projection temporaries (with the LoRA branches)
+    prompt cache       with fast generation, the prompt pass's dynamic cache, alive beside the static cache while
+                       it is copied in (generation batch x prompt tokens x the KV bytes per token)
     adapter copies     with train.rollout_adapter_copies: LoRA parameters x 2 bytes (vlmrl.rollout.adapter_cast)
     training           one micro-batch: checkpointed layer inputs (tokens x hidden x 2 bytes x layers) plus one
-                       layer's recomputed activations and the log-prob pass over the completion tokens
+                       layer's recomputed activations and the log-prob pass: TRL's full-vocabulary bf16 logits over
+                       the completion tokens, kept for the backward (micro-batch x completion x vocab x 2 bytes)
 
 Rollouts and the loss pass do not overlap (transformers builds a new static cache per `generate` call and frees
 it afterwards; the H200 runs measure each phase's peak apart), so the peak is the larger of the two phases.
@@ -24,7 +27,8 @@ only while decoding. Host RAM: the model is loaded through host memory once, so 
 (a multiple of num_generations) whose predicted peak fits the card, so a user with a bigger card need not search.
 
 Checked against the H200 benchmarks (`docs/benchmarks.md`: bf16 plain and vlmrl, 4-bit, 256-token
-completions); the tests pin those measured peaks and cover the arithmetic.
+completions, and generation batches of 32 to 256 completions in bf16 and 4-bit); the tests pin those measured
+peaks and cover the arithmetic.
 """
 
 from __future__ import annotations
@@ -111,13 +115,18 @@ def estimate_memory(config: Config, shapes: dict, *, prompt_tokens: int, fast_ge
     tokens = tr.per_device_train_batch_size * (prompt_tokens + tr.max_completion_length)
     checkpoints = tokens * t["hidden_size"] * 2 * t["num_hidden_layers"]
     one_layer = tokens * (6 * t["hidden_size"] + 3 * t["intermediate_size"]) * 2
-    logprob_pass = tr.per_device_train_batch_size * tr.max_completion_length * t["vocab_size"] * 4 / 8  # chunked
+    # TRL computes a micro-batch's full-vocabulary logits over its completion positions (bf16) and keeps them for
+    # the backward; nothing chunks them
+    logprob_pass = tr.per_device_train_batch_size * tr.max_completion_length * t["vocab_size"] * 2
     training = (checkpoints if tr.gradient_checkpointing else checkpoints * 8) + one_layer + logprob_pass
     # bf16 adapter copies for rollouts (vlmrl.rollout.adapter_cast): only over an unquantized base (QLoRA's adapters are
     # bf16 already); counted even with the merge asked for, which can be refused at run time
     copies = lora * 2 if fast_generation and tr.rollout_adapter_copies and not config.model.load_in_4bit else 0
     fixed = weights + lora * optimizer_bytes + copies
-    generation_phase = fixed + max(kv, generation_batch * prompt_tokens * kv_per_token + prefill)
+    prompt_cache = generation_batch * prompt_tokens * kv_per_token
+    # fast generation copies the prompt pass's dynamic cache into the static one: both are alive at that moment
+    decode = kv + prompt_cache if fast_generation else kv
+    generation_phase = fixed + max(decode, prompt_cache + prefill)
     training_phase = fixed + training
     merged_copy = adapted_weight_bytes(shapes) if fast_generation and tr.rollout_merge and not config.model.load_in_4bit \
         else 0
