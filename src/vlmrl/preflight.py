@@ -13,8 +13,8 @@ The prediction is arithmetic on the same quantities that fill the card:
                        it is copied in (generation batch x prompt tokens x the KV bytes per token)
     adapter copies     with train.rollout_adapter_copies: LoRA parameters x 2 bytes (vlmrl.rollout.adapter_cast)
     training           one micro-batch: checkpointed layer inputs (tokens x hidden x 2 bytes x layers) plus one
-                       layer's recomputed activations and the log-prob pass: TRL's full-vocabulary bf16 logits over
-                       the completion tokens, kept for the backward (micro-batch x completion x vocab x 2 bytes)
+                       one layer's backward (3x its activations: the recomputed activations, their gradients and
+                       the backward's temporaries; the factor the H200 peaks give) and the chunked log-prob pass
 
 Rollouts and the loss pass do not overlap (transformers builds a new static cache per `generate` call and frees
 it afterwards; the H200 runs measure each phase's peak apart), so the peak is the larger of the two phases.
@@ -115,10 +115,10 @@ def estimate_memory(config: Config, shapes: dict, *, prompt_tokens: int, fast_ge
     tokens = tr.per_device_train_batch_size * (prompt_tokens + tr.max_completion_length)
     checkpoints = tokens * t["hidden_size"] * 2 * t["num_hidden_layers"]
     one_layer = tokens * (6 * t["hidden_size"] + 3 * t["intermediate_size"]) * 2
-    # TRL computes a micro-batch's full-vocabulary logits over its completion positions (bf16) and keeps them for
-    # the backward; nothing chunks them
-    logprob_pass = tr.per_device_train_batch_size * tr.max_completion_length * t["vocab_size"] * 2
-    training = (checkpoints if tr.gradient_checkpointing else checkpoints * 8) + one_layer + logprob_pass
+    logprob_pass = tr.per_device_train_batch_size * tr.max_completion_length * t["vocab_size"] * 4 / 8  # chunked
+    # the backward of one checkpointed layer: its recomputed activations, their gradients and the backward's own
+    # temporaries; 3x one layer's activations is the factor the H200 peaks give (docs/benchmarks.md)
+    training = (checkpoints if tr.gradient_checkpointing else checkpoints * 8) + 3 * one_layer + logprob_pass
     # bf16 adapter copies for rollouts (vlmrl.rollout.adapter_cast): only over an unquantized base (QLoRA's adapters are
     # bf16 already); counted even with the merge asked for, which can be refused at run time
     copies = lora * 2 if fast_generation and tr.rollout_adapter_copies and not config.model.load_in_4bit else 0
