@@ -123,7 +123,7 @@ BATCH_TABLE = [([*BF16, f"train.per_device_train_batch_size={b}"], True, peak)
 ])
 def test_preflight_is_within_8_percent_of_the_measured_peaks(overrides, fast, measured):
     """Before the batch tables the backward of a checkpointed layer was counted as its activations alone and the
-    prompt cache as freed before the static one filled: the prediction was 19.5% under the peak at 32 completions
+    compiled decode phase as weights + static cache: the prediction was 19.5% under the peak at 32 completions
     per device in 4-bit, enough for train.auto_batch to choose a batch that does not fit."""
     config = load_config("seed", overrides)
     estimate = estimate_memory(config, SHAPES, prompt_tokens=310, fast_generation=fast)
@@ -140,7 +140,7 @@ def test_the_prompt_pass_meets_a_prompt_sized_cache_in_both_paths():
     # plain TRL: the full cache while decoding, or the loss pass (here the larger)
     assert math.isclose(plain.peak_gib, fixed + max(plain.kv_cache_gib, plain.training_gib))
     assert plain.training_gib > plain.kv_cache_gib
-    # fast generation: the static cache and, while it is copied in, the prompt pass's dynamic cache
+    # fast generation: the static cache and the decode phase's measured excess, one prompt-sized cache
     prompt_cache = 32 * 310 * kv_bytes_per_token(SHAPES["text_config"]) / 2**30
     assert math.isclose(fast.peak_gib, fixed + fast.kv_cache_gib + prompt_cache)
     # the loss pass does not depend on how rollouts ran: 8 x 1334 tokens checkpointed at 36 layers, one layer's

@@ -9,8 +9,10 @@ The prediction is arithmetic on the same quantities that fill the card:
                        x layers x 2 x kv heads x head dim x 2 bytes
     prefill            generation batch x prompt tokens x (6 x intermediate + 8 x hidden) x 2 bytes: the prompt
                        pass's MLP and projection temporaries (with the LoRA branches)
-    prompt cache       with fast generation, the prompt pass's dynamic cache, alive beside the static cache while
-                       it is copied in (generation batch x prompt tokens x the KV bytes per token)
+    decode excess      with fast generation, the decode phase's measured excess over weights + static cache:
+                       about one prompt-sized KV cache (generation batch x prompt tokens x KV bytes per token),
+                       fitted to the H200 peaks; not explained yet (the prompt pass's dynamic cache is freed layer
+                       by layer as it is moved into the static one, so it is not that cache)
     adapter copies     with train.rollout_adapter_copies: LoRA parameters x 2 bytes (vlmrl.rollout.adapter_cast)
     training           one micro-batch: checkpointed layer inputs (tokens x hidden x 2 bytes x layers) plus one
                        one layer's backward (3x its activations: the recomputed activations, their gradients and
@@ -124,7 +126,7 @@ def estimate_memory(config: Config, shapes: dict, *, prompt_tokens: int, fast_ge
     copies = lora * 2 if fast_generation and tr.rollout_adapter_copies and not config.model.load_in_4bit else 0
     fixed = weights + lora * optimizer_bytes + copies
     prompt_cache = generation_batch * prompt_tokens * kv_per_token
-    # fast generation copies the prompt pass's dynamic cache into the static one: both are alive at that moment
+    # a measured excess of the compiled decode phase, about one prompt-sized cache (see the docstring)
     decode = kv + prompt_cache if fast_generation else kv
     generation_phase = fixed + max(decode, prompt_cache + prefill)
     training_phase = fixed + training
