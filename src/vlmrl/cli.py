@@ -308,8 +308,8 @@ def bench(
         help="Steps for plain TRL alone (it compiles nothing, so one step is already steady; default: --steps).")] = None,
     completion: Annotated[int, typer.Option(help="Completion tokens, forced.")] = 1024,
     paths: Annotated[str, typer.Option(
-        help="Comma-separated, of: plain, vlmrl, vlmrl-merged, unsloth (Unsloth's FastVisionModel, in a process of "
-             "its own)")] = "plain,vlmrl",
+        help="Comma-separated, of: plain, vlmrl, vlmrl-merged, vlmrl-filled (attention over the filled cache only), "
+             "unsloth (Unsloth's FastVisionModel, in a process of its own)")] = "plain,vlmrl",
     load_in_4bit: Annotated[bool, typer.Option("--load-in-4bit", help="bitsandbytes 4-bit base weights.")] = False,
     memory_cap_gib: Annotated[float | None, typer.Option(help="Cap this process's GPU memory.")] = None,
     out: Annotated[Path, typer.Option(help="Where bench.json and bench.md go.")] = Path("bench-out"),

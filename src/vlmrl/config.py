@@ -37,9 +37,10 @@ from vlmrl.config_load import (
 
 TRACKERS = ("tensorboard", "wandb", "trackio", "none")
 # Fields that only change how a run is watched or how fast it runs, not what it produces: left out of every
-# fingerprint, so a run resumes (and a finished stage stays done) under another tracker or trim setting. Trim and
-# grouping change float summation order only (grouping also how TRL averages its per-micro-batch metrics).
-OBSERVATION_FIELDS = {"train": ("report_to", "trim_padding", "group_by_length")}
+# fingerprint, so a run resumes (and a finished stage stays done) under another tracker or trim setting. Trim,
+# grouping and the filled-cache window change float summation order only (grouping also how TRL averages its
+# per-micro-batch metrics).
+OBSERVATION_FIELDS = {"train": ("report_to", "trim_padding", "group_by_length", "rollout_filled_window")}
 
 
 class _Section(BaseModel):
@@ -215,6 +216,13 @@ class TrainConfig(_Section):
         "weights for rollouts (vlmrl.rollout.adapter_cast): the per-token-step casts go (0.9 ms of 12.5 per step for "
         "Qwen3-VL-8B on an H200), for 2 bytes per adapter parameter kept on the GPU (0.08 GiB at r=16). Not with "
         "the adapter merged, nor under FSDP / DeepSpeed.",
+    )
+    rollout_filled_window: int = Field(
+        0,
+        ge=0,
+        description="With fast generation and vlmrl_sdpa: each token step's attention reads only the filled "
+        "static-cache positions, rounded up to this many (vlmrl.rollout.fast.attend_filled), instead of the whole "
+        "cache; 0 reads it all. The same attention up to float summation order. Opt-in: not yet measured on a GPU.",
     )
     trim_padding: bool = Field(
         True,

@@ -166,7 +166,8 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
     trainer.remove_callback(PrinterCallback)  # TrainProgress prints one readable line per step instead
     fast = (
         enable_fast_generation(trainer, bucket=config.train.prompt_bucket, merge=config.train.rollout_merge,
-                               adapter_copies=config.train.rollout_adapter_copies)
+                               adapter_copies=config.train.rollout_adapter_copies,
+                               filled_window=config.train.rollout_filled_window)
         if fast_wanted(config.train.fast_generation)
         else FastGeneration(False, f"train.fast_generation={config.train.fast_generation}")
     )

@@ -10,6 +10,8 @@ Both paths train the same random-weight model with the real shapes of a named mo
                   decode), as `vlmrl train` runs it by default;
   vlmrl-merged    vlmrl with the adapter merged into the weights for rollouts (`train.rollout_merge=true`,
                   opt-in; optional);
+  vlmrl-filled    vlmrl whose decode attention reads only the filled cache positions, in windows of 128
+                  (`train.rollout_filled_window=128`, opt-in; optional);
   unsloth         Unsloth's `FastVisionModel` (+ `get_peft_model`) under the same trainer, in a process of its
                   own whose first import is unsloth (`unsloth_path`; optional, needs Unsloth and CUDA).
 

@@ -34,6 +34,9 @@ from vlmrl.bench.summary import markdown_table, summarize
 from vlmrl.bench.unsloth_path import UNSLOTH_PATHS, run_unsloth
 from vlmrl.rollout.compile_cache import use_compile_cache
 
+# the vlmrl-filled path's window (train.rollout_filled_window): 11 windows over a 1,344-position cache
+FILLED_WINDOW = 128
+
 log = logging.getLogger(__name__)
 
 
@@ -154,7 +157,8 @@ def train_and_measure(path: str, settings: BenchSettings, model: Any, processor:
     trainer = GRPOTrainer(model=model, reward_funcs=[format_reward, correctness_reward], args=args,
                           train_dataset=dataset, processing_class=processor, peft_config=peft_config,
                           callbacks=[clock.callback()])
-    fast = (enable_fast_generation(trainer, bucket=settings.prompt_bucket, merge=path == "vlmrl-merged")
+    fast = (enable_fast_generation(trainer, bucket=settings.prompt_bucket, merge=path == "vlmrl-merged",
+                                   filled_window=FILLED_WINDOW if path == "vlmrl-filled" else 0)
             if path.startswith("vlmrl") else None)
     loss_pass = enable_loss_pass(trainer) if path.startswith("vlmrl") else None  # plain: TRL as a user writes it
     clock.wrap_generation(trainer)

@@ -15,7 +15,7 @@ from vlmrl.bench.floors import decode_floor_ms, kv_bytes_per_token, language_par
 from vlmrl.bench.shaped import BenchSettings
 
 # Each fast path's ratios to plain are keyed with its prefix.
-RATIO_PREFIXES = {"vlmrl": "", "vlmrl-merged": "merged_", "unsloth": "unsloth_"}
+RATIO_PREFIXES = {"vlmrl": "", "vlmrl-merged": "merged_", "vlmrl-filled": "filled_", "unsloth": "unsloth_"}
 
 
 def summarize(settings: BenchSettings, shapes: dict, ceilings: dict, results: list[dict], prompt_tokens: int) -> dict:
@@ -108,7 +108,8 @@ def _versions() -> dict:
 
 # What each fast path ran, as the markdown table names it (fields of `FastGeneration`; absent in older records).
 SETTING_LABELS = (("attention ", "attention"), ("autocast ", "autocast"), ("prompt pass: ", "prefill"),
-                  ("adapter: ", "merge"), ("adapter weights: ", "adapters"), ("stop check: ", "stop_check"))
+                  ("adapter: ", "merge"), ("adapter weights: ", "adapters"), ("stop check: ", "stop_check"),
+                  ("attention reads ", "cache_read"))
 
 
 def markdown_table(summary: dict) -> str:

@@ -78,11 +78,12 @@ class FastGeneration:
     prefill: str | None = None  # "dynamic cache, then static" or why not
     stop_check: str | None = None  # "deferred one step" or why not
     adapters: str | None = None  # how the rollout reads the LoRA weights
+    cache_read: str | None = None  # which static-cache positions a token step's attention reads
 
     def as_dict(self) -> dict:
         return {"enabled": self.enabled, "reason": self.reason, "bucket": self.bucket, "mode": self.mode,
                 "attention": self.attention, "autocast": self.autocast, "merge": self.merge, "prefill": self.prefill,
-                "stop_check": self.stop_check, "adapters": self.adapters}
+                "stop_check": self.stop_check, "adapters": self.adapters, "cache_read": self.cache_read}
 
 
 def wanted(setting: str) -> bool:
@@ -92,9 +93,10 @@ def wanted(setting: str) -> bool:
 
 def enable_fast_generation(
     trainer: Any, *, bucket: int = 64, mode: str = "reduce-overhead", all_devices: bool = False, merge: bool = False,
-    adapter_copies: bool = False,
+    adapter_copies: bool = False, filled_window: int = 0,
 ) -> FastGeneration:
-    """Turn on static-cache + compiled decoding inside a built `GRPOTrainer`."""
+    """Turn on static-cache + compiled decoding inside a built `GRPOTrainer`. `filled_window` > 0: each token
+    step's attention reads only the filled cache positions, rounded up to that many (`attend_filled`)."""
     config = getattr(trainer, "generation_config", None)
     if config is None or getattr(trainer, "use_vllm", False):
         return FastGeneration(False, "the trainer generates with vLLM, which has its own fast path")
@@ -114,8 +116,13 @@ def enable_fast_generation(
     attention = NAME if packed_gqa_applies(trainer.model) else None
     copies, adapters = _adapter_copies(trainer, dtype, wanted=adapter_copies and merger is None)
     stop_check = stop_check_note()
+    window = filled_window if attention and filled_window > 0 else 0
+    cache_read = (f"filled positions, rounded up to {window}" if window else
+                  "the whole static cache" + (" (train.rollout_filled_window needs vlmrl_sdpa)"
+                                              if filled_window > 0 else ""))
     _wrap_rollouts(trainer, [
         (lambda: packed_gqa(trainer.model)) if attention else None,
+        (lambda: attend_filled(trainer.model, window)) if window else None,
         merger.merged if merger else None,
         copies.active if copies else None,
         # cache_enabled=False: autocast would otherwise hold a bf16 copy of every fp32 LoRA weight for the whole
@@ -126,10 +133,11 @@ def enable_fast_generation(
         lambda: compile_over_4bit(trainer.model),
     ])
     log.info("fast generation: static KV cache + torch.compile(mode=%s), cache bucketed to %d, attention %s, "
-             "autocast %s, adapter %s, adapter weights %s, prefill %s, stop check %s", mode, bucket,
-             attention or "unchanged", dtype, merge_note, adapters, prefill, stop_check)
+             "autocast %s, adapter %s, adapter weights %s, prefill %s, stop check %s, attention reads %s", mode, bucket,
+             attention or "unchanged", dtype, merge_note, adapters, prefill, stop_check, cache_read)
     return FastGeneration(True, "static KV cache + torch.compile", bucket, mode, attention,
-                          _dtype_name(dtype) if dtype is not None else None, merge_note, prefill, stop_check, adapters)
+                          _dtype_name(dtype) if dtype is not None else None, merge_note, prefill, stop_check, adapters,
+                          cache_read)
 
 
 def _adapter_copies(trainer: Any, dtype: torch.dtype | None, *, wanted: bool) -> tuple[Any, str]:
@@ -242,6 +250,62 @@ def deferred_stop_check(device_types: tuple[str, ...] = ("cuda",)) -> Iterator[N
         yield
     finally:
         DeferredStopCheck.is_supported = original
+
+
+@contextlib.contextmanager
+def attend_filled(model: Any, window: int) -> Iterator[None]:
+    """Inside the block, each token step on a static cache tells `vlmrl_sdpa` how many leading cache positions
+    can be attended to: the tokens so far (the step's own included), rounded up to `window`, at most the cache.
+
+    Wraps the model's `prepare_inputs_for_generation`, which `generate` calls on the host before every step with
+    all tokens so far, so the length is known without reading the device. It travels as the size of a view of one
+    buffer (`FILLED`), marked dynamic: a compiled decode step takes it as a symbolic size rather than recompiling
+    for each value, and CUDA graphs record one graph per window (cache length / window of them at most).
+    """
+    from vlmrl.rollout.attention import FILLED, base_model
+
+    base = base_model(model)
+    own = "prepare_inputs_for_generation" in vars(base)
+    original = base.prepare_inputs_for_generation
+    buffers: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+    def prepare(input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        inputs = original(input_ids, *args, **kwargs)
+        # `cache` in transformers after 5.17, `past_key_values` before
+        length = _static_cache_length(next((inputs[k] for k in ("cache", "past_key_values") if k in inputs), None))
+        if length is None:
+            return inputs
+        filled = min(-(-input_ids.shape[1] // window) * window, length)
+        key = (input_ids.device, length)
+        if key not in buffers:
+            buffers[key] = torch.empty(length, dtype=torch.uint8, device=input_ids.device)
+        view = buffers[key][:filled]
+        torch._dynamo.maybe_mark_dynamic(view, 0)
+        inputs[FILLED] = view
+        return inputs
+
+    base.prepare_inputs_for_generation = prepare
+    try:
+        yield
+    finally:
+        if own:
+            base.prepare_inputs_for_generation = original
+        else:
+            del base.prepare_inputs_for_generation
+
+
+def _static_cache_length(cache: Any) -> int | None:
+    """The length of a static cache of full-attention layers only (sliding-window layers keep their own length);
+    None for any other cache."""
+    from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer
+
+    if not isinstance(cache, StaticCache) or not cache.layers:
+        return None
+    if not all(type(layer) is StaticLayer for layer in cache.layers):
+        return None
+    lengths = {layer.max_cache_len for layer in cache.layers}
+    return lengths.pop() if len(lengths) == 1 else None
 
 
 def _device_type() -> str:
