@@ -201,3 +201,22 @@ def vlmrl_cache(tmp_path_factory) -> Path:
     """A fresh cache for the demo policy, shared by the session (a fresh machine builds it once; the e2e run
     and tests/test_watch.py use the same build)."""
     return tmp_path_factory.mktemp("vlmrl_cache")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_vl(tmp_path_factory) -> Path:
+    """A tiny random Qwen3-VL (hidden 64, 2 layers), saved once for the session (the fast-path tests)."""
+    from vlmrl.models.tiny import build_tiny_model
+
+    return build_tiny_model("qwen3_vl", tmp_path_factory.mktemp("tiny") / "m", hidden_size=64, num_layers=2)
+
+
+def load_sdpa(path: Path):
+    """A saved model on transformers' sdpa attention in float32, eval mode, and its processor padding left."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    model = AutoModelForImageTextToText.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa")
+    processor = AutoProcessor.from_pretrained(str(path))
+    processor.tokenizer.padding_side = "left"
+    return model.eval(), processor

@@ -8,12 +8,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForImageTextToText, AutoProcessor
+from transformers import AutoModelForImageTextToText
 
+from tests.conftest import load_sdpa
 from vlmrl.data.synthetic import generate_items
-from vlmrl.models.tiny import build_tiny_model
 from vlmrl.rollout import attention
-from vlmrl.rollout.fast import attend_filled, bucket_static_cache, compile_settings, prefill_into_dynamic_cache
+from vlmrl.rollout.fast import (
+    attend_filled,
+    bucket_static_cache,
+    compile_settings,
+    prefill_into_dynamic_cache,
+)
 from vlmrl.rollout.generation import encode_batch
 
 
@@ -53,20 +58,18 @@ def test_without_a_whole_cache_mask_nothing_is_dropped():
     assert k.shape[2] == v.shape[2] == m.shape[-1] == 4
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return build_tiny_model("qwen3_vl", tmp_path_factory.mktemp("tiny") / "m", hidden_size=64, num_layers=2)
+@pytest.fixture
+def tiny(tiny_qwen3_vl) -> Path:
+    return tiny_qwen3_vl
 
 
 def _setup(path: Path):
-    model = AutoModelForImageTextToText.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa")
-    processor = AutoProcessor.from_pretrained(str(path))
-    processor.tokenizer.padding_side = "left"
+    model, processor = load_sdpa(path)
     items = list(generate_items(3, seed=3, size=128))
     batch = encode_batch(processor, [i.question for i in items], [i.image for i in items], torch.device("cpu"))
     assert bucket_static_cache(model, 64)  # a cache longer than the tokens: positions to skip
     prefill_into_dynamic_cache(model)
-    return model.eval(), batch
+    return model, batch
 
 
 SETTINGS = {"max_new_tokens": 20, "min_new_tokens": 20, "do_sample": False, "cache_implementation": "static",

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForImageTextToText, AutoProcessor
+from transformers import AutoModelForImageTextToText
 
+from tests.conftest import load_sdpa as _load
 from vlmrl.data.synthetic import generate_items
 from vlmrl.models.tiny import build_tiny_model
 from vlmrl.rollout import attention
@@ -70,16 +71,9 @@ def test_without_a_mask_it_defers_to_transformers_sdpa(monkeypatch):
     assert seen == [1] and out.shape == (1, 3, 4, 8)
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return build_tiny_model("qwen3_vl", tmp_path_factory.mktemp("tiny") / "m", hidden_size=64, num_layers=2)
-
-
-def _load(path: Path):
-    model = AutoModelForImageTextToText.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa")
-    processor = AutoProcessor.from_pretrained(str(path))
-    processor.tokenizer.padding_side = "left"
-    return model.eval(), processor
+@pytest.fixture
+def tiny(tiny_qwen3_vl) -> Path:
+    return tiny_qwen3_vl
 
 
 def _prompts(n: int):
