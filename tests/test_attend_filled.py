@@ -171,3 +171,20 @@ def test_the_bench_path_is_reported_beside_the_others():
     table = markdown_table(summary)
     assert "vlmrl-filled: attention reads filled positions, rounded up to 128." in table
     assert "vlmrl: attention reads the whole static cache." in table
+
+
+def test_the_window_reaches_the_attention_under_a_peft_adapter(tiny, monkeypatch):
+    from peft import LoraConfig, get_peft_model
+
+    model, batch = _setup(tiny)
+    policy = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))  # as TRL wraps it
+    windows = []
+    real = attention.attend_filled_only
+    monkeypatch.setattr(attention, "attend_filled_only",
+                        lambda k, v, m, f: windows.append(None if f is None else f.shape[0]) or real(k, v, m, f))
+    with attention.packed_gqa(policy), attend_filled(policy, 8):
+        policy.generate(**batch, **SETTINGS)
+    layers = model.config.text_config.num_hidden_layers
+    assert windows[:layers] == [None] * layers  # the prompt pass
+    width = batch["input_ids"].shape[1]  # the prompt, then 19 token steps of the 20 new tokens
+    assert set(windows[layers:]) == {-(-(width + n) // 8) * 8 for n in range(1, 20)}
