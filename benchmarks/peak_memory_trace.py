@@ -3,7 +3,10 @@
 Runs `vlmrl bench`'s paths with the CUDA allocator's history recorded (python stacks), replays the trace and,
 for the rollout phase (between markers set around each TRL generation call) and for the rest, lists the live
 bytes at the phase's peak grouped by the innermost allocation site outside torch. Usage (CUDA):
-    python benchmarks/peak_memory_trace.py OUTDIR [COMPLETION]
+    python benchmarks/peak_memory_trace.py OUTDIR [COMPLETION] [PROMPTS] [PATHS]
+PROMPTS per step (x 4 generations; default 8) and PATHS (default plain,vlmrl): e.g. `OUT 1024 32 vlmrl` looks for
+what holds the compiled decode phase's excess over weights + static cache at 128 completions (docs/benchmarks.md,
+"Memory preflight": about one prompt-sized KV cache, not explained yet).
 """
 
 from __future__ import annotations
@@ -55,10 +58,10 @@ def analyse(trace: list[dict]) -> dict:
             for phase, (p, c) in peaks.items()}
 
 
-def main(out: Path, completion: int) -> None:
+def main(out: Path, completion: int, prompts: int = 8, paths: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp())
-    settings = bench.BenchSettings(completion=completion, steps=1)
+    settings = bench.BenchSettings(completion=completion, steps=1, prompts=prompts)
     shapes = bench.load_shapes(settings.shapes)
     processor_dir = bench.build_processor(work, settings.image_size)
     dataset = bench.bench_dataset(settings)
@@ -79,7 +82,7 @@ def main(out: Path, completion: int) -> None:
 
     bench._StepClock.wrap_generation = wrap_with_markers
     report = {}
-    for path in ("plain", "vlmrl"):
+    for path in paths or ["plain", "vlmrl"]:
         torch.cuda.memory._record_memory_history(max_entries=3_000_000, stacks="python")
         result = bench.run_path(path, settings, shapes, processor_dir, dataset, work)
         snapshot = torch.cuda.memory._snapshot()
@@ -91,4 +94,6 @@ def main(out: Path, completion: int) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "peak-memory"), int(sys.argv[2]) if len(sys.argv) > 2 else 256)
+    args = sys.argv[1:]
+    main(Path(args[0] if args else "peak-memory"), int(args[1]) if len(args) > 1 else 256,
+         int(args[2]) if len(args) > 2 else 8, args[3].split(",") if len(args) > 3 else ["plain", "vlmrl"])
