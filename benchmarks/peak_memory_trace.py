@@ -96,4 +96,4 @@ def main(out: Path, completion: int, prompts: int = 8, paths: list[str] | None =
 if __name__ == "__main__":
     args = sys.argv[1:]
     main(Path(args[0] if args else "peak-memory"), int(args[1]) if len(args) > 1 else 256,
-         int(args[2]) if len(args) > 2 else 8, args[3].split(",") if len(args) > 3 else ["plain", "vlmrl"])
+         int(args[2]) if len(args) > 2 else 8, args[3].split(",") if len(args) > 3 else None)

@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForImageTextToText
 
 from tests.conftest import load_sdpa
+from tests.test_fastgen import _Module
 from vlmrl.data.synthetic import generate_items
 from vlmrl.rollout import attention
 from vlmrl.rollout.fast import (
@@ -22,11 +23,6 @@ from vlmrl.rollout.fast import (
 from vlmrl.rollout.generation import encode_batch
 
 
-class _Module(torch.nn.Module):
-    num_key_value_groups = 4
-    is_causal = True
-
-
 def test_reading_the_filled_positions_only_is_the_same_attention():
     torch.manual_seed(0)
     batch, kv_heads, cache, filled, dim = 3, 2, 24, 13, 8
@@ -36,14 +32,14 @@ def test_reading_the_filled_positions_only_is_the_same_attention():
     mask = torch.zeros(batch, 1, 1, cache, dtype=torch.bool)
     mask[:, :, :, :filled] = True
     mask[1, :, :, :2] = False  # left padding
-    full, _ = attention.packed_gqa_sdpa(_Module(), query, key, value, mask)
+    full, _ = attention.packed_gqa_sdpa(_Module(4), query, key, value, mask)
     for window in (filled, 16, cache):
-        part, _ = attention.packed_gqa_sdpa(_Module(), query, key, value, mask,
+        part, _ = attention.packed_gqa_sdpa(_Module(4), query, key, value, mask,
                                             **{attention.FILLED: torch.empty(window, dtype=torch.uint8)})
         torch.testing.assert_close(part, full)
     # what the positions past the window hold does not matter: they are not read
     key[:, :, 16:] = value[:, :, 16:] = float("nan")
-    part, _ = attention.packed_gqa_sdpa(_Module(), query, key, value, mask,
+    part, _ = attention.packed_gqa_sdpa(_Module(4), query, key, value, mask,
                                         **{attention.FILLED: torch.empty(16, dtype=torch.uint8)})
     torch.testing.assert_close(part, full)
 

@@ -271,15 +271,15 @@ def attend_filled(model: Any, window: int) -> Iterator[None]:
 
     def prepare(input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         inputs = original(input_ids, *args, **kwargs)
-        # `cache` in transformers after 5.17, `past_key_values` before
-        length = _static_cache_length(next((inputs[k] for k in ("cache", "past_key_values") if k in inputs), None))
+        key = _cache_key(inputs)
+        length = _static_cache_length(inputs[key] if key else None)
         if length is None:
             return inputs
         filled = min(-(-input_ids.shape[1] // window) * window, length)
-        key = (input_ids.device, length)
-        if key not in buffers:
-            buffers[key] = torch.empty(length, dtype=torch.uint8, device=input_ids.device)
-        view = buffers[key][:filled]
+        buffer = (input_ids.device, length)
+        if buffer not in buffers:
+            buffers[buffer] = torch.empty(length, dtype=torch.uint8, device=input_ids.device)
+        view = buffers[buffer][:filled]
         torch._dynamo.maybe_mark_dynamic(view, 0)
         inputs[FILLED] = view
         return inputs
@@ -294,15 +294,23 @@ def attend_filled(model: Any, window: int) -> Iterator[None]:
             del base.prepare_inputs_for_generation
 
 
-def _static_cache_length(cache: Any) -> int | None:
-    """The length of a static cache of full-attention layers only (sliding-window layers keep their own length);
-    None for any other cache."""
+def _cache_key(model_kwargs: dict) -> str | None:
+    """Where `generate` keeps its cache among the model's keyword arguments: `cache` in transformers after 5.17,
+    `past_key_values` up to it."""
+    return next((k for k in ("cache", "past_key_values") if k in model_kwargs), None)
+
+
+def _full_attention_static(cache: Any) -> bool:
+    """A static cache of full-attention layers only (sliding-window layers keep their own length)."""
     from transformers import StaticCache
     from transformers.cache_utils import StaticLayer
 
-    if not isinstance(cache, StaticCache) or not cache.layers:
-        return None
-    if not all(type(layer) is StaticLayer for layer in cache.layers):
+    return isinstance(cache, StaticCache) and all(type(layer) is StaticLayer for layer in cache.layers)
+
+
+def _static_cache_length(cache: Any) -> int | None:
+    """The length of a static cache of full-attention layers only; None for any other cache."""
+    if not _full_attention_static(cache) or not cache.layers:
         return None
     lengths = {layer.max_cache_len for layer in cache.layers}
     return lengths.pop() if len(lengths) == 1 else None
@@ -349,7 +357,7 @@ def prefill_into_dynamic_cache(model: Any) -> str:
         return "dynamic cache, then static"
 
     def prefill(input_ids: Any, generation_config: Any, model_kwargs: dict, *args: Any, **kwargs: Any) -> Any:
-        key = next((k for k in ("cache", "past_key_values") if k in model_kwargs), None)
+        key = _cache_key(model_kwargs)
         static = model_kwargs.get(key) if key else None
         if getattr(generation_config, "prefill_chunk_size", None) or not _empty_full_attention_static(static):
             return original(input_ids, generation_config, model_kwargs, *args, **kwargs)
@@ -376,13 +384,9 @@ def prefill_into_dynamic_cache(model: Any) -> str:
 
 
 def _empty_full_attention_static(cache: Any) -> bool:
-    from transformers import StaticCache
-    from transformers.cache_utils import StaticLayer
-
     return (
-        isinstance(cache, StaticCache)
+        _full_attention_static(cache)
         and not getattr(cache, "offloading", False)  # the move below bypasses the offloading hooks
-        and all(type(layer) is StaticLayer for layer in cache.layers)
         and int(cache.get_seq_length()) == 0
     )
 
