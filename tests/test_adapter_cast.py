@@ -44,16 +44,20 @@ def test_the_trained_float32_weights_are_back_after_the_block_and_refreshed_at_t
     before = {n: p for n, p in model.named_parameters()}
     copies = LowPrecisionAdapters(model, torch.bfloat16)
     with copies.active():
-        pointers = [c.data_ptr() for _, _, c in copies.entries]
+        held = [module.weight for module, _ in copies.entries]
+    assert all(module.weight is weight for module, weight in copies.entries)
     after = {n: p for n, p in model.named_parameters()}
     assert all(after[n] is before[n] for n in before), "the optimizer's parameters must be the ones in the model"
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
     model(torch.randn(3, 32, dtype=torch.bfloat16)).float().square().sum().backward()
     optimizer.step()
     with copies.active():
-        assert [c.data_ptr() for _, _, c in copies.entries] == pointers  # stable addresses for the CUDA graphs
-        for module, weight, copy in copies.entries:
-            assert module.weight is copy and torch.equal(copy, weight.detach().to(torch.bfloat16))
+        for (module, weight), earlier in zip(copies.entries, held, strict=True):
+            assert module.weight is not earlier, "each rollout makes its copies afresh"
+            assert not module.weight.requires_grad
+            assert torch.equal(module.weight, weight.detach().to(torch.bfloat16))  # the updated weights, cast
+    del held
+    assert copies.nbytes == sum(w.numel() * 2 for _, w in copies.entries)
     with pytest.raises(RuntimeError, match="inside"), copies.active():
         raise RuntimeError("inside a rollout")
     assert all(dict(model.named_parameters())[n] is before[n] for n in before)
@@ -134,7 +138,8 @@ def test_fast_generation_swaps_the_copies_in_for_rollouts_only_when_asked():
         assert seen == [({expected}, True)], "adapter dtype in the rollout; stop check deferred there"
         assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {torch.float32}
         assert fast.stop_check == "deferred one step on CUDA"
-        assert fast.adapters.startswith("bfloat16 copies" if asked else "float32, cast to bfloat16")
+        assert fast.adapters.startswith("bfloat16 copies made per rollout" if asked else "float32, cast to bfloat16")
+        assert ("optimizer state waits on the host" in fast.adapters) == asked
     assert generation.DeferredStopCheck.__dict__["is_supported"] is original_check
 
 
@@ -167,7 +172,7 @@ def test_no_copies_for_sharded_parameters_and_stale_copies_are_refused():
     assert fast.adapters.endswith("(no copies: parameters are sharded by FSDP / DeepSpeed)")
 
     copies = LowPrecisionAdapters(model, torch.bfloat16)
-    module, weight, _ = copies.entries[0]
+    module, weight = copies.entries[0]
     module.weight = torch.nn.Parameter(weight.detach().clone())  # e.g. a wrapper replaced the parameters
     with pytest.raises(RuntimeError, match="replaced after their rollout copies"), copies.active():
         pass

@@ -217,17 +217,20 @@ def test_step_clock_splits_peaks_into_rollouts_and_the_rest(monkeypatch):
     assert clock.take_peak() == 11 and clock.reserved_peak == 50
 
 
-def test_adapter_copies_add_two_bytes_per_adapter_parameter_to_the_prediction():
+def test_adapter_copies_cost_the_rollout_two_bytes_per_adapter_parameter_and_free_the_moments_eight():
     from vlmrl.preflight import count_params
 
-    base = estimate_memory(load_config("seed", BF16), SHAPES, prompt_tokens=310, fast_generation=True)
-    copies = estimate_memory(load_config("seed", [*BF16, "train.rollout_adapter_copies=true"]), SHAPES,
-                             prompt_tokens=310, fast_generation=True)
     lora = count_params(SHAPES)[2] * 16
-    assert copies.peak_gib - base.peak_gib == pytest.approx(lora * 2 / 2**30)
-    plain = estimate_memory(load_config("seed", [*BF16, "train.rollout_adapter_copies=true"]), SHAPES,
-                            prompt_tokens=310, fast_generation=False)
-    assert plain.peak_gib < copies.peak_gib  # only the fast path makes them
+    batch = ["train.gradient_accumulation_steps=32"]  # a large generation batch: the rollout phase sets the peak
+    base = estimate_memory(load_config("seed", [*BF16, *batch]), SHAPES, prompt_tokens=310, fast_generation=True)
+    copies = estimate_memory(load_config("seed", [*BF16, *batch, "train.rollout_adapter_copies=true"]), SHAPES,
+                             prompt_tokens=310, fast_generation=True)
+    assert base.kv_cache_gib > base.training_gib  # the rollout phase is the peak here
+    assert base.peak_gib - copies.peak_gib == pytest.approx(lora * (8 - 2) / 2**30)
+    seed = estimate_memory(load_config("seed", BF16), SHAPES, prompt_tokens=310, fast_generation=True)
+    seed_copies = estimate_memory(load_config("seed", [*BF16, "train.rollout_adapter_copies=true"]), SHAPES,
+                                  prompt_tokens=310, fast_generation=True)
+    assert seed_copies.peak_gib <= seed.peak_gib  # the step's peak never grows with the copies
 
 
 def test_plain_may_run_fewer_steps_and_its_only_step_is_its_steady_one():
@@ -240,3 +243,18 @@ def test_plain_may_run_fewer_steps_and_its_only_step_is_its_steady_one():
     assert (plain["step_seconds"], plain["first_step_excluded"]) == (210, False)
     assert (fast["step_seconds"], fast["first_step_excluded"]) == (30, True)
     assert math.isclose(s["ratios"]["step_speedup"], 7.0)
+
+
+def test_the_vlmrl_bench_path_runs_vlmrl_trains_defaults_and_each_variant_changes_only_its_own():
+    from vlmrl.bench.run import FILLED_WINDOW, PATH_OPTIONS, fast_options
+    from vlmrl.config import TrainConfig
+
+    defaults = TrainConfig()
+    assert fast_options("vlmrl") == {"merge": defaults.rollout_merge, "adapter_copies": defaults.rollout_adapter_copies,
+                                     "filled_window": defaults.rollout_filled_window}
+    assert fast_options("vlmrl-filled-copies") == {**fast_options("vlmrl"), "filled_window": FILLED_WINDOW,
+                                                   "adapter_copies": True}
+    assert fast_options("vlmrl-merged")["merge"] is True
+    from vlmrl.bench import PATHS
+
+    assert set(PATH_OPTIONS) == {p for p in PATHS if p.startswith("vlmrl")}

@@ -309,6 +309,7 @@ def bench(
     completion: Annotated[int, typer.Option(help="Completion tokens, forced.")] = 1024,
     paths: Annotated[str, typer.Option(
         help="Comma-separated, of: plain, vlmrl, vlmrl-merged, vlmrl-filled (attention over the filled cache only), "
+             "vlmrl-copies (bf16 adapter copies for rollouts), vlmrl-filled-copies (both), "
              "unsloth (Unsloth's FastVisionModel, in a process of its own)")] = "plain,vlmrl",
     load_in_4bit: Annotated[bool, typer.Option("--load-in-4bit", help="bitsandbytes 4-bit base weights.")] = False,
     memory_cap_gib: Annotated[float | None, typer.Option(help="Cap this process's GPU memory.")] = None,

@@ -13,7 +13,9 @@ The prediction is arithmetic on the same quantities that fill the card:
                        about one prompt-sized KV cache (generation batch x prompt tokens x KV bytes per token),
                        fitted to the H200 peaks; not explained yet (the prompt pass's dynamic cache is freed layer
                        by layer as it is moved into the static one, so it is not that cache)
-    adapter copies     with train.rollout_adapter_copies: LoRA parameters x 2 bytes (vlmrl.rollout.adapter_cast)
+    adapter copies     with train.rollout_adapter_copies, in rollouts only: LoRA parameters x 2 bytes
+                       (vlmrl.rollout.adapter_cast), while the optimizer's moments (8 bytes a parameter with
+                       AdamW) wait on the host (vlmrl.rollout.offload)
     training           one micro-batch: checkpointed layer inputs (tokens x hidden x 2 bytes x layers) plus one
                        one layer's backward (3x its activations: the recomputed activations, their gradients and
                        the backward's temporaries; the factor the H200 peaks give) and the chunked log-prob pass
@@ -121,14 +123,16 @@ def estimate_memory(config: Config, shapes: dict, *, prompt_tokens: int, fast_ge
     # the backward of one checkpointed layer: its recomputed activations, their gradients and the backward's own
     # temporaries; 3x one layer's activations is the factor the H200 peaks give (docs/benchmarks.md)
     training = (checkpoints if tr.gradient_checkpointing else checkpoints * 8) + 3 * one_layer + logprob_pass
+    fixed = weights + lora * optimizer_bytes
     # bf16 adapter copies for rollouts (vlmrl.rollout.adapter_cast): only over an unquantized base (QLoRA's adapters are
-    # bf16 already); counted even with the merge asked for, which can be refused at run time
-    copies = lora * 2 if fast_generation and tr.rollout_adapter_copies and not config.model.load_in_4bit else 0
-    fixed = weights + lora * optimizer_bytes + copies
+    # bf16 already), made for each rollout while the optimizer's moments wait on the host (vlmrl.rollout.offload);
+    # counted even with the merge asked for, which can be refused at run time
+    copies = fast_generation and tr.rollout_adapter_copies and not config.model.load_in_4bit
+    rollout_fixed = fixed - lora * (optimizer_bytes - 8) + lora * 2 if copies else fixed
     prompt_cache = generation_batch * prompt_tokens * kv_per_token
     # a measured excess of the compiled decode phase, about one prompt-sized cache (see the docstring)
     decode = kv + prompt_cache if fast_generation else kv
-    generation_phase = fixed + max(decode, prompt_cache + prefill)
+    generation_phase = rollout_fixed + max(decode, prompt_cache + prefill)
     training_phase = fixed + training
     merged_copy = adapted_weight_bytes(shapes) if fast_generation and tr.rollout_merge and not config.model.load_in_4bit \
         else 0

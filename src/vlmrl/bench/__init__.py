@@ -12,6 +12,9 @@ Both paths train the same random-weight model with the real shapes of a named mo
                   opt-in; optional);
   vlmrl-filled    vlmrl whose decode attention reads only the filled cache positions, in windows of 128
                   (`train.rollout_filled_window=128`, opt-in; optional);
+  vlmrl-copies    vlmrl whose rollouts read bf16 copies of the adapter weights, the optimizer state on the host
+                  meanwhile (`train.rollout_adapter_copies=true`; optional);
+  vlmrl-filled-copies  both of the last two (optional);
   unsloth         Unsloth's `FastVisionModel` (+ `get_peft_model`) under the same trainer, in a process of its
                   own whose first import is unsloth (`unsloth_path`; optional, needs Unsloth and CUDA).
 

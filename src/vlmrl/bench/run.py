@@ -34,8 +34,16 @@ from vlmrl.bench.summary import markdown_table, summarize
 from vlmrl.bench.unsloth_path import UNSLOTH_PATHS, run_unsloth
 from vlmrl.rollout.compile_cache import use_compile_cache
 
-# the vlmrl-filled path's window (train.rollout_filled_window): 11 windows over a 1,344-position cache
+# the filled-cache window of the paths that use one (train.rollout_filled_window): 11 windows over 1,344 positions
 FILLED_WINDOW = 128
+# What each vlmrl path changes from `vlmrl train`'s defaults (enable_fast_generation's keyword arguments).
+PATH_OPTIONS = {
+    "vlmrl": {},
+    "vlmrl-merged": {"merge": True},
+    "vlmrl-filled": {"filled_window": FILLED_WINDOW},
+    "vlmrl-copies": {"adapter_copies": True},
+    "vlmrl-filled-copies": {"filled_window": FILLED_WINDOW, "adapter_copies": True},
+}
 
 log = logging.getLogger(__name__)
 
@@ -157,8 +165,7 @@ def train_and_measure(path: str, settings: BenchSettings, model: Any, processor:
     trainer = GRPOTrainer(model=model, reward_funcs=[format_reward, correctness_reward], args=args,
                           train_dataset=dataset, processing_class=processor, peft_config=peft_config,
                           callbacks=[clock.callback()])
-    fast = (enable_fast_generation(trainer, bucket=settings.prompt_bucket, merge=path == "vlmrl-merged",
-                                   filled_window=FILLED_WINDOW if path == "vlmrl-filled" else 0)
+    fast = (enable_fast_generation(trainer, bucket=settings.prompt_bucket, **fast_options(path))
             if path.startswith("vlmrl") else None)
     loss_pass = enable_loss_pass(trainer) if path.startswith("vlmrl") else None  # plain: TRL as a user writes it
     clock.wrap_generation(trainer)
@@ -193,6 +200,16 @@ def train_and_measure(path: str, settings: BenchSettings, model: Any, processor:
     del trainer, model
     free_memory()
     return result
+
+
+def fast_options(path: str) -> dict:
+    """enable_fast_generation's settings for a vlmrl bench path: `vlmrl train`'s defaults, then the path's own."""
+    from vlmrl.config import TrainConfig
+
+    defaults = TrainConfig()
+    options = {"merge": defaults.rollout_merge, "adapter_copies": defaults.rollout_adapter_copies,
+               "filled_window": defaults.rollout_filled_window}
+    return {**options, **PATH_OPTIONS[path]}
 
 
 def path_steps(settings: BenchSettings, path: str) -> int:

@@ -15,7 +15,8 @@ from vlmrl.bench.floors import decode_floor_ms, kv_bytes_per_token, language_par
 from vlmrl.bench.shaped import BenchSettings
 
 # Each fast path's ratios to plain are keyed with its prefix.
-RATIO_PREFIXES = {"vlmrl": "", "vlmrl-merged": "merged_", "vlmrl-filled": "filled_", "unsloth": "unsloth_"}
+RATIO_PREFIXES = {"vlmrl": "", "vlmrl-merged": "merged_", "vlmrl-filled": "filled_", "vlmrl-copies": "copies_",
+                  "vlmrl-filled-copies": "filled_copies_", "unsloth": "unsloth_"}
 
 
 def summarize(settings: BenchSettings, shapes: dict, ceilings: dict, results: list[dict], prompt_tokens: int) -> dict:

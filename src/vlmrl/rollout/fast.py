@@ -37,8 +37,9 @@ dynamo guard checks, launch and sampling ops ran while the GPU sat idle. transfo
 the flag one step late (`DeferredStopCheck`) but turns it on for Apple GPUs only; rollouts and compiled
 evaluation turn it on for CUDA (`deferred_stop_check`). Measured on an H200, Qwen3-VL-8B shapes, batch 32:
 18.96 -> 12.51 ms per token step (`benchmarks/decode_variants.py`). The float32 adapter weights can also be
-read from bf16 copies made once per rollout instead of cast at every token step (`vlmrl.rollout.adapter_cast`, opt-in
-`train.rollout_adapter_copies`: 12.51 -> 11.63 ms, for 0.08 GiB kept on the GPU).
+read from bf16 copies made once per rollout instead of cast at every token step (`vlmrl.rollout.adapter_cast`,
+`train.rollout_adapter_copies`: 12.51 -> 11.63 ms); the copies exist only while a rollout runs, and the optimizer
+state waits on the host meanwhile (`vlmrl.rollout.offload`), so the step's peak memory does not grow.
 
 Memory: a static cache is allocated in full before the prompt pass, so that pass's temporaries (the last
 layer's MLP and projections over every prompt token, plus the prompt embeddings and vision features) would sit
@@ -47,7 +48,7 @@ fills a dynamic cache, which is then moved layer by layer into the static cache 
 (`prefill_into_dynamic_cache`). The peak becomes the full cache plus one decode step, as with plain TRL
 (measured: rollout peak 25.8 -> 23.9 GiB; the whole step's peak now equals plain TRL's).
 
-vlmrl_sdpa, the merge, the adapter copies, the autocast and the deferred stop check apply for the duration of
+vlmrl_sdpa, the merge, the adapter copies, the optimizer state's move, the autocast and the deferred stop check apply for the duration of
 each rollout only: the loss pass runs the model exactly as plain TRL would.
 """
 
@@ -115,6 +116,11 @@ def enable_fast_generation(
     dtype = rollout_autocast_dtype(trainer.model, trainer.args)
     attention = NAME if packed_gqa_applies(trainer.model) else None
     copies, adapters = _adapter_copies(trainer, dtype, wanted=adapter_copies and merger is None)
+    offload = None
+    if copies is not None:
+        from vlmrl.rollout.offload import OptimizerStateOffload
+
+        offload = OptimizerStateOffload(trainer)
     stop_check = stop_check_note()
     window = filled_window if attention and filled_window > 0 else 0
     cache_read = (f"filled positions, rounded up to {window}" if window else
@@ -124,6 +130,7 @@ def enable_fast_generation(
         (lambda: packed_gqa(trainer.model)) if attention else None,
         (lambda: attend_filled(trainer.model, window)) if window else None,
         merger.merged if merger else None,
+        offload.active if offload else None,  # frees the optimizer state's memory before the copies take theirs
         copies.active if copies else None,
         # cache_enabled=False: autocast would otherwise hold a bf16 copy of every fp32 LoRA weight for the whole
         # rollout (0.08 GiB for Qwen3-VL-8B at r=16, the rollout peak's excess over the merged path's).
@@ -153,7 +160,8 @@ def _adapter_copies(trainer: Any, dtype: torch.dtype | None, *, wanted: bool) ->
     from vlmrl.rollout.adapter_cast import LowPrecisionAdapters
 
     copies = LowPrecisionAdapters(trainer.model, dtype)
-    return copies, f"{_dtype_name(dtype)} copies, refreshed per rollout ({copies.nbytes / 2**30:.2f} GiB)"
+    return copies, (f"{_dtype_name(dtype)} copies made per rollout ({copies.nbytes / 2**30:.2f} GiB while it runs; "
+                    "the optimizer state waits on the host)")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
