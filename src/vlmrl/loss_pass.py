@@ -327,21 +327,29 @@ def _install_dispatch() -> None:
 
 @dataclass
 class LossPass:
-    """What vlmrl changed in one trainer's loss pass: the trim's counters and the micro-batch grouping."""
+    """What vlmrl changed in one trainer's loss pass: the trim's counters, the micro-batch grouping, and how the LoRA
+    layers treat their inputs under autocast (`vlmrl.adapter_inputs`)."""
 
     trim: PaddingTrim | None
     grouping: LengthGrouping
+    adapter_inputs: str = "as PEFT does"
 
     def as_dict(self) -> dict:
-        return {**(self.trim.as_dict() if self.trim else {"trim_padding": False}), **self.grouping.as_dict()}
+        return {**(self.trim.as_dict() if self.trim else {"trim_padding": False}), **self.grouping.as_dict(),
+                "adapter_inputs": self.adapter_inputs}
 
 
-def enable_loss_pass(trainer: Any, *, trim: bool = True, group: bool = True) -> LossPass:
+def enable_loss_pass(trainer: Any, *, trim: bool = True, group: bool = True, adapter_input_cast: bool = False) -> LossPass:
     """The trim (`enable_padding_trim`) and, with it, the length grouping (`enable_length_grouping`) on `trainer`.
-    Grouping alone would change nothing but the order of the sums, so it needs the trim."""
+    Grouping alone would change nothing but the order of the sums, so it needs the trim. Unless
+    `adapter_input_cast`, the LoRA layers keep their inputs in the autocast dtype (`vlmrl.adapter_inputs`)."""
+    from vlmrl import adapter_inputs
+
+    inputs = adapter_inputs.enable(trainer, wanted=not adapter_input_cast)
     counters = enable_padding_trim(trainer) if trim else None
     if not group:
-        return LossPass(counters, LengthGrouping(False, why_not="group_by_length is off"))
+        return LossPass(counters, LengthGrouping(False, why_not="group_by_length is off"), inputs)
     if not counters:
-        return LossPass(None, LengthGrouping(False, why_not="trim_padding is off: grouping saves nothing without it"))
-    return LossPass(counters, enable_length_grouping(trainer))
+        return LossPass(None, LengthGrouping(False, why_not="trim_padding is off: grouping saves nothing without it"),
+                        inputs)
+    return LossPass(counters, enable_length_grouping(trainer), inputs)

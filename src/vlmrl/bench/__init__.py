@@ -15,6 +15,8 @@ Both paths train the same random-weight model with the real shapes of a named mo
   vlmrl-copies    vlmrl whose rollouts read bf16 copies of the adapter weights, the optimizer state on the host
                   meanwhile (`train.rollout_adapter_copies=true`; optional);
   vlmrl-filled-copies  both of the last two (optional);
+  vlmrl-input-cast     vlmrl whose LoRA layers cast their inputs to float32 under autocast, as PEFT does
+                  (`train.adapter_input_cast=true`; optional);
   unsloth         Unsloth's `FastVisionModel` (+ `get_peft_model`) under the same trainer, in a process of its
                   own whose first import is unsloth (`unsloth_path`; optional, needs Unsloth and CUDA).
 

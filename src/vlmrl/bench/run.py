@@ -43,7 +43,10 @@ PATH_OPTIONS = {
     "vlmrl-filled": {"filled_window": FILLED_WINDOW},
     "vlmrl-copies": {"adapter_copies": True},
     "vlmrl-filled-copies": {"filled_window": FILLED_WINDOW, "adapter_copies": True},
+    "vlmrl-input-cast": {},  # its change is in the loss pass: LOSS_PASS_OPTIONS
 }
+# What each vlmrl path changes in the loss pass (enable_loss_pass's keyword arguments).
+LOSS_PASS_OPTIONS = {"vlmrl-input-cast": {"adapter_input_cast": True}}
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +170,8 @@ def train_and_measure(path: str, settings: BenchSettings, model: Any, processor:
                           callbacks=[clock.callback()])
     fast = (enable_fast_generation(trainer, bucket=settings.prompt_bucket, **fast_options(path))
             if path.startswith("vlmrl") else None)
-    loss_pass = enable_loss_pass(trainer) if path.startswith("vlmrl") else None  # plain: TRL as a user writes it
+    # plain: TRL as a user writes it
+    loss_pass = enable_loss_pass(trainer, **LOSS_PASS_OPTIONS.get(path, {})) if path.startswith("vlmrl") else None
     clock.wrap_generation(trainer)
     started = time.perf_counter()
     error = None

@@ -16,7 +16,7 @@ from vlmrl.bench.shaped import BenchSettings
 
 # Each fast path's ratios to plain are keyed with its prefix.
 RATIO_PREFIXES = {"vlmrl": "", "vlmrl-merged": "merged_", "vlmrl-filled": "filled_", "vlmrl-copies": "copies_",
-                  "vlmrl-filled-copies": "filled_copies_", "unsloth": "unsloth_"}
+                  "vlmrl-filled-copies": "filled_copies_", "vlmrl-input-cast": "input_cast_", "unsloth": "unsloth_"}
 
 
 def summarize(settings: BenchSettings, shapes: dict, ceilings: dict, results: list[dict], prompt_tokens: int) -> dict:
