@@ -10,7 +10,8 @@ The pieces, and where each is switched on:
                  and for compiled decoding by `generation`.
   merge          the LoRA adapter merged into the weights for each rollout, restored exactly afterwards:
                  opt-in, `train.rollout_merge=true` (bench path `vlmrl-merged`).
-  adapter_cast   bf16 copies of the float32 LoRA weights for each rollout: opt-in, `train.rollout_adapter_copies`.
+  adapter_cast   bf16 copies of the float32 LoRA weights, made for each rollout (`train.rollout_adapter_copies`, on).
+  offload        the optimizer state in host memory while a rollout runs, which pays for those copies.
   generation     batched image+question `generate` for evaluation, validation, the SFT check and the demo
                  policy (and the prompt encoding export checks use); compiled (static cache + `attention` + deferred stop check) when
                  `eval.compile` says so (`vlmrl eval`, `evaluate.py`).
