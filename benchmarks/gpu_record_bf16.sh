@@ -6,7 +6,10 @@
 OUT=${1:-${OUT:-bench-record-bf16}}
 export PYTHONUNBUFFERED=1
 CACHE=$(mktemp -d /tmp/vlmrl-compile-cache.XXXX)  # outside OUT: thousands of small files
-python3 -m vlmrl.cli bench --paths plain,vlmrl --steps 2 --completion 1024 --compile-cache "$CACHE" \
+# STEPS / STEPS_PLAIN / WARMUP: steps per path and how many are set apart (vlmrl bench --warmup-steps); the
+# second step still does one-off work, so e.g. STEPS=4 STEPS_PLAIN=3 WARMUP=2 (about 13 minutes: run it detached).
+python3 -m vlmrl.cli bench --paths plain,vlmrl --steps "${STEPS:-2}" --warmup-steps "${WARMUP:-1}" \
+  ${STEPS_PLAIN:+--steps-plain "$STEPS_PLAIN"} --completion 1024 --compile-cache "$CACHE" \
   --out "$OUT/record" && cp "$OUT/record/bench.json" "$OUT/h200_record.json" || exit 1
 python3 -m vlmrl.cli bench --paths vlmrl --steps 1 --completion 1024 --compile-cache "$CACHE" --out "$OUT/warm" \
   && cp "$OUT/warm/bench.json" "$OUT/h200_compile_cache_warm.json"

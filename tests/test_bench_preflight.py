@@ -266,3 +266,18 @@ def test_the_vlmrl_bench_path_runs_vlmrl_trains_defaults_and_each_variant_change
     from vlmrl.bench import PATHS
 
     assert set(PATH_OPTIONS) == {p for p in PATHS if p.startswith("vlmrl")}
+
+
+def test_warmup_steps_set_the_one_off_second_step_apart_and_say_so():
+    settings = BenchSettings(steps=4, steps_plain=2, warmup_steps=2)
+    results = [_raw("plain", [(210, 200), (100, 90)], 10.0), _raw("vlmrl", [(120, 110), (30, 22), (20, 14), (22, 16)], 9.0)]
+    s = summarize(settings, SHAPES, {"matmul_tflops": 800, "copy_bandwidth_tbs": 4.0}, results, prompt_tokens=300)
+    plain, fast = s["paths"]["plain"], s["paths"]["vlmrl"]
+    assert (fast["step_seconds"], fast["generate_seconds"], fast["steps_set_apart"]) == (21, 15, 2)
+    assert (plain["step_seconds"], plain["steps_set_apart"]) == (100, 1)  # too few steps: only the first apart
+    assert s["ratios"]["step_speedup"] == pytest.approx(100 / 21)
+    assert "Steps set apart before the steady columns (the first step column is the first of them): plain 1, " \
+           "vlmrl 2." in markdown_table(s)
+    one = summarize(BenchSettings(steps=3), SHAPES, {"matmul_tflops": 800, "copy_bandwidth_tbs": 4.0},
+                    [_raw("vlmrl", [(120, 110), (30, 22), (20, 14)], 9.0)], prompt_tokens=300)
+    assert one["paths"]["vlmrl"]["step_seconds"] == 25 and "Steps set apart" not in markdown_table(one)

@@ -306,6 +306,9 @@ def bench(
     steps: Annotated[int, typer.Option(help="Optimizer steps per path (the first is reported apart).")] = 2,
     steps_plain: Annotated[int | None, typer.Option(
         help="Steps for plain TRL alone (it compiles nothing, so one step is already steady; default: --steps).")] = None,
+    warmup_steps: Annotated[int, typer.Option(
+        help="Steps per path set apart from the steady figures (the first compiles; the second still does one-off "
+             "work). A path with no more steps keeps all but its first.", min=1)] = 1,
     completion: Annotated[int, typer.Option(help="Completion tokens, forced.")] = 1024,
     paths: Annotated[str, typer.Option(
         help="Comma-separated, of: plain, vlmrl, vlmrl-merged, vlmrl-filled (attention over the filled cache only), "
@@ -347,7 +350,8 @@ def bench(
     if save_model is not None:
         console.print(f"saved {save_shaped_model(save_model, shapes)}")
         return
-    settings = BenchSettings(shapes=shapes, steps=steps, steps_plain=steps_plain, completion=completion, paths=paths.split(","),
+    settings = BenchSettings(shapes=shapes, steps=steps, steps_plain=steps_plain, warmup_steps=warmup_steps,
+                             completion=completion, paths=paths.split(","),
                              load_in_4bit=load_in_4bit, memory_cap_gib=memory_cap_gib,
                              compile_cache=str(compile_cache) if compile_cache else None)
     if batches is not None:

@@ -38,6 +38,10 @@ class BenchSettings:
     # Plain TRL compiles nothing, so its first step is already steady; in 4-bit one 1024-token step of it takes
     # minutes, and a record run may give it fewer steps than the compiled path (None = `steps`).
     steps_plain: int | None = None
+    # Steps reported apart from the steady figures: the first compiles; the second still carries one-off work (in the
+    # 12-step run at 256 tokens it took 10.0 s against 6.9-8.5 s for the ten after it). A path that ran no more
+    # steps than this has only its first set apart.
+    warmup_steps: int = 1
     lora_r: int = 16
     algorithm: str = "gspo"
     load_in_4bit: bool = False

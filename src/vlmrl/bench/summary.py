@@ -19,6 +19,14 @@ RATIO_PREFIXES = {"vlmrl": "", "vlmrl-merged": "merged_", "vlmrl-filled": "fille
                   "vlmrl-filled-copies": "filled_copies_", "vlmrl-input-cast": "input_cast_", "unsloth": "unsloth_"}
 
 
+def steady_steps(steps: list[dict], warmup: int) -> list[dict]:
+    """The steps a path's steady figures average: those after the first `warmup`; for a path that ran no more than
+    that, all but the first (a single step stands for itself: plain TRL compiles nothing)."""
+    if len(steps) > warmup:
+        return steps[warmup:]
+    return steps[1:] if len(steps) > 1 else steps
+
+
 def summarize(settings: BenchSettings, shapes: dict, ceilings: dict, results: list[dict], prompt_tokens: int) -> dict:
     """Per-path steady-state figures (first step excluded when there are more) and the floors."""
     text = shapes["text_config"]
@@ -35,7 +43,7 @@ def summarize(settings: BenchSettings, shapes: dict, ceilings: dict, results: li
     floors["step_seconds"] = floors["decode_ms_per_step"] * settings.completion / 1e3 + floors["train_seconds_per_step"]
     paths = {}
     for r in results:
-        steps = r["steps"][1:] if len(r["steps"]) > 1 else r["steps"]
+        steps = steady_steps(r["steps"], settings.warmup_steps)
         if not steps:
             paths[r["path"]] = {"error": r["error"] or "no step completed"}
             continue
@@ -58,6 +66,7 @@ def summarize(settings: BenchSettings, shapes: dict, ceilings: dict, results: li
             "peak_memory_gib_per_rank": r.get("peak_memory_gib_per_rank", [r["peak_memory_gib"]]),
             "peak_reserved_gib": r["peak_reserved_gib"],
             "steps_measured": len(steps),
+            "steps_set_apart": len(r["steps"]) - len(steps),
             # plain compiles nothing; when it ran a single step that step is its steady one, compilation-free
             "first_step_excluded": len(r["steps"]) > 1,
             "fast_generation": r["fast_generation"],
@@ -147,6 +156,10 @@ def markdown_table(summary: dict) -> str:
     if cache := summary.get("compile_cache"):
         lines.append(f"Compile cache {cache['inductor_dir']}: {'cold (empty)' if cache['cold'] else 'warm'} at the "
                      f"start ({cache['files_at_start']} files); the first step column includes compilation.")
+    apart = {name: p["steps_set_apart"] for name, p in summary["paths"].items() if "steps_set_apart" in p}
+    if any(n > 1 for n in apart.values()):
+        lines.append("Steps set apart before the steady columns (the first step column is the first of them): "
+                     + ", ".join(f"{name} {n}" for name, n in apart.items()) + ".")
     r = summary["ratios"]
     for name, prefix in RATIO_PREFIXES.items():
         if f"{prefix}step_speedup" in r:
