@@ -29,10 +29,9 @@ def _casts(model, x, *, checkpointed: bool):
     (tensors of the input's row count) were made in the forward and the backward."""
     made = []
     x = x.detach().requires_grad_(True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        with _CountCasts(made, x.shape[0]):
-            out = checkpoint(model, x, use_reentrant=False) if checkpointed else model(x)
-            out.float().square().sum().backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16), _CountCasts(made, x.shape[0]):
+        out = checkpoint(model, x, use_reentrant=False) if checkpointed else model(x)
+        out.float().square().sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     return out.detach(), grads, x.grad.clone(), len(made)

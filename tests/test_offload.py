@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import vlmrl.rollout.offload as offload
+from vlmrl.rollout import offload
 from vlmrl.rollout.offload import OptimizerStateOffload
 
 
@@ -51,7 +51,7 @@ def test_the_state_is_on_the_host_inside_and_back_unchanged_after(device_state):
 
 
 def test_the_state_comes_back_when_the_rollout_raises(device_state):
-    params, optimizer = _stepped_adam()
+    _, optimizer = _stepped_adam()
     before = {(id(p), k): v.clone() for p, s in optimizer.state.items() for k, v in s.items()}
     mover = OptimizerStateOffload(SimpleNamespace(optimizer=optimizer))
     with pytest.raises(RuntimeError, match="rollout"), mover.active():
