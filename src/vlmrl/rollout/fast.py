@@ -48,8 +48,9 @@ fills a dynamic cache, which is then moved layer by layer into the static cache 
 (`prefill_into_dynamic_cache`). The peak becomes the full cache plus one decode step, as with plain TRL
 (measured: rollout peak 25.8 -> 23.9 GiB; the whole step's peak now equals plain TRL's).
 
-vlmrl_sdpa, the merge, the adapter copies, the optimizer state's move, the autocast and the deferred stop check apply for the duration of
-each rollout only: the loss pass runs the model exactly as plain TRL would.
+vlmrl_sdpa, the merge, the adapter copies, the optimizer state's move, the autocast and the deferred stop check
+apply for the duration of each rollout only: the loss pass computes what plain TRL's does (`vlmrl.loss_pass` and
+`vlmrl.adapter_inputs` change how, not what).
 """
 
 from __future__ import annotations
