@@ -89,3 +89,11 @@ def test_enable_applies_only_where_the_trainer_has_an_autocast():
     assert enable(SimpleNamespace(model=untouched, args=SimpleNamespace(bf16=False, fp16=False))).startswith("as PEFT")
     assert enable(SimpleNamespace(model=untouched, args=bf16), wanted=False).endswith("(train.adapter_input_cast=true)")
     assert all(getattr(m, "cast_input_dtype_enabled", True) is True for m in untouched.modules())
+
+
+@pytest.mark.parametrize("kwargs", [{"lora_dropout": 0.1}, {"use_dora": True}])
+def test_layers_with_dropout_or_dora_keep_peft_cast(kwargs):
+    torch.manual_seed(0)
+    model = get_peft_model(_Net(32).to(torch.bfloat16), LoraConfig(r=4, target_modules=["up", "down"], **kwargs))
+    assert keep_inputs_under_autocast(model, "cpu") == 0
+    assert all(getattr(m, "cast_input_dtype_enabled", True) is True for m in model.modules())
