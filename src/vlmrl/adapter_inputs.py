@@ -7,15 +7,16 @@ changes no number, in the forward or in the backward (whose gradient goes throug
 reverse). It is not free: the input is a whole micro-batch of activations (8 x 1,334 tokens x 4,096 or 12,288
 features for Qwen3-VL-8B), cast once for each of the 7 adapted projections of each layer, in the forward, again
 in the checkpoint's recomputation, and twice more in the backward. An H200 profile of the seed recipe's loss
-pass (`benchmarks/step_profile.py`, `h200_step_profile.json`) found about 1 s of its 6.4 s of kernels in such
-casts.
+pass (`benchmarks/step_profile.py`, `h200_step_profile.json`) found 1.3 s of its 6.4 s of kernels in copies and
+casts; skipping these casts took the rest of the step from 6.99 to 6.73 s and its peak from 23.87 to 22.96 GiB
+(`h200_adapter_inputs.json`).
 
 PEFT reads the switch for the cast, `cast_input_dtype_enabled`, as a truth value at every forward.
-`keep_inputs_under_autocast` sets it, on every LoRA layer, to an object that is false while autocast is on for
-the device (the cast is skipped: autocast decides the matmul's dtype, as it did after the cast) and true
+`keep_inputs_under_autocast` sets it, on every plain LoRA layer, to an object that is false while autocast is on
+for the device (the cast is skipped: autocast decides the matmul's dtype, as it did after the cast) and true
 otherwise (PEFT casts as before, e.g. in a pass outside autocast, where a bf16 input would not meet a float32
-weight). Layers with dropout, DoRA or another LoRA variant keep PEFT's cast. Gradient checkpointing recomputes with the forward's autocast state, so the recomputation takes the
-same branch as the forward. Applies where the trainer's autocast exists: a bf16 or fp16 run with float32
+weight). Layers with dropout, DoRA or another LoRA variant keep PEFT's cast. Gradient checkpointing recomputes
+with the forward's autocast state, so the recomputation takes the same branch as the forward. Applies where the trainer's autocast exists: a bf16 or fp16 run with float32
 adapters over a low-precision frozen base (`vlmrl.rollout.fast.rollout_autocast_dtype`); `train.adapter_input_cast
 =true` leaves PEFT's cast as it is.
 """
