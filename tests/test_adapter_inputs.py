@@ -10,18 +10,9 @@ import torch
 from peft import LoraConfig, get_peft_model
 from torch.utils.checkpoint import checkpoint
 
+from tests.test_adapter_cast import _adapted
 from tests.test_merge import _Net
 from vlmrl.adapter_inputs import CastOutsideAutocast, enable, keep_inputs_under_autocast
-
-
-def _adapted():
-    torch.manual_seed(0)
-    model = get_peft_model(_Net(32).to(torch.bfloat16), LoraConfig(r=4, lora_alpha=8, target_modules=["up", "down"]))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(std=0.1)
-    return model
 
 
 def _casts(model, x, *, checkpointed: bool):

@@ -16,9 +16,9 @@ PEFT reads the switch for the cast, `cast_input_dtype_enabled`, as a truth value
 for the device (the cast is skipped: autocast decides the matmul's dtype, as it did after the cast) and true
 otherwise (PEFT casts as before, e.g. in a pass outside autocast, where a bf16 input would not meet a float32
 weight). Layers with dropout, DoRA or another LoRA variant keep PEFT's cast. Gradient checkpointing recomputes
-with the forward's autocast state, so the recomputation takes the same branch as the forward. Applies where the trainer's autocast exists: a bf16 or fp16 run with float32
-adapters over a low-precision frozen base (`vlmrl.rollout.fast.rollout_autocast_dtype`); `train.adapter_input_cast
-=true` leaves PEFT's cast as it is.
+with the forward's autocast state, so the recomputation takes the same branch as the forward. Applies where the
+trainer's autocast exists: a bf16 or fp16 run with float32 adapters over a low-precision frozen base
+(`vlmrl.rollout.fast.rollout_autocast_dtype`); `train.adapter_input_cast=true` leaves PEFT's cast as it is.
 """
 
 from __future__ import annotations
@@ -58,12 +58,11 @@ def plain_lora(layer: Any) -> bool:
     """A LoRA layer whose input meets nothing but the adapter matmul: no dropout (its random mask could be drawn
     differently for a bf16 input), no DoRA and no other LoRA variant (their elementwise terms would see the bf16
     input instead of the float32 one)."""
+    from vlmrl.rollout.merge import variant
+
     names = list(getattr(layer, "lora_A", {}))
     return bool(names) and all(
-        isinstance(layer.lora_dropout[name], torch.nn.Identity)
-        and not getattr(layer, "use_dora", {}).get(name)
-        and getattr(layer, "lora_variant", {}).get(name) is None
-        for name in names)
+        isinstance(layer.lora_dropout[name], torch.nn.Identity) and variant(layer, name) is None for name in names)
 
 
 def enable(trainer: Any, *, wanted: bool = True) -> str:

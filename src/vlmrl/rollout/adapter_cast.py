@@ -48,8 +48,7 @@ class LowPrecisionAdapters:
     @property
     def nbytes(self) -> int:
         """What the copies take while a rollout runs."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return sum(weight.numel() * itemsize for _, weight in self.entries)
+        return sum(weight.numel() * self.dtype.itemsize for _, weight in self.entries)
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:

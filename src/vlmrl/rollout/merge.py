@@ -47,6 +47,13 @@ def lora_layers(model: Any) -> list[Any]:
             if hasattr(m, "lora_A") and hasattr(m, "lora_B") and hasattr(m, "merged_adapters")]
 
 
+def variant(layer: Any, name: str) -> str | None:
+    """"DoRA" or "a LoRA variant" when adapter `name` of `layer` is not plain LoRA; None when it is."""
+    if getattr(layer, "use_dora", {}).get(name):
+        return "DoRA"
+    return "a LoRA variant" if getattr(layer, "lora_variant", {}).get(name) is not None else None
+
+
 def unsupported_reason(model: Any) -> str | None:
     """Why the adapter of `model` cannot be merged exactly for rollouts; None when it can."""
     layers = lora_layers(model)
@@ -62,9 +69,10 @@ def unsupported_reason(model: Any) -> str | None:
             return "a LoRA base weight is sharded or not materialized (FSDP / ZeRO-3)"
         if not len(layer.lora_A):
             return f"{type(layer).__name__} keeps its adapter outside lora_A/lora_B (e.g. an embedding)"
-        if any(getattr(layer, "use_dora", {}).get(name) for name in layer.lora_A):
+        kinds = {variant(layer, name) for name in layer.lora_A} - {None}
+        if "DoRA" in kinds:
             return "DoRA adapters are not merged for rollouts"
-        if any(getattr(layer, "lora_variant", {}).get(name) is not None for name in layer.lora_A):
+        if kinds:
             return "LoRA variants (aLoRA, ...) are not merged for rollouts"
         if any(getattr(layer, "lora_bias", {}).get(name) for name in layer.lora_A):
             return "LoRA with a bias (lora_bias=True) is not merged for rollouts"
