@@ -9,13 +9,20 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import random
 import struct
 import zlib
 from pathlib import Path
 
 import pytest
+import torch  # (does not import Triton)
 from PIL import Image, ImageDraw, ImageFont
+
+if not torch.cuda.is_available():
+    # Triton kernels (vlmrl.rollout.decode_attention) run in Triton's CPU interpreter, which Triton chooses when it
+    # is imported (transformers imports it): set before anything imports it.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 SHARED_DATA = Path(__file__).resolve().parent.parents[1] / "shared" / "data"  # beside the repo root
 ANNOTATIONS = SHARED_DATA / "mathvista_testmini_annotations.json"

@@ -38,9 +38,10 @@ from vlmrl.config_load import (
 TRACKERS = ("tensorboard", "wandb", "trackio", "none")
 # Fields that only change how a run is watched or how fast it runs, not what it produces: left out of every
 # fingerprint, so a run resumes (and a finished stage stays done) under another tracker or trim setting. Trim,
-# grouping and the filled-cache window change float summation order only (grouping also how TRL averages its
-# per-micro-batch metrics).
-OBSERVATION_FIELDS = {"train": ("report_to", "trim_padding", "group_by_length", "rollout_filled_window")}
+# grouping, the filled-cache window and the decode kernel change float summation order only (grouping also how TRL
+# averages its per-micro-batch metrics).
+OBSERVATION_FIELDS = {"train": ("report_to", "trim_padding", "group_by_length", "rollout_filled_window",
+                                "rollout_decode_kernel")}
 
 
 class _Section(BaseModel):
@@ -227,6 +228,13 @@ class TrainConfig(_Section):
         "static-cache positions, rounded up to this many (vlmrl.rollout.fast.attend_filled), instead of the whole "
         "cache; 0 reads it all. The same attention up to float summation order. Opt-in: measured on an H200 it saved "
         "0.3 ms of 12.3 per token step (each rollout records one CUDA graph per window).",
+    )
+    rollout_decode_kernel: bool = Field(
+        True,
+        description="With fast generation and vlmrl_sdpa on CUDA: each token step's attention runs vlmrl's Triton "
+        "kernel (vlmrl.rollout.decode_attention), which reads only the static-cache blocks holding an attended "
+        "position (the filled ones), with the cache's shapes unchanged (one CUDA graph). The same attention up to "
+        "float summation order. False: PyTorch's SDPA over the whole cache. Compiled evaluation uses the kernel too.",
     )
     adapter_input_cast: bool = Field(
         False,

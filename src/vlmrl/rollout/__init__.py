@@ -8,6 +8,8 @@ The pieces, and where each is switched on:
                  and by `vlmrl bench` for its vlmrl paths; the cache bucket is `train.prompt_bucket`.
   attention      `vlmrl_sdpa`, grouped-query attention without KV copies; swapped in for each rollout by `fast`
                  and for compiled decoding by `generation`.
+  decode_attention  a Triton kernel for a token step's attention that skips the cache blocks nothing attends to;
+                 `attention` runs it inside rollouts (`train.rollout_decode_kernel`, on) and compiled decoding.
   merge          the LoRA adapter merged into the weights for each rollout, restored exactly afterwards:
                  opt-in, `train.rollout_merge=true` (bench path `vlmrl-merged`).
   adapter_cast   bf16 copies of the float32 LoRA weights, made for each rollout (`train.rollout_adapter_copies`, on).

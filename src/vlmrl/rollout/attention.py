@@ -22,6 +22,10 @@ per token step, rounded up to a window) `vlmrl_sdpa` reads only those positions.
 masked out (never written yet), so the attention is the same but for float summation order. The length is the
 tensor's size, not a number, so a compiled decode step can take it as a dynamic dimension instead of
 recompiling for each value.
+
+Inside `decode_kernel()` (rollouts and compiled evaluation by default, `train.rollout_decode_kernel`), a token step
+(one query token) with a boolean mask runs `vlmrl.rollout.decode_attention` instead of SDPA: a Triton kernel
+that reads only the cache blocks holding an attended position, with the static cache's shapes unchanged.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ log = logging.getLogger(__name__)
 NAME = "vlmrl_sdpa"
 FILLED = "vlmrl_filled"  # the keyword argument carrying the attendable cache length (as a tensor's size)
 _registered = False
+_decode_kernel = False  # read while dynamo traces: a compiled step is guarded on these two
+_decode_kernel_on_cpu = False  # tests: the CPU, through the Triton interpreter
 
 
 def packed_gqa_sdpa(
@@ -72,11 +78,37 @@ def packed_gqa_sdpa(
     # Head h = k * groups + g (repeat_kv's order); row g * q_len + t of group k is query token t of head h.
     folded = query.reshape(batch, kv_heads, groups * q_len, dim)
     mask = attention_mask if q_len == 1 else attention_mask.repeat(1, 1, groups, 1)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        folded, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, is_causal=False
-    )
+    if q_len == 1 and _decode_kernel and _decode_kernel_usable(folded, key, value, mask, dropout):
+        from vlmrl.rollout.decode_attention import decode_attention
+
+        out = decode_attention(folded, key, value, mask, scaling)
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            folded, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, is_causal=False
+        )
     out = out.reshape(out.shape[0], heads, q_len, value.shape[-1])
     return out.transpose(1, 2).contiguous(), None
+
+
+def _decode_kernel_usable(*args: Any) -> bool:
+    from vlmrl.rollout.decode_attention import usable
+
+    return usable(*args, on_cpu=_decode_kernel_on_cpu)
+
+
+@contextlib.contextmanager
+def decode_kernel(enabled: bool = True, *, on_cpu: bool = False) -> Iterator[None]:
+    """Inside the block, `vlmrl_sdpa` runs token steps through `vlmrl.rollout.decode_attention` where it can: on
+    CUDA with Triton, and with `on_cpu` (tests) on the CPU when Triton runs its interpreter (`TRITON_INTERPRET=1`)."""
+    global _decode_kernel, _decode_kernel_on_cpu
+    from vlmrl.rollout.decode_attention import HAS_TRITON, interpreted
+
+    previous = _decode_kernel, _decode_kernel_on_cpu
+    _decode_kernel, _decode_kernel_on_cpu = enabled and HAS_TRITON, on_cpu and interpreted()
+    try:
+        yield
+    finally:
+        _decode_kernel, _decode_kernel_on_cpu = previous
 
 
 def attend_filled_only(

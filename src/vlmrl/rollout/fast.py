@@ -95,16 +95,19 @@ def wanted(setting: str) -> bool:
 
 def enable_fast_generation(
     trainer: Any, *, bucket: int = 64, mode: str = "reduce-overhead", all_devices: bool = False, merge: bool = False,
-    adapter_copies: bool = False, filled_window: int = 0,
+    adapter_copies: bool = False, filled_window: int = 0, decode_kernel: bool = False,
 ) -> FastGeneration:
     """Turn on static-cache + compiled decoding inside a built `GRPOTrainer`. `filled_window` > 0: each token
-    step's attention reads only the filled cache positions, rounded up to that many (`attend_filled`)."""
+    step's attention reads only the filled cache positions, rounded up to that many (`attend_filled`).
+    `decode_kernel`: token steps' attention runs `vlmrl.rollout.decode_attention`, which skips the cache blocks
+    nothing attends to (needs vlmrl_sdpa and Triton)."""
     config = getattr(trainer, "generation_config", None)
     if config is None or getattr(trainer, "use_vllm", False):
         return FastGeneration(False, "the trainer generates with vLLM, which has its own fast path")
     if getattr(trainer, "use_transformers_continuous_batching", False):
         return FastGeneration(False, "continuous batching is configured; it manages its own cache")
     from vlmrl.rollout.attention import NAME, packed_gqa, packed_gqa_applies
+    from vlmrl.rollout.attention import decode_kernel as decode_kernel_context
 
     config.disable_compile = False
     config.cache_implementation = "static"
@@ -124,12 +127,14 @@ def enable_fast_generation(
         offload = OptimizerStateOffload(trainer)
     stop_check = stop_check_note()
     window = filled_window if attention and filled_window > 0 else 0
+    kernel, kernel_note = _decode_kernel_note(wanted=decode_kernel, attention=attention is not None)
     cache_read = (f"filled positions, rounded up to {window}" if window else
                   "the whole static cache" + (" (train.rollout_filled_window needs vlmrl_sdpa)"
-                                              if filled_window > 0 else ""))
+                                              if filled_window > 0 else "")) + kernel_note
     _wrap_rollouts(trainer, [
         (lambda: packed_gqa(trainer.model)) if attention else None,
         (lambda: attend_filled(trainer.model, window)) if window else None,
+        decode_kernel_context if kernel else None,
         merger.merged if merger else None,
         offload.active if offload else None,  # frees the optimizer state's memory before the copies take theirs
         copies.active if copies else None,
@@ -163,6 +168,19 @@ def _adapter_copies(trainer: Any, dtype: torch.dtype | None, *, wanted: bool) ->
     copies = LowPrecisionAdapters(trainer.model, dtype)
     return copies, (f"{_dtype_name(dtype)} copies made per rollout ({copies.nbytes / 2**30:.2f} GiB while it runs; "
                     "the optimizer state waits on the host)")
+
+
+def _decode_kernel_note(*, wanted: bool, attention: bool) -> tuple[bool, str]:
+    """Whether rollouts run the decode kernel, and what the cache-read note adds about it."""
+    from vlmrl.rollout.decode_attention import HAS_TRITON
+
+    if not wanted:
+        return False, ""
+    if not attention:
+        return False, " (train.rollout_decode_kernel needs vlmrl_sdpa)"
+    if not HAS_TRITON:
+        return False, " (train.rollout_decode_kernel needs Triton)"
+    return True, "; token steps skip the blocks nothing attends to (vlmrl.rollout.decode_attention)"
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

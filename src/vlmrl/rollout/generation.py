@@ -102,7 +102,7 @@ def generate_batch(
     bucket = None
     stop_check: Any = contextlib.nullcontext()
     if compiled:
-        from vlmrl.rollout.attention import use_packed_gqa
+        from vlmrl.rollout.attention import decode_kernel, use_packed_gqa
         from vlmrl.rollout.fast import (
             bucket_static_cache,
             compile_over_4bit,
@@ -120,6 +120,7 @@ def generate_batch(
         stop_check = contextlib.ExitStack()
         stop_check.enter_context(deferred_stop_check())
         stop_check.enter_context(compile_over_4bit(model))
+        stop_check.enter_context(decode_kernel())
     batch = encode_batch(processor, prompts, images, device, bucket=bucket)
     with stop_check:
         output = model.generate(**batch, **kwargs)
