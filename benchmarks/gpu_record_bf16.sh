@@ -8,7 +8,8 @@ export PYTHONUNBUFFERED=1
 CACHE=$(mktemp -d /tmp/vlmrl-compile-cache.XXXX)  # outside OUT: thousands of small files
 # STEPS / STEPS_PLAIN / WARMUP: steps per path and how many are set apart (vlmrl bench --warmup-steps); the
 # second step still does one-off work, so e.g. STEPS=4 STEPS_PLAIN=3 WARMUP=2 (about 13 minutes: run it detached).
-python3 -m vlmrl.cli bench --paths plain,vlmrl --steps "${STEPS:-2}" --warmup-steps "${WARMUP:-1}" \
+# PATHS: the paths measured in the record's process (default plain,vlmrl), e.g. with a variant beside them.
+python3 -m vlmrl.cli bench --paths "${PATHS:-plain,vlmrl}" --steps "${STEPS:-2}" --warmup-steps "${WARMUP:-1}" \
   ${STEPS_PLAIN:+--steps-plain "$STEPS_PLAIN"} --completion 1024 --compile-cache "$CACHE" \
   --out "$OUT/record" && cp "$OUT/record/bench.json" "$OUT/h200_record.json" || exit 1
 python3 -m vlmrl.cli bench --paths vlmrl --steps 1 --completion 1024 --compile-cache "$CACHE" --out "$OUT/warm" \

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 BLOCK = 64  # cache positions per block
+WARPS = 4  # per program of the first kernel
 ROWS = 16  # query rows per program: the fold's G rows, padded for tl.dot
 PROGRAMS_PER_SM = 4
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -93,8 +94,8 @@ def _decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     blocks = -(-positions // block)
     chunk = -(-blocks // splits) * block  # positions per share, in whole blocks
     splits = -(-positions // chunk)
-    acc = torch.empty(batch, heads, splits, ROWS, dim, device=query.device, dtype=torch.float32)
-    top = torch.empty(batch, heads, splits, ROWS, device=query.device, dtype=torch.float32)
+    acc = torch.empty(batch, heads, splits, rows, dim, device=query.device, dtype=torch.float32)  # the G real rows
+    top = torch.empty(batch, heads, splits, rows, device=query.device, dtype=torch.float32)
     total = torch.empty_like(top)
     out = torch.empty(batch, heads, rows, dim, device=query.device, dtype=query.dtype)
     keep = mask.view(torch.uint8)  # same bytes, a type Triton loads as integers
@@ -107,7 +108,7 @@ def _decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         value.stride(0), value.stride(1), value.stride(2),
         keep.stride(0) if keep.shape[0] > 1 else 0, keep.stride(3),
         positions, chunk, scale * log2e,
-        G=rows, D=dim, R=ROWS, BLOCK=block, DOT_F32=interpreted(),
+        G=rows, D=dim, R=ROWS, BLOCK=block, DOT_F32=interpreted(), num_warps=WARPS,
     )
     combine[(batch, heads)](
         acc, top, total, out, splits, out.stride(0), out.stride(1), out.stride(2),
@@ -182,9 +183,10 @@ def _kernels(interpret: bool) -> tuple[Any, Any]:
                     acc = acc * fade[:, None] + tl.dot(weights, v)
                 top = new_top
         share = (b * tl.num_programs(1) + h) * splits + s
-        tl.store(Acc + share * R * D + rows[:, None] * D + cols[None, :], acc)
-        tl.store(Top + share * R + rows, top)
-        tl.store(Total + share * R + rows, total)
+        real = rows < G
+        tl.store(Acc + share * G * D + rows[:, None] * D + cols[None, :], acc, mask=real[:, None])
+        tl.store(Top + share * G + rows, top, mask=real)
+        tl.store(Total + share * G + rows, total, mask=real)
 
     @triton.jit
     def combine(Acc, Top, Total, Out, splits, sob, soh, sog,
@@ -193,19 +195,21 @@ def _kernels(interpret: bool) -> tuple[Any, Any]:
         h = tl.program_id(1)
         rows = tl.arange(0, R)
         cols = tl.arange(0, D)
+        real = rows < G
         first = (b * tl.num_programs(1) + h) * splits
         top = tl.full((R,), float("-inf"), tl.float32)
         for s in range(0, splits):
-            top = tl.maximum(top, tl.load(Top + (first + s) * R + rows))
+            top = tl.maximum(top, tl.load(Top + (first + s) * G + rows, mask=real, other=float("-inf")))
         top = tl.where(top == float("-inf"), 0.0, top)  # no attended position anywhere: every weight below is 0
         total = tl.zeros((R,), tl.float32)
         acc = tl.zeros((R, D), tl.float32)
         for s in range(0, splits):
-            weight = tl.exp2(tl.load(Top + (first + s) * R + rows) - top)
-            total += weight * tl.load(Total + (first + s) * R + rows)
-            acc += weight[:, None] * tl.load(Acc + (first + s) * R * D + rows[:, None] * D + cols[None, :])
+            weight = tl.exp2(tl.load(Top + (first + s) * G + rows, mask=real, other=float("-inf")) - top)
+            total += weight * tl.load(Total + (first + s) * G + rows, mask=real, other=0.0)
+            acc += weight[:, None] * tl.load(Acc + (first + s) * G * D + rows[:, None] * D + cols[None, :],
+                                             mask=real[:, None], other=0.0)
         out = acc / tl.where(total > 0, total, 1.0)[:, None]
         tl.store(Out + b * sob + h * soh + rows[:, None] * sog + cols[None, :], out.to(Out.dtype.element_ty),
-                 mask=rows[:, None] < G)
+                 mask=real[:, None])
 
     return partial, combine
