@@ -81,9 +81,9 @@ def main(out: Path) -> int:
               "shapes": {"batch": BATCH, "kv_heads": KV_HEADS, "groups": GROUPS, "dim": DIM, "cache": CACHE},
               "rows": rows, "numerics_ok": worst <= 1e-3}
     (out / "decode_kernel.json").write_text(json.dumps(result, indent=1))
-    lines = [f"{result['device']}, torch {torch.__version__}; batch {BATCH}, {KV_HEADS} KV heads x {GROUPS} query "
+    lines = [(f"{result['device']}, torch {torch.__version__}; batch {BATCH}, {KV_HEADS} KV heads x {GROUPS} query "
              f"rows, dim {DIM}, static cache {CACHE} positions, bf16. read TB/s: the attended blocks' keys and values "
-             "(SDPA reads the whole cache) per second.", "",
+             "(SDPA reads the whole cache) per second."), "",
              "| filled | variant | us per layer | read TB/s | max abs err vs fp32 |", "|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['filled']} | {r['variant']} | {r['us']:.1f} | {r['read_tb_s']:.2f} | "

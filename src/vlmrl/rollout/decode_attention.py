@@ -198,12 +198,12 @@ def _kernels(interpret: bool) -> tuple[Any, Any]:
         real = rows < G
         first = (b * tl.num_programs(1) + h) * splits
         top = tl.full((R,), float("-inf"), tl.float32)
-        for s in range(0, splits):
+        for s in range(splits):
             top = tl.maximum(top, tl.load(Top + (first + s) * G + rows, mask=real, other=float("-inf")))
         top = tl.where(top == float("-inf"), 0.0, top)  # no attended position anywhere: every weight below is 0
         total = tl.zeros((R,), tl.float32)
         acc = tl.zeros((R, D), tl.float32)
-        for s in range(0, splits):
+        for s in range(splits):
             weight = tl.exp2(tl.load(Top + (first + s) * G + rows, mask=real, other=float("-inf")) - top)
             total += weight * tl.load(Total + (first + s) * G + rows, mask=real, other=0.0)
             acc += weight[:, None] * tl.load(Acc + (first + s) * G * D + rows[:, None] * D + cols[None, :],
