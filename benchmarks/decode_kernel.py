@@ -1,6 +1,7 @@
 """A token step's attention at Qwen3-VL-8B's rollout shapes: PyTorch's SDPA over the whole static cache (what
 vlmrl_sdpa ran before) beside vlmrl's Triton kernel (`vlmrl.rollout.decode_attention`), for several filled lengths
-and kernel settings, with each one's error against a float32 reference.
+and kernel settings, with each one's error against a float32 reference. Each variant's time is GPU time: 36 calls
+(a token step's layers) recorded in a CUDA graph, as the compiled decode step replays them.
 
     python benchmarks/decode_kernel.py OUTDIR     (one CUDA GPU; ~1 minute)
 
@@ -23,17 +24,28 @@ CACHE = 1344  # 310-token prompts + 1,024 new tokens, bucketed to 64
 FILLED = (320, 832, 1344)  # the first token step, the mean, the last
 
 
-def timed_us(fn, iters: int = 200) -> float:
-    for _ in range(10):
-        fn()
+def timed_us(fn, calls: int = 36, replays: int = 20) -> float:
+    """GPU time per call: `calls` calls (one token step's layers) recorded in one CUDA graph, as a compiled decode
+    step runs them, so the host's launch overhead is not timed."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     start.record()
-    for _ in range(iters):
-        fn()
+    for _ in range(replays):
+        graph.replay()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / iters
+    return start.elapsed_time(end) * 1000 / (replays * calls)
 
 
 def main(out: Path) -> int:
