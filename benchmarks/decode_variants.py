@@ -8,9 +8,12 @@ is warmed up at the measured length, so no timed call includes a compile. Varian
   bf16            the adapters' bf16 copies swapped in (`vlmrl.rollout.adapter_cast`), under the same autocast
   bf16+deferred   both
   merged+deferred adapter merged into the weights (`vlmrl.rollout.merge`), the opt-in path
+  bf16+deferred+kernel, merged+deferred+kernel   those two with token steps' attention through vlmrl's Triton
+                  kernel (`vlmrl.rollout.decode_attention`; rollouts' default now)
 Then, on bf16+deferred: the host syncs per token step that remain (torch.cuda sync debug mode, with the Python
-frames that caused them) and a profile (GPU kernel time per step, top kernels).
-Usage (CUDA): python benchmarks/decode_variants.py OUTDIR [TOKENS]
+frames that caused them), and on PROFILE (default bf16+deferred) a profile of 256 tokens (GPU kernel time per
+step, top kernels). VARIANTS=a,b,... runs those variants only (the host syncs then only where measured).
+Usage (CUDA): [VARIANTS=...] [PROFILE=...] python benchmarks/decode_variants.py OUTDIR [TOKENS]
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
+import os
 import sys
 import time
 import traceback
@@ -28,7 +32,7 @@ import torch
 from decode_setup import profile_summary, profile_tables, shaped_model_and_batch, timed_generate
 
 from vlmrl.rollout.adapter_cast import LowPrecisionAdapters
-from vlmrl.rollout.attention import packed_gqa, use_packed_gqa
+from vlmrl.rollout.attention import decode_kernel, packed_gqa, use_packed_gqa
 from vlmrl.rollout.fast import (
     bucket_static_cache,
     deferred_stop_check,
@@ -70,7 +74,12 @@ def main(out: Path, tokens: int) -> None:
         "bf16": [copies.active, autocast],  # as the trainer runs them (autocast then casts nothing)
         "bf16+deferred": [copies.active, autocast, deferred_stop_check],
         "merged+deferred": [merge.merged, deferred_stop_check],
+        "bf16+deferred+kernel": [copies.active, autocast, deferred_stop_check, decode_kernel],
+        "merged+deferred+kernel": [merge.merged, deferred_stop_check, decode_kernel],
     }
+    if os.environ.get("VARIANTS"):
+        variants = {name: variants[name] for name in os.environ["VARIANTS"].split(",")}
+    profiled = os.environ.get("PROFILE", "bf16+deferred")
     result: dict = {"batch": len(batch["input_ids"]), "prompt_tokens": int(batch["input_ids"].shape[1]), "tokens": tokens,
                     "adapter_copy_gib": copies.nbytes / 2**30, "ms_per_step": {}, "first_call_seconds": {}}
     use_packed_gqa(model)
@@ -88,30 +97,34 @@ def main(out: Path, tokens: int) -> None:
         result["first_call_seconds"][name] = time.perf_counter() - start
         result["ms_per_step"][name] = run(name, lambda: timed_generate(model, batch, tokens, **sampling))
         print(name, f"{result['ms_per_step'][name]:.2f} ms/step", flush=True)
-    for name in ("lora", "bf16+deferred"):
+    synced = [name for name in ("lora", "bf16+deferred") if name in variants]
+    for name in synced:
         result[f"host_syncs_{name}"] = run(name, lambda: host_syncs(model, batch, tokens, **sampling))
         print(name, json.dumps(result[f"host_syncs_{name}"], indent=1), flush=True)
     (out / "decode_variants.json").write_text(json.dumps(result, indent=2))  # in case the profile runs out of time
 
     from torch.profiler import ProfilerActivity, profile
 
+    steps = min(tokens, 256)
+    run(profiled, lambda: timed_generate(model, batch, steps, **sampling))  # the shorter cache compiled unprofiled
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        wall = run("bf16+deferred", lambda: timed_generate(model, batch, tokens, **sampling)) * tokens
-    result["profiled_wall_ms_per_step"] = wall / tokens
-    result |= profile_summary(prof, tokens, kernels=16, cpu_ops=10)
+        wall = run(profiled, lambda: timed_generate(model, batch, steps, **sampling)) * steps
+    result["profiled"] = profiled
+    result["profiled_wall_ms_per_step"] = wall / steps
+    result |= profile_summary(prof, steps, kernels=24, cpu_ops=10)
 
     (out / "decode_variants.json").write_text(json.dumps(result, indent=2))
     lines = [f"batch {result['batch']}, prompt {result['prompt_tokens']} tokens, {tokens} forced tokens per call", "",
              "| variant | ms per token step | first call s |", "|---|---|---|"]
     lines += [f"| {k} | {v:.2f} | {result['first_call_seconds'][k]:.0f} |" for k, v in result["ms_per_step"].items()]
-    lines += ["", (f"bf16+deferred under the profiler: {result['profiled_wall_ms_per_step']:.2f} ms wall, "
-              f"{result['gpu_kernel_ms_per_step']:.2f} ms GPU kernels per step"), ""]
-    for name in ("lora", "bf16+deferred"):
+    lines += ["", (f"{profiled} under the profiler ({steps} tokens): {result['profiled_wall_ms_per_step']:.2f} ms "
+              f"wall, {result['gpu_kernel_ms_per_step']:.2f} ms GPU kernels per step"), ""]
+    for name in synced:
         syncs = result[f"host_syncs_{name}"]
         lines += [f"host syncs per step, {name}: {syncs['per_step']:.2f}", ""]
         lines += [f"- {v:.2f}/step `{k}`" for k, v in syncs["sites"].items()] + [""]
-    lines += profile_tables(result, "bf16+deferred")
+    lines += profile_tables(result, profiled)
     (out / "decode_variants.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
