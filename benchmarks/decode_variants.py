@@ -13,7 +13,8 @@ is warmed up at the measured length, so no timed call includes a compile. Varian
   bf16+deferred+kernel+fused  and each LoRA branch of a token step as one Triton kernel (`vlmrl.rollout.fused_lora`)
 Then, on bf16+deferred: the host syncs per token step that remain (torch.cuda sync debug mode, with the Python
 frames that caused them), and on PROFILE (default bf16+deferred) a profile of 256 tokens (GPU kernel time per
-step, top kernels). VARIANTS=a,b,... runs those variants only (the host syncs then only where measured).
+step, top kernels; PROFILE=none skips it). VARIANTS=a,b,... runs those variants only (the host syncs then only
+where measured).
 Usage (CUDA): [VARIANTS=...] [PROFILE=...] python benchmarks/decode_variants.py OUTDIR [TOKENS]
 """
 
@@ -109,6 +110,8 @@ def main(out: Path, tokens: int) -> None:
 
     from torch.profiler import ProfilerActivity, profile
 
+    if profiled == "none":
+        return
     steps = min(tokens, 256)
     run(profiled, lambda: timed_generate(model, batch, steps, **sampling))  # the shorter cache compiled unprofiled
     torch.cuda.synchronize()
