@@ -10,7 +10,6 @@ is warmed up at the measured length, so no timed call includes a compile. Varian
   merged+deferred adapter merged into the weights (`vlmrl.rollout.merge`), the opt-in path
   bf16+deferred+kernel, merged+deferred+kernel   those two with token steps' attention through vlmrl's Triton
                   kernel (`vlmrl.rollout.decode_attention`; rollouts' default now)
-  bf16+deferred+kernel+fused  and each LoRA branch of a token step as one Triton kernel (`vlmrl.rollout.fused_lora`)
 Then, on bf16+deferred: the host syncs per token step that remain (torch.cuda sync debug mode, with the Python
 frames that caused them), and on PROFILE (default bf16+deferred) a profile of 256 tokens (GPU kernel time per
 step, top kernels; PROFILE=none skips it). VARIANTS=a,b,... runs those variants only (the host syncs then only
@@ -39,7 +38,6 @@ from vlmrl.rollout.fast import (
     bucket_static_cache,
     deferred_stop_check,
 )
-from vlmrl.rollout.fused_lora import fused
 from vlmrl.rollout.merge import RolloutMerge
 
 
@@ -79,8 +77,6 @@ def main(out: Path, tokens: int) -> None:
         "merged+deferred": [merge.merged, deferred_stop_check],
         "bf16+deferred+kernel": [copies.active, autocast, deferred_stop_check, decode_kernel],
         "merged+deferred+kernel": [merge.merged, deferred_stop_check, decode_kernel],
-        "bf16+deferred+kernel+fused": [copies.active, autocast, deferred_stop_check, decode_kernel,
-                                       lambda: fused(model)],
     }
     if os.environ.get("VARIANTS"):
         variants = {name: variants[name] for name in os.environ["VARIANTS"].split(",")}

@@ -260,8 +260,7 @@ def test_the_vlmrl_bench_path_runs_vlmrl_trains_defaults_and_each_variant_change
     defaults = TrainConfig()
     assert fast_options("vlmrl") == {"merge": defaults.rollout_merge, "adapter_copies": defaults.rollout_adapter_copies,
                                      "filled_window": defaults.rollout_filled_window,
-                                     "decode_kernel": defaults.rollout_decode_kernel,
-                                     "fused_lora": defaults.rollout_fused_lora}
+                                     "decode_kernel": defaults.rollout_decode_kernel}
     assert fast_options("vlmrl-filled-copies") == {**fast_options("vlmrl"), "filled_window": FILLED_WINDOW,
                                                    "adapter_copies": True}
     assert fast_options("vlmrl-merged")["merge"] is True

@@ -41,7 +41,7 @@ TRACKERS = ("tensorboard", "wandb", "trackio", "none")
 # grouping, the filled-cache window and the decode kernel change float summation order only (grouping also how TRL
 # averages its per-micro-batch metrics).
 OBSERVATION_FIELDS = {"train": ("report_to", "trim_padding", "group_by_length", "rollout_filled_window",
-                                "rollout_decode_kernel", "rollout_fused_lora")}
+                                "rollout_decode_kernel")}
 
 
 class _Section(BaseModel):
@@ -235,13 +235,6 @@ class TrainConfig(_Section):
         "kernel (vlmrl.rollout.decode_attention), which reads only the static-cache blocks holding an attended "
         "position (the filled ones), with the cache's shapes unchanged (one CUDA graph). The same attention up to "
         "float summation order. False: PyTorch's SDPA over the whole cache. Compiled evaluation uses the kernel too.",
-    )
-    rollout_fused_lora: bool = Field(
-        False,
-        description="With fast generation on CUDA: in each token step, every plain LoRA layer (no dropout, DoRA or "
-        "variant) runs its adapter branch (x Aᵀ Bᵀ, scaled, added to the base output) as one Triton kernel "
-        "(vlmrl.rollout.fused_lora) instead of cuBLAS's two skinny matmuls, their split-K sum and an add. The same "
-        "numbers up to float summation order and one rounding. Not with train.rollout_merge.",
     )
     adapter_input_cast: bool = Field(
         False,

@@ -19,8 +19,6 @@ Both paths train the same random-weight model with the real shapes of a named mo
                   (`train.adapter_input_cast=true`; optional);
   vlmrl-sdpa-decode    vlmrl whose token steps attend through PyTorch's SDPA over the whole static cache instead
                   of vlmrl's Triton kernel (`train.rollout_decode_kernel=false`; optional);
-  vlmrl-fused-lora     vlmrl whose token steps run each LoRA branch as one Triton kernel
-                  (`train.rollout_fused_lora=true`, opt-in; optional);
   unsloth         Unsloth's `FastVisionModel` (+ `get_peft_model`) under the same trainer, in a process of its
                   own whose first import is unsloth (`unsloth_path`; optional, needs Unsloth and CUDA).
 

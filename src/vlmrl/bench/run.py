@@ -45,7 +45,6 @@ PATH_OPTIONS = {
     "vlmrl-filled-copies": {"filled_window": FILLED_WINDOW, "adapter_copies": True},
     "vlmrl-input-cast": {},  # its change is in the loss pass: LOSS_PASS_OPTIONS
     "vlmrl-sdpa-decode": {"decode_kernel": False},
-    "vlmrl-fused-lora": {"fused_lora": True},
 }
 # What each vlmrl path changes in the loss pass (enable_loss_pass's keyword arguments).
 LOSS_PASS_OPTIONS = {"vlmrl-input-cast": {"adapter_input_cast": True}}
@@ -214,8 +213,7 @@ def fast_options(path: str) -> dict:
 
     defaults = TrainConfig()
     options = {"merge": defaults.rollout_merge, "adapter_copies": defaults.rollout_adapter_copies,
-               "filled_window": defaults.rollout_filled_window, "decode_kernel": defaults.rollout_decode_kernel,
-               "fused_lora": defaults.rollout_fused_lora}
+               "filled_window": defaults.rollout_filled_window, "decode_kernel": defaults.rollout_decode_kernel}
     return {**options, **PATH_OPTIONS[path]}
 
 

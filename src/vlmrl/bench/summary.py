@@ -17,7 +17,6 @@ from vlmrl.bench.shaped import BenchSettings
 # Each fast path's ratios to plain are keyed with its prefix.
 RATIO_PREFIXES = {"vlmrl": "", "vlmrl-merged": "merged_", "vlmrl-filled": "filled_", "vlmrl-copies": "copies_",
                   "vlmrl-filled-copies": "filled_copies_", "vlmrl-input-cast": "input_cast_", "vlmrl-sdpa-decode": "sdpa_decode_",
-                  "vlmrl-fused-lora": "fused_lora_",
                   "unsloth": "unsloth_"}
 
 

@@ -10,8 +10,6 @@ The pieces, and where each is switched on:
                  and for compiled decoding by `generation`.
   decode_attention  a Triton kernel for a token step's attention that skips the cache blocks nothing attends to;
                  `attention` runs it inside rollouts (`train.rollout_decode_kernel`, on) and compiled decoding.
-  fused_lora     a Triton kernel for a token step's LoRA branch (both matmuls and the add in one launch), for
-                 each rollout when `train.rollout_fused_lora=true` (opt-in; bench path `vlmrl-fused-lora`).
   merge          the LoRA adapter merged into the weights for each rollout, restored exactly afterwards:
                  opt-in, `train.rollout_merge=true` (bench path `vlmrl-merged`).
   adapter_cast   bf16 copies of the float32 LoRA weights, made for each rollout (`train.rollout_adapter_copies`, on).

@@ -95,13 +95,12 @@ def wanted(setting: str) -> bool:
 
 def enable_fast_generation(
     trainer: Any, *, bucket: int = 64, mode: str = "reduce-overhead", all_devices: bool = False, merge: bool = False,
-    adapter_copies: bool = False, filled_window: int = 0, decode_kernel: bool = False, fused_lora: bool = False,
+    adapter_copies: bool = False, filled_window: int = 0, decode_kernel: bool = False,
 ) -> FastGeneration:
     """Turn on static-cache + compiled decoding inside a built `GRPOTrainer`. `filled_window` > 0: each token
     step's attention reads only the filled cache positions, rounded up to that many (`attend_filled`).
     `decode_kernel`: token steps' attention runs `vlmrl.rollout.decode_attention`, which skips the cache blocks
-    nothing attends to (needs vlmrl_sdpa and Triton). `fused_lora`: token steps run each plain LoRA layer's branch
-    as one kernel (`vlmrl.rollout.fused_lora`; not with the adapter merged)."""
+    nothing attends to (needs vlmrl_sdpa and Triton)."""
     config = getattr(trainer, "generation_config", None)
     if config is None or getattr(trainer, "use_vllm", False):
         return FastGeneration(False, "the trainer generates with vLLM, which has its own fast path")
@@ -109,7 +108,6 @@ def enable_fast_generation(
         return FastGeneration(False, "continuous batching is configured; it manages its own cache")
     from vlmrl.rollout.attention import NAME, packed_gqa, packed_gqa_applies
     from vlmrl.rollout.attention import decode_kernel as decode_kernel_context
-    from vlmrl.rollout.fused_lora import fused
 
     config.disable_compile = False
     config.cache_implementation = "static"
@@ -127,7 +125,6 @@ def enable_fast_generation(
         from vlmrl.rollout.offload import OptimizerStateOffload
 
         offload = OptimizerStateOffload(trainer)
-    fuse, adapters = _fused_lora(trainer, adapters, wanted=fused_lora and merger is None)
     stop_check = stop_check_note()
     window = filled_window if attention and filled_window > 0 else 0
     kernel, kernel_note = _decode_kernel_note(wanted=decode_kernel, attention=attention is not None)
@@ -141,7 +138,6 @@ def enable_fast_generation(
         merger.merged if merger else None,
         offload.active if offload else None,  # frees the optimizer state's memory before the copies take theirs
         copies.active if copies else None,
-        (lambda: fused(trainer.model)) if fuse else None,
         # cache_enabled=False: autocast would otherwise hold a bf16 copy of every fp32 LoRA weight for the whole
         # rollout (0.08 GiB for Qwen3-VL-8B at r=16, the rollout peak's excess over the merged path's).
         (lambda: torch.autocast(device_type=_device_type(), dtype=dtype, cache_enabled=False))
@@ -172,18 +168,6 @@ def _adapter_copies(trainer: Any, dtype: torch.dtype | None, *, wanted: bool) ->
     copies = LowPrecisionAdapters(trainer.model, dtype)
     return copies, (f"{_dtype_name(dtype)} copies made per rollout ({copies.nbytes / 2**30:.2f} GiB while it runs; "
                     "the optimizer state waits on the host)")
-
-
-def _fused_lora(trainer: Any, adapters: str, *, wanted: bool) -> tuple[bool, str]:
-    """Whether rollouts fuse the LoRA branches of token steps, and the adapter note with it."""
-    if not wanted:
-        return False, adapters
-    from vlmrl.rollout.fused_lora import HAS_TRITON, count
-
-    layers = count(trainer.model)
-    if not HAS_TRITON or not layers:
-        return False, adapters + f" (train.rollout_fused_lora: {'no Triton' if layers else 'no plain LoRA layer'})"
-    return True, adapters + f"; token steps run each LoRA branch as one kernel ({layers} layers, vlmrl.rollout.fused_lora)"
 
 
 def _decode_kernel_note(*, wanted: bool, attention: bool) -> tuple[bool, str]:
