@@ -17,7 +17,9 @@ to the bucket instead, through TRL's `pad_to_multiple_of`.)
 
 Under compilation transformers' SDPA path copies the keys and values once per query head group
 (`repeat_kv`) at every token step; `vlmrl.rollout.attention` swaps in `vlmrl_sdpa`, which folds the query heads
-instead (same attention, no copies). See docs/benchmarks.md for what each piece is worth on an H200.
+instead (same attention, no copies); at token steps it runs vlmrl's Triton kernel, which reads only the cache
+blocks some position of which is attended (`vlmrl.rollout.decode_attention`, `train.rollout_decode_kernel`; 13.0 ->
+12.4 ms per token step in TRL on an H200). See docs/benchmarks.md for what each piece is worth on an H200.
 
 PEFT keeps LoRA weights in float32 next to a bf16 base (`autocast_adapter_dtype`), and TRL's loss pass runs
 under the accelerator's bf16 autocast, but its `generate` does not: every adapter matmul of a rollout then
