@@ -12,6 +12,7 @@ import torch
 from tests.conftest import load_sdpa
 from tests.test_fastgen import _Module
 from vlmrl.rollout import attention
+from vlmrl.rollout import decode_attention as kernel_module
 from vlmrl.rollout.decode_attention import BLOCK, HAS_TRITON, decode_attention, interpreted, usable
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (its CPU interpreter)")
@@ -22,6 +23,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def interpreter():
     if DEVICE == "cpu" and not interpreted():
         pytest.skip("Triton was imported before TRITON_INTERPRET=1 was set (tests/conftest.py sets it)")
+    yield
+    assert not kernel_module._failed, f"the kernel fell back to SDPA: {kernel_module._failed}"
 
 
 def _inputs(dtype, batch=3, kv_heads=2, groups=4, positions=150, dim=32, seed=0, device=DEVICE):
@@ -94,6 +97,8 @@ def test_what_it_does_not_compute_is_left_to_sdpa():
     assert not usable(query, key, value, mask.expand(-1, 1, 2, -1), on_cpu=True)  # two query tokens
     assert not usable(query.repeat(1, 1, 5, 1), key, value, mask, on_cpu=True)  # 20 rows per KV head
     assert not usable(query[..., :24], key[..., :24], value[..., :24], mask, on_cpu=True)  # dim not a power of 2
+    wide = torch.zeros(3, 2, 4, 256, dtype=torch.bfloat16)
+    assert not usable(wide, key.new_zeros(3, 2, 150, 256), key.new_zeros(3, 2, 150, 256), mask, on_cpu=True)
     assert not usable(query.requires_grad_(), key, value, mask, on_cpu=True)  # training
     with torch.no_grad():
         assert usable(query, key, value, mask, on_cpu=True)
@@ -218,3 +223,21 @@ def test_vlmrl_train_turns_it_on_by_default():
     before = config.fingerprint()
     config.train.rollout_decode_kernel = False
     assert config.fingerprint() == before
+
+
+def test_where_triton_cannot_run_it_sdpa_computes_the_step_and_says_so(monkeypatch, caplog):
+    def broken(interpret):
+        raise RuntimeError("no bf16 dot on this GPU")
+
+    monkeypatch.setattr(kernel_module, "_kernels", broken)
+    monkeypatch.setattr(kernel_module, "_failed", {})
+    query, key, value, mask = _inputs(torch.bfloat16)
+    with caplog.at_level("WARNING", logger="vlmrl.rollout.decode_attention"):
+        first = decode_attention(query, key, value, mask)
+        second = decode_attention(query, key, value, mask)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask)
+    assert torch.equal(first, sdpa) and torch.equal(second, sdpa)
+    where = (str(query.device), torch.bfloat16, 32, BLOCK)
+    assert [r.getMessage() for r in caplog.records if "cannot run" in r.getMessage()] == [
+        f"the decode attention kernel cannot run on {where} (RuntimeError: no bf16 dot on this GPU); token steps use "
+        "SDPA instead"]  # once
