@@ -111,11 +111,9 @@ def _token_step(groups=4, dtype=torch.bfloat16):
 
 
 def test_vlmrl_sdpa_runs_token_steps_through_it_inside_the_block_only(monkeypatch):
-    from vlmrl.rollout import decode_attention as kernel
-
     calls = []
-    real = kernel.decode_attention
-    monkeypatch.setattr(kernel, "decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = kernel_module.decode_attention
+    monkeypatch.setattr(kernel_module, "decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
     query, key, value, mask = _token_step()
     outside, _ = attention.packed_gqa_sdpa(_Module(4), query, key, value, mask)
     assert calls == []
@@ -156,7 +154,6 @@ def tiny(tiny_qwen3_vl) -> Path:
 
 def test_greedy_decoding_with_the_kernel_gives_the_same_tokens(tiny, monkeypatch):
     from vlmrl.data.synthetic import generate_items
-    from vlmrl.rollout import decode_attention as kernel
     from vlmrl.rollout.fast import bucket_static_cache, prefill_into_dynamic_cache
     from vlmrl.rollout.generation import encode_batch
 
@@ -170,8 +167,8 @@ def test_greedy_decoding_with_the_kernel_gives_the_same_tokens(tiny, monkeypatch
     settings = {"max_new_tokens": 6, "min_new_tokens": 6, "do_sample": False, "cache_implementation": "static",
                 "return_dict_in_generate": True, "output_logits": True}
     calls = []
-    real = kernel.decode_attention
-    monkeypatch.setattr(kernel, "decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = kernel_module.decode_attention
+    monkeypatch.setattr(kernel_module, "decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
     with attention.packed_gqa(model):
         sdpa = model.generate(**batch, **settings)
         assert calls == []
@@ -239,5 +236,5 @@ def test_where_triton_cannot_run_it_sdpa_computes_the_step_and_says_so(monkeypat
     assert torch.equal(first, sdpa) and torch.equal(second, sdpa)
     where = (str(query.device), torch.bfloat16, 32, BLOCK)
     assert [r.getMessage() for r in caplog.records if "cannot run" in r.getMessage()] == [
-        f"the decode attention kernel cannot run on {where} (RuntimeError: no bf16 dot on this GPU); token steps use "
-        "SDPA instead"]  # once
+        (f"the decode attention kernel cannot run on {where} (RuntimeError: no bf16 dot on this GPU); token steps use "
+         "SDPA instead")]  # once

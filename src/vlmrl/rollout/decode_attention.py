@@ -118,7 +118,8 @@ def _launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: t
     total = torch.empty_like(top)
     out = torch.empty(batch, heads, rows, dim, device=query.device, dtype=query.dtype)
     keep = mask.view(torch.uint8)  # same bytes, a type Triton loads as integers
-    partial, combine = _kernels(interpreted())
+    interpret = interpreted()
+    partial, combine = _kernels(interpret)
     log2e = 1.4426950408889634
     partial[(batch, heads, splits)](
         query, key, value, keep, acc, top, total,
@@ -127,7 +128,7 @@ def _launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: t
         value.stride(0), value.stride(1), value.stride(2),
         keep.stride(0) if keep.shape[0] > 1 else 0, keep.stride(3),
         positions, chunk, scale * log2e,
-        G=rows, D=dim, R=ROWS, BLOCK=block, DOT_F32=interpreted(), num_warps=WARPS,
+        G=rows, D=dim, R=ROWS, BLOCK=block, DOT_F32=interpret, num_warps=WARPS,
     )
     combine[(batch, heads)](
         acc, top, total, out, splits, out.stride(0), out.stride(1), out.stride(2),
