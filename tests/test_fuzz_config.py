@@ -9,6 +9,7 @@ round trip unchanged. `EXAMPLES` per property, 5 properties (the total is quoted
 
 from __future__ import annotations
 
+import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -124,6 +125,17 @@ def test_an_override_that_validates_is_applied_exactly(field, value):
         assert got == value
     if isinstance(value, str) and isinstance(got, str):
         assert got == value
+
+def test_an_integer_a_float_field_cannot_hold_exactly_is_refused():
+    """Found by the fuzzer above: 2**53 + 1 in a float field was stored as 2**53."""
+    with pytest.raises(ConfigError, match="9007199254740993 has no exact floating-point value"):
+        load_config("demo", ["export.logits_atol=9007199254740993"])
+    with pytest.raises(ConfigError, match="no exact floating-point value"):
+        load_config("demo", [f"train.learning_rate={10**400}"])
+    assert load_config("demo", ["export.logits_atol=9007199254740992"]).export.logits_atol == 2.0**53
+    assert load_config("demo", ["train.num_train_epochs=2"]).train.num_train_epochs == 2.0
+    assert load_config("demo", ["train.max_steps=9007199254740993"]).train.max_steps == 2**53 + 1  # an int field
+
 
 def test_known_parser_traps_are_config_errors(tmp_path):
     """Found by the fuzzers above: PyYAML raises ValueError/AttributeError/RecursionError, not YAMLError, on

@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -47,6 +47,26 @@ OBSERVATION_FIELDS = {"train": ("report_to", "trim_padding", "group_by_length", 
 class _Section(BaseModel):
     # inf/nan pass `gt=0` checks (a learning rate of .inf is "positive") and fail only hours later
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _exact_in_float_fields(cls, value: Any, info: Any) -> Any:
+        """An integer given to a float field arrives unchanged or is refused: pydantic would store 2**53 + 1 as
+        2**53 (found by tests/test_fuzz_config.py)."""
+        if isinstance(value, int) and not isinstance(value, bool) and _takes_float(cls.model_fields[info.field_name]):
+            try:
+                exact = float(value) == value
+            except OverflowError:
+                exact = False
+            if not exact:
+                raise ValueError(f"{value} has no exact floating-point value; write the number you mean as a float")
+        return value
+
+
+def _takes_float(field: Any) -> bool:
+    """True when a field's type is float, alone or in a union (float | None)."""
+    annotation = field.annotation
+    return annotation is float or float in get_args(annotation)
 
 
 class RunConfig(_Section):
