@@ -41,7 +41,7 @@ TRACKERS = ("tensorboard", "wandb", "trackio", "none")
 # grouping, the filled-cache window and the decode kernel change float summation order only (grouping also how TRL
 # averages its per-micro-batch metrics).
 OBSERVATION_FIELDS = {"train": ("report_to", "trim_padding", "group_by_length", "rollout_filled_window",
-                                "rollout_decode_kernel")}
+                                "rollout_decode_kernel", "loss_kernels")}
 
 
 class _Section(BaseModel):
@@ -255,6 +255,13 @@ class TrainConfig(_Section):
         "kernel (vlmrl.rollout.decode_attention), which reads only the static-cache blocks holding an attended "
         "position (the filled ones), with the cache's shapes unchanged (one CUDA graph). The same attention up to "
         "float summation order. False: PyTorch's SDPA over the whole cache. Compiled evaluation uses the kernel too.",
+    )
+    loss_kernels: bool = Field(
+        True,
+        description="On CUDA with liger-kernel installed (Qwen3-VL, Qwen2.5-VL): the language model's RMSNorm, RoPE and "
+        "SiLU gate run as Liger's fused Triton kernels wherever the model runs eagerly, i.e. in the loss pass "
+        "(vlmrl.loss_kernels); compiled graphs (rollout decode steps) keep the modules' own code, which inductor "
+        "fuses. The same functions up to bf16 rounding. False: the modules' own forwards everywhere.",
     )
     adapter_input_cast: bool = Field(
         False,

@@ -333,23 +333,27 @@ class LossPass:
     trim: PaddingTrim | None
     grouping: LengthGrouping
     adapter_inputs: str = "as PEFT does"
+    kernels: str = "the modules' own"
 
     def as_dict(self) -> dict:
         return {**(self.trim.as_dict() if self.trim else {"trim_padding": False}), **self.grouping.as_dict(),
-                "adapter_inputs": self.adapter_inputs}
+                "adapter_inputs": self.adapter_inputs, "kernels": self.kernels}
 
 
-def enable_loss_pass(trainer: Any, *, trim: bool = True, group: bool = True, adapter_input_cast: bool = False) -> LossPass:
+def enable_loss_pass(trainer: Any, *, trim: bool = True, group: bool = True, adapter_input_cast: bool = False,
+                     kernels: bool = True) -> LossPass:
     """The trim (`enable_padding_trim`) and, with it, the length grouping (`enable_length_grouping`) on `trainer`.
     Grouping alone would change nothing but the order of the sums, so it needs the trim. Unless
-    `adapter_input_cast`, the LoRA layers keep their inputs in the autocast dtype (`vlmrl.adapter_inputs`)."""
-    from vlmrl import adapter_inputs
+    `adapter_input_cast`, the LoRA layers keep their inputs in the autocast dtype (`vlmrl.adapter_inputs`). With
+    `kernels`, Liger's fused kernels where they apply (`vlmrl.loss_kernels`)."""
+    from vlmrl import adapter_inputs, loss_kernels
 
     inputs = adapter_inputs.enable(trainer, wanted=not adapter_input_cast)
+    fused = loss_kernels.enable(trainer, wanted=kernels)
     counters = enable_padding_trim(trainer) if trim else None
     if not group:
-        return LossPass(counters, LengthGrouping(False, why_not="group_by_length is off"), inputs)
+        return LossPass(counters, LengthGrouping(False, why_not="group_by_length is off"), inputs, fused)
     if not counters:
         return LossPass(None, LengthGrouping(False, why_not="trim_padding is off: grouping saves nothing without it"),
-                        inputs)
-    return LossPass(counters, enable_length_grouping(trainer), inputs)
+                        inputs, fused)
+    return LossPass(counters, enable_length_grouping(trainer), inputs, fused)

@@ -173,7 +173,8 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
         else FastGeneration(False, f"train.fast_generation={config.train.fast_generation}")
     )
     loss_pass = enable_loss_pass(trainer, trim=config.train.trim_padding, group=config.train.group_by_length,
-                                 adapter_input_cast=config.train.adapter_input_cast)
+                                 adapter_input_cast=config.train.adapter_input_cast,
+                                 kernels=config.train.loss_kernels)
     recorder.attach(trainer)
     health.attach(recorder)
     # step 4: train, resuming from the last complete checkpoint if there is one

@@ -19,6 +19,8 @@ Both paths train the same random-weight model with the real shapes of a named mo
                   (`train.adapter_input_cast=true`; optional);
   vlmrl-sdpa-decode    vlmrl whose token steps attend through PyTorch's SDPA over the whole static cache instead
                   of vlmrl's Triton kernel (`train.rollout_decode_kernel=false`; optional);
+  vlmrl-own-kernels    vlmrl whose loss pass runs the language model's RMSNorm, RoPE and SiLU gate as the
+                  modules' own PyTorch code instead of Liger's kernels (`train.loss_kernels=false`; optional);
   unsloth         Unsloth's `FastVisionModel` (+ `get_peft_model`) under the same trainer, in a process of its
                   own whose first import is unsloth (`unsloth_path`; optional, needs Unsloth and CUDA).
 

@@ -45,9 +45,10 @@ PATH_OPTIONS = {
     "vlmrl-filled-copies": {"filled_window": FILLED_WINDOW, "adapter_copies": True},
     "vlmrl-input-cast": {},  # its change is in the loss pass: LOSS_PASS_OPTIONS
     "vlmrl-sdpa-decode": {"decode_kernel": False},
+    "vlmrl-own-kernels": {},  # its change is in the loss pass: LOSS_PASS_OPTIONS
 }
 # What each vlmrl path changes in the loss pass (enable_loss_pass's keyword arguments).
-LOSS_PASS_OPTIONS = {"vlmrl-input-cast": {"adapter_input_cast": True}}
+LOSS_PASS_OPTIONS = {"vlmrl-input-cast": {"adapter_input_cast": True}, "vlmrl-own-kernels": {"kernels": False}}
 
 log = logging.getLogger(__name__)
 
