@@ -71,6 +71,7 @@ def summarize(settings: BenchSettings, shapes: dict, ceilings: dict, results: li
             # plain compiles nothing; when it ran a single step that step is its steady one, compilation-free
             "first_step_excluded": len(r["steps"]) > 1,
             "fast_generation": r["fast_generation"],
+            "loss_pass": r.get("loss_pass"),
             "lora_modules": r.get("lora_modules"),
             # set for a path run in its own process (unsloth): its own package versions
             "versions": r.get("versions"),
@@ -180,7 +181,8 @@ def markdown_table(summary: dict) -> str:
         fast = p.get("fast_generation") or {}
         if fast.get("enabled"):
             ran = [f"{label}{fast[key]}" for label, key in SETTING_LABELS if fast.get(key) is not None]
-            lines.append(f"{name}: {', '.join(ran)}.")
+            kernels = (p.get("loss_pass") or {}).get("kernels")
+            lines.append(f"{name}: {', '.join(ran)}" + (f"; loss pass kernels: {kernels}" if kernels else "") + ".")
     return "\n".join(lines) + "\n"
 
 
