@@ -20,7 +20,6 @@ gradients. Liger's kernels should be no farther from it than the modules' own bf
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import tempfile
@@ -54,6 +53,8 @@ def main() -> None:
     processor_dir = build_processor(work, 512)
     model = prepare(build_shaped_model(shapes, processor_dir, load_in_4bit=False, work=work))
     batch = micro_batch(processor_dir)
+    from loss_pass_padding import stand_in  # the script beside this one (benchmarks/ is the script's folder)
+
     trainer = stand_in(model)
     if args.numerics:
         return numerics(args.out, model, trainer, batch)
@@ -179,21 +180,6 @@ def micro_batch(processor_dir: Path) -> dict:
         "input_ids": ids, "attention_mask": torch.ones_like(ids), "mm_token_type_ids": mm,
         "pixel_values": prompt["pixel_values"].repeat(ROWS, 1), "image_grid_thw": prompt["image_grid_thw"].repeat(ROWS, 1),
     }.items()} | {"logits_to_keep": COMPLETION, "num_images": [1] * ROWS}
-
-
-def stand_in(model):
-    """What TRL's `_get_per_token_logps_and_entropies` reads from its trainer (as benchmarks/loss_pass_padding.py)."""
-    import types
-    from collections import defaultdict
-
-    from trl import GRPOTrainer
-
-    fake = types.SimpleNamespace(model=model, state=types.SimpleNamespace(global_step=0),
-                                 args=types.SimpleNamespace(report_to=[]),
-                                 accelerator=types.SimpleNamespace(autocast=contextlib.nullcontext, is_main_process=True),
-                                 _metrics={"train": defaultdict(list), "eval": defaultdict(list)})
-    fake._get_per_token_logps_and_entropies = types.MethodType(GRPOTrainer._get_per_token_logps_and_entropies, fake)
-    return fake
 
 
 def loss_pass(trainer, model, batch: dict, *, autocast: bool = True) -> torch.Tensor:

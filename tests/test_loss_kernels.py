@@ -78,6 +78,7 @@ class _Recorder:
 @pytest.fixture
 def liger(monkeypatch):
     """Liger's three entry points replaced by `_Recorder`, and every tensor taken for a CUDA one."""
+    pytest.importorskip("liger_kernel", reason="liger-kernel is installed on Linux only (pyproject.toml)")
     import liger_kernel.ops
     import liger_kernel.ops.swiglu
     import liger_kernel.transformers.rope
