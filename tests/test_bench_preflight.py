@@ -77,6 +77,11 @@ def test_summary_excludes_the_first_step_and_computes_ratios():
     s = summarize(settings, SHAPES, {"matmul_tflops": 800, "copy_bandwidth_tbs": 4.0}, results, prompt_tokens=300)
     assert ("adapter: merged for rollouts (1 GiB), adapter weights: bfloat16 copies, stop check: deferred one step "
             "on CUDA.") in markdown_table(s)
+    results[2]["loss_pass"] = {"kernels": "Liger's fused kernels outside compiled graphs: RMSNorm x145"}
+    s = summarize(settings, SHAPES, {"matmul_tflops": 800, "copy_bandwidth_tbs": 4.0}, results, prompt_tokens=300)
+    assert s["paths"]["vlmrl-merged"]["loss_pass"] == results[2]["loss_pass"]
+    assert ("stop check: deferred one step on CUDA; loss pass kernels: Liger's fused kernels outside compiled graphs: "
+            "RMSNorm x145.") in markdown_table(s)
 
 
 def test_phase_peaks_and_scaling_over_gpus():
