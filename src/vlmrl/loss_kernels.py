@@ -11,15 +11,18 @@ them again, in more kernels, in the backward. Liger Kernel (`liger-kernel`, main
 `use_liger_kernel`) has each of them as one Triton kernel forward and one backward.
 
 `enable` installs them on the text model's modules of a Qwen3-VL or Qwen2.5-VL model, instance by instance (no
-class is patched, so other models in the process keep theirs). Each replacement dispatches at every call: Liger's
+class is patched). RoPE is the exception: the attention calls a module-level function, so that function is replaced
+for the family, process-wide, until `uninstall`; another model of that family on CUDA (a reference model, say)
+then runs Liger's RoPE too, which computes the same function. Each replacement dispatches at every call: Liger's
 kernel for a CUDA tensor outside `torch.compile`, the module's own forward otherwise. So the compiled rollout
 decode step, whose graph inductor already fuses, traces the original code (and its CUDA graph is unchanged), a
 CPU run computes what it always did, and the loss pass, which runs eagerly, gets the fused kernels.
 
 Numerics: the same functions, computed in float32 inside each kernel and rounded once where eager PyTorch rounds
 between steps (RMSNorm in Liger's "llama" casting mode is Qwen's order of casts; the SiLU gate rounds SiLU's output
-to bf16 in eager PyTorch and not in Liger). Differences are at the bf16 rounding step; GPU tests
-(`tests/test_loss_kernels.py`, skipped without CUDA) compare outputs and gradients with the modules' own.
+to bf16 in eager PyTorch and not in Liger). Differences are at the bf16 rounding step; a GPU test
+(`tests/test_loss_kernels.py`, skipped without CUDA) checks that outputs and gradients are no farther from float32
+than the modules' own bf16 forwards.
 Liger's RMSNorm may write its input gradient over its output gradient (`in_place`); it is off here, since a norm's
 output gradient is not always its own (a residual stream can share it).
 `train.loss_kernels=false` keeps the modules' own forwards.
@@ -35,7 +38,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# the model types whose text model is built from the modules `_install` knows (RMSNorm, MLP with a SiLU gate,
+# the model types whose text model is built from the modules `install` knows (RMSNorm, MLP with a SiLU gate,
 # and the module-level `apply_rotary_pos_emb` the attention calls)
 FAMILIES = {"qwen3_vl": "transformers.models.qwen3_vl.modeling_qwen3_vl",
             "qwen2_5_vl": "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl"}
@@ -122,30 +125,33 @@ def install(model: Any) -> dict[str, int]:
     if found is None:
         return {}
     model_type, text = found
-    counts = {"rms_norm": 0, "silu_gate": 0, "rotary": 0}
     norms = [text.norm]
     for layer in text.layers:
         norms += [layer.input_layernorm, layer.post_attention_layernorm]
         norms += [m for m in (getattr(layer.self_attn, "q_norm", None), getattr(layer.self_attn, "k_norm", None))
                   if m is not None]
-        mlp = layer.mlp
-        if getattr(getattr(mlp, "config", None), "hidden_act", None) in ("silu", "swish") and not hasattr(
-                mlp, "vlmrl_liger"):
-            mlp.forward = _silu_gate(mlp)
-            mlp.vlmrl_liger = True
-            counts["silu_gate"] += 1
-    for norm in norms:
-        if type(norm).__name__.endswith("RMSNorm") and hasattr(norm, "variance_epsilon") and not hasattr(
-                norm, "vlmrl_liger"):
-            norm.forward = _rms_norm(norm)
-            norm.vlmrl_liger = True
-            counts["rms_norm"] += 1
+    gates = [layer.mlp for layer in text.layers
+             if getattr(getattr(layer.mlp, "config", None), "hidden_act", None) in ("silu", "swish")]
+    counts = {
+        "rms_norm": sum(_replace(m, _rms_norm) for m in norms
+                        if type(m).__name__.endswith("RMSNorm") and hasattr(m, "variance_epsilon")),
+        "silu_gate": sum(_replace(m, _silu_gate) for m in gates),
+    }
     modeling = importlib.import_module(FAMILIES[model_type])
     rope = modeling.apply_rotary_pos_emb
     if not hasattr(rope, "vlmrl_liger"):
         modeling.apply_rotary_pos_emb = _rotary(rope)
     counts["rotary"] = len(text.layers)
     return counts
+
+
+def _replace(module: torch.nn.Module, dispatching: Callable[[torch.nn.Module], Callable]) -> bool:
+    """Give `module` the forward `dispatching` makes of it, unless it has one already; whether it was given."""
+    if hasattr(module, "vlmrl_liger"):
+        return False
+    module.forward = dispatching(module)
+    module.vlmrl_liger = True
+    return True
 
 
 def uninstall(model: Any) -> None:
@@ -172,10 +178,10 @@ def enable(trainer: Any, *, wanted: bool = True) -> str:
         return f"the modules' own: {missing}"
     model = trainer.model
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if text_model(base) is None:
+    counts = install(base)
+    if not counts:
         model_type = getattr(getattr(base, "config", None), "model_type", None)
         return f"the modules' own (Liger's kernels are installed for {', '.join(FAMILIES)}, not {model_type})"
-    counts = install(base)
     log.info("loss kernels: Liger's RMSNorm (%d), SiLU gate (%d), RoPE (%d layers) outside compiled graphs",
              counts["rms_norm"], counts["silu_gate"], counts["rotary"])
     return (f"Liger's fused kernels outside compiled graphs: RMSNorm x{counts['rms_norm']}, SiLU gate "
