@@ -10,6 +10,9 @@ is warmed up at the measured length, so no timed call includes a compile. Varian
   merged+deferred adapter merged into the weights (`vlmrl.rollout.merge`), the opt-in path
   bf16+deferred+kernel, merged+deferred+kernel   those two with token steps' attention through vlmrl's Triton
                   kernel (`vlmrl.rollout.decode_attention`; rollouts' default now)
+  stacked+deferred+kernel   the stacked projections (`vlmrl.rollout.stacked`, `train.rollout_stacked`) instead
+                  of the copies: q/k/v and gate/up as one matmul each with the adapters' first factors; the base
+                  weights are stacked (once) when this variant is asked for, before any variant runs
 Then, on bf16+deferred: the host syncs per token step that remain (torch.cuda sync debug mode, with the Python
 frames that caused them), and on PROFILE (default bf16+deferred) a profile of 256 tokens (GPU kernel time per
 step, top kernels; PROFILE=none skips it). VARIANTS=a,b,... runs those variants only (the host syncs then only
@@ -39,6 +42,7 @@ from vlmrl.rollout.fast import (
     deferred_stop_check,
 )
 from vlmrl.rollout.merge import RolloutMerge
+from vlmrl.rollout.stacked import StackedProjections
 
 
 def host_syncs(model, batch, steps, **kwargs) -> dict:
@@ -77,9 +81,11 @@ def main(out: Path, tokens: int) -> None:
         "merged+deferred": [merge.merged, deferred_stop_check],
         "bf16+deferred+kernel": [copies.active, autocast, deferred_stop_check, decode_kernel],
         "merged+deferred+kernel": [merge.merged, deferred_stop_check, decode_kernel],
+        "stacked+deferred+kernel": [lambda: stacked.active(), autocast, deferred_stop_check, decode_kernel],
     }
     if os.environ.get("VARIANTS"):
         variants = {name: variants[name] for name in os.environ["VARIANTS"].split(",")}
+    stacked = StackedProjections(model) if any(name.startswith("stacked") for name in variants) else None
     profiled = os.environ.get("PROFILE", "bf16+deferred")
     result: dict = {"batch": len(batch["input_ids"]), "prompt_tokens": int(batch["input_ids"].shape[1]), "tokens": tokens,
                     "adapter_copy_gib": copies.nbytes / 2**30, "ms_per_step": {}, "first_call_seconds": {}}

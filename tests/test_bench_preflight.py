@@ -244,6 +244,11 @@ def test_adapter_copies_cost_the_rollout_two_bytes_per_adapter_parameter_and_fre
     seed_copies = estimate_memory(load_config("seed", [*BF16, "train.rollout_adapter_copies=true"]), SHAPES,
                                   prompt_tokens=310, fast_generation=True)
     assert seed_copies.peak_gib <= seed.peak_gib  # the step's peak never grows with the copies
+    # the stacked projections: as much as the copies in rollouts, plus the first factors' rows (1 byte per LoRA
+    # parameter: A is about half of them) everywhere
+    stacked = estimate_memory(load_config("seed", [*BF16, *batch, off, "train.rollout_stacked=true"]), SHAPES,
+                              prompt_tokens=310, fast_generation=True)
+    assert stacked.peak_gib - copies.peak_gib == pytest.approx(lora / 2**30)
 
 
 def test_plain_may_run_fewer_steps_and_its_only_step_is_its_steady_one():
@@ -265,7 +270,9 @@ def test_the_vlmrl_bench_path_runs_vlmrl_trains_defaults_and_each_variant_change
     defaults = TrainConfig()
     assert fast_options("vlmrl") == {"merge": defaults.rollout_merge, "adapter_copies": defaults.rollout_adapter_copies,
                                      "filled_window": defaults.rollout_filled_window,
-                                     "decode_kernel": defaults.rollout_decode_kernel}
+                                     "decode_kernel": defaults.rollout_decode_kernel,
+                                     "stacked": defaults.rollout_stacked}
+    assert fast_options("vlmrl-stacked") == {**fast_options("vlmrl"), "stacked": True}
     assert fast_options("vlmrl-filled-copies") == {**fast_options("vlmrl"), "filled_window": FILLED_WINDOW,
                                                    "adapter_copies": True}
     assert fast_options("vlmrl-merged")["merge"] is True

@@ -16,6 +16,9 @@ The prediction is arithmetic on the same quantities that fill the card:
     adapter copies     with train.rollout_adapter_copies, in rollouts only: LoRA parameters x 2 bytes
                        (vlmrl.rollout.adapter_cast), while the optimizer's moments (8 bytes a parameter with
                        AdamW) wait on the host (vlmrl.rollout.offload)
+    stacked projections with train.rollout_stacked instead of the copies: the first factors' rows kept beside the
+                       base weights (about half the LoRA parameters x 2 bytes, always) and the block-diagonal
+                       second factors in rollouts (about the LoRA parameters x 2 bytes; vlmrl.rollout.stacked)
     training           one micro-batch: checkpointed layer inputs (tokens x hidden x 2 bytes x layers) plus one
                        one layer's backward (3x its activations: the recomputed activations, their gradients and
                        the backward's temporaries; the factor the H200 peaks give) and the chunked log-prob pass
@@ -126,8 +129,11 @@ def estimate_memory(config: Config, shapes: dict, *, prompt_tokens: int, fast_ge
     fixed = weights + lora * optimizer_bytes
     # bf16 adapter copies for rollouts (vlmrl.rollout.adapter_cast): only over an unquantized base (QLoRA's adapters are
     # bf16 already), made for each rollout while the optimizer's moments wait on the host (vlmrl.rollout.offload);
-    # counted even with the merge asked for, which can be refused at run time
-    copies = fast_generation and tr.rollout_adapter_copies and not config.model.load_in_4bit
+    # counted even with the merge asked for, which can be refused at run time. The stacked projections
+    # (vlmrl.rollout.stacked) take about as much in rollouts, and their first factors' rows always.
+    stacked = fast_generation and tr.rollout_stacked and not config.model.load_in_4bit
+    copies = (fast_generation and tr.rollout_adapter_copies and not config.model.load_in_4bit) or stacked
+    fixed += lora * 1 if stacked else 0  # the first factors' rows (A is about half of LoRA's parameters)
     rollout_fixed = fixed - lora * (optimizer_bytes - 8) + lora * 2 if copies else fixed
     prompt_cache = generation_batch * prompt_tokens * kv_per_token
     # a measured excess of the compiled decode phase, about one prompt-sized cache (see the docstring)

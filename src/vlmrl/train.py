@@ -168,7 +168,8 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
         enable_fast_generation(trainer, bucket=config.train.prompt_bucket, merge=config.train.rollout_merge,
                                adapter_copies=config.train.rollout_adapter_copies,
                                filled_window=config.train.rollout_filled_window,
-                               decode_kernel=config.train.rollout_decode_kernel)
+                               decode_kernel=config.train.rollout_decode_kernel,
+                               stacked=config.train.rollout_stacked)
         if fast_wanted(config.train.fast_generation)
         else FastGeneration(False, f"train.fast_generation={config.train.fast_generation}")
     )

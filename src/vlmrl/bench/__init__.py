@@ -21,6 +21,8 @@ Both paths train the same random-weight model with the real shapes of a named mo
                   of vlmrl's Triton kernel (`train.rollout_decode_kernel=false`; optional);
   vlmrl-own-kernels    vlmrl whose loss pass runs the language model's RMSNorm, RoPE and SiLU gate as the
                   modules' own PyTorch code instead of Liger's kernels (`train.loss_kernels=false`; optional);
+  vlmrl-stacked   vlmrl whose rollouts run each group of LoRA projections that read the same input as one
+                  matmul with the adapters' first factors (`train.rollout_stacked=true`, opt-in; optional);
   unsloth         Unsloth's `FastVisionModel` (+ `get_peft_model`) under the same trainer, in a process of its
                   own whose first import is unsloth (`unsloth_path`; optional, needs Unsloth and CUDA).
 

@@ -46,6 +46,7 @@ PATH_OPTIONS = {
     "vlmrl-input-cast": {},  # its change is in the loss pass: LOSS_PASS_OPTIONS
     "vlmrl-sdpa-decode": {"decode_kernel": False},
     "vlmrl-own-kernels": {},  # its change is in the loss pass: LOSS_PASS_OPTIONS
+    "vlmrl-stacked": {"stacked": True},
 }
 # What each vlmrl path changes in the loss pass (enable_loss_pass's keyword arguments).
 LOSS_PASS_OPTIONS = {"vlmrl-input-cast": {"adapter_input_cast": True}, "vlmrl-own-kernels": {"kernels": False}}
@@ -214,7 +215,8 @@ def fast_options(path: str) -> dict:
 
     defaults = TrainConfig()
     options = {"merge": defaults.rollout_merge, "adapter_copies": defaults.rollout_adapter_copies,
-               "filled_window": defaults.rollout_filled_window, "decode_kernel": defaults.rollout_decode_kernel}
+               "filled_window": defaults.rollout_filled_window, "decode_kernel": defaults.rollout_decode_kernel,
+               "stacked": defaults.rollout_stacked}
     return {**options, **PATH_OPTIONS[path]}
 
 

@@ -17,7 +17,7 @@ from vlmrl.bench.shaped import BenchSettings
 # Each fast path's ratios to plain are keyed with its prefix.
 RATIO_PREFIXES = {"vlmrl": "", "vlmrl-merged": "merged_", "vlmrl-filled": "filled_", "vlmrl-copies": "copies_",
                   "vlmrl-filled-copies": "filled_copies_", "vlmrl-input-cast": "input_cast_", "vlmrl-sdpa-decode": "sdpa_decode_",
-                  "vlmrl-own-kernels": "own_kernels_", "unsloth": "unsloth_"}
+                  "vlmrl-own-kernels": "own_kernels_", "vlmrl-stacked": "stacked_", "unsloth": "unsloth_"}
 
 
 def steady_steps(steps: list[dict], warmup: int) -> list[dict]:

@@ -97,12 +97,13 @@ def wanted(setting: str) -> bool:
 
 def enable_fast_generation(
     trainer: Any, *, bucket: int = 64, mode: str = "reduce-overhead", all_devices: bool = False, merge: bool = False,
-    adapter_copies: bool = False, filled_window: int = 0, decode_kernel: bool = False,
+    adapter_copies: bool = False, filled_window: int = 0, decode_kernel: bool = False, stacked: bool = False,
 ) -> FastGeneration:
     """Turn on static-cache + compiled decoding inside a built `GRPOTrainer`. `filled_window` > 0: each token
     step's attention reads only the filled cache positions, rounded up to that many (`attend_filled`).
     `decode_kernel`: token steps' attention runs `vlmrl.rollout.decode_attention`, which skips the cache blocks
-    nothing attends to (needs vlmrl_sdpa and Triton)."""
+    nothing attends to (needs vlmrl_sdpa and Triton). `stacked`: projections that read the same input run as one
+    matmul with their adapters' first factors (`vlmrl.rollout.stacked`; moves the base weights once, here)."""
     config = getattr(trainer, "generation_config", None)
     if config is None or getattr(trainer, "use_vllm", False):
         return FastGeneration(False, "the trainer generates with vLLM, which has its own fast path")
@@ -121,9 +122,11 @@ def enable_fast_generation(
     merger, merge_note = _rollout_merge(trainer) if merge else (None, "not merged (train.rollout_merge=false)")
     dtype = rollout_autocast_dtype(trainer.model, trainer.args)
     attention = NAME if packed_gqa_applies(trainer.model) else None
-    copies, adapters = _adapter_copies(trainer, dtype, wanted=adapter_copies and merger is None)
+    stack, stack_note = _stacked(trainer, dtype, wanted=stacked and merger is None)
+    copies, adapters = _adapter_copies(trainer, dtype, wanted=adapter_copies and merger is None and stack is None)
+    adapters = stack_note or adapters
     offload = None
-    if copies is not None:
+    if copies is not None or stack is not None:
         from vlmrl.rollout.offload import OptimizerStateOffload
 
         offload = OptimizerStateOffload(trainer)
@@ -140,6 +143,7 @@ def enable_fast_generation(
         merger.merged if merger else None,
         offload.active if offload else None,  # frees the optimizer state's memory before the copies take theirs
         copies.active if copies else None,
+        stack.active if stack else None,
         # cache_enabled=False: autocast would otherwise hold a bf16 copy of every fp32 LoRA weight for the whole
         # rollout (0.08 GiB for Qwen3-VL-8B at r=16, the rollout peak's excess over the merged path's).
         (lambda: torch.autocast(device_type=_device_type(), dtype=dtype, cache_enabled=False))
@@ -170,6 +174,31 @@ def _adapter_copies(trainer: Any, dtype: torch.dtype | None, *, wanted: bool) ->
     copies = LowPrecisionAdapters(trainer.model, dtype)
     return copies, (f"{_dtype_name(dtype)} copies made per rollout ({copies.nbytes / 2**30:.2f} GiB while it runs; "
                     "the optimizer state waits on the host)")
+
+
+def _stacked(trainer: Any, dtype: torch.dtype | None, *, wanted: bool) -> tuple[Any, str | None]:
+    """The stacked projections for rollouts (`vlmrl.rollout.stacked`) when asked for and possible, and what was done
+    (None when not asked for)."""
+    if not wanted:
+        return None, None
+    refused = "not stacked ({}); " + _adapter_copies(trainer, dtype, wanted=False)[1]
+    if _sharded(trainer):
+        return None, refused.format("parameters are sharded by FSDP / DeepSpeed")
+    base_dtypes = {p.dtype for p in trainer.model.parameters() if not p.requires_grad and p.is_floating_point()}
+    adapter_dtypes = {p.dtype for p in trainer.model.parameters() if p.requires_grad}
+    if dtype is None and adapter_dtypes - base_dtypes:  # float32 adapters, no rollout autocast to match them
+        return None, refused.format("the adapters' dtype differs from the base's and rollouts run without autocast")
+    from vlmrl.rollout.stacked import StackedProjections
+
+    stack = StackedProjections(trainer.model)
+    if not stack.groups:
+        return None, refused.format(stack.reason)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the base weights' old places
+    sizes = sorted({len(g.layers) for g in stack.groups}, reverse=True)
+    return stack, (f"stacked by shared input for rollouts ({len(stack.groups)} groups of {'/'.join(map(str, sizes))} "
+                   f"projections; first factors' rows {stack.nbytes / 2**30:.2f} GiB kept, second factors "
+                   f"{stack.second_nbytes() / 2**30:.2f} GiB while it runs; the optimizer state waits on the host)")
 
 
 def _decode_kernel_note(*, wanted: bool, attention: bool) -> tuple[bool, str]:

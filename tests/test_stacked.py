@@ -1,0 +1,176 @@
+"""Stacked projections for rollouts (`vlmrl.rollout.stacked`, `train.rollout_stacked`): what PEFT's forwards
+compute, with 8 matmuls per layer instead of 21, the base weights moved once and the loss pass unchanged."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from tests.conftest import load_sdpa
+from tests.test_fastgen import fake_trainer
+from vlmrl.data.synthetic import generate_items
+from vlmrl.rollout.fast import bucket_static_cache, compile_settings, enable_fast_generation, prefill_into_dynamic_cache
+from vlmrl.rollout.generation import encode_batch
+from vlmrl.rollout.merge import lora_layers
+from vlmrl.rollout.stacked import StackedProjections
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+SETTINGS = {"max_new_tokens": 12, "min_new_tokens": 12, "do_sample": False, "cache_implementation": "static",
+            "return_dict_in_generate": True, "output_logits": True}
+
+
+def _trained(model, **lora):
+    torch.manual_seed(0)
+    policy = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, **lora))
+    with torch.no_grad():  # a trained adapter: B is zero at initialisation
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.1)
+    return policy
+
+
+@pytest.fixture
+def policy_and_batch(tiny_qwen3_vl):
+    model, processor = load_sdpa(tiny_qwen3_vl)
+    items = list(generate_items(3, seed=3, size=128))
+    batch = encode_batch(processor, [i.question for i in items], [i.image for i in items], torch.device("cpu"))
+    bucket_static_cache(model, 64)
+    prefill_into_dynamic_cache(model)
+    return _trained(model), batch
+
+
+def _linear_calls_per_graph(policy, batch, context) -> tuple[list[int], torch.Tensor]:
+    """Decode compiled through a backend that counts the `linear` calls dynamo captured in each graph."""
+    from torch._dynamo.utils import counters
+
+    graphs: list[int] = []
+
+    def backend(gm, example_inputs):
+        graphs.append(sum(1 for n in gm.graph.nodes if n.op == "call_function"
+                          and getattr(n.target, "__name__", "") == "linear"))
+        return gm.forward
+
+    torch._dynamo.reset()
+    counters.clear()
+    settings = compile_settings(all_devices=True)
+    settings["compile_config"].backend, settings["compile_config"].mode = backend, None
+    with context:
+        out = policy.generate(**batch, **{**SETTINGS, **settings})
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    return graphs, out.sequences
+
+
+def test_rollouts_compute_what_peft_computes_with_eight_matmuls_per_layer(policy_and_batch):
+    import contextlib
+
+    policy, batch = policy_and_batch
+    ids = batch["input_ids"][:, :16]
+    before = policy(input_ids=ids).logits
+    reference = policy.generate(**batch, **SETTINGS)
+    stack = StackedProjections(policy)
+    assert stack.reason is None
+    layers = policy.base_model.model.config.text_config.num_hidden_layers
+    assert sorted(len(g.layers) for g in stack.groups) == sorted([1, 1, 2, 3] * layers)
+    for group in stack.groups:  # each base weight is a view of its rows of the group's tensor: nothing copied
+        start = 0
+        for layer, out in zip(group.layers, group.outs):
+            weight = layer.get_base_layer().weight
+            assert weight.data_ptr() == group.weight[start:start + out].data_ptr() and not weight.requires_grad
+            start += out
+    assert torch.equal(policy(input_ids=ids).logits, before)  # the loss pass computes exactly what it did
+
+    with stack.active():
+        got = policy.generate(**batch, **SETTINGS)
+    assert torch.equal(got.sequences, reference.sequences)
+    for a, b in zip(got.logits, reference.logits):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert all("forward" not in vars(layer) for layer in lora_layers(policy))  # PEFT's forwards again after
+    assert all(g.second is None and not g.owed for g in stack.groups)
+
+    peft_graphs, peft_tokens = _linear_calls_per_graph(policy, batch, contextlib.nullcontext())
+    stacked_graphs, stacked_tokens = _linear_calls_per_graph(policy, batch, stack.active())
+    assert peft_graphs == [21 * layers + 1]  # 7 base + 14 adapter matmuls per layer, and the LM head
+    assert stacked_graphs == [8 * layers + 1]  # one graph: nothing about the stacking recompiles
+    assert torch.equal(stacked_tokens, reference.sequences) and torch.equal(peft_tokens, reference.sequences)
+
+    policy.merge_and_unload()  # exporting after training in the same process: the views merge and save
+    assert torch.equal(stack.groups[0].layers[0].get_base_layer().weight, stack.groups[0].weight[:stack.groups[0].outs[0]])
+
+
+class _Block(torch.nn.Module):
+    """q/k/v with biases (as Qwen2.5-VL's), gate/up, and an o_proj that reads something else."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.q_proj = torch.nn.Linear(width, width)
+        self.k_proj = torch.nn.Linear(width, width // 2)
+        self.v_proj = torch.nn.Linear(width, width // 2)
+        self.o_proj = torch.nn.Linear(width, width, bias=False)
+        self.gate_proj = torch.nn.Linear(width, 2 * width, bias=False)
+        self.up_proj = torch.nn.Linear(width, 2 * width, bias=False)
+
+    def forward(self, x, y):
+        return (self.q_proj(x), self.k_proj(y), self.v_proj(x), self.o_proj(x),
+                self.gate_proj(y), self.up_proj(y), self.gate_proj(x))
+
+
+def test_a_sibling_called_with_another_input_gets_its_own_result_and_scales_may_differ():
+    torch.manual_seed(1)
+    block = _trained(_Block(), rank_pattern={"k_proj": 2}, alpha_pattern={"v_proj": 2}).requires_grad_(False)
+    x, y = torch.randn(2, 3, 16), torch.randn(2, 3, 16)
+    expected = block(x, y)
+    stack = StackedProjections(block)
+    with stack.active():
+        got = block(x, y)
+        calls = collections.Counter()
+        real = type(stack.groups[0]).compute
+        for group in stack.groups:
+            group.compute = lambda x, g=group: calls.update([len(g.layers)]) or real(g, x)
+        block(x, y)
+        scale = stack.groups[0].scale
+    assert [len(g.layers) for g in stack.groups] == [3, 2, 1]
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    # q(x) computes q/k/v; k(y) misses and computes them for y; v(x) is then owed nothing and computes again;
+    # gate(y) serves up(y); the last gate(x) computes for x
+    assert calls == {3: 3, 2: 2, 1: 1}
+    assert isinstance(scale, torch.Tensor) and scale.shape == (32,)  # rank and alpha patterns: one scale per output column
+
+
+@pytest.mark.parametrize(("lora", "reason"), [({"lora_dropout": 0.1}, "LoRA dropout"),
+                                              ({"use_dora": True}, "DoRA adapters")])
+def test_what_cannot_be_stacked_is_left_as_it_is_and_says_why(lora, reason):
+    block = _trained(_Block(), **lora)
+    weights = [p for n, p in block.named_parameters() if "base_layer" in n]
+    stack = StackedProjections(block)
+    assert stack.reason.startswith(reason) and not stack.groups
+    assert [p for n, p in block.named_parameters() if "base_layer" in n] == weights  # nothing moved
+    assert StackedProjections(_Block()).reason == "no LoRA layers"
+
+
+def test_the_setting_replaces_the_copies_and_wraps_each_rollout():
+    seen = []
+
+    def make():
+        model = _trained(_Block().to(torch.bfloat16))
+        trainer = fake_trainer(model, lambda: seen.append(["forward" in vars(m) for m in lora_layers(model)]))
+        return model, trainer
+
+    model, trainer = make()
+    fast = enable_fast_generation(trainer, stacked=True, adapter_copies=True)
+    assert fast.adapters.startswith("stacked by shared input for rollouts (3 groups of 3/2/1 projections")
+    trainer._generate_single_turn()
+    assert seen == [[True] * 6]
+    assert not any("forward" in vars(m) for m in lora_layers(model))
+    _, trainer = make()
+    merged = enable_fast_generation(trainer, stacked=True, merge=True)
+    assert merged.merge.startswith("merged for rollouts") and not merged.adapters.startswith("stacked")
+    _, trainer = make()
+    assert enable_fast_generation(trainer, adapter_copies=True).adapters.startswith("bfloat16 copies")
+    model, trainer = make()
+    trainer.args.bf16 = False  # float32 adapters over a bf16 base with no autocast to match them
+    refused = enable_fast_generation(trainer, stacked=True)
+    assert refused.adapters.startswith("not stacked (the adapters' dtype differs")
