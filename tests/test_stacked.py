@@ -12,7 +12,12 @@ from peft import LoraConfig, get_peft_model
 from tests.conftest import load_sdpa
 from tests.test_fastgen import fake_trainer
 from vlmrl.data.synthetic import generate_items
-from vlmrl.rollout.fast import bucket_static_cache, compile_settings, enable_fast_generation, prefill_into_dynamic_cache
+from vlmrl.rollout.fast import (
+    bucket_static_cache,
+    compile_settings,
+    enable_fast_generation,
+    prefill_into_dynamic_cache,
+)
 from vlmrl.rollout.generation import encode_batch
 from vlmrl.rollout.merge import lora_layers
 from vlmrl.rollout.stacked import StackedProjections

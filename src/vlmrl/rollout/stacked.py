@@ -169,9 +169,8 @@ def _compatible(layers: list[Any]) -> bool:
 def _stack(layers: list[Any]) -> _Group:
     """Move the layers' base weights (and biases) into one tensor with rank-many spare rows each below them."""
     bases = [layer.get_base_layer() for layer in layers]
-    name = lambda layer: next(iter(layer.lora_A))  # noqa: E731
     outs = [b.out_features for b in bases]
-    ranks = [layer.lora_A[name(layer)].out_features for layer in layers]
+    ranks = [next(iter(layer.lora_A.values())).out_features for layer in layers]
     first = bases[0].weight
     weight = torch.zeros(sum(outs) + sum(ranks), first.shape[1], dtype=first.dtype, device=first.device)
     bias = None
