@@ -12,7 +12,8 @@ is warmed up at the measured length, so no timed call includes a compile. Varian
                   kernel (`vlmrl.rollout.decode_attention`; rollouts' default now)
   stacked+deferred+kernel   the stacked projections (`vlmrl.rollout.stacked`, `train.rollout_stacked`) instead
                   of the copies: q/k/v and gate/up as one matmul each with the adapters' first factors; the base
-                  weights are stacked (once) when this variant is asked for, before any variant runs
+                  weights are stacked (once) when this variant is asked for, before any variant runs; the
+                  prompt pass's last-position logits are then compared with the copies' (`stacked_logits`)
 Then, on bf16+deferred: the host syncs per token step that remain (torch.cuda sync debug mode, with the Python
 frames that caused them), and on PROFILE (default bf16+deferred) a profile of 256 tokens (GPU kernel time per
 step, top kernels; PROFILE=none skips it). VARIANTS=a,b,... runs those variants only (the host syncs then only
@@ -64,6 +65,20 @@ def host_syncs(model, batch, steps, **kwargs) -> dict:
     return {"per_step": sum(seen.values()) / steps, "sites": {k: v / steps for k, v in seen.most_common(12)}}
 
 
+def compare_logits(model, batch, reference: list, candidate: list) -> dict:
+    """The prompt pass's last-position logits under two sets of rollout contexts: largest difference, the
+    reference's largest magnitude, and how often the most likely token agrees."""
+    logits = []
+    for contexts in (reference, candidate):
+        with torch.inference_mode(), contextlib.ExitStack() as stack:
+            for factory in contexts:
+                stack.enter_context(factory())
+            logits.append(model(**batch, logits_to_keep=1).logits[:, -1].float())
+    ref, got = logits
+    return {"max_abs_diff": (got - ref).abs().max().item(), "reference_max_abs": ref.abs().max().item(),
+            "argmax_agreement": (got.argmax(-1) == ref.argmax(-1)).float().mean().item()}
+
+
 def main(out: Path, tokens: int) -> None:
     out.mkdir(parents=True, exist_ok=True)
     # a trained-looking adapter, so the merge and the copies carry something
@@ -98,6 +113,9 @@ def main(out: Path, tokens: int) -> None:
                 stack.enter_context(factory())
             return fn()
 
+    if stacked is not None:
+        result["stacked_logits"] = compare_logits(model, batch, [copies.active, autocast], [stacked.active, autocast])
+        print("stacked vs copies, prompt pass:", result["stacked_logits"], flush=True)
     for name in variants:
         start = time.perf_counter()
         run(name, lambda: timed_generate(model, batch, tokens, **sampling))

@@ -124,3 +124,28 @@ def test_issue21_plan_names_scripts_and_modes_that_exist() -> None:
         mode = words[3]
         modes = re.search(r'case "\$MODE" in\n(.*?)esac', script.read_text(), re.DOTALL).group(1)
         assert re.search(rf"(^|[\s|]){mode}[|)]", modes, re.MULTILINE), f"{script.name} has no mode {mode}"
+
+
+def test_every_plan_runs_committed_scripts_with_variants_and_paths_they_know() -> None:
+    """Each job of each plan runs a script that is committed, and the decode variants and bench paths it names exist
+    (a typo would only show on the GPU, after minutes of device time)."""
+    from vlmrl.bench import PATHS
+
+    plans = sorted((ROOT / "benchmarks").glob("*.plan"))
+    assert any(p.name == "gpu_stacked.plan" for p in plans)
+    variants = set(re.findall(r'^\s+"([\w+]+)": \[', (ROOT / "benchmarks" / "decode_variants.py").read_text(), re.M))
+    assert "stacked+deferred+kernel" in variants
+    for plan in plans:
+        for line in plan.read_text().splitlines():
+            if not line.strip() or line.startswith("#"):
+                continue
+            _, name, command = line.split(maxsplit=2)
+            words = shlex.split(command)
+            settings = dict(w.split("=", 1) for w in words if "=" in w.split("/")[0])
+            script = next(w for w in words if w.endswith((".py", ".sh")))
+            assert (ROOT / script).is_file(), f"{plan.name}: {name} runs {script}"
+            if script.endswith("decode_variants.py"):
+                for variant in [*settings.get("VARIANTS", "").split(","), settings.get("PROFILE", "")]:
+                    assert variant in variants | {"", "none"}, f"{plan.name}: no decode variant {variant}"
+            for path in settings.get("PATHS", "").split(","):
+                assert path in (*PATHS, ""), f"{plan.name}: no bench path {path}"

@@ -179,3 +179,18 @@ def test_the_setting_replaces_the_copies_and_wraps_each_rollout():
     trainer.args.bf16 = False  # float32 adapters over a bf16 base with no autocast to match them
     refused = enable_fast_generation(trainer, stacked=True)
     assert refused.adapters.startswith("not stacked (the adapters' dtype differs")
+
+
+def test_in_bf16_under_the_rollout_autocast_it_computes_what_the_adapter_copies_compute():
+    from vlmrl.rollout.adapter_cast import LowPrecisionAdapters
+
+    block = _trained(_Block(64).to(torch.bfloat16))  # float32 adapters over a bf16 base, as PEFT keeps them
+    x, y = torch.randn(4, 5, 64, dtype=torch.bfloat16), torch.randn(4, 5, 64, dtype=torch.bfloat16)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False)
+    with torch.no_grad(), autocast, LowPrecisionAdapters(block, torch.bfloat16).active():
+        expected = block(x, y)
+    stack = StackedProjections(block)
+    with torch.no_grad(), autocast, stack.active():
+        got = block(x, y)
+    for a, b in zip(got, expected, strict=True):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b)
