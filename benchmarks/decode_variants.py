@@ -147,6 +147,8 @@ def main(out: Path, tokens: int) -> None:
     lines += [f"| {k} | {v:.2f} | {result['first_call_seconds'][k]:.0f} |" for k, v in result["ms_per_step"].items()]
     lines += ["", (f"{profiled} under the profiler ({steps} tokens): {result['profiled_wall_ms_per_step']:.2f} ms "
               f"wall, {result['gpu_kernel_ms_per_step']:.2f} ms GPU kernels per step"), ""]
+    if "stacked_logits" in result:
+        lines += [f"stacked vs the adapter copies, prompt pass's last-position logits: {result['stacked_logits']}", ""]
     for name in synced:
         syncs = result[f"host_syncs_{name}"]
         lines += [f"host syncs per step, {name}: {syncs['per_step']:.2f}", ""]
