@@ -117,7 +117,7 @@ def test_a_failed_path_is_reported_not_hidden():
 BF16 = ["model.load_in_4bit=false", "train.optim=adamw_torch"]
 SHORT = [*BF16, "train.max_completion_length=256"]
 # bf16 peaks measured before the adapter copies and the kept adapter inputs were defaults, and with what they ran
-BEFORE_COPIES = ["train.rollout_adapter_copies=false", "train.adapter_input_cast=true"]
+BEFORE_COPIES = ["train.rollout_adapter_copies=false", "train.rollout_stacked=false", "train.adapter_input_cast=true"]
 # h200_throughput_bf16.json and _4bit.json (4-bit runs have neither float32 adapters nor copies)
 BATCH_TABLE = [([*BF16, f"train.per_device_train_batch_size={b}", *BEFORE_COPIES], True, peak)
                for b, peak in [(8, 23.86), (16, 30.83), (32, 44.84), (64, 72.85)]] + [
@@ -127,7 +127,8 @@ BATCH_TABLE = [([*BF16, f"train.per_device_train_batch_size={b}", *BEFORE_COPIES
 
 @pytest.mark.parametrize("overrides, fast, measured", [
     (BF16, False, 23.87), ([*BF16, *BEFORE_COPIES], True, 23.87), ([*BF16, "train.rollout_merge=true"], True, 23.87),
-    (BF16, True, 23.62),  # the defaults since: h200_adapter_inputs.json (rollouts 23.62, the rest 22.96 GiB)
+    ([*BF16, "train.rollout_stacked=false"], True, 23.62),  # h200_adapter_inputs.json (rollouts 23.62, rest 22.96)
+    (BF16, True, 23.66),  # the defaults since: the stacked projections (h200_record_stacked.json)
     ([], True, 13.23),
     (SHORT, False, 20.63), (SHORT, True, 20.02), *BATCH_TABLE,
 ])
@@ -149,6 +150,7 @@ def test_the_prompt_pass_meets_a_prompt_sized_cache_in_both_paths():
     fixed = fast.weights_gib + fast.lora_and_optimizer_gib
     # plain TRL: the full cache while decoding, or the loss pass (here the larger)
     assert math.isclose(plain.peak_gib, fixed + max(plain.kv_cache_gib, plain.training_gib))
+    fixed += fast.lora_and_optimizer_gib / 16  # the stacked projections' first factors' rows: 1 byte a LoRA parameter
     assert plain.training_gib > plain.kv_cache_gib
     # fast generation: the static cache and the decode phase's measured excess, one prompt-sized cache
     prompt_cache = 32 * 310 * kv_bytes_per_token(SHAPES["text_config"]) / 2**30
@@ -233,15 +235,18 @@ def test_adapter_copies_cost_the_rollout_two_bytes_per_adapter_parameter_and_fre
     from vlmrl.preflight import count_params
 
     lora = count_params(SHAPES)[2] * 16
-    batch = ["train.gradient_accumulation_steps=32"]  # a large generation batch: the rollout phase sets the peak
+    # a large generation batch: the rollout phase sets the peak; the stacked projections (the default) apart
+    batch = ["train.gradient_accumulation_steps=32", "train.rollout_stacked=false"]
     off = "train.rollout_adapter_copies=false"
     base = estimate_memory(load_config("seed", [*BF16, *batch, off]), SHAPES, prompt_tokens=310, fast_generation=True)
     copies = estimate_memory(load_config("seed", [*BF16, *batch, "train.rollout_adapter_copies=true"]), SHAPES,
                              prompt_tokens=310, fast_generation=True)
     assert base.kv_cache_gib > base.training_gib  # the rollout phase is the peak here
     assert base.peak_gib - copies.peak_gib == pytest.approx(lora * (8 - 2) / 2**30)
-    seed = estimate_memory(load_config("seed", [*BF16, off]), SHAPES, prompt_tokens=310, fast_generation=True)
-    seed_copies = estimate_memory(load_config("seed", [*BF16, "train.rollout_adapter_copies=true"]), SHAPES,
+    seed = estimate_memory(load_config("seed", [*BF16, off, "train.rollout_stacked=false"]), SHAPES, prompt_tokens=310,
+                           fast_generation=True)
+    seed_copies = estimate_memory(load_config("seed", [*BF16, "train.rollout_adapter_copies=true",
+                                                       "train.rollout_stacked=false"]), SHAPES,
                                   prompt_tokens=310, fast_generation=True)
     assert seed_copies.peak_gib <= seed.peak_gib  # the step's peak never grows with the copies
     # the stacked projections: as much as the copies in rollouts, plus the first factors' rows (1 byte per LoRA
@@ -273,8 +278,9 @@ def test_the_vlmrl_bench_path_runs_vlmrl_trains_defaults_and_each_variant_change
                                      "decode_kernel": defaults.rollout_decode_kernel,
                                      "stacked": defaults.rollout_stacked}
     assert fast_options("vlmrl-stacked") == {**fast_options("vlmrl"), "stacked": True}
+    assert fast_options("vlmrl-copies") == {**fast_options("vlmrl"), "adapter_copies": True, "stacked": False}
     assert fast_options("vlmrl-filled-copies") == {**fast_options("vlmrl"), "filled_window": FILLED_WINDOW,
-                                                   "adapter_copies": True}
+                                                   "adapter_copies": True, "stacked": False}
     assert fast_options("vlmrl-merged")["merge"] is True
     from vlmrl.bench import PATHS
 

@@ -179,6 +179,10 @@ def test_the_setting_replaces_the_copies_and_wraps_each_rollout():
     trainer.args.bf16 = False  # float32 adapters over a bf16 base with no autocast to match them
     refused = enable_fast_generation(trainer, stacked=True)
     assert refused.adapters.startswith("not stacked (the adapters' dtype differs")
+    model = _trained(_Block().to(torch.bfloat16), lora_dropout=0.1)
+    fallback = enable_fast_generation(fake_trainer(model, lambda: None), stacked=True, adapter_copies=True)
+    assert fallback.adapters.startswith("not stacked (LoRA dropout") and "; bfloat16 copies made per rollout" in \
+        fallback.adapters  # refused: the copies apply, and the record says so
 
 
 def test_in_bf16_under_the_rollout_autocast_it_computes_what_the_adapter_copies_compute():

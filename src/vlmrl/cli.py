@@ -312,11 +312,11 @@ def bench(
     completion: Annotated[int, typer.Option(help="Completion tokens, forced.")] = 1024,
     paths: Annotated[str, typer.Option(
         help="Comma-separated, of: plain, vlmrl, vlmrl-merged, vlmrl-filled (attention over the filled cache only), "
-             "vlmrl-copies (bf16 adapter copies for rollouts), vlmrl-filled-copies (both), "
+             "vlmrl-copies (bf16 adapter copies for rollouts instead of the stacked projections), vlmrl-filled-copies (both), "
              "vlmrl-input-cast (PEFT's float32 LoRA input casts in the loss pass), "
              "vlmrl-sdpa-decode (SDPA over the whole cache instead of vlmrl's decode attention kernel), "
              "vlmrl-own-kernels (the modules' own RMSNorm, RoPE and SiLU gate in the loss pass instead of Liger's), "
-             "vlmrl-stacked (rollouts run projections that share an input as one matmul with their adapters), "
+             "vlmrl-stacked (rollouts run projections that share an input as one matmul with their adapters; the default), "
              "unsloth (Unsloth's FastVisionModel, in a process of its own)")] = "plain,vlmrl",
     load_in_4bit: Annotated[bool, typer.Option("--load-in-4bit", help="bitsandbytes 4-bit base weights.")] = False,
     memory_cap_gib: Annotated[float | None, typer.Option(help="Cap this process's GPU memory.")] = None,

@@ -242,14 +242,16 @@ class TrainConfig(_Section):
         "DeepSpeed.",
     )
     rollout_stacked: bool = Field(
-        False,
+        True,
         description="With fast generation and the adapter not merged: LoRA projections that read the same input "
         "(q/k/v; gate/up; o and down alone) run in rollouts as one matmul for the base weights and the adapters' first "
         "factors, and one for the second factors (block-diagonal): 8 matmuls per layer instead of 21 "
         "(vlmrl.rollout.stacked). The base weights are moved once into stacked tensors (each layer's weight a view "
         "of its rows; the loss pass computes what it did). The same values as the adapter's own forward up to float "
-        "summation order. Plain LoRA without dropout over unquantized, unsharded weights; replaces "
-        "rollout_adapter_copies. Opt-in until measured on a GPU.",
+        "summation order. Plain LoRA without dropout over unquantized, unsharded weights (elsewhere the record says "
+        "why not, and the adapter copies apply); replaces rollout_adapter_copies. On an H200 in TRL, Qwen3-VL-8B, seed "
+        "recipe: 18.1 -> 11.6 ms per token step and 25.4 -> 17.0 s per step beside the copies (15.4 -> 12.5 ms with "
+        "the stacked path run first).",
     )
     rollout_filled_window: int = Field(
         0,

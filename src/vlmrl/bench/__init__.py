@@ -12,8 +12,9 @@ Both paths train the same random-weight model with the real shapes of a named mo
                   opt-in; optional);
   vlmrl-filled    vlmrl whose decode attention reads only the filled cache positions, in windows of 128
                   (`train.rollout_filled_window=128`, opt-in; optional);
-  vlmrl-copies    vlmrl whose rollouts read bf16 copies of the adapter weights, the optimizer state on the host
-                  meanwhile (`train.rollout_adapter_copies=true`; optional);
+  vlmrl-copies    vlmrl whose rollouts read bf16 copies of the adapter weights instead of the stacked projections,
+                  the optimizer state on the host meanwhile (`train.rollout_stacked=false`, the default before;
+                  optional);
   vlmrl-filled-copies  both of the last two (optional);
   vlmrl-input-cast     vlmrl whose LoRA layers cast their inputs to float32 under autocast, as PEFT does
                   (`train.adapter_input_cast=true`; optional);
@@ -22,7 +23,8 @@ Both paths train the same random-weight model with the real shapes of a named mo
   vlmrl-own-kernels    vlmrl whose loss pass runs the language model's RMSNorm, RoPE and SiLU gate as the
                   modules' own PyTorch code instead of Liger's kernels (`train.loss_kernels=false`; optional);
   vlmrl-stacked   vlmrl whose rollouts run each group of LoRA projections that read the same input as one
-                  matmul with the adapters' first factors (`train.rollout_stacked=true`, opt-in; optional);
+                  matmul with the adapters' first factors (`train.rollout_stacked=true`, the default now; the
+                  path that measured it beside the copies; optional);
   unsloth         Unsloth's `FastVisionModel` (+ `get_peft_model`) under the same trainer, in a process of its
                   own whose first import is unsloth (`unsloth_path`; optional, needs Unsloth and CUDA).
 

@@ -41,8 +41,8 @@ PATH_OPTIONS = {
     "vlmrl": {},
     "vlmrl-merged": {"merge": True},
     "vlmrl-filled": {"filled_window": FILLED_WINDOW},
-    "vlmrl-copies": {"adapter_copies": True},
-    "vlmrl-filled-copies": {"filled_window": FILLED_WINDOW, "adapter_copies": True},
+    "vlmrl-copies": {"adapter_copies": True, "stacked": False},
+    "vlmrl-filled-copies": {"filled_window": FILLED_WINDOW, "adapter_copies": True, "stacked": False},
     "vlmrl-input-cast": {},  # its change is in the loss pass: LOSS_PASS_OPTIONS
     "vlmrl-sdpa-decode": {"decode_kernel": False},
     "vlmrl-own-kernels": {},  # its change is in the loss pass: LOSS_PASS_OPTIONS

@@ -12,10 +12,11 @@ The pieces, and where each is switched on:
                  `attention` runs it inside rollouts (`train.rollout_decode_kernel`, on) and compiled decoding.
   merge          the LoRA adapter merged into the weights for each rollout, restored exactly afterwards:
                  opt-in, `train.rollout_merge=true` (bench path `vlmrl-merged`).
-  adapter_cast   bf16 copies of the float32 LoRA weights, made for each rollout (`train.rollout_adapter_copies`, on).
+  adapter_cast   bf16 copies of the float32 LoRA weights, made for each rollout (`train.rollout_adapter_copies`, on)
+                 where the stacked projections do not apply.
   stacked        projections that read the same input (q/k/v, gate/up) run in rollouts as one matmul with their
                  adapters' first factors, one for the second: 8 matmuls per layer instead of 21; the base weights
-                 moved once into stacked tensors; opt-in, `train.rollout_stacked=true` (bench path `vlmrl-stacked`).
+                 moved once into stacked tensors; on by default, `train.rollout_stacked` (bench path `vlmrl-stacked`).
   offload        the optimizer state in host memory while a rollout runs, which pays for those copies.
   generation     batched image+question `generate` for evaluation, validation, the SFT check and the demo
                  policy (and the prompt encoding export checks use); compiled (static cache + `attention` + deferred stop check) when

@@ -124,7 +124,8 @@ def enable_fast_generation(
     attention = NAME if packed_gqa_applies(trainer.model) else None
     stack, stack_note = _stacked(trainer, dtype, wanted=stacked and merger is None)
     copies, adapters = _adapter_copies(trainer, dtype, wanted=adapter_copies and merger is None and stack is None)
-    adapters = stack_note or adapters
+    if stack_note:
+        adapters = stack_note if stack is not None else f"{stack_note}; {adapters}"
     offload = None
     if copies is not None or stack is not None:
         from vlmrl.rollout.offload import OptimizerStateOffload
@@ -178,10 +179,10 @@ def _adapter_copies(trainer: Any, dtype: torch.dtype | None, *, wanted: bool) ->
 
 def _stacked(trainer: Any, dtype: torch.dtype | None, *, wanted: bool) -> tuple[Any, str | None]:
     """The stacked projections for rollouts (`vlmrl.rollout.stacked`) when asked for and possible, and what was done
-    (None when not asked for)."""
+    or why not (None when not asked for)."""
     if not wanted:
         return None, None
-    refused = "not stacked ({}); " + _adapter_copies(trainer, dtype, wanted=False)[1]
+    refused = "not stacked ({})"
     if _sharded(trainer):
         return None, refused.format("parameters are sharded by FSDP / DeepSpeed")
     base_dtypes = {p.dtype for p in trainer.model.parameters() if not p.requires_grad and p.is_floating_point()}
