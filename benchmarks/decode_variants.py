@@ -14,8 +14,6 @@ is warmed up at the measured length, so no timed call includes a compile. Varian
                   of the copies: q/k/v and gate/up as one matmul each with the adapters' first factors; the base
                   weights are stacked (once) when this variant is asked for, before any variant runs; the
                   prompt pass's last-position logits are then compared with the copies' (`stacked_logits`)
-  stacked-reduce+deferred+kernel   the same with the second factors, in compiled steps, as a sum over the rank
-                  that inductor fuses with the scaled sum (`StackedProjections(reduce_second=True)`)
 Then, on bf16+deferred: the host syncs per token step that remain (torch.cuda sync debug mode, with the Python
 frames that caused them), and on PROFILE (default bf16+deferred) a profile of 256 tokens (GPU kernel time per
 step, top kernels; PROFILE=none skips it). VARIANTS=a,b,... runs those variants only (the host syncs then only
@@ -67,19 +65,6 @@ def host_syncs(model, batch, steps, **kwargs) -> dict:
     return {"per_step": sum(seen.values()) / steps, "sites": {k: v / steps for k, v in seen.most_common(12)}}
 
 
-@contextlib.contextmanager
-def reduced(stacked):
-    """The stacked projections with the second factors as a product-sum in compiled steps (`reduce_second`)."""
-    for group in stacked.groups:
-        group.reduce_second = True
-    try:
-        with stacked.active():
-            yield
-    finally:
-        for group in stacked.groups:
-            group.reduce_second = False
-
-
 def compare_logits(model, batch, reference: list, candidate: list) -> dict:
     """The prompt pass's last-position logits under two sets of rollout contexts: largest difference, the
     reference's largest magnitude, and how often the most likely token agrees."""
@@ -112,7 +97,6 @@ def main(out: Path, tokens: int) -> None:
         "bf16+deferred+kernel": [copies.active, autocast, deferred_stop_check, decode_kernel],
         "merged+deferred+kernel": [merge.merged, deferred_stop_check, decode_kernel],
         "stacked+deferred+kernel": [lambda: stacked.active(), autocast, deferred_stop_check, decode_kernel],
-        "stacked-reduce+deferred+kernel": [lambda: reduced(stacked), autocast, deferred_stop_check, decode_kernel],
     }
     if os.environ.get("VARIANTS"):
         variants = {name: variants[name] for name in os.environ["VARIANTS"].split(",")}

@@ -40,8 +40,6 @@ import torch.nn.functional as F
 
 # Projections that every supported family calls with the same input, in the order it calls them.
 SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-# `reduce_second` applies to compiled calls of at most this many rows (token steps: one row per sequence)
-_REDUCE_ROWS = 1024
 
 
 def _member_reason(layer: Any) -> str | None:
@@ -78,7 +76,6 @@ class _Group:
     # the outputs still owed to the siblings of the member that computed them, and the input they were for
     source: torch.Tensor | None = None
     owed: dict[int, torch.Tensor] = field(default_factory=dict)
-    reduce_second: bool = False  # compiled token steps: the second factors as a product-sum inductor fuses
 
     @property
     def width(self) -> int:
@@ -87,13 +84,7 @@ class _Group:
     def compute(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         stacked = F.linear(x, self.weight, self.bias)
         base, first = stacked[..., :self.width], stacked[..., self.width:]
-        if self.reduce_second and torch.compiler.is_compiling() and first.shape[:-1].numel() <= _REDUCE_ROWS:
-            # a sum over the rank (16-48 terms) per output, which inductor fuses with the scaled sum below into
-            # one kernel instead of a launch-bound matmul; eager runs never build the [rows, out, rank] product
-            lora = (first.unsqueeze(-2) * self.second).sum(-1)
-        else:
-            lora = F.linear(first, self.second)
-        return (base + lora * self.scale).split(self.outs, dim=-1)
+        return (base + F.linear(first, self.second) * self.scale).split(self.outs, dim=-1)
 
     def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Member `index`'s output for input `x`: its share of a result computed for this very tensor by the
@@ -114,7 +105,7 @@ class StackedProjections:
     """Stacks the frozen base weights of `model`'s LoRA projections by shared input (see the module's text);
     `active()` makes rollouts use them. `reason` says why nothing was stacked (then `active()` changes nothing)."""
 
-    def __init__(self, model: Any, *, reduce_second: bool = False):
+    def __init__(self, model: Any):
         from vlmrl.rollout.merge import lora_layers
 
         self.groups: list[_Group] = []
@@ -133,8 +124,6 @@ class StackedProjections:
                 if all(n in left for n in names) and _compatible([left[n] for n in names]):
                     self.groups.append(_stack([left.pop(n) for n in names]))
             self.groups.extend(_stack([layer]) for layer in left.values())
-        for group in self.groups:
-            group.reduce_second = reduce_second
 
     @property
     def nbytes(self) -> int:
