@@ -14,6 +14,8 @@ is warmed up at the measured length, so no timed call includes a compile. Varian
                   of the copies: q/k/v and gate/up as one matmul each with the adapters' first factors; the base
                   weights are stacked (once) when this variant is asked for, before any variant runs; the
                   prompt pass's last-position logits are then compared with the copies' (`stacked_logits`)
+  stacked+deferred+kernel+guards-once   the same, dynamo's guards checked at each call's first token step only
+                  (`rollout.fast.guards_once`, `train.rollout_guards="first step"`)
 Then, on bf16+deferred: the host syncs per token step that remain (torch.cuda sync debug mode, with the Python
 frames that caused them), and on PROFILE (default bf16+deferred) a profile of 256 tokens (GPU kernel time per
 step, top kernels; PROFILE=none skips it). VARIANTS=a,b,... runs those variants only (the host syncs then only
@@ -41,6 +43,7 @@ from vlmrl.rollout.attention import decode_kernel, packed_gqa, use_packed_gqa
 from vlmrl.rollout.fast import (
     bucket_static_cache,
     deferred_stop_check,
+    guards_once,
 )
 from vlmrl.rollout.merge import RolloutMerge
 from vlmrl.rollout.stacked import StackedProjections
@@ -97,6 +100,8 @@ def main(out: Path, tokens: int) -> None:
         "bf16+deferred+kernel": [copies.active, autocast, deferred_stop_check, decode_kernel],
         "merged+deferred+kernel": [merge.merged, deferred_stop_check, decode_kernel],
         "stacked+deferred+kernel": [lambda: stacked.active(), autocast, deferred_stop_check, decode_kernel],
+        "stacked+deferred+kernel+guards-once": [lambda: stacked.active(), autocast, deferred_stop_check, decode_kernel,
+                                                lambda: guards_once(model)],
     }
     if os.environ.get("VARIANTS"):
         variants = {name: variants[name] for name in os.environ["VARIANTS"].split(",")}

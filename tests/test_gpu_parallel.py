@@ -133,7 +133,8 @@ def test_every_plan_runs_committed_scripts_with_variants_and_paths_they_know() -
 
     plans = sorted((ROOT / "benchmarks").glob("*.plan"))
     assert any(p.name == "gpu_stacked.plan" for p in plans)
-    variants = set(re.findall(r'^\s+"([\w+]+)": \[', (ROOT / "benchmarks" / "decode_variants.py").read_text(), re.M))
+    variants = set(re.findall(r'^\s+"([\w+-]+)": \[', (ROOT / "benchmarks" / "decode_variants.py").read_text(),
+                              re.MULTILINE))
     assert "stacked+deferred+kernel" in variants
     for plan in plans:
         for line in plan.read_text().splitlines():

@@ -25,6 +25,8 @@ Both paths train the same random-weight model with the real shapes of a named mo
   vlmrl-stacked   vlmrl whose rollouts run each group of LoRA projections that read the same input as one
                   matmul with the adapters' first factors (`train.rollout_stacked=true`, the default now; the
                   path that measured it beside the copies; optional);
+  vlmrl-guards-once  vlmrl whose compiled token steps check dynamo's guards at the first step of each rollout
+                  only (`train.rollout_guards="first step"`, opt-in; optional);
   unsloth         Unsloth's `FastVisionModel` (+ `get_peft_model`) under the same trainer, in a process of its
                   own whose first import is unsloth (`unsloth_path`; optional, needs Unsloth and CUDA).
 

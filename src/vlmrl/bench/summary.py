@@ -17,7 +17,8 @@ from vlmrl.bench.shaped import BenchSettings
 # Each fast path's ratios to plain are keyed with its prefix.
 RATIO_PREFIXES = {"vlmrl": "", "vlmrl-merged": "merged_", "vlmrl-filled": "filled_", "vlmrl-copies": "copies_",
                   "vlmrl-filled-copies": "filled_copies_", "vlmrl-input-cast": "input_cast_", "vlmrl-sdpa-decode": "sdpa_decode_",
-                  "vlmrl-own-kernels": "own_kernels_", "vlmrl-stacked": "stacked_", "unsloth": "unsloth_"}
+                  "vlmrl-own-kernels": "own_kernels_", "vlmrl-stacked": "stacked_",
+                  "vlmrl-guards-once": "guards_once_", "unsloth": "unsloth_"}
 
 
 def steady_steps(steps: list[dict], warmup: int) -> list[dict]:
@@ -121,7 +122,7 @@ def _versions() -> dict:
 # What each fast path ran, as the markdown table names it (fields of `FastGeneration`; absent in older records).
 SETTING_LABELS = (("attention ", "attention"), ("autocast ", "autocast"), ("prompt pass: ", "prefill"),
                   ("adapter: ", "merge"), ("adapter weights: ", "adapters"), ("stop check: ", "stop_check"),
-                  ("attention reads ", "cache_read"))
+                  ("attention reads ", "cache_read"), ("guards checked: ", "guards"))
 
 
 def markdown_table(summary: dict) -> str:

@@ -83,11 +83,13 @@ class FastGeneration:
     stop_check: str | None = None  # "deferred one step" or why not
     adapters: str | None = None  # how the rollout reads the LoRA weights
     cache_read: str | None = None  # which static-cache positions a token step's attention reads
+    guards: str | None = None  # when compiled token steps check dynamo's guards
 
     def as_dict(self) -> dict:
         return {"enabled": self.enabled, "reason": self.reason, "bucket": self.bucket, "mode": self.mode,
                 "attention": self.attention, "autocast": self.autocast, "merge": self.merge, "prefill": self.prefill,
-                "stop_check": self.stop_check, "adapters": self.adapters, "cache_read": self.cache_read}
+                "stop_check": self.stop_check, "adapters": self.adapters, "cache_read": self.cache_read,
+                "guards": self.guards}
 
 
 def wanted(setting: str) -> bool:
@@ -98,12 +100,14 @@ def wanted(setting: str) -> bool:
 def enable_fast_generation(
     trainer: Any, *, bucket: int = 64, mode: str = "reduce-overhead", all_devices: bool = False, merge: bool = False,
     adapter_copies: bool = False, filled_window: int = 0, decode_kernel: bool = False, stacked: bool = False,
+    guards: str = "every step",
 ) -> FastGeneration:
     """Turn on static-cache + compiled decoding inside a built `GRPOTrainer`. `filled_window` > 0: each token
     step's attention reads only the filled cache positions, rounded up to that many (`attend_filled`).
     `decode_kernel`: token steps' attention runs `vlmrl.rollout.decode_attention`, which skips the cache blocks
     nothing attends to (needs vlmrl_sdpa and Triton). `stacked`: projections that read the same input run as one
-    matmul with their adapters' first factors (`vlmrl.rollout.stacked`; moves the base weights once, here)."""
+    matmul with their adapters' first factors (`vlmrl.rollout.stacked`; moves the base weights once, here).
+    `guards="first step"`: each `generate` call's later token steps skip dynamo's guard checks (`guards_once`)."""
     config = getattr(trainer, "generation_config", None)
     if config is None or getattr(trainer, "use_vllm", False):
         return FastGeneration(False, "the trainer generates with vLLM, which has its own fast path")
@@ -150,14 +154,16 @@ def enable_fast_generation(
         (lambda: torch.autocast(device_type=_device_type(), dtype=dtype, cache_enabled=False))
         if dtype is not None else None,
         deferred_stop_check,
+        (lambda: guards_once(trainer.model)) if guards == "first step" else None,
         lambda: compile_over_4bit(trainer.model),
     ])
     log.info("fast generation: static KV cache + torch.compile(mode=%s), cache bucketed to %d, attention %s, "
-             "autocast %s, adapter %s, adapter weights %s, prefill %s, stop check %s, attention reads %s", mode, bucket,
-             attention or "unchanged", dtype, merge_note, adapters, prefill, stop_check, cache_read)
+             "autocast %s, adapter %s, adapter weights %s, prefill %s, stop check %s, attention reads %s, guards "
+             "checked at %s", mode, bucket, attention or "unchanged", dtype, merge_note, adapters, prefill, stop_check,
+             cache_read, guards)
     return FastGeneration(True, "static KV cache + torch.compile", bucket, mode, attention,
                           _dtype_name(dtype) if dtype is not None else None, merge_note, prefill, stop_check, adapters,
-                          cache_read)
+                          cache_read, guards)
 
 
 def _adapter_copies(trainer: Any, dtype: torch.dtype | None, *, wanted: bool) -> tuple[Any, str]:
@@ -501,6 +507,53 @@ def rollout_autocast_dtype(model: Any, args: Any) -> torch.dtype | None:
     trainable_fp32 = any(p.requires_grad and p.dtype == torch.float32 for p in params)
     frozen_low = any(not p.requires_grad and p.dtype in (torch.bfloat16, torch.float16) for p in params)
     return dtype if trainable_fp32 and frozen_low else None
+
+
+@contextlib.contextmanager
+def guards_once(model: Any) -> Iterator[None]:
+    """Inside the block, the compiled token steps of each `generate` call check dynamo's guards at the first step
+    only; the later steps of the call run under `torch.compiler.set_stance(skip_guard_eval_unsafe=True)`.
+
+    Dynamo checks, before every call of a compiled function, thousands of guards on the model's attributes and
+    inputs (about 270 per Qwen3-VL layer); at Qwen3-VL-8B shapes on an H200 that took 6.1 ms of host time per
+    token step (`TorchDynamo Cache Lookup`), more than half of a token step, which the GPU cannot hide once its
+    own work per step is as short. Within one `generate` call nothing they check changes from one token step to
+    the next: the static cache, the batch and every shape are fixed for the call, and the Python state read by
+    the forward is the same. The first step checks everything (and compiles when something did change, e.g. a new
+    cache length), so only the repeats are skipped; torch still checks the guards that tell its compiled
+    entries apart. Wraps the model's `get_compiled_call` (transformers 5.x), which `generate` calls once per call.
+    """
+    from vlmrl.rollout.attention import base_model
+
+    base = base_model(model)
+    original = getattr(base, "get_compiled_call", None)
+    if original is None:
+        yield
+        return
+    own = "get_compiled_call" in vars(base)
+
+    def get_compiled_call(compile_config: Any) -> Callable:
+        compiled = original(compile_config)
+        checked = False
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            nonlocal checked
+            if not checked:
+                checked = True
+                return compiled(*args, **kwargs)
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                return compiled(*args, **kwargs)
+
+        return call
+
+    base.get_compiled_call = get_compiled_call
+    try:
+        yield
+    finally:
+        if own:
+            base.get_compiled_call = original
+        else:
+            del base.get_compiled_call
 
 
 def compile_settings(mode: str = "reduce-overhead", all_devices: bool = False) -> dict:
