@@ -239,7 +239,7 @@ class TrainConfig(_Section):
         "autocast. The "
         "copies (2 bytes per adapter parameter) exist only during rollouts, while the optimizer state waits on the host "
         "(vlmrl.rollout.offload), so the peak memory does not grow. Not with the adapter merged, nor under FSDP / "
-        "DeepSpeed.",
+        "DeepSpeed, nor where the stacked projections apply (train.rollout_stacked), which read the adapters themselves.",
     )
     rollout_stacked: bool = Field(
         True,
