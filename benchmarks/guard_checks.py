@@ -72,8 +72,9 @@ def main(out: Path, tokens: int) -> None:
     with tempfile.TemporaryDirectory() as work:
         rows = [measure(layers, tokens, Path(work)) for layers in DEPTHS]
     (out / "guard_checks.json").write_text(json.dumps({"tokens": tokens, "rows": rows}, indent=2))
-    lines = [f"TorchDynamo Cache Lookup per compiled token step, tiny Qwen3-VL (hidden 64) + LoRA, {tokens} tokens, "
-             f"torch {torch.__version__}, CPU", "",
+    title = (f"TorchDynamo Cache Lookup per compiled token step, tiny Qwen3-VL (hidden 64) + LoRA, {tokens} tokens, "
+             f"torch {torch.__version__}, CPU")
+    lines = [title, "",
              "| layers | guards every step, ms | guards at the first step of each call, ms | same tokens |",
              "|---|---|---|---|"]
     lines += [f"| {r['layers']} | {r['every step']['lookup_ms_per_step']:.3f} | "
