@@ -330,7 +330,6 @@ def attend_filled(model: Any, window: int) -> Iterator[None]:
     from vlmrl.rollout.attention import FILLED, base_model
 
     base = base_model(model)
-    own = "prepare_inputs_for_generation" in vars(base)
     original = base.prepare_inputs_for_generation
     buffers: dict[tuple[torch.device, int], torch.Tensor] = {}
 
@@ -349,14 +348,23 @@ def attend_filled(model: Any, window: int) -> Iterator[None]:
         inputs[FILLED] = view
         return inputs
 
-    base.prepare_inputs_for_generation = prepare
+    with _replaced(base, "prepare_inputs_for_generation", prepare):
+        yield
+
+
+@contextlib.contextmanager
+def _replaced(obj: Any, name: str, value: Any) -> Iterator[None]:
+    """`obj.name` is `value` inside the block; afterwards the instance's own attribute again, or none (the class's)."""
+    own = name in vars(obj)
+    original = getattr(obj, name)
+    setattr(obj, name, value)
     try:
         yield
     finally:
         if own:
-            base.prepare_inputs_for_generation = original
+            setattr(obj, name, original)
         else:
-            del base.prepare_inputs_for_generation
+            delattr(obj, name)
 
 
 def _cache_key(model_kwargs: dict) -> str | None:
@@ -530,7 +538,6 @@ def guards_once(model: Any) -> Iterator[None]:
     if original is None:
         yield
         return
-    own = "get_compiled_call" in vars(base)
 
     def get_compiled_call(compile_config: Any) -> Callable:
         compiled = original(compile_config)
@@ -546,14 +553,8 @@ def guards_once(model: Any) -> Iterator[None]:
 
         return call
 
-    base.get_compiled_call = get_compiled_call
-    try:
+    with _replaced(base, "get_compiled_call", get_compiled_call):
         yield
-    finally:
-        if own:
-            base.get_compiled_call = original
-        else:
-            del base.get_compiled_call
 
 
 def compile_settings(mode: str = "reduce-overhead", all_devices: bool = False) -> dict:

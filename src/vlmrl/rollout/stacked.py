@@ -50,8 +50,9 @@ def _member_reason(layer: Any) -> str | None:
     if len(names) != 1:
         return "more than one adapter"
     name = names[0]
-    if variant(layer, name):
-        return f"{variant(layer, name)} adapters"
+    kind = variant(layer, name)
+    if kind:
+        return f"{kind} adapters"
     if getattr(layer, "lora_bias", {}).get(name):
         return "LoRA with a bias"
     if not isinstance(layer.lora_dropout[name], torch.nn.Identity):
@@ -113,10 +114,11 @@ class StackedProjections:
         self.reason = "no LoRA layers" if not layers else next(filter(None, map(_member_reason, layers)), None)
         if self.reason is not None:
             return
+        adapted = {id(layer) for layer in layers}
         by_parent: dict[int, dict[str, Any]] = {}
         for module in model.modules():
             for child_name, child in module.named_children():
-                if child in layers:
+                if id(child) in adapted:
                     by_parent.setdefault(id(module), {})[child_name] = child
         for siblings in by_parent.values():
             left = dict(siblings)
@@ -128,8 +130,8 @@ class StackedProjections:
     @property
     def nbytes(self) -> int:
         """What the first factors' rows add to the weights (kept between rollouts)."""
-        return sum(g.weight[g.width:].nbytes + (g.bias.nbytes // g.bias.numel() * sum(g.ranks) if g.bias is not None
-                                                 else 0) for g in self.groups)
+        return sum(g.weight[g.width:].nbytes + (g.bias[g.width:].nbytes if g.bias is not None else 0)
+                   for g in self.groups)
 
     def second_nbytes(self) -> int:
         """What the block-diagonal second factors take while a rollout runs."""
