@@ -519,18 +519,24 @@ def rollout_autocast_dtype(model: Any, args: Any) -> torch.dtype | None:
 
 @contextlib.contextmanager
 def guards_once(model: Any) -> Iterator[None]:
-    """Inside the block, the compiled token steps of each `generate` call check dynamo's guards at the first step
-    only; the later steps of the call run under `torch.compiler.set_stance(skip_guard_eval_unsafe=True)`.
+    """Inside the block, the compiled token steps of each `generate` call check dynamo's guards until one of them
+    compiles nothing; the later steps of the call run under `torch.compiler.set_stance(skip_guard_eval_unsafe=True)`.
 
     Dynamo checks, before every call of a compiled function, thousands of guards on the model's attributes and
     inputs (about 270 per Qwen3-VL layer); at Qwen3-VL-8B shapes on an H200 that took 6.1 ms of host time per
     token step (`TorchDynamo Cache Lookup`), more than half of a token step, which the GPU cannot hide once its
     own work per step is as short. Within one `generate` call nothing they check changes from one token step to
-    the next: the static cache, the batch and every shape are fixed for the call, and the Python state read by
-    the forward is the same. The first step checks everything (and compiles when something did change, e.g. a new
-    cache length), so only the repeats are skipped; torch still checks the guards that tell its compiled
-    entries apart. Wraps the model's `get_compiled_call` (transformers 5.x), which `generate` calls once per call.
+    the next once the steps are steady: the static cache, the batch and every shape are fixed for the call. The
+    first steps check everything (and compile when something did change, e.g. a new cache length, or a first token
+    step that differs from the later ones), so only steady repeats are skipped; torch still checks the guards that
+    tell its compiled entries apart. Should a skipped step still need a graph that is not compiled (torch raises
+    instead of compiling under that stance), the step runs again with its guards checked, and so does the rest of
+    the call: a token step is a pure function of its inputs and the cache positions it writes, so running it again
+    writes the same values. Wraps the model's `get_compiled_call` (transformers 5.x), which `generate` calls once
+    per call.
     """
+    from torch._dynamo.utils import counters
+
     from vlmrl.rollout.attention import base_model
 
     base = base_model(model)
@@ -541,15 +547,25 @@ def guards_once(model: Any) -> Iterator[None]:
 
     def get_compiled_call(compile_config: Any) -> Callable:
         compiled = original(compile_config)
-        checked = False
+        steady = False  # a checked token step of this call compiled nothing
+        fell_back = False  # a skipped step needed a new graph: the rest of the call checks every step
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            nonlocal checked
-            if not checked:
-                checked = True
-                return compiled(*args, **kwargs)
-            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                return compiled(*args, **kwargs)
+            nonlocal steady, fell_back
+            if steady and not fell_back:
+                try:
+                    with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                        return compiled(*args, **kwargs)
+                except RuntimeError as error:
+                    if "skip_guard_eval_unsafe" not in str(error):
+                        raise
+                    fell_back = True
+                    log.info("guards_once: a token step needed a graph not compiled yet; it ran again with its "
+                             "guards checked, as will the rest of this generate call")
+            compiles = counters["frames"]["total"]
+            out = compiled(*args, **kwargs)
+            steady = counters["frames"]["total"] == compiles
+            return out
 
         return call
 
