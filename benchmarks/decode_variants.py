@@ -100,6 +100,8 @@ def main(out: Path, tokens: int) -> None:
         "bf16+deferred+kernel": [copies.active, autocast, deferred_stop_check, decode_kernel],
         "merged+deferred+kernel": [merge.merged, deferred_stop_check, decode_kernel],
         "stacked+deferred+kernel": [lambda: stacked.active(), autocast, deferred_stop_check, decode_kernel],
+        "stacked-fused+deferred+kernel": [lambda: stacked.active(fused=True), autocast, deferred_stop_check,
+                                          decode_kernel],
         "stacked+deferred+kernel+guards-once": [lambda: stacked.active(), autocast, deferred_stop_check, decode_kernel,
                                                 lambda: guards_once(model)],
     }

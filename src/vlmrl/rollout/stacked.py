@@ -38,6 +38,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from vlmrl.rollout import second_factors
+
 # Projections that every supported family calls with the same input, in the order it calls them.
 SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -74,6 +76,7 @@ class _Group:
     ranks: list[int]
     second: torch.Tensor | None = None  # [sum(outs), sum(ranks)], block-diagonal; only while a rollout runs
     scale: Any = None
+    fused: bool = False  # token steps run the second step as one kernel (`vlmrl.rollout.second_factors`)
     # the outputs still owed to the siblings of the member that computed them, and the input they were for
     source: torch.Tensor | None = None
     owed: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -84,8 +87,9 @@ class _Group:
 
     def compute(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         stacked = F.linear(x, self.weight, self.bias)
-        base, first = stacked[..., :self.width], stacked[..., self.width:]
-        return (base + F.linear(first, self.second) * self.scale).split(self.outs, dim=-1)
+        if self.fused and second_factors.usable(stacked, self.second):
+            return second_factors.stacked_second(stacked, self.second, self.scale).split(self.outs, dim=-1)
+        return second_factors.reference(stacked, self.second, self.scale).split(self.outs, dim=-1)
 
     def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Member `index`'s output for input `x`: its share of a result computed for this very tensor by the
@@ -138,9 +142,10 @@ class StackedProjections:
         return sum(g.width * sum(g.ranks) * g.weight.element_size() for g in self.groups)
 
     @contextlib.contextmanager
-    def active(self) -> Iterator[None]:
+    def active(self, fused: bool = False) -> Iterator[None]:
         """Within the block the stacked groups hold the adapters' current factors and their layers compute
-        through them; after it, PEFT's own forwards again (and the second factors are freed)."""
+        through them; after it, PEFT's own forwards again (and the second factors are freed). `fused`: token
+        steps run each group's second step as one Triton kernel (`vlmrl.rollout.second_factors`)."""
         if not self.groups:
             yield
             return
@@ -149,6 +154,7 @@ class StackedProjections:
             with torch.no_grad():
                 for group in self.groups:
                     _load_factors(group)
+                    group.fused = fused
             for group in self.groups:
                 for index, layer in enumerate(group.layers):
                     layer.forward = _stacked_forward(group, index, layer)
@@ -159,7 +165,7 @@ class StackedProjections:
                 del layer.forward
             for group in self.groups:
                 group.second = group.scale = group.source = None
-                group.owed = {}
+                group.owed, group.fused = {}, False
 
 
 def _compatible(layers: list[Any]) -> bool:
