@@ -276,8 +276,10 @@ def test_the_vlmrl_bench_path_runs_vlmrl_trains_defaults_and_each_variant_change
     assert fast_options("vlmrl") == {"merge": defaults.rollout_merge, "adapter_copies": defaults.rollout_adapter_copies,
                                      "filled_window": defaults.rollout_filled_window,
                                      "decode_kernel": defaults.rollout_decode_kernel,
-                                     "stacked": defaults.rollout_stacked, "guards": defaults.rollout_guards}
+                                     "stacked": defaults.rollout_stacked,
+                                     "stacked_kernel": defaults.rollout_stacked_kernel, "guards": defaults.rollout_guards}
     assert fast_options("vlmrl-stacked") == {**fast_options("vlmrl"), "stacked": True}
+    assert fast_options("vlmrl-stacked-kernel") == {**fast_options("vlmrl"), "stacked_kernel": True}
     assert fast_options("vlmrl-copies") == {**fast_options("vlmrl"), "adapter_copies": True, "stacked": False}
     assert fast_options("vlmrl-filled-copies") == {**fast_options("vlmrl"), "filled_window": FILLED_WINDOW,
                                                    "adapter_copies": True, "stacked": False}

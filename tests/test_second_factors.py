@@ -93,3 +93,30 @@ def test_where_the_kernel_cannot_run_the_step_falls_back_with_one_warning(monkey
     expected = second_factors.reference(stacked, second, 2.0)
     assert torch.equal(first, expected) and torch.equal(again, expected)
     assert caplog.text.count("cannot run") == 1 and "no kernel here" in caplog.text
+
+
+def test_the_setting_runs_the_kernel_in_rollouts_only(monkeypatch):
+    from tests.test_fastgen import fake_trainer
+    from vlmrl.rollout.fast import enable_fast_generation
+
+    monkeypatch.setattr(second_factors, "_failed", {})
+    launches = []
+    real = second_factors._launch
+    monkeypatch.setattr(second_factors, "_launch", lambda *a: launches.append(1) or real(*a))
+    block = _trained(_Block(64).to(torch.bfloat16))
+    x = torch.randn(2, 3, 64, dtype=torch.bfloat16)
+
+    def rollout():
+        with torch.no_grad():
+            return block(x, x)
+
+    trainer = fake_trainer(block, rollout)
+    fast = enable_fast_generation(trainer, stacked=True, stacked_kernel=True)
+    assert fast.adapters.endswith("each group's second step one Triton kernel (vlmrl.rollout.second_factors)")
+    trainer._generate_single_turn()
+    assert len(launches) == 4 and not second_factors._failed  # q/k/v once, o, gate/up twice (gate reads x again)
+    with torch.no_grad():
+        block(x, x)  # outside rollouts: PEFT's own forwards
+    assert len(launches) == 4
+    plain = fake_trainer(_trained(_Block(64).to(torch.bfloat16)), lambda: None)
+    assert "second_factors" not in enable_fast_generation(plain, stacked=True).adapters  # off by default

@@ -41,7 +41,8 @@ TRACKERS = ("tensorboard", "wandb", "trackio", "none")
 # grouping, the filled-cache window and the decode kernel change float summation order only (grouping also how TRL
 # averages its per-micro-batch metrics).
 OBSERVATION_FIELDS = {"train": ("report_to", "trim_padding", "group_by_length", "rollout_filled_window",
-                                "rollout_decode_kernel", "rollout_stacked", "rollout_guards", "loss_kernels")}
+                                "rollout_decode_kernel", "rollout_stacked", "rollout_stacked_kernel", "rollout_guards",
+                                "loss_kernels")}
 
 
 class _Section(BaseModel):
@@ -252,6 +253,14 @@ class TrainConfig(_Section):
         "why not, and the adapter copies apply); replaces rollout_adapter_copies. On an H200 in TRL, Qwen3-VL-8B, seed "
         "recipe: 18.1 -> 11.6 ms per token step and 25.4 -> 17.0 s per step beside the copies (15.4 -> 12.5 ms with "
         "the stacked path run first).",
+    )
+    rollout_stacked_kernel: bool = Field(
+        False,
+        description="With the stacked projections (train.rollout_stacked): at token steps, each group's second step "
+        "(the rank-space inputs times the block-diagonal second factors, scaled, added to the base outputs) runs as "
+        "one Triton kernel instead of a small cuBLAS matmul and a sum (vlmrl.rollout.second_factors), rounded where "
+        "that path rounds. Opt-in until measured on a GPU: those small matmuls took about 1.3 ms of a 10 ms token "
+        "step at Qwen3-VL-8B shapes on an H200.",
     )
     rollout_guards: Literal["every step", "first step"] = Field(
         "every step",

@@ -169,7 +169,8 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
                                adapter_copies=config.train.rollout_adapter_copies,
                                filled_window=config.train.rollout_filled_window,
                                decode_kernel=config.train.rollout_decode_kernel,
-                               stacked=config.train.rollout_stacked, guards=config.train.rollout_guards)
+                               stacked=config.train.rollout_stacked,
+                               stacked_kernel=config.train.rollout_stacked_kernel, guards=config.train.rollout_guards)
         if fast_wanted(config.train.fast_generation)
         else FastGeneration(False, f"train.fast_generation={config.train.fast_generation}")
     )

@@ -27,6 +27,8 @@ Both paths train the same random-weight model with the real shapes of a named mo
                   path that measured it beside the copies; optional);
   vlmrl-guards-once  vlmrl whose compiled token steps check dynamo's guards at the first step of each rollout
                   only (`train.rollout_guards="first step"`, opt-in; optional);
+  vlmrl-stacked-kernel  vlmrl whose token steps run each stacked group's second step as one Triton kernel
+                  (`train.rollout_stacked_kernel=true`, opt-in; optional);
   unsloth         Unsloth's `FastVisionModel` (+ `get_peft_model`) under the same trainer, in a process of its
                   own whose first import is unsloth (`unsloth_path`; optional, needs Unsloth and CUDA).
 

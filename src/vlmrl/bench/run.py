@@ -48,6 +48,7 @@ PATH_OPTIONS = {
     "vlmrl-own-kernels": {},  # its change is in the loss pass: LOSS_PASS_OPTIONS
     "vlmrl-stacked": {"stacked": True},
     "vlmrl-guards-once": {"guards": "first step"},
+    "vlmrl-stacked-kernel": {"stacked_kernel": True},
 }
 # What each vlmrl path changes in the loss pass (enable_loss_pass's keyword arguments).
 LOSS_PASS_OPTIONS = {"vlmrl-input-cast": {"adapter_input_cast": True}, "vlmrl-own-kernels": {"kernels": False}}
@@ -217,7 +218,8 @@ def fast_options(path: str) -> dict:
     defaults = TrainConfig()
     options = {"merge": defaults.rollout_merge, "adapter_copies": defaults.rollout_adapter_copies,
                "filled_window": defaults.rollout_filled_window, "decode_kernel": defaults.rollout_decode_kernel,
-               "stacked": defaults.rollout_stacked, "guards": defaults.rollout_guards}
+               "stacked": defaults.rollout_stacked, "stacked_kernel": defaults.rollout_stacked_kernel,
+               "guards": defaults.rollout_guards}
     return {**options, **PATH_OPTIONS[path]}
 
 

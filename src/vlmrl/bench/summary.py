@@ -18,7 +18,8 @@ from vlmrl.bench.shaped import BenchSettings
 RATIO_PREFIXES = {"vlmrl": "", "vlmrl-merged": "merged_", "vlmrl-filled": "filled_", "vlmrl-copies": "copies_",
                   "vlmrl-filled-copies": "filled_copies_", "vlmrl-input-cast": "input_cast_", "vlmrl-sdpa-decode": "sdpa_decode_",
                   "vlmrl-own-kernels": "own_kernels_", "vlmrl-stacked": "stacked_",
-                  "vlmrl-guards-once": "guards_once_", "unsloth": "unsloth_"}
+                  "vlmrl-guards-once": "guards_once_", "vlmrl-stacked-kernel": "stacked_kernel_",
+                  "unsloth": "unsloth_"}
 
 
 def steady_steps(steps: list[dict], warmup: int) -> list[dict]:

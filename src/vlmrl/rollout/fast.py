@@ -100,13 +100,14 @@ def wanted(setting: str) -> bool:
 def enable_fast_generation(
     trainer: Any, *, bucket: int = 64, mode: str = "reduce-overhead", all_devices: bool = False, merge: bool = False,
     adapter_copies: bool = False, filled_window: int = 0, decode_kernel: bool = False, stacked: bool = False,
-    guards: str = "every step",
+    stacked_kernel: bool = False, guards: str = "every step",
 ) -> FastGeneration:
     """Turn on static-cache + compiled decoding inside a built `GRPOTrainer`. `filled_window` > 0: each token
     step's attention reads only the filled cache positions, rounded up to that many (`attend_filled`).
     `decode_kernel`: token steps' attention runs `vlmrl.rollout.decode_attention`, which skips the cache blocks
     nothing attends to (needs vlmrl_sdpa and Triton). `stacked`: projections that read the same input run as one
-    matmul with their adapters' first factors (`vlmrl.rollout.stacked`; moves the base weights once, here).
+    matmul with their adapters' first factors (`vlmrl.rollout.stacked`; moves the base weights once, here);
+    `stacked_kernel`: their second step runs as one Triton kernel at token steps (`vlmrl.rollout.second_factors`).
     `guards="first step"`: each `generate` call's later token steps skip dynamo's guard checks (`guards_once`)."""
     config = getattr(trainer, "generation_config", None)
     if config is None or getattr(trainer, "use_vllm", False):
@@ -130,6 +131,8 @@ def enable_fast_generation(
     copies, adapters = _adapter_copies(trainer, dtype, wanted=adapter_copies and merger is None and stack is None)
     if stack_note:
         adapters = stack_note if stack is not None else f"{stack_note}; {adapters}"
+    if stack is not None and stacked_kernel:
+        adapters += "; token steps: each group's second step one Triton kernel (vlmrl.rollout.second_factors)"
     offload = None
     if copies is not None or stack is not None:
         from vlmrl.rollout.offload import OptimizerStateOffload
@@ -148,7 +151,7 @@ def enable_fast_generation(
         merger.merged if merger else None,
         offload.active if offload else None,  # frees the optimizer state's memory before the copies take theirs
         copies.active if copies else None,
-        stack.active if stack else None,
+        (lambda: stack.active(fused=stacked_kernel)) if stack else None,
         # cache_enabled=False: autocast would otherwise hold a bf16 copy of every fp32 LoRA weight for the whole
         # rollout (0.08 GiB for Qwen3-VL-8B at r=16, the rollout peak's excess over the merged path's).
         (lambda: torch.autocast(device_type=_device_type(), dtype=dtype, cache_enabled=False))
