@@ -1,5 +1,6 @@
-"""`vlmrl.rollout.fast.guards_once` (`train.rollout_guards_once`): each `generate` call's compiled token steps check
-dynamo's guards at the first step only, and still give the tokens the eager path gives, across cache lengths."""
+"""`vlmrl.rollout.fast.guards_once` (`train.rollout_guards="first step"`): each `generate` call's compiled token
+steps check dynamo's guards until one compiles nothing, skip them after, still give the eager path's tokens across
+cache lengths, and run a skipped step again checked when it needs a new graph."""
 
 from __future__ import annotations
 
