@@ -32,11 +32,13 @@ import functools
 import importlib.util
 import logging
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 _failed: dict[tuple, str] = {}  # (device, dtype, dim, block) -> why the kernel could not run there
 
 BLOCK = 64  # cache positions per block
@@ -91,18 +93,29 @@ def splits_for(batch: int, heads: int, positions: int, device: torch.device, blo
     return max(1, min(blocks, -(-PROGRAMS_PER_SM * sms // (batch * heads))))
 
 
+def kernel_or_fallback(failed: dict[tuple, str], where: tuple, kernel: Callable[[], T], fallback: Callable[[], T], *,
+                       what: str, instead: str, logger: logging.Logger) -> T:
+    """`kernel()`, unless it failed before at `where` (a key of `failed`, which records why); when it fails, or
+    failed before, `fallback()`. A failure is warned of once, on `logger`: "the {what} cannot run on {where} (...);
+    token steps use {instead} instead"."""
+    if where not in failed:
+        try:
+            return kernel()
+        except Exception as error:  # noqa: BLE001 (Triton's compile and launch errors share no base class)
+            failed[where] = f"{type(error).__name__}: {error}"
+            logger.warning("the %s cannot run on %s (%s); token steps use %s instead",
+                           what, where, failed[where].splitlines()[0][:300], instead)
+    return fallback()
+
+
 @torch.library.custom_op("vlmrl::decode_attention", mutates_args=())
 def _decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float,
                       block: int, splits: int) -> torch.Tensor:
-    where = (str(query.device), query.dtype, query.shape[-1], block)
-    if where not in _failed:
-        try:
-            return _launch(query, key, value, mask, scale, block, splits)
-        except Exception as error:  # noqa: BLE001 (Triton's compile and launch errors share no base class)
-            _failed[where] = f"{type(error).__name__}: {error}"
-            log.warning("the decode attention kernel cannot run on %s (%s); token steps use SDPA instead",
-                        where, _failed[where].splitlines()[0][:300])
-    return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
+    return kernel_or_fallback(
+        _failed, (str(query.device), query.dtype, query.shape[-1], block),
+        lambda: _launch(query, key, value, mask, scale, block, splits),
+        lambda: torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale),
+        what="decode attention kernel", instead="SDPA", logger=log)
 
 
 def _launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float,

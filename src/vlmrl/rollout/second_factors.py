@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from vlmrl.rollout.decode_attention import HAS_TRITON, interpreted
+from vlmrl.rollout.decode_attention import HAS_TRITON, interpreted, kernel_or_fallback
 
 log = logging.getLogger(__name__)
 _failed: dict[tuple, str] = {}  # (device, dtype) -> why the kernel could not run there
@@ -58,15 +58,10 @@ def reference(stacked: torch.Tensor, second: torch.Tensor, scale: Any) -> torch.
 @torch.library.custom_op("vlmrl::stacked_second", mutates_args=())
 def _stacked_second(stacked: torch.Tensor, second: torch.Tensor, scales: torch.Tensor | None,
                     scale: float) -> torch.Tensor:
-    where = (str(stacked.device), stacked.dtype)
-    if where not in _failed:
-        try:
-            return _launch(stacked, second, scales, scale)
-        except Exception as error:  # noqa: BLE001 (Triton's compile and launch errors share no base class)
-            _failed[where] = f"{type(error).__name__}: {error}"
-            log.warning("the stacked second-factor kernel cannot run on %s (%s); token steps use cuBLAS instead",
-                        where, _failed[where].splitlines()[0][:300])
-    return reference(stacked, second, scales if scales is not None else scale)
+    return kernel_or_fallback(
+        _failed, (str(stacked.device), stacked.dtype), lambda: _launch(stacked, second, scales, scale),
+        lambda: reference(stacked, second, scales if scales is not None else scale),
+        what="stacked second-factor kernel", instead="cuBLAS", logger=log)
 
 
 @_stacked_second.register_fake

@@ -87,9 +87,9 @@ class _Group:
 
     def compute(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         stacked = F.linear(x, self.weight, self.bias)
-        if self.fused and second_factors.usable(stacked, self.second):
-            return second_factors.stacked_second(stacked, self.second, self.scale).split(self.outs, dim=-1)
-        return second_factors.reference(stacked, self.second, self.scale).split(self.outs, dim=-1)
+        fused = self.fused and second_factors.usable(stacked, self.second)
+        second_step = second_factors.stacked_second if fused else second_factors.reference
+        return second_step(stacked, self.second, self.scale).split(self.outs, dim=-1)
 
     def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Member `index`'s output for input `x`: its share of a result computed for this very tensor by the
