@@ -280,6 +280,8 @@ def test_the_vlmrl_bench_path_runs_vlmrl_trains_defaults_and_each_variant_change
                                      "stacked_kernel": defaults.rollout_stacked_kernel, "guards": defaults.rollout_guards}
     assert fast_options("vlmrl-stacked") == {**fast_options("vlmrl"), "stacked": True}
     assert fast_options("vlmrl-stacked-kernel") == {**fast_options("vlmrl"), "stacked_kernel": True}
+    assert fast_options("vlmrl-second-cublas") == {**fast_options("vlmrl"), "stacked_kernel": False}
+    assert defaults.rollout_stacked_kernel  # on by default since h200_record (decode 1.89x its floor)
     assert fast_options("vlmrl-copies") == {**fast_options("vlmrl"), "adapter_copies": True, "stacked": False}
     assert fast_options("vlmrl-filled-copies") == {**fast_options("vlmrl"), "filled_window": FILLED_WINDOW,
                                                    "adapter_copies": True, "stacked": False}

@@ -318,7 +318,8 @@ def bench(
              "vlmrl-own-kernels (the modules' own RMSNorm, RoPE and SiLU gate in the loss pass instead of Liger's), "
              "vlmrl-stacked (rollouts run projections that share an input as one matmul with their adapters; the default), "
              "vlmrl-guards-once (dynamo's guards checked at the first token step of each rollout only), "
-             "vlmrl-stacked-kernel (each stacked group's second step as one Triton kernel at token steps), "
+             "vlmrl-stacked-kernel (each stacked group's second step as one Triton kernel at token steps; the default), "
+             "vlmrl-second-cublas (that second step as a cuBLAS matmul and a sum, the default before), "
              "unsloth (Unsloth's FastVisionModel, in a process of its own)")] = "plain,vlmrl",
     load_in_4bit: Annotated[bool, typer.Option("--load-in-4bit", help="bitsandbytes 4-bit base weights.")] = False,
     memory_cap_gib: Annotated[float | None, typer.Option(help="Cap this process's GPU memory.")] = None,

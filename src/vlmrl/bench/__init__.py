@@ -28,7 +28,9 @@ Both paths train the same random-weight model with the real shapes of a named mo
   vlmrl-guards-once  vlmrl whose compiled token steps check dynamo's guards at the first step of each rollout
                   only (`train.rollout_guards="first step"`, opt-in; optional);
   vlmrl-stacked-kernel  vlmrl whose token steps run each stacked group's second step as one Triton kernel
-                  (`train.rollout_stacked_kernel=true`, opt-in; optional);
+                  (`train.rollout_stacked_kernel=true`, the default now; the path that measured it; optional);
+  vlmrl-second-cublas  vlmrl whose token steps run that second step as a cuBLAS matmul and a sum
+                  (`train.rollout_stacked_kernel=false`, the default before; optional);
   unsloth         Unsloth's `FastVisionModel` (+ `get_peft_model`) under the same trainer, in a process of its
                   own whose first import is unsloth (`unsloth_path`; optional, needs Unsloth and CUDA).
 

@@ -49,6 +49,7 @@ PATH_OPTIONS = {
     "vlmrl-stacked": {"stacked": True},
     "vlmrl-guards-once": {"guards": "first step"},
     "vlmrl-stacked-kernel": {"stacked_kernel": True},
+    "vlmrl-second-cublas": {"stacked_kernel": False},
 }
 # What each vlmrl path changes in the loss pass (enable_loss_pass's keyword arguments).
 LOSS_PASS_OPTIONS = {"vlmrl-input-cast": {"adapter_input_cast": True}, "vlmrl-own-kernels": {"kernels": False}}

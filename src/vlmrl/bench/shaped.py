@@ -22,7 +22,8 @@ GIB = 2**30
 
 
 PATHS = ("plain", "vlmrl", "vlmrl-merged", "vlmrl-filled", "vlmrl-copies", "vlmrl-filled-copies", "vlmrl-input-cast",
-         "vlmrl-sdpa-decode", "vlmrl-own-kernels", "vlmrl-stacked", "vlmrl-guards-once", "vlmrl-stacked-kernel", "unsloth")  # unsloth: in its own process (`bench.unsloth_path`)
+         "vlmrl-sdpa-decode", "vlmrl-own-kernels", "vlmrl-stacked", "vlmrl-guards-once", "vlmrl-stacked-kernel",
+         "vlmrl-second-cublas", "unsloth")  # unsloth: in its own process (`bench.unsloth_path`)
 # The bench's LoRA: language attention + MLP projections (the seed recipe's targets), vision tower frozen.
 LORA_TARGETS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 

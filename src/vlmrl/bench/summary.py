@@ -19,6 +19,7 @@ RATIO_PREFIXES = {"vlmrl": "", "vlmrl-merged": "merged_", "vlmrl-filled": "fille
                   "vlmrl-filled-copies": "filled_copies_", "vlmrl-input-cast": "input_cast_", "vlmrl-sdpa-decode": "sdpa_decode_",
                   "vlmrl-own-kernels": "own_kernels_", "vlmrl-stacked": "stacked_",
                   "vlmrl-guards-once": "guards_once_", "vlmrl-stacked-kernel": "stacked_kernel_",
+                  "vlmrl-second-cublas": "second_cublas_",
                   "unsloth": "unsloth_"}
 
 
