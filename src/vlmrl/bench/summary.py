@@ -12,15 +12,17 @@ from dataclasses import asdict
 import torch
 
 from vlmrl.bench.floors import decode_floor_ms, kv_bytes_per_token, language_param_count, train_floor_s
-from vlmrl.bench.shaped import BenchSettings
+from vlmrl.bench.shaped import PATHS, BenchSettings
 
-# Each fast path's ratios to plain are keyed with its prefix.
-RATIO_PREFIXES = {"vlmrl": "", "vlmrl-merged": "merged_", "vlmrl-filled": "filled_", "vlmrl-copies": "copies_",
-                  "vlmrl-filled-copies": "filled_copies_", "vlmrl-input-cast": "input_cast_", "vlmrl-sdpa-decode": "sdpa_decode_",
-                  "vlmrl-own-kernels": "own_kernels_", "vlmrl-stacked": "stacked_",
-                  "vlmrl-guards-once": "guards_once_", "vlmrl-stacked-kernel": "stacked_kernel_",
-                  "vlmrl-second-cublas": "second_cublas_",
-                  "unsloth": "unsloth_"}
+
+def ratio_prefix(path: str) -> str:
+    """The prefix of a path's ratios to plain TRL: its name less "vlmrl-", with "_" for "-" ("" for vlmrl itself,
+    "filled_copies_" for vlmrl-filled-copies, "unsloth_" for unsloth)."""
+    name = path.removeprefix("vlmrl").removeprefix("-").replace("-", "_")
+    return f"{name}_" if name else ""
+
+
+RATIO_PREFIXES = {path: ratio_prefix(path) for path in PATHS if path != "plain"}
 
 
 def steady_steps(steps: list[dict], warmup: int) -> list[dict]:
