@@ -20,7 +20,7 @@ run: $(STAMP)
 test: $(STAMP)
 	# llama.cpp's GGUF converter, from the llama-cpp-python source package on PyPI (once, into vlmrl's cache);
 	# without it the GGUF test skips and says so
-	-$(VENV)/bin/python -m vlmrl.export_gguf fetch
+	-$(VENV)/bin/python -m vlmrl.export.gguf fetch
 	$(VENV)/bin/python -m pytest -q
 
 clean-runs:

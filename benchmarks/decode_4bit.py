@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 from decode_setup import profile_summary, shaped_model_and_batch
 
-from vlmrl.rollout.attention import packed_gqa, use_packed_gqa
-from vlmrl.rollout.fast import bucket_static_cache, compile_over_4bit, deferred_stop_check
+from vlmrl.engine.rollout.attention import packed_gqa, use_packed_gqa
+from vlmrl.engine.rollout.fast import bucket_static_cache, compile_over_4bit, deferred_stop_check
 
 
 def rollout_vs_loss_logprobs(model, batch: dict, tokens: int, sampling: dict, contexts, rows: int | None = None,

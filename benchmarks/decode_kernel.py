@@ -1,5 +1,5 @@
 """A token step's attention at Qwen3-VL-8B's rollout shapes: PyTorch's SDPA over the whole static cache (what
-vlmrl_sdpa ran before) beside vlmrl's Triton kernel (`vlmrl.rollout.decode_attention`), for several filled lengths
+vlmrl_sdpa ran before) beside vlmrl's Triton kernel (`vlmrl.engine.rollout.decode_attention`), for several filled lengths
 and kernel settings, with each one's error against a float32 reference. Each variant's time is GPU time: 36 calls
 (a token step's layers) recorded in a CUDA graph, as the compiled decode step replays them.
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from vlmrl.rollout import decode_attention as kernel
+from vlmrl.engine.rollout import decode_attention as kernel
 
 BATCH, KV_HEADS, GROUPS, DIM = 32, 8, 4, 128  # 8 prompts x 4 generations; Qwen3-VL-8B's attention
 CACHE = 1344  # 310-token prompts + 1,024 new tokens, bucketed to 64

@@ -20,9 +20,9 @@ from vlmrl.bench import (
     build_shaped_model,
     load_shapes,
 )
+from vlmrl.engine.rollout.fast import compile_settings, prefill_into_dynamic_cache
+from vlmrl.engine.rollout.generation import encode_batch
 from vlmrl.models.loading import multimodal_token_ids
-from vlmrl.rollout.fast import compile_settings, prefill_into_dynamic_cache
-from vlmrl.rollout.generation import encode_batch
 
 
 def timed_generate(model: Any, batch: dict, tokens: int, **kwargs: Any) -> float:

@@ -5,12 +5,12 @@ path of vlmrl's rollouts (vlmrl_sdpa, prompt pass on a dynamic cache, cache buck
 is warmed up at the measured length, so no timed call includes a compile. Variants, in one process:
   lora            adapters in float32 under the rollout's bf16 autocast (the path before this change)
   lora+deferred   the same, with transformers' stop check read one step late (`rollout.fast.deferred_stop_check`)
-  bf16            the adapters' bf16 copies swapped in (`vlmrl.rollout.adapter_cast`), under the same autocast
+  bf16            the adapters' bf16 copies swapped in (`vlmrl.engine.rollout.adapter_cast`), under the same autocast
   bf16+deferred   both
-  merged+deferred adapter merged into the weights (`vlmrl.rollout.merge`), the opt-in path
+  merged+deferred adapter merged into the weights (`vlmrl.engine.rollout.merge`), the opt-in path
   bf16+deferred+kernel, merged+deferred+kernel   those two with token steps' attention through vlmrl's Triton
-                  kernel (`vlmrl.rollout.decode_attention`; rollouts' default now)
-  stacked+deferred+kernel   the stacked projections (`vlmrl.rollout.stacked`, `train.rollout_stacked`) instead
+                  kernel (`vlmrl.engine.rollout.decode_attention`; rollouts' default now)
+  stacked+deferred+kernel   the stacked projections (`vlmrl.engine.rollout.stacked`, `train.rollout_stacked`) instead
                   of the copies: q/k/v and gate/up as one matmul each with the adapters' first factors; the base
                   weights are stacked (once) when this variant is asked for, before any variant runs; the
                   prompt pass's last-position logits are then compared with the copies' (`stacked_logits`)
@@ -38,15 +38,15 @@ from pathlib import Path
 import torch
 from decode_setup import profile_summary, profile_tables, shaped_model_and_batch, timed_generate
 
-from vlmrl.rollout.adapter_cast import LowPrecisionAdapters
-from vlmrl.rollout.attention import decode_kernel, packed_gqa, use_packed_gqa
-from vlmrl.rollout.fast import (
+from vlmrl.engine.rollout.adapter_cast import LowPrecisionAdapters
+from vlmrl.engine.rollout.attention import decode_kernel, packed_gqa, use_packed_gqa
+from vlmrl.engine.rollout.fast import (
     bucket_static_cache,
     deferred_stop_check,
     guards_once,
 )
-from vlmrl.rollout.merge import RolloutMerge
-from vlmrl.rollout.stacked import StackedProjections
+from vlmrl.engine.rollout.merge import RolloutMerge
+from vlmrl.engine.rollout.stacked import StackedProjections
 
 
 def host_syncs(model, batch, steps, **kwargs) -> dict:

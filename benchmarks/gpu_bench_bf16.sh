@@ -11,7 +11,7 @@ export PYTHONUNBUFFERED=1
 python3 -c "import torch, transformers, trl, peft, datasets, pyarrow; print(torch.__version__, transformers.__version__, trl.__version__, peft.__version__, datasets.__version__, pyarrow.__version__, torch.cuda.get_device_name(0))"
 bench() {  # $1 GPU, $2 paths, $3 output folder
   mkdir -p "$3"
-  CUDA_VISIBLE_DEVICES=$1 VLMRL_CACHE=/tmp/vc$1 timeout ${BENCH_TIMEOUT:-3000} python3 -m vlmrl.cli bench --steps 2 \
+  CUDA_VISIBLE_DEVICES=$1 VLMRL_CACHE=/tmp/vc$1 timeout ${BENCH_TIMEOUT:-3000} python3 -m vlmrl.cli.app bench --steps 2 \
     --completion 1024 --paths "$2" --out "$3" 2>&1 | grep -v Warning > "$3/log.txt"
 }
 if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then

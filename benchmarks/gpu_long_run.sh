@@ -13,7 +13,7 @@ mkdir -p $OUT
 python3 - > $OUT/log.txt 2>&1 <<'PY'
 import os, sys
 import torch._inductor.cudagraph_trees as trees
-from vlmrl.cli import app
+from vlmrl.cli.app import app
 from vlmrl import bench
 
 recordings, per_step = [0], []

@@ -9,5 +9,5 @@ fi
 OUT=${1:-${OUT:-bench-variants}}
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
-timeout "${BENCH_TIMEOUT:-570}" python3 -m vlmrl.cli bench --steps 2 --completion 1024 \
+timeout "${BENCH_TIMEOUT:-570}" python3 -m vlmrl.cli.app bench --steps 2 --completion 1024 \
   --paths "${PATHS:-vlmrl,vlmrl-copies,vlmrl-filled-copies}" --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/log.txt" | tail -n 20

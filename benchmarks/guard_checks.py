@@ -1,5 +1,5 @@
 """Host time TorchDynamo spends checking guards before each compiled token step, and what checking them at the
-first step of each `generate` call only (`vlmrl.rollout.fast.guards_once`, `train.rollout_guards="first step"`)
+first step of each `generate` call only (`vlmrl.engine.rollout.fast.guards_once`, `train.rollout_guards="first step"`)
 leaves of it, on the CPU.
 
 On an H200 at Qwen3-VL-8B shapes the check took 6.1 ms of host time per token step (`TorchDynamo Cache Lookup` in
@@ -26,10 +26,15 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from vlmrl.data.synthetic import generate_items
+from vlmrl.engine.rollout.fast import (
+    bucket_static_cache,
+    compile_settings,
+    guards_once,
+    prefill_into_dynamic_cache,
+)
+from vlmrl.engine.rollout.generation import encode_batch
+from vlmrl.engine.rollout.stacked import StackedProjections
 from vlmrl.models.tiny import build_tiny_model
-from vlmrl.rollout.fast import bucket_static_cache, compile_settings, guards_once, prefill_into_dynamic_cache
-from vlmrl.rollout.generation import encode_batch
-from vlmrl.rollout.stacked import StackedProjections
 
 DEPTHS = (2, 8)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -1,4 +1,4 @@
-"""How fast cuBLAS runs a token step's stacked projection matmuls (`vlmrl.rollout.stacked`) at Qwen3-VL-8B shapes,
+"""How fast cuBLAS runs a token step's stacked projection matmuls (`vlmrl.engine.rollout.stacked`) at Qwen3-VL-8B shapes,
 by how many rows the stacked tensor has: the base weight alone, with the adapters' first-factor rows below it (what
 runs now), and with those rows padded with zeros up to a multiple of 64, 128 or 256.
 

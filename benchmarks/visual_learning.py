@@ -203,7 +203,7 @@ def other_decoding(main_dir: Path) -> Path:
     """A copy of the main run's folder whose held-out set (true and swapped images, before and after) is evaluated
     again with `eval.do_sample` flipped: greedy shows the policy's most likely answer, sampling at the rollout
     temperature the distribution GSPO trained. Same items, images, adapter; only the decoding differs."""
-    from vlmrl.config import dump_config, load_config
+    from vlmrl.config.schema import dump_config, load_config
 
     copy = main_dir.with_name(main_dir.name + "-other-decoding")
     shutil.rmtree(copy, ignore_errors=True)
@@ -227,7 +227,7 @@ def other_decoding(main_dir: Path) -> Path:
 
 
 def _decoding(run_dir: Path) -> dict:
-    from vlmrl.config import load_config
+    from vlmrl.config.schema import load_config
 
     decoding = load_config(str(run_dir / "config.yaml")).eval
     return {"do_sample": decoding.do_sample, "temperature": decoding.temperature}

@@ -20,7 +20,7 @@ import torch  # (does not import Triton)
 from PIL import Image, ImageDraw, ImageFont
 
 if not torch.cuda.is_available():
-    # Triton kernels (vlmrl.rollout.decode_attention) run in Triton's CPU interpreter, which Triton chooses when it
+    # Triton kernels (vlmrl.engine.rollout.decode_attention) run in Triton's CPU interpreter, which Triton chooses when it
     # is imported (transformers imports it): set before anything imports it.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

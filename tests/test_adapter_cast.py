@@ -1,5 +1,5 @@
-"""Rollout-time bf16 copies of the float32 LoRA weights (`vlmrl.rollout.adapter_cast`) and the one-step-late stop check
-(`vlmrl.rollout.fast.deferred_stop_check`): each computes exactly what the path it replaces computes."""
+"""Rollout-time bf16 copies of the float32 LoRA weights (`vlmrl.engine.rollout.adapter_cast`) and the one-step-late stop check
+(`vlmrl.engine.rollout.fast.deferred_stop_check`): each computes exactly what the path it replaces computes."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from peft import LoraConfig, get_peft_model
 
 from tests.test_fastgen import fake_trainer
 from tests.test_merge import _Net
-from vlmrl.rollout.adapter_cast import LowPrecisionAdapters
+from vlmrl.engine.rollout.adapter_cast import LowPrecisionAdapters
 
 
 def _adapted(seed: int = 0):
@@ -85,9 +85,9 @@ def test_the_deferred_stop_check_generates_the_same_tokens(stop, tmp_path, monke
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from vlmrl.data.synthetic import generate_items
+    from vlmrl.engine.rollout.fast import deferred_stop_check
+    from vlmrl.engine.rollout.generation import encode_batch
     from vlmrl.models.tiny import build_tiny_model
-    from vlmrl.rollout.fast import deferred_stop_check
-    from vlmrl.rollout.generation import encode_batch
 
     path = build_tiny_model("qwen3_vl", tmp_path / "m", hidden_size=64, num_layers=2)
     model = AutoModelForImageTextToText.from_pretrained(str(path), dtype=torch.float32).eval()
@@ -119,7 +119,7 @@ def test_the_deferred_stop_check_generates_the_same_tokens(stop, tmp_path, monke
 def test_fast_generation_swaps_the_copies_in_for_rollouts_only_when_asked():
     import transformers.generation.utils as generation
 
-    from vlmrl.rollout.fast import enable_fast_generation
+    from vlmrl.engine.rollout.fast import enable_fast_generation
 
     original_check = generation.DeferredStopCheck.__dict__["is_supported"]
     for asked in (False, True):
@@ -148,7 +148,7 @@ def test_the_deferred_check_keeps_transformers_own_conditions_and_is_undone_on_e
 
     import transformers.generation.utils as generation
 
-    from vlmrl.rollout.fast import deferred_stop_check
+    from vlmrl.engine.rollout.fast import deferred_stop_check
 
     check = generation.DeferredStopCheck
     original = check.__dict__["is_supported"]
@@ -165,7 +165,7 @@ def test_the_deferred_check_keeps_transformers_own_conditions_and_is_undone_on_e
 
 
 def test_no_copies_for_sharded_parameters_and_stale_copies_are_refused():
-    from vlmrl.rollout.fast import enable_fast_generation
+    from vlmrl.engine.rollout.fast import enable_fast_generation
 
     model = _adapted()
     fast = enable_fast_generation(fake_trainer(model, lambda: None, is_fsdp_enabled=True), adapter_copies=True)

@@ -1,4 +1,4 @@
-"""LoRA layers skip PEFT's float32 input cast under autocast (`vlmrl.adapter_inputs`): the same outputs and the same
+"""LoRA layers skip PEFT's float32 input cast under autocast (`vlmrl.engine.adapter_inputs`): the same outputs and the same
 gradients as PEFT's cast, with gradient checkpointing too; outside autocast PEFT still casts."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tests.test_adapter_cast import _adapted
 from tests.test_merge import _Net
-from vlmrl.adapter_inputs import CastOutsideAutocast, enable, keep_inputs_under_autocast
+from vlmrl.engine.adapter_inputs import CastOutsideAutocast, enable, keep_inputs_under_autocast
 
 
 def _casts(model, x, *, checkpointed: bool):

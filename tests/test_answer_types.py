@@ -8,9 +8,9 @@ import pytest
 
 from vlmrl.contract import INSTRUCTION, build_prompt_text
 from vlmrl.data.items import Item
-from vlmrl.evaluate import make_record
-from vlmrl.rewards import correctness_reward, score_completion
-from vlmrl.rollout.generation import Generation
+from vlmrl.engine.rollout.generation import Generation
+from vlmrl.evaluate.stage import make_record
+from vlmrl.grading.rewards import correctness_reward, score_completion
 
 S0, S1 = "<SOLUTION>", "</SOLUTION>"
 ANGLES = ["135°", "140°", "145°", "150°"]
@@ -208,7 +208,7 @@ def test_training_dataset_has_the_grading_columns(tmp_path):
 
     from PIL import Image
 
-    from vlmrl.train import build_train_dataset
+    from vlmrl.train.stage import build_train_dataset
 
     def item(key: str, answer: str, answer_type: str, choices, precision, colour) -> dict:
         image = f"data/images/{key}.png"

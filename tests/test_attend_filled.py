@@ -1,5 +1,5 @@
 """Decode attention over the filled static-cache positions only (`train.rollout_filled_window`,
-`vlmrl.rollout.fast.attend_filled` + `vlmrl.rollout.attention.attend_filled_only`): the same attention, the same
+`vlmrl.engine.rollout.fast.attend_filled` + `vlmrl.engine.rollout.attention.attend_filled_only`): the same attention, the same
 tokens, fewer positions read, and one compiled graph for all windows."""
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from transformers import AutoModelForImageTextToText
 from tests.conftest import load_sdpa
 from tests.test_fastgen import _Module
 from vlmrl.data.synthetic import generate_items
-from vlmrl.rollout import attention
-from vlmrl.rollout.fast import (
+from vlmrl.engine.rollout import attention
+from vlmrl.engine.rollout.fast import (
     attend_filled,
     bucket_static_cache,
     compile_settings,
     prefill_into_dynamic_cache,
 )
-from vlmrl.rollout.generation import encode_batch
+from vlmrl.engine.rollout.generation import encode_batch
 
 
 def test_reading_the_filled_positions_only_is_the_same_attention():
@@ -126,7 +126,7 @@ def test_the_setting_wraps_each_rollout_and_is_recorded(tiny):
 
     from transformers import GenerationConfig
 
-    from vlmrl.rollout.fast import enable_fast_generation
+    from vlmrl.engine.rollout.fast import enable_fast_generation
 
     model, _ = _setup(tiny)
     base = attention.base_model(model)

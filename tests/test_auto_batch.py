@@ -1,4 +1,4 @@
-"""train.auto_batch: the largest per-device batch the memory preflight lets fit the card (vlmrl.preflight),
+"""train.auto_batch: the largest per-device batch the memory preflight lets fit the card (vlmrl.run.preflight),
 chosen against fake card sizes here (no GPU in the tests), and a one-line note with no change on the CPU."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from tests.test_train import quick_config
-from vlmrl import preflight
-from vlmrl.config import load_config
-from vlmrl.io import read_json
+from vlmrl.common.io import read_json
+from vlmrl.config.schema import load_config
 from vlmrl.pipeline import prepare_with_budget
-from vlmrl.preflight import GPU_MARGIN, auto_batch, choose_batch, estimate_memory, load_shapes, with_batch
-from vlmrl.train import _auto_batch, build_grpo_config, train
+from vlmrl.run import preflight
+from vlmrl.run.preflight import GPU_MARGIN, auto_batch, choose_batch, estimate_memory, load_shapes, with_batch
+from vlmrl.train.stage import _auto_batch, build_grpo_config, train
 
 SHAPES = load_shapes("qwen3_vl_8b")
 

@@ -20,8 +20,8 @@ from vlmrl.bench import (
     summarize,
     train_floor_s,
 )
-from vlmrl.config import load_config
-from vlmrl.preflight import advice, count_params, estimate_memory, shapes_for
+from vlmrl.config.schema import load_config
+from vlmrl.run.preflight import advice, count_params, estimate_memory, shapes_for
 
 SHAPES = load_shapes("qwen3_vl_8b")
 
@@ -142,7 +142,7 @@ def test_preflight_is_within_8_percent_of_the_measured_peaks(overrides, fast, me
 
 
 def test_the_prompt_pass_meets_a_prompt_sized_cache_in_both_paths():
-    from vlmrl.preflight import adapted_weight_bytes
+    from vlmrl.run.preflight import adapted_weight_bytes
 
     config = load_config("seed", BF16)
     fast = estimate_memory(config, SHAPES, prompt_tokens=310, fast_generation=True)
@@ -192,7 +192,7 @@ def test_shapes_lookup():
 def test_a_saved_shaped_model_is_what_eval_loads(tmp_path):
     """`vlmrl bench --save-model` (the multi-GPU record check) writes a folder the model loader reads."""
     from vlmrl.bench import save_shaped_model
-    from vlmrl.config import ModelConfig
+    from vlmrl.config.schema import ModelConfig
     from vlmrl.models.loading import load_model
 
     small = {**SHAPES,
@@ -232,7 +232,7 @@ def test_step_clock_splits_peaks_into_rollouts_and_the_rest(monkeypatch):
 
 
 def test_adapter_copies_cost_the_rollout_two_bytes_per_adapter_parameter_and_free_the_moments_eight():
-    from vlmrl.preflight import count_params
+    from vlmrl.run.preflight import count_params
 
     lora = count_params(SHAPES)[2] * 16
     # a large generation batch: the rollout phase sets the peak; the stacked projections (the default) apart
@@ -270,7 +270,7 @@ def test_plain_may_run_fewer_steps_and_its_only_step_is_its_steady_one():
 
 def test_the_vlmrl_bench_path_runs_vlmrl_trains_defaults_and_each_variant_changes_only_its_own():
     from vlmrl.bench.run import FILLED_WINDOW, PATH_OPTIONS, fast_options
-    from vlmrl.config import TrainConfig
+    from vlmrl.config.schema import TrainConfig
 
     defaults = TrainConfig()
     assert fast_options("vlmrl") == {"merge": defaults.rollout_merge, "adapter_copies": defaults.rollout_adapter_copies,

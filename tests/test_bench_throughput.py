@@ -8,7 +8,7 @@ import json
 import pytest
 
 from vlmrl.bench import BenchSettings, load_shapes, markdown_table, summarize, throughput
-from vlmrl.rollout.compile_cache import CompileCache
+from vlmrl.engine.rollout.compile_cache import CompileCache
 
 
 def _result(path: str, steps: list[tuple[float, float]], peak: float, error: str | None = None) -> dict:

@@ -177,7 +177,7 @@ def test_the_gpu_script_refuses_without_wheels_and_combines_what_it_finds(tmp_pa
 @pytest.mark.slow
 def test_run_bench_sends_the_unsloth_path_to_its_own_process_and_writes_its_row(fake_unsloth, tmp_path, monkeypatch):
     from vlmrl.bench import run
-    from vlmrl.rollout.compile_cache import CompileCache
+    from vlmrl.engine.rollout.compile_cache import CompileCache
 
     def no_in_process_run(*args, **kwargs):
         raise AssertionError("the unsloth path ran in the bench's own process")

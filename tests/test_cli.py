@@ -66,7 +66,7 @@ def test_config_validate_with_a_broken_checker_answers_in_one_line(monkeypatch):
     def broken(config):
         raise RuntimeError("boom\nsecond line")
 
-    monkeypatch.setattr("vlmrl.trainargs.training_problems", broken)
+    monkeypatch.setattr("vlmrl.train.args.training_problems", broken)
     result = runner.invoke(app, ["config", "validate", "demo"], terminal_width=200)
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert "could not check the training settings: RuntimeError: boom" in result.output
@@ -74,7 +74,7 @@ def test_config_validate_with_a_broken_checker_answers_in_one_line(monkeypatch):
 
 
 def test_bench_results_print_as_written_and_a_failed_path_exits_1(tmp_path, capsys):
-    from vlmrl.cli_show import show_bench, show_throughput
+    from vlmrl.cli.show import show_bench, show_throughput
 
     (tmp_path / "bench.md").write_text("| path | samples/s |\n| plain | 1.0 |\n")
     show_bench(tmp_path, {"paths": {"plain": {"samples_per_s": 1.0}}})

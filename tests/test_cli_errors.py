@@ -16,9 +16,9 @@ import pytest
 from typer.testing import CliRunner
 
 from vlmrl.cli import app
-from vlmrl.config import load_config
-from vlmrl.io import DamagedFileError, write_jsonl_atomic
-from vlmrl.train import total_train_loss
+from vlmrl.common.io import DamagedFileError, write_jsonl_atomic
+from vlmrl.config.schema import load_config
+from vlmrl.train.stage import total_train_loss
 
 runner = CliRunner()
 SMALL = ["model.name=tiny:qwen3_vl", "data.num_synthetic=24", "data.holdout_size=4",
@@ -78,7 +78,7 @@ def test_a_full_disk_is_one_line_exit_2(tmp_path, monkeypatch):
     def full(fd):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr("vlmrl.io.os.fsync", full)  # every crash-safe write fsyncs before its rename
+    monkeypatch.setattr("vlmrl.common.io.os.fsync", full)  # every crash-safe write fsyncs before its rename
     result = invoke("doctor", str(tmp_path / "run"))
     assert result.exit_code == 2 and "No space left on device" in one_error_line(result.output)
     assert not (tmp_path / "run" / "env.json").exists()

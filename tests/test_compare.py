@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from vlmrl.compare import CompareError, compare_runs
-from vlmrl.io import write_jsonl_atomic
+from vlmrl.common.io import write_jsonl_atomic
+from vlmrl.compare.stage import CompareError, compare_runs
 
 
 def _record(item_id: str, correct: bool, format_ok: bool, *, prompt: str = "p", category: str = "c") -> dict:
@@ -73,7 +73,7 @@ def test_by_category(tmp_path):
 
 def test_a_missing_run_folder_is_named_as_such(tmp_path):
     """Before: the error blamed missing records, of a folder that does not exist."""
-    from vlmrl.compare import CompareError, compare_runs
+    from vlmrl.compare.stage import CompareError, compare_runs
 
     with pytest.raises(CompareError, match=r"no such run folder"):
         compare_runs(tmp_path / "nope")

@@ -1,4 +1,4 @@
-"""torch.compile's caches under vlmrl's cache folder (vlmrl.rollout.compile_cache): where they go, who wins, and that a
+"""torch.compile's caches under vlmrl's cache folder (vlmrl.engine.rollout.compile_cache): where they go, who wins, and that a
 second process really reads what the first wrote (a real CPU compile through inductor)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from vlmrl.rollout.compile_cache import INDUCTOR_ENV, TRITON_ENV, use_compile_cache
+from vlmrl.engine.rollout.compile_cache import INDUCTOR_ENV, TRITON_ENV, use_compile_cache
 
 
 @pytest.fixture
@@ -54,7 +54,7 @@ def test_an_explicit_folder_wins_and_reports_warm(clean_env, monkeypatch):
 
 SCRIPT = textwrap.dedent("""
     import json, sys
-    from vlmrl.rollout.compile_cache import use_compile_cache
+    from vlmrl.engine.rollout.compile_cache import use_compile_cache
     cache = use_compile_cache()  # before torch compiles anything
     import torch
     from torch._dynamo.utils import counters

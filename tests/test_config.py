@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from vlmrl.config import PRESETS, ConfigError, load_config, validate_config
+from vlmrl.config.schema import PRESETS, ConfigError, load_config, validate_config
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -108,17 +108,17 @@ def test_a_relative_data_source_in_a_config_file_is_beside_the_file(tmp_path, mo
 
 
 def test_the_loading_side_is_importable_alone_and_its_doctests_pass():
-    """vlmrl.config_load sits below vlmrl.config (no cycle): a fresh interpreter imports it alone."""
+    """vlmrl.config.load sits below vlmrl.config.schema (no cycle): a fresh interpreter imports it alone."""
     import doctest
     import subprocess
     import sys
 
-    import vlmrl.config_load
+    import vlmrl.config.load
 
-    result = doctest.testmod(vlmrl.config_load)
+    result = doctest.testmod(vlmrl.config.load)
     assert result.attempted > 0 and result.failed == 0
-    probe = ("import sys, vlmrl.config_load; "
-             "print(sorted(m for m in sys.modules if m.startswith('vlmrl.') and m != 'vlmrl.config_load'))")
+    probe = ("import sys, vlmrl.config.load; "
+             "print(sorted(m for m in sys.modules if m.startswith('vlmrl.') and m != 'vlmrl.config.load'))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
-    assert vlmrl.config_load.ConfigError is ConfigError and vlmrl.config_load.PRESETS is PRESETS
+    assert vlmrl.config.load.ConfigError is ConfigError and vlmrl.config.load.PRESETS is PRESETS

@@ -14,12 +14,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import placeholder_image
-from vlmrl.config import load_config
+from vlmrl.common.io import read_jsonl
+from vlmrl.config.schema import load_config
 from vlmrl.data.items import Candidate, DataError, Dropped, read_items
 from vlmrl.data.mathvista import convert_rows
 from vlmrl.data.prepare import prepare_data
 from vlmrl.data.values import number_text
-from vlmrl.io import read_jsonl
 
 MAPPING = "data.columns={id: id, question: question, answer: answer, image: image}"
 

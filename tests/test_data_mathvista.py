@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from tests.conftest import mathvista_dataset, placeholder_image
-from vlmrl.config import load_config
+from vlmrl.config.schema import load_config
 from vlmrl.data.items import DataError, read_items
 from vlmrl.data.mathvista import parse_number
 from vlmrl.data.prepare import prepare_data

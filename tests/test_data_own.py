@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import placeholder_image
-from vlmrl.config import load_config
+from vlmrl.common.io import read_jsonl
+from vlmrl.config.schema import load_config
 from vlmrl.data.items import DataError, read_items
 from vlmrl.data.prepare import prepare_data
 from vlmrl.data.table import train_table
-from vlmrl.io import read_jsonl
 
 FULL_MAP = (
     "data.columns={id: uid, question: q, answer: gold, images: pics, answer_type: kind, choices: options, "
@@ -301,9 +301,9 @@ def test_every_image_of_a_training_item_is_checked_against_the_holdout(tmp_path)
 @pytest.mark.parametrize("arch", ["qwen3_vl", "gemma3"])  # qwen2_5_vl passes too (its processor is Qwen3-VL's kin)
 def test_two_image_rows_prepare_train_and_evaluate_with_a_tiny_model(tmp_path, monkeypatch, arch):
     """prepare (prompt tokens counted with both images) -> a GRPO step on two-image prompts -> evaluation."""
-    from vlmrl.evaluate import evaluate
+    from vlmrl.evaluate.stage import evaluate
     from vlmrl.pipeline import prepare_with_budget
-    from vlmrl.train import train
+    from vlmrl.train.stage import train
 
     rows = []
     for k in range(12):
@@ -342,7 +342,7 @@ def test_two_image_rows_prepare_train_and_evaluate_with_a_tiny_model(tmp_path, m
         return [0.0] * len(completions)
 
     spy.__name__ = "correctness_reward"
-    monkeypatch.setattr("vlmrl.rewards.correctness_reward", spy)
+    monkeypatch.setattr("vlmrl.grading.rewards.correctness_reward", spy)
     run_dir = config.run_dir
     prepare_with_budget(config, run_dir)
     summary = json.loads((run_dir / "data" / "summary.json").read_text())

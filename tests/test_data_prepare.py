@@ -12,11 +12,11 @@ import pytest
 from PIL import Image
 
 from tests.conftest import placeholder_image, png_bytes, png_header_only
-from vlmrl.config import load_config
+from vlmrl.common.io import write_jsonl_atomic as write_jsonl
+from vlmrl.config.schema import load_config
 from vlmrl.data.items import DataError, Item, read_items
 from vlmrl.data.prepare import load_prepared, prepare_data
 from vlmrl.data.splits import ImageKey, check_no_overlap, choose_holdout, find_contamination
-from vlmrl.io import write_jsonl_atomic as write_jsonl
 
 
 def read_jsonl(path):

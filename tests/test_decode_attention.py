@@ -1,4 +1,4 @@
-"""The token-step attention kernel (`vlmrl.rollout.decode_attention`, `train.rollout_decode_kernel`), on CUDA where
+"""The token-step attention kernel (`vlmrl.engine.rollout.decode_attention`, `train.rollout_decode_kernel`), on CUDA where
 there is one and otherwise in Triton's CPU interpreter (tests/conftest.py turns it on): SDPA's attention, blocks
 nothing attends to left unread, the cases it refuses left to SDPA, and the rollouts that turn it on."""
 
@@ -11,9 +11,9 @@ import torch
 
 from tests.conftest import load_sdpa
 from tests.test_fastgen import _Module
-from vlmrl.rollout import attention
-from vlmrl.rollout import decode_attention as kernel_module
-from vlmrl.rollout.decode_attention import BLOCK, HAS_TRITON, decode_attention, interpreted, usable
+from vlmrl.engine.rollout import attention
+from vlmrl.engine.rollout import decode_attention as kernel_module
+from vlmrl.engine.rollout.decode_attention import BLOCK, HAS_TRITON, decode_attention, interpreted, usable
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (its CPU interpreter)")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -154,8 +154,8 @@ def tiny(tiny_qwen3_vl) -> Path:
 
 def test_greedy_decoding_with_the_kernel_gives_the_same_tokens(tiny, monkeypatch):
     from vlmrl.data.synthetic import generate_items
-    from vlmrl.rollout.fast import bucket_static_cache, prefill_into_dynamic_cache
-    from vlmrl.rollout.generation import encode_batch
+    from vlmrl.engine.rollout.fast import bucket_static_cache, prefill_into_dynamic_cache
+    from vlmrl.engine.rollout.generation import encode_batch
 
     model, processor = load_sdpa(tiny)
     model.to(DEVICE, torch.float16)
@@ -185,7 +185,7 @@ def test_rollouts_run_it_and_the_setting_is_recorded(tiny):
 
     from transformers import AutoModelForImageTextToText, GenerationConfig
 
-    from vlmrl.rollout.fast import enable_fast_generation
+    from vlmrl.engine.rollout.fast import enable_fast_generation
 
     model, _ = load_sdpa(tiny)
     seen = []
@@ -197,7 +197,7 @@ def test_rollouts_run_it_and_the_setting_is_recorded(tiny):
 
     on = trainer(model)
     fast = enable_fast_generation(on, decode_kernel=True)
-    assert fast.cache_read.endswith("token steps skip the blocks nothing attends to (vlmrl.rollout.decode_attention)")
+    assert fast.cache_read.endswith("token steps skip the blocks nothing attends to (vlmrl.engine.rollout.decode_attention)")
     on._generate_single_turn()
     assert seen == [True] and not attention._decode_kernel  # on for the rollout only
     off = trainer(model)
@@ -211,7 +211,7 @@ def test_rollouts_run_it_and_the_setting_is_recorded(tiny):
 
 def test_vlmrl_train_turns_it_on_by_default():
     from vlmrl.bench.run import fast_options
-    from vlmrl.config import Config, TrainConfig
+    from vlmrl.config.schema import Config, TrainConfig
 
     assert TrainConfig().rollout_decode_kernel is True
     assert fast_options("vlmrl")["decode_kernel"] is True and fast_options("vlmrl-sdpa-decode")["decode_kernel"] is False
@@ -229,7 +229,7 @@ def test_where_triton_cannot_run_it_sdpa_computes_the_step_and_says_so(monkeypat
     monkeypatch.setattr(kernel_module, "_kernels", broken)
     monkeypatch.setattr(kernel_module, "_failed", {})
     query, key, value, mask = _inputs(torch.bfloat16)
-    with caplog.at_level("WARNING", logger="vlmrl.rollout.decode_attention"):
+    with caplog.at_level("WARNING", logger="vlmrl.engine.rollout.decode_attention"):
         first = decode_attention(query, key, value, mask)
         second = decode_attention(query, key, value, mask)
     sdpa = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask)

@@ -23,11 +23,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from vlmrl import distributed
 from vlmrl.cli import app
-from vlmrl.config import Config, dump_config, load_config
-from vlmrl.evaluate import evaluate, merge_shards
-from vlmrl.io import read_json, read_jsonl, write_jsonl_atomic
+from vlmrl.common import distributed
+from vlmrl.common.io import read_json, read_jsonl, write_jsonl_atomic
+from vlmrl.config.schema import Config, dump_config, load_config
+from vlmrl.evaluate.stage import evaluate, merge_shards
 from vlmrl.pipeline import prepare_with_budget
 
 HOLDOUT, EVAL_BATCH, STEPS, PER_DEVICE, PROCESSES = 7, 2, 2, 4, 2  # 7 items: four batches, the last one short

@@ -84,12 +84,12 @@ def _names(path: Path) -> dict[str, ast.AST | None]:
 def resolve_dotted(ref: str) -> str | None:
     """None when `vlmrl.a.b.name` names a module file and a definition in it, else what is missing.
 
-    A trailing `*` (`vlmrl.io.write_*`) asks for some name with that prefix.
+    A trailing `*` (`vlmrl.common.io.write_*`) asks for some name with that prefix.
 
-    >>> resolve_dotted("vlmrl.grading.grade") is None
+    >>> resolve_dotted("vlmrl.grading.grader.grade") is None
     True
-    >>> resolve_dotted("vlmrl.rollout.nosuchmodule")
-    'no module vlmrl.rollout.nosuchmodule, nor nosuchmodule in vlmrl.rollout'
+    >>> resolve_dotted("vlmrl.engine.rollout.nosuchmodule")
+    'no module vlmrl.engine.rollout.nosuchmodule, nor nosuchmodule in vlmrl.engine.rollout'
     """
     prefix = ref.endswith("*")
     parts = ref.rstrip("*").split(".")
@@ -134,7 +134,7 @@ def test_dotted_names_resolve() -> None:
 def _config_fields() -> set[str]:
     from pydantic import BaseModel
 
-    from vlmrl.config import Config
+    from vlmrl.config.schema import Config
 
     fields: set[str] = set()
 
@@ -413,7 +413,7 @@ def test_command_flags_exist() -> None:
 
 def test_option_values_and_presets_exist() -> None:
     """`--strategy fsdp` is one of the listed choices, and `vlmrl run seed` names a preset."""
-    from vlmrl.config_load import PRESETS
+    from vlmrl.config.load import PRESETS
 
     takes_config = {"run", "prepare", "eval", "train", "export", "config show", "config validate"}
     broken = []
@@ -438,9 +438,9 @@ def test_option_values_and_presets_exist() -> None:
 def test_the_checks_can_fail() -> None:
     """Each checker reports a reference that does not exist (so a pass above means something)."""
     assert resolve_dotted("vlmrl.fastgen") == "no module vlmrl.fastgen, nor fastgen in vlmrl"
-    assert resolve_dotted("vlmrl.rollout.fast.no_such_function") is not None
-    assert resolve_dotted("vlmrl.io.write_*") is None and resolve_dotted("vlmrl.io.nothing_*") is not None
-    assert not _exists("src/vlmrl/fastgen.py") and _exists("src/vlmrl/rollout/fast.py")
+    assert resolve_dotted("vlmrl.engine.rollout.fast.no_such_function") is not None
+    assert resolve_dotted("vlmrl.common.io.write_*") is None and resolve_dotted("vlmrl.common.io.nothing_*") is not None
+    assert not _exists("src/vlmrl/fastgen.py") and _exists("src/vlmrl/engine/rollout/fast.py")
     assert flags_of("vlmrl train X --no-such-flag") == [("train", ["--no-such-flag"])]
     assert "--no-such-flag" not in (_help("train") or {}) and "--gpus" in (_help("train") or {})
     assert (_help("train") or {})["--strategy"] == {"ddp", "fsdp", "zero2", "zero3"}

@@ -15,13 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from vlmrl.config import Config, load_config
-from vlmrl.evaluate import EvalError, evaluate, load_holdout, make_record, summarize
-from vlmrl.io import read_json, read_jsonl
+from vlmrl.common.io import read_json, read_jsonl
+from vlmrl.config.schema import Config, load_config
+from vlmrl.engine.rollout.generation import Generation
+from vlmrl.evaluate.stage import EvalError, evaluate, make_record, summarize
+from vlmrl.grading.rewards import score_completion
 from vlmrl.models.tiny import TINY_ARCHS
 from vlmrl.pipeline import prepare_with_budget
-from vlmrl.rewards import score_completion
-from vlmrl.rollout.generation import Generation
+from vlmrl.run.layout import read_holdout as load_holdout
 
 MAX_NEW_TOKENS = 12
 HOLDOUT = 6

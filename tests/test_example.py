@@ -14,7 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from vlmrl.cli import app
-from vlmrl.io import read_json, read_jsonl
+from vlmrl.common.io import read_json, read_jsonl
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "shapes_quiz"
 USER_REWARDS = ("brevity", "hard_bonus")

@@ -16,15 +16,15 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 
 from tests.test_train import quick_config as train_quick_config
-from vlmrl.config import Config
+from vlmrl.common.io import read_json, read_jsonl
+from vlmrl.config.schema import Config
 from vlmrl.contract import completion_text
-from vlmrl.evaluate import EvalError
-from vlmrl.export import ExportError, check_base_model, export_adapter, verify_adapter_weights
-from vlmrl.io import read_json, read_jsonl
+from vlmrl.engine.rollout.generation import encode_batch
+from vlmrl.evaluate.stage import EvalError
+from vlmrl.export.stage import ExportError, check_base_model, export_adapter, verify_adapter_weights
 from vlmrl.models.loading import load_model
 from vlmrl.pipeline import prepare_with_budget
-from vlmrl.rollout.generation import encode_batch
-from vlmrl.train import train
+from vlmrl.train.stage import train
 
 PASSING = ("lora_b_nonzero", "lora_finite", "base_model_matches", "reload_reproduces_logits", "merged_16bit")
 
@@ -47,7 +47,7 @@ def trained(tmp_path_factory) -> tuple[Config, Path]:
     config = quick_config(tmp_path_factory.mktemp("export"))
     prepare_with_budget(config, config.run_dir)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("vlmrl.rewards.correctness_reward", varied_reward)
+        patch.setattr("vlmrl.grading.rewards.correctness_reward", varied_reward)
         train(config, config.run_dir)
     return config, config.run_dir
 
@@ -189,10 +189,12 @@ def test_verify_fails_without_the_weights_file(tmp_path: Path) -> None:
 def test_base_model_check_fails_for_another_base(tmp_path: Path) -> None:
     recorded = {"base_model_name_or_path": "google/gemma-3-4b-it"}
     (tmp_path / "adapter_config.json").write_text(json.dumps(recorded))
-    check = check_base_model(tmp_path, "/runs/demo/base-model")
-    assert check.passed is False and check.value == "google/gemma-3-4b-it"
+    check = check_base_model(tmp_path, "/runs/demo/base-model")  # a name that is not tiny:/demo: unchanged
+    assert check.passed is False and check.value == "google/gemma-3-4b-it" and "gemma-3-4b-it" in check.detail
     (tmp_path / "adapter_config.json").write_text(json.dumps({}))
     assert check_base_model(tmp_path, "/runs/demo/base-model").passed is False  # nothing recorded
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "/elsewhere/base-model"}))
+    assert check_base_model(tmp_path, "/runs/demo/base-model").passed is True  # a moved run: the same folder name
 
 
 # ---------------------------------------------------------------------------------------------------------------

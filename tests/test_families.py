@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from vlmrl.config import load_config
+from vlmrl.common.io import read_jsonl
+from vlmrl.config.schema import load_config
 from vlmrl.contract import completion_text
-from vlmrl.io import read_jsonl
 from vlmrl.models.lora import LoraLayoutError, is_language_param, is_vision_param, verify_lora_layout
 from vlmrl.models.tiny import TINY_ARCHS
 from vlmrl.pipeline import prepare_with_budget
-from vlmrl.train import train
+from vlmrl.train.stage import train
 
 pytestmark = pytest.mark.slow  # ~10-20 s per family on 2 cores
 
@@ -35,7 +35,7 @@ varied_reward.__name__ = "correctness_reward"  # TRL names the reward column aft
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_a_grpo_step_trains_language_lora_only(arch: str, tmp_path: Path, monkeypatch, captured) -> None:
-    monkeypatch.setattr("vlmrl.rewards.correctness_reward", varied_reward)
+    monkeypatch.setattr("vlmrl.grading.rewards.correctness_reward", varied_reward)
     config = load_config(
         "demo",
         [

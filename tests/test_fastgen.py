@@ -1,4 +1,4 @@
-"""The fast rollout path on the CPU: grouped-query attention without KV copies (`vlmrl.rollout.attention`) gives the
+"""The fast rollout path on the CPU: grouped-query attention without KV copies (`vlmrl.engine.rollout.attention`) gives the
 same attention, the same gradients and the same greedy generations, compiled or not, and under compilation it
 really skips `repeat_kv` (the copy that made compiled decode slow on the GPU)."""
 
@@ -13,9 +13,9 @@ from transformers import AutoModelForImageTextToText
 
 from tests.conftest import load_sdpa as _load
 from vlmrl.data.synthetic import generate_items
+from vlmrl.engine.rollout import attention
+from vlmrl.engine.rollout.generation import generate_batch
 from vlmrl.models.tiny import build_tiny_model
-from vlmrl.rollout import attention
-from vlmrl.rollout.generation import generate_batch
 
 
 class _Module(torch.nn.Module):
@@ -123,11 +123,11 @@ def test_training_with_fast_generation_records_it_and_scopes_it_to_rollouts(merg
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from tests.test_train import quick_config
-    from vlmrl.io import read_json, read_jsonl
+    from vlmrl.common.io import read_json, read_jsonl
+    from vlmrl.engine.rollout.merge import lora_layers
     from vlmrl.models import lora
     from vlmrl.pipeline import prepare_with_budget
-    from vlmrl.rollout.merge import lora_layers
-    from vlmrl.train import train
+    from vlmrl.train.stage import train
 
     seen = []  # (attention implementation, adapter merged, gradients on) at each attention call
 
@@ -193,8 +193,8 @@ def _cache(out):
 
 
 def test_prompt_pass_on_a_dynamic_cache_fills_the_static_cache_the_same(tiny, monkeypatch):
-    from vlmrl.rollout.fast import prefill_into_dynamic_cache
-    from vlmrl.rollout.generation import encode_batch
+    from vlmrl.engine.rollout.fast import prefill_into_dynamic_cache
+    from vlmrl.engine.rollout.generation import encode_batch
 
     prompts, images = _prompts(3)  # different lengths: left padding
     model, processor = _load(tiny)
@@ -222,8 +222,8 @@ def test_prompt_pass_on_a_dynamic_cache_fills_the_static_cache_the_same(tiny, mo
 
 
 def test_the_static_cache_length_is_bucketed_and_the_prompt_is_not_padded(tiny):
-    from vlmrl.rollout.fast import bucket_static_cache
-    from vlmrl.rollout.generation import encode_batch
+    from vlmrl.engine.rollout.fast import bucket_static_cache
+    from vlmrl.engine.rollout.generation import encode_batch
 
     prompts, images = _prompts(2)
     model, processor = _load(tiny)
@@ -252,7 +252,7 @@ def fake_trainer(model, rollout, **extra):
 def test_rollouts_run_under_the_training_autocast_when_adapters_are_fp32():
     from types import SimpleNamespace
 
-    from vlmrl.rollout.fast import rollout_autocast_dtype
+    from vlmrl.engine.rollout.fast import rollout_autocast_dtype
 
     base = torch.nn.Linear(4, 4).to(torch.bfloat16).requires_grad_(False)
     mixed = torch.nn.Sequential(base, torch.nn.Linear(4, 4))  # frozen bf16 base + trainable fp32 adapter
@@ -261,7 +261,7 @@ def test_rollouts_run_under_the_training_autocast_when_adapters_are_fp32():
     all_bf16 = torch.nn.Sequential(base, torch.nn.Linear(4, 4).to(torch.bfloat16))
     assert rollout_autocast_dtype(all_bf16, SimpleNamespace(bf16=True, fp16=False)) is None  # QLoRA: TRL cast them
 
-    from vlmrl.rollout.fast import enable_fast_generation
+    from vlmrl.engine.rollout.fast import enable_fast_generation
 
     seen = []
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -308,7 +308,7 @@ def test_compiling_over_a_4bit_base_is_allowed_only_inside_the_block(monkeypatch
     from transformers import BitsAndBytesConfig
     from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
 
-    from vlmrl.rollout import fast
+    from vlmrl.engine.rollout import fast
 
     quantizer = Bnb4BitHfQuantizer(BitsAndBytesConfig(load_in_4bit=True))
     model = type("Model", (), {"hf_quantizer": quantizer})()

@@ -14,7 +14,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vlmrl.config import Config, ConfigError, RewardSpec, dump_config, load_config, validate_config
+from vlmrl.config.schema import Config, ConfigError, RewardSpec, dump_config, load_config, validate_config
 
 EXAMPLES = 300
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

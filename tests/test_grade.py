@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vlmrl.grading import ANSWER_TYPES, MAX_TEXT_CHARS, choice_equal, grade, normalize_text
+from vlmrl.grading.grader import ANSWER_TYPES, MAX_TEXT_CHARS, choice_equal, grade, normalize_text
 
 MB = 1 << 20
 BUDGET_S = 0.050  # per 1 MB prediction, per call

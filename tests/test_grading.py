@@ -11,8 +11,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import vlmrl.grading
-from vlmrl.grading import edit_distance, mathvista_correct, normalize_mathvista, numeric_equal, parse_number
+import vlmrl.grading.grader
+from vlmrl.grading.grader import (
+    edit_distance,
+    mathvista_correct,
+    normalize_mathvista,
+    numeric_equal,
+    parse_number,
+)
 
 ORACLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "mathvista_normalization_oracle.jsonl"
 ORACLE_ROWS = 23_998
@@ -340,5 +346,5 @@ def test_edit_distance_matches_the_textbook_definition(a, b):
 
 
 def test_doctests_pass():
-    result = doctest.testmod(vlmrl.grading)
+    result = doctest.testmod(vlmrl.grading.grader)
     assert result.attempted > 0 and result.failed == 0

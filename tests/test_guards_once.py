@@ -1,4 +1,4 @@
-"""`vlmrl.rollout.fast.guards_once` (`train.rollout_guards="first step"`): each `generate` call's compiled token
+"""`vlmrl.engine.rollout.fast.guards_once` (`train.rollout_guards="first step"`): each `generate` call's compiled token
 steps check dynamo's guards until one compiles nothing, skip them after, still give the eager path's tokens across
 cache lengths, and run a skipped step again checked when it needs a new graph."""
 
@@ -8,8 +8,13 @@ import torch
 
 from tests.conftest import load_sdpa
 from vlmrl.data.synthetic import generate_items
-from vlmrl.rollout.fast import bucket_static_cache, compile_settings, guards_once, prefill_into_dynamic_cache
-from vlmrl.rollout.generation import encode_batch
+from vlmrl.engine.rollout.fast import (
+    bucket_static_cache,
+    compile_settings,
+    guards_once,
+    prefill_into_dynamic_cache,
+)
+from vlmrl.engine.rollout.generation import encode_batch
 
 SETTINGS = {"do_sample": False, "cache_implementation": "static", "return_dict_in_generate": True}
 
@@ -51,8 +56,8 @@ def test_steady_token_steps_skip_the_guards_across_cache_lengths(tiny_qwen3_vl, 
 
 def test_the_setting_wraps_each_rollout_and_is_recorded(tiny_qwen3_vl):
     from tests.test_fastgen import fake_trainer
-    from vlmrl.rollout.attention import base_model
-    from vlmrl.rollout.fast import enable_fast_generation
+    from vlmrl.engine.rollout.attention import base_model
+    from vlmrl.engine.rollout.fast import enable_fast_generation
 
     model, _ = load_sdpa(tiny_qwen3_vl)
     seen = []
@@ -106,7 +111,7 @@ def test_a_skipped_step_that_needs_a_new_graph_runs_again_checked(tiny_qwen3_vl,
             language.norm.phase = phase
             model.generate(**batch, max_new_tokens=4, min_new_tokens=4, **{**SETTINGS, **settings})
         language.norm.phase = 0
-        with caplog.at_level("INFO", logger="vlmrl.rollout.fast"):
+        with caplog.at_level("INFO", logger="vlmrl.engine.rollout.fast"):
             got = model.generate(**batch, max_new_tokens=8, min_new_tokens=8, logits_processor=LogitsProcessorList(
                 [SetPhase()]), **{**SETTINGS, **settings}).sequences
     assert torch.equal(got, eager)

@@ -1,4 +1,4 @@
-"""Health monitors (vlmrl.records): per-step rates with exact values, warnings against `config.health`,
+"""Health monitors (vlmrl.train.callbacks): per-step rates with exact values, warnings against `config.health`,
 NaN/Inf saving and stopping, the gibberish-streak stop, and the train stage turning a halt into a TrainError.
 
 The end-to-end tests run the real train stage on a tiny random model. NaN is injected into the real loss
@@ -16,9 +16,9 @@ from types import SimpleNamespace
 import pytest
 from transformers import TrainerControl
 
-from vlmrl.config import HealthConfig, load_config
-from vlmrl.io import read_jsonl
-from vlmrl.records import HealthMonitor, RolloutRecorder, batch_health
+from vlmrl.common.io import read_jsonl
+from vlmrl.config.schema import HealthConfig, load_config
+from vlmrl.train.callbacks import HealthMonitor, RolloutRecorder, batch_health
 
 WEIGHTS = [0.3, 1.0]
 
@@ -217,7 +217,7 @@ def _copy_run(prepared, name: str, *extra: str):
 def test_nan_loss_in_a_real_train_run_saves_a_checkpoint_and_raises_train_error(prepared, monkeypatch):
     from trl import GRPOTrainer
 
-    from vlmrl.train import TrainError, train
+    from vlmrl.train.stage import TrainError, train
 
     real = GRPOTrainer.compute_loss
 
@@ -246,7 +246,7 @@ def test_nan_loss_in_a_real_train_run_saves_a_checkpoint_and_raises_train_error(
 def test_train_refuses_before_the_first_step_when_a_checkpoint_cannot_fit(prepared, monkeypatch):
     import shutil
 
-    from vlmrl.train import TrainError, train
+    from vlmrl.train.stage import TrainError, train
 
     Usage = namedtuple("Usage", "total used free")
     config = _copy_run(prepared, "full-disk")
@@ -263,8 +263,8 @@ def test_train_refuses_before_the_first_step_when_a_checkpoint_cannot_fit(prepar
 def test_gibberish_streak_stops_a_real_train_run(prepared, monkeypatch):
     """Every completion is classified as degenerate (the classifier is patched: a random tiny model emits
     `addCriterion` spam only by chance); the streak rule, the save, the stop and the error are the real path."""
-    from vlmrl import records
-    from vlmrl.train import TrainError, train
+    from vlmrl.train import callbacks as records
+    from vlmrl.train.stage import TrainError, train
 
     monkeypatch.setattr(records, "is_degenerate", lambda text: True)
     config = _copy_run(prepared, "gibberish", "health.stop_on_gibberish_steps=2")  # max_gibberish_rate 0.2

@@ -1,4 +1,4 @@
-"""Crash-safe files (vlmrl.io): whole files are replaced atomically, record files survive a torn last line,
+"""Crash-safe files (vlmrl.common.io): whole files are replaced atomically, record files survive a torn last line,
 and the disk preflight refuses before writing.
 
 The torn-line property is checked at every possible kill point: for random records, the file is cut at a
@@ -17,8 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vlmrl import io
-from vlmrl.io import (
+from vlmrl.common import io
+from vlmrl.common.io import (
     DiskSpaceError,
     append_jsonl,
     check_disk_space,

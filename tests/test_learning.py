@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from vlmrl.config import load_config
+from vlmrl.config.schema import load_config
 from vlmrl.pipeline import run_all
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Liger's fused kernels in the loss pass (`vlmrl.loss_kernels`, `train.loss_kernels`): installed on the text
+"""Liger's fused kernels in the loss pass (`vlmrl.engine.loss_kernels`, `train.loss_kernels`): installed on the text
 model's own modules, called for eager CUDA tensors only (never inside a compiled graph, never on the CPU), with
 Qwen's casting; on CUDA, no farther from float32 than the modules' own bf16 forwards."""
 
@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from vlmrl import loss_kernels
+from vlmrl.engine import loss_kernels
 
 
 def _model(path, dtype=torch.float32):
@@ -151,7 +151,7 @@ def test_what_enable_records(tiny_qwen3_vl, monkeypatch):
 
 def test_the_setting_is_on_by_default_and_left_out_of_the_fingerprint():
     from vlmrl.bench.run import LOSS_PASS_OPTIONS
-    from vlmrl.config import Config
+    from vlmrl.config.schema import Config
 
     config = Config()
     assert config.train.loss_kernels is True

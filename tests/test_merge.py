@@ -1,4 +1,4 @@
-"""Rollouts on merged LoRA weights (`vlmrl.rollout.merge`): the merged model computes what the adapter computes, and the
+"""Rollouts on merged LoRA weights (`vlmrl.engine.rollout.merge`): the merged model computes what the adapter computes, and the
 bf16 base weights come back bit for bit, where peft's merge/unmerge round trip drifts."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from vlmrl.rollout.merge import RolloutMerge, host_bytes, lora_layers, unsupported_reason
+from vlmrl.engine.rollout.merge import RolloutMerge, host_bytes, lora_layers, unsupported_reason
 
 
 class _Net(torch.nn.Module):
@@ -117,7 +117,7 @@ def test_host_copy_size_and_what_is_not_merged():
 def test_fast_generation_says_why_it_does_not_merge(monkeypatch):
     from types import SimpleNamespace
 
-    from vlmrl.rollout import fast, merge
+    from vlmrl.engine.rollout import fast, merge
 
     model = _lora(torch.bfloat16)
     need = host_bytes(model)

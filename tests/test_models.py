@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vlmrl.config import LoraConfig, ModelConfig
+from vlmrl.config.schema import LoraConfig, ModelConfig
 from vlmrl.models.loading import ModelLoadError, detect_family, load_model
 from vlmrl.models.lora import (
     ATTENTION_PROJ,

@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from vlmrl import distributed
 from vlmrl.cli import app
-from vlmrl.config import dump_config, load_config
-from vlmrl.io import read_json, read_jsonl
+from vlmrl.common import distributed
+from vlmrl.common.io import read_json, read_jsonl
+from vlmrl.config.schema import dump_config, load_config
 from vlmrl.pipeline import prepare_with_budget
 
 PER_DEVICE = 4
@@ -116,7 +116,8 @@ def test_a_busy_port_on_host_0_is_refused_before_launching(prepared):
 
 
 def test_ranks_started_by_a_vlmrl_launcher_skip_the_requirement_check(monkeypatch, prepared):
-    from vlmrl import cli_errors, needs
+    from vlmrl.cli import errors as cli_errors
+    from vlmrl.run import needs
 
     _, path = prepared
     config = load_config(str(path))

@@ -1,4 +1,4 @@
-"""The optimizer state waits on the host during rollouts (`vlmrl.rollout.offload`): it comes back bit for bit, into
+"""The optimizer state waits on the host during rollouts (`vlmrl.engine.rollout.offload`): it comes back bit for bit, into
 the optimizer the trainer steps, also when the rollout raises; the device tensors are let go meanwhile."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vlmrl.rollout import offload
-from vlmrl.rollout.offload import OptimizerStateOffload
+from vlmrl.engine.rollout import offload
+from vlmrl.engine.rollout.offload import OptimizerStateOffload
 
 
 def _stepped_adam():

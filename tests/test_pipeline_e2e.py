@@ -20,9 +20,9 @@ import pytest
 from typer.testing import CliRunner
 
 from vlmrl.cli import app
-from vlmrl.config import load_config
+from vlmrl.common.io import read_json, read_jsonl
+from vlmrl.config.schema import load_config
 from vlmrl.contract import completion_text
-from vlmrl.io import read_json, read_jsonl
 
 runner = CliRunner()
 STAGES = ("doctor", "prepare", "eval baseline", "train", "eval after", "compare", "export", "report")
@@ -66,7 +66,7 @@ def flat(text: str) -> str:
 
 def invoke(args: list[str]):
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("vlmrl.rewards.correctness_reward", varied_reward)
+        patch.setattr("vlmrl.grading.rewards.correctness_reward", varied_reward)
         return runner.invoke(app, args)
 
 

@@ -39,10 +39,10 @@ import pytest
 from typer.testing import CliRunner
 
 from vlmrl.cli import app
-from vlmrl.config import ConfigError, load_config
-from vlmrl.io import read_jsonl, write_jsonl_atomic
+from vlmrl.common.io import read_jsonl, write_jsonl_atomic
+from vlmrl.config.schema import ConfigError, load_config
 from vlmrl.pipeline import claim_run_dir
-from vlmrl.records import last_complete_checkpoint, trim_records_after
+from vlmrl.train.callbacks import last_complete_checkpoint, trim_records_after
 
 MAX_STEPS, SAVE_STEPS, HOLDOUT, GENERATIONS, BATCH = 6, 2, 16, 4, 8
 OVERRIDES = [

@@ -16,16 +16,16 @@ import pytest
 from typer.testing import CliRunner
 
 from vlmrl.cli import app
-from vlmrl.config import Config, ConfigError, load_config
+from vlmrl.common.io import read_json, read_jsonl
+from vlmrl.config.schema import Config, ConfigError, load_config
 from vlmrl.data.prepare import prepare_data
-from vlmrl.io import read_json, read_jsonl
-from vlmrl.reward_fns import (
+from vlmrl.grading.user_rewards import (
     RewardError,
     check_run_rewards,
     load_rewards,
     rewards_fingerprint,
 )
-from vlmrl.train import train_fingerprint
+from vlmrl.run.layout import train_fingerprint
 
 runner = CliRunner()
 
@@ -166,9 +166,9 @@ def test_a_missing_file_and_a_missing_module_are_one_line(tmp_path: Path) -> Non
 
 
 def test_a_module_path_function_and_a_name_clash(tmp_path: Path) -> None:
-    config = load_config("demo", ["rewards=[{function: 'vlmrl.rewards:format_reward'}, {name: correctness}]"])
+    config = load_config("demo", ["rewards=[{function: 'vlmrl.grading.rewards:format_reward'}, {name: correctness}]"])
     assert [r.name for r in load_rewards(config)] == ["format_reward", "correctness_reward"]
-    config = load_config("demo", ["rewards=[{function: 'vlmrl.rewards:format_reward'}, {name: format}]"])
+    config = load_config("demo", ["rewards=[{function: 'vlmrl.grading.rewards:format_reward'}, {name: format}]"])
     with pytest.raises(RewardError, match="already taken"):
         load_rewards(config)
 
@@ -183,7 +183,7 @@ def test_the_cli_refuses_a_reward_that_raises_before_loading_a_model(command: st
         raise AssertionError("a model was loaded")
 
     monkeypatch.setattr("vlmrl.models.loading.load_model", no_model)
-    monkeypatch.setattr("vlmrl.evaluate.load_with_adapter", no_model)
+    monkeypatch.setattr("vlmrl.evaluate.stage.load_with_adapter", no_model)
     (tmp_path / "broken.py").write_text(next(b for b in BROKEN if "1 / 0" in b))
     config = write_config(tmp_path, "  - {function: 'broken.py:f'}\n", tmp_path)
     args = [command, str(config), "--run-dir", str(prepared), *(["--stage", "baseline"] if command == "eval" else [])]
@@ -241,11 +241,11 @@ def test_a_user_reward_reaches_metrics_records_comparison_and_report(tmp_path: P
     # regenerated), the after records are the new adapter's, and every value follows the new rule
     baseline = [r["completion"] for r in read_jsonl(run_dir / "baseline_records.jsonl")]
     (tmp_path / "my_rewards.py").write_text(SHORTNESS.replace("0.02", "0.05"))
-    import vlmrl.evaluate
+    import vlmrl.evaluate.stage
 
     loads: list[object] = []
-    real_load = vlmrl.evaluate.load_with_adapter
-    monkeypatch.setattr("vlmrl.evaluate.load_with_adapter", lambda *a, **k: loads.append(a[-1]) or real_load(*a, **k))
+    real_load = vlmrl.evaluate.stage.load_with_adapter
+    monkeypatch.setattr("vlmrl.evaluate.stage.load_with_adapter", lambda *a, **k: loads.append(a[-1]) or real_load(*a, **k))
     again = runner.invoke(app, ["run", str(config)])
     assert again.exit_code == 0, again.output
     assert len(loads) == 1 and loads[0] is not None  # a model loaded for the after stage only
@@ -260,7 +260,7 @@ def test_a_user_reward_reaches_metrics_records_comparison_and_report(tmp_path: P
 def test_the_train_dataset_carries_every_item_column(prepared: Path) -> None:
     """TRL passes each dataset column (all but the prompt) to every reward: they are Item.columns()."""
     from vlmrl.data.items import Item
-    from vlmrl.train import build_train_dataset
+    from vlmrl.train.stage import build_train_dataset
 
     dataset = build_train_dataset(prepared)
     rows = read_jsonl(prepared / "data" / "train.jsonl")
@@ -273,9 +273,9 @@ def test_the_train_dataset_carries_every_item_column(prepared: Path) -> None:
 def test_doctests_pass() -> None:
     import doctest
 
-    import vlmrl.config
-    import vlmrl.reward_fns
+    import vlmrl.config.schema
+    import vlmrl.grading.user_rewards
 
-    for module in (vlmrl.reward_fns, vlmrl.config):
+    for module in (vlmrl.grading.user_rewards, vlmrl.config.schema):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0, module.__name__

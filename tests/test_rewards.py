@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import vlmrl.rewards
+import vlmrl.grading.rewards
 from vlmrl.contract import render_answer
-from vlmrl.rewards import (
+from vlmrl.grading.rewards import (
     DEFAULT_REWARD_WEIGHTS,
     REWARD_FUNCS,
     correctness_reward,
@@ -160,7 +160,7 @@ def test_answer_length_mismatch_is_a_clear_error():
 
 def test_mixed_batch_with_none_scores_zero_and_warns(caplog):
     batch = [GOOD, None, conversational(GOOD), 17, [{"role": "assistant", "content": None}], []]
-    with caplog.at_level(logging.WARNING, logger="vlmrl.rewards"):
+    with caplog.at_level(logging.WARNING, logger="vlmrl.grading.rewards"):
         assert format_reward(batch) == [2.0, 0.0, 2.0, 0.0, 0.0, 0.0]
         assert correctness_reward(batch, answer=["4"] * 6) == [2.0, 0.0, 2.0, 0.0, 0.0, 0.0]
     assert "4 of 6 completions are not text" in caplog.text
@@ -233,7 +233,7 @@ def test_reward_functions_and_weights_line_up():
     assert REWARD_FUNCS == [format_reward, correctness_reward]
     assert reward_functions() == REWARD_FUNCS and reward_functions() is not REWARD_FUNCS
     assert DEFAULT_REWARD_WEIGHTS == (0.3, 1.0)
-    assert vlmrl.rewards.numeric_equal is numeric_equal  # re-exported from grading
+    assert vlmrl.grading.rewards.numeric_equal is numeric_equal  # re-exported from grading
 
 
 @pytest.mark.parametrize(
@@ -293,7 +293,7 @@ def test_score_completion_custom_weights():
 
 
 def test_doctests_pass():
-    result = doctest.testmod(vlmrl.rewards)
+    result = doctest.testmod(vlmrl.grading.rewards)
     assert result.attempted > 0 and result.failed == 0
 
 

@@ -1,7 +1,7 @@
 """The run folder (issue 18): one command at a time, only folders vlmrl made, `--force` deletes only vlmrl's files,
 a moved or copied run resumes, and two concurrent `vlmrl run` leave exactly one run's records.
 
-Fast tests use `vlmrl.rundir` and `claim_run_dir` directly; the end-to-end ones run the CLI on a tiny
+Fast tests use `vlmrl.run.claim` and `claim_run_dir` directly; the end-to-end ones run the CLI on a tiny
 random-weight model with two training steps (`quick`), the same settings for every run so runs can resume.
 """
 
@@ -19,10 +19,10 @@ import pytest
 from typer.testing import CliRunner
 
 from vlmrl.cli import app
-from vlmrl.config import ConfigError, load_config
-from vlmrl.io import read_json, read_jsonl
+from vlmrl.common.io import read_json, read_jsonl
+from vlmrl.config.schema import ConfigError, load_config
 from vlmrl.pipeline import claim_run_dir
-from vlmrl.rundir import LOCK, MARKER, RunDirError, claimed, ensure_marked, remove_vlmrl_outputs
+from vlmrl.run.claim import LOCK, MARKER, RunDirError, claimed, ensure_marked, remove_vlmrl_outputs
 
 HOLDOUT, STEPS = 4, 2
 QUICK = [
@@ -60,7 +60,7 @@ def test_a_claimed_folder_refuses_a_second_claim_naming_the_holder(tmp_path):
 def test_a_second_process_is_refused_at_once_while_the_first_holds_the_folder(tmp_path):
     run = tmp_path / "run"
     holder = subprocess.Popen(
-        [sys.executable, "-c", ("import sys, time; from pathlib import Path; from vlmrl.rundir import claimed\n"
+        [sys.executable, "-c", ("import sys, time; from pathlib import Path; from vlmrl.run.claim import claimed\n"
                                 f"with claimed(Path({str(run)!r})):\n    print('held', flush=True); time.sleep(60)")],
         stdout=subprocess.PIPE, text=True)
     try:

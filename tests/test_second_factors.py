@@ -1,4 +1,4 @@
-"""The stacked projections' second step as one Triton kernel (`vlmrl.rollout.second_factors`), run here by Triton's
+"""The stacked projections' second step as one Triton kernel (`vlmrl.engine.rollout.second_factors`), run here by Triton's
 CPU interpreter: the unfused step's values and roundings, inside a compiled step as one node, and a fallback."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from tests.test_stacked import _Block, _trained
-from vlmrl.rollout import second_factors
-from vlmrl.rollout.stacked import StackedProjections
+from vlmrl.engine.rollout import second_factors
+from vlmrl.engine.rollout.stacked import StackedProjections
 
 pytestmark = pytest.mark.skipif(not second_factors.HAS_TRITON or not (torch.cuda.is_available()
                                                                        or second_factors.interpreted()),
@@ -87,7 +87,7 @@ def test_where_the_kernel_cannot_run_the_step_falls_back_with_one_warning(monkey
     monkeypatch.setattr(second_factors, "_launch", lambda *a: (_ for _ in ()).throw(RuntimeError("no kernel here")))
     second = _block_diagonal([64], [16])
     stacked = torch.randn(8, 80, dtype=torch.bfloat16)
-    with torch.no_grad(), caplog.at_level("WARNING", logger="vlmrl.rollout.second_factors"):
+    with torch.no_grad(), caplog.at_level("WARNING", logger="vlmrl.engine.rollout.second_factors"):
         first = second_factors.stacked_second(stacked, second, 2.0)
         again = second_factors.stacked_second(stacked, second, 2.0)
     expected = second_factors.reference(stacked, second, 2.0)
@@ -97,7 +97,7 @@ def test_where_the_kernel_cannot_run_the_step_falls_back_with_one_warning(monkey
 
 def test_the_setting_runs_the_kernel_in_rollouts_only(monkeypatch):
     from tests.test_fastgen import fake_trainer
-    from vlmrl.rollout.fast import enable_fast_generation
+    from vlmrl.engine.rollout.fast import enable_fast_generation
 
     monkeypatch.setattr(second_factors, "_failed", {})
     launches = []
@@ -112,7 +112,7 @@ def test_the_setting_runs_the_kernel_in_rollouts_only(monkeypatch):
 
     trainer = fake_trainer(block, rollout)
     fast = enable_fast_generation(trainer, stacked=True, stacked_kernel=True)
-    assert fast.adapters.endswith("each group's second step one Triton kernel (vlmrl.rollout.second_factors)")
+    assert fast.adapters.endswith("each group's second step one Triton kernel (vlmrl.engine.rollout.second_factors)")
     trainer._generate_single_turn()
     assert len(launches) == 4 and not second_factors._failed  # q/k/v once, o, gate/up twice (gate reads x again)
     with torch.no_grad():

@@ -9,7 +9,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from vlmrl.data.synthetic import generate_items
 from vlmrl.models.demo import _prompt, _target
 from vlmrl.models.tiny import build_tiny_model
-from vlmrl.sft import SftExample, sft_batch, sft_train
+from vlmrl.models.warm_start import SftExample, sft_batch, sft_train
 
 
 def _examples(n: int = 12) -> list[SftExample]:
@@ -55,8 +55,8 @@ def test_on_step_returning_true_stops_training(tmp_path):
 
 def test_reading_check_counts_right_answers_per_family(monkeypatch):
     """The warm start's check, per family: a fake generator answers bar values right and everything else wrong."""
+    from vlmrl.engine.rollout import generation
     from vlmrl.models import demo
-    from vlmrl.rollout import generation
 
     items = list(generate_items(12, seed=4, size=32, families=["bar_value", "count_squares"]))
 

@@ -18,8 +18,8 @@ from typer.testing import CliRunner
 
 from tests.test_export import varied_reward
 from vlmrl.cli import app
-from vlmrl.config import load_config
-from vlmrl.io import read_json, read_jsonl
+from vlmrl.common.io import read_json, read_jsonl
+from vlmrl.config.schema import load_config
 
 runner = CliRunner()
 bnb_cpu = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None,
@@ -40,7 +40,7 @@ def four_bit_args(output_dir: Path) -> list[str]:
 def four_bit_run(tmp_path_factory) -> Path:
     output = tmp_path_factory.mktemp("ship4bit")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("vlmrl.rewards.correctness_reward", varied_reward)
+        patch.setattr("vlmrl.grading.rewards.correctness_reward", varied_reward)
         result = runner.invoke(app, four_bit_args(output))
     assert result.exit_code == 0, result.output + repr(result.exception)
     return output / "demo"
@@ -117,7 +117,7 @@ def test_the_adapter_folder_loads_with_only_what_is_inside_it(four_bit_run: Path
 
 
 def test_push_to_hub_uploads_the_adapter_folder_through_hfapi(tmp_path: Path) -> None:
-    from vlmrl.export import push_to_hub
+    from vlmrl.export.stage import push_to_hub
 
     run_dir = tmp_path / "run"
     (run_dir / "adapter").mkdir(parents=True)
@@ -140,7 +140,7 @@ def test_push_to_hub_uploads_the_adapter_folder_through_hfapi(tmp_path: Path) ->
 
 
 def test_push_to_hub_refuses_an_unverified_export(tmp_path: Path) -> None:
-    from vlmrl.export import ExportError, push_to_hub
+    from vlmrl.export.stage import ExportError, push_to_hub
 
     (tmp_path / "adapter").mkdir()
     (tmp_path / "export.json").write_text(json.dumps({"all_passed": False}))
@@ -155,8 +155,8 @@ def test_cli_export_push_to_hub_calls_the_upload(tmp_path: Path, monkeypatch) ->
         seen.update(run_dir=run_dir, repo_id=repo_id, private=private)
         return "https://hf.co/commit"
 
-    monkeypatch.setattr("vlmrl.export.push_to_hub", fake_push)
-    monkeypatch.setattr("vlmrl.export.export_adapter", lambda config, run_dir, source=None: {"checks": []})
+    monkeypatch.setattr("vlmrl.export.stage.push_to_hub", fake_push)
+    monkeypatch.setattr("vlmrl.export.stage.export_adapter", lambda config, run_dir, source=None: {"checks": []})
     result = runner.invoke(app, ["export", "--set", f"run.output_dir={tmp_path}", "--push-to-hub", "me/x",
                                  "--private"])
     assert result.exit_code == 0, result.output
@@ -166,7 +166,7 @@ def test_cli_export_push_to_hub_calls_the_upload(tmp_path: Path, monkeypatch) ->
 
 def test_a_run_folder_is_accepted_where_a_config_is(tmp_path: Path) -> None:
     from vlmrl.cli import _config
-    from vlmrl.config import dump_config
+    from vlmrl.config.schema import dump_config
 
     config = load_config("demo", ["run.name=mine", f"run.output_dir={tmp_path / 'elsewhere'}", "train.max_steps=7"])
     run_dir = tmp_path / "copied-run"
@@ -182,20 +182,20 @@ def test_a_run_folder_is_accepted_where_a_config_is(tmp_path: Path) -> None:
 
 
 def _converter():
-    from vlmrl.export_gguf import find_converter
+    from vlmrl.export.gguf import find_converter
 
     return find_converter(None)
 
 
 @pytest.mark.slow
 def test_a_tiny_qwen3_vl_converts_to_gguf_and_reads_back(tmp_path: Path) -> None:
-    from vlmrl.export_gguf import convert, missing_requirements, read_back, try_generate
+    from vlmrl.export.gguf import convert, missing_requirements, read_back, try_generate
     from vlmrl.models.tiny import build_tiny_model
 
     llama_cpp = _converter()
     if llama_cpp is None:
         pytest.skip("llama.cpp's converter is not in vlmrl's cache (no network in tests): fill it once with "
-                    "`python -m vlmrl.export_gguf fetch` (or set VLMRL_LLAMA_CPP_DIR)")
+                    "`python -m vlmrl.export.gguf fetch` (or set VLMRL_LLAMA_CPP_DIR)")
     if missing_requirements():
         pytest.skip(f"the converter needs {missing_requirements()} (pip install 'vlmrl[gguf]')")
     model_dir = tmp_path / "tiny"
@@ -219,7 +219,7 @@ def test_a_tiny_qwen3_vl_converts_to_gguf_and_reads_back(tmp_path: Path) -> None
 
 
 def test_q4_k_m_without_llama_quantize_names_what_to_install(tmp_path: Path, monkeypatch) -> None:
-    from vlmrl.export_gguf import GgufError, convert
+    from vlmrl.export.gguf import GgufError, convert
 
     monkeypatch.setattr("shutil.which", lambda name: None)
     with pytest.raises(GgufError) as info:
@@ -228,7 +228,7 @@ def test_q4_k_m_without_llama_quantize_names_what_to_install(tmp_path: Path, mon
 
 
 def test_doctor_reports_whether_4bit_can_load_here(monkeypatch) -> None:
-    from vlmrl.doctor import collect_environment
+    from vlmrl.run.doctor import collect_environment
 
     env = collect_environment()
     assert env["four_bit"]["available"] is (importlib.util.find_spec("bitsandbytes") is not None)
@@ -250,7 +250,7 @@ def test_fetch_extracts_the_converter_from_a_pip_downloaded_sdist(tmp_path: Path
     import io
     import tarfile
 
-    from vlmrl.export_gguf import LLAMA_CPP_PYTHON, fetch_converter, find_converter
+    from vlmrl.export.gguf import LLAMA_CPP_PYTHON, fetch_converter, find_converter
 
     prefix = f"llama_cpp_python-{LLAMA_CPP_PYTHON}/vendor/llama.cpp/"
     members = {"convert_hf_to_gguf.py": b"# converter", "conversion/qwen3vl.py": b"# family",
@@ -277,7 +277,7 @@ def test_fetch_extracts_the_converter_from_a_pip_downloaded_sdist(tmp_path: Path
 
 
 def test_fetch_without_pypi_is_one_line_naming_the_package(tmp_path: Path, monkeypatch) -> None:
-    from vlmrl.export_gguf import GgufError, fetch_converter
+    from vlmrl.export.gguf import GgufError, fetch_converter
 
     monkeypatch.setattr("subprocess.run", lambda argv, **kw: type("Done", (), {
         "returncode": 1, "stderr": "ERROR: No matching distribution found for llama-cpp-python==0.3.36"})())

@@ -1,4 +1,4 @@
-"""Stacked projections for rollouts (`vlmrl.rollout.stacked`, `train.rollout_stacked`): what PEFT's forwards
+"""Stacked projections for rollouts (`vlmrl.engine.rollout.stacked`, `train.rollout_stacked`): what PEFT's forwards
 compute, with 8 matmuls per layer instead of 21, the base weights moved once and the loss pass unchanged."""
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ from peft import LoraConfig, get_peft_model
 from tests.conftest import load_sdpa
 from tests.test_fastgen import fake_trainer
 from vlmrl.data.synthetic import generate_items
-from vlmrl.rollout.fast import (
+from vlmrl.engine.rollout.fast import (
     bucket_static_cache,
     compile_settings,
     enable_fast_generation,
     prefill_into_dynamic_cache,
 )
-from vlmrl.rollout.generation import encode_batch
-from vlmrl.rollout.merge import lora_layers
-from vlmrl.rollout.stacked import StackedProjections
+from vlmrl.engine.rollout.generation import encode_batch
+from vlmrl.engine.rollout.merge import lora_layers
+from vlmrl.engine.rollout.stacked import StackedProjections
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SETTINGS = {"max_new_tokens": 12, "min_new_tokens": 12, "do_sample": False, "cache_implementation": "static",
@@ -186,7 +186,7 @@ def test_the_setting_replaces_the_copies_and_wraps_each_rollout():
 
 
 def test_in_bf16_under_the_rollout_autocast_it_computes_what_the_adapter_copies_compute():
-    from vlmrl.rollout.adapter_cast import LowPrecisionAdapters
+    from vlmrl.engine.rollout.adapter_cast import LowPrecisionAdapters
 
     block = _trained(_Block(64).to(torch.bfloat16))  # float32 adapters over a bf16 base, as PEFT keeps them
     x, y = torch.randn(4, 5, 64, dtype=torch.bfloat16), torch.randn(4, 5, 64, dtype=torch.bfloat16)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import doctest
 import math
 
-from vlmrl import stats
+from vlmrl.common import stats
 
 
 def test_doctests():

@@ -18,12 +18,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from vlmrl.config import Config, ConfigError, load_config
+from vlmrl.common.io import read_json, read_jsonl
+from vlmrl.config.schema import Config, ConfigError, load_config
 from vlmrl.contract import completion_text
-from vlmrl.io import read_json, read_jsonl
+from vlmrl.grading.rewards import format_reward
 from vlmrl.pipeline import prepare_with_budget
-from vlmrl.rewards import format_reward
-from vlmrl.train import TrainError, build_grpo_config, is_trained, train
+from vlmrl.run.layout import is_trained
+from vlmrl.train.stage import TrainError, build_grpo_config, train
 
 GENERATION_BATCH = 8  # per_device_train_batch_size x gradient_accumulation_steps (1 in the demo preset)
 NUM_GENERATIONS = 4
@@ -72,7 +73,7 @@ varied_reward.__name__ = "correctness_reward"  # TRL names the reward column aft
 
 @pytest.fixture
 def learnable(monkeypatch):
-    monkeypatch.setattr("vlmrl.rewards.correctness_reward", varied_reward)
+    monkeypatch.setattr("vlmrl.grading.rewards.correctness_reward", varied_reward)
 
 
 @pytest.fixture
@@ -222,7 +223,7 @@ def test_training_changes_only_lora_weights_and_records_everything(
         assert any("adamw_8bit" in note for note in summary["notes"])
     else:
         assert summary["notes"] == []
-    trim = summary["loss_pass"]  # vlmrl.loss_pass on by default; tiny:qwen3_vl trims both sides
+    trim = summary["loss_pass"]  # vlmrl.engine.loss_pass on by default; tiny:qwen3_vl trims both sides
     assert trim["trim_padding"] and trim["left_padding_trimmed"] and trim["calls"] >= 2
     assert 0 < trim["positions"] <= trim["positions_untrimmed"]
     assert all(0 <= r["loss_pass/padding_trimmed"] < 1 for r in step_rows(run_dir / "train" / "metrics.jsonl"))
@@ -335,7 +336,7 @@ def test_a_finished_run_is_not_trained_again(prepared, tmp_path: Path, learnable
 def test_trl_without_a_cpu_path_is_refused_on_a_cpu_only(prepared, tmp_path: Path, no_model_load, monkeypatch) -> None:
     """TRL 1.15 (Unsloth's pin) computes log-probs with Triton kernels only: on a CPU that fails mid-step, so
     `train` refuses it in one line before any model loads; on a GPU, or with TRL >= 1.16, nothing is said."""
-    from vlmrl import train as train_module
+    from vlmrl.train import stage as train_module
 
     assert train_module.trl_device_problem("cuda", "1.15.0") is None
     assert train_module.trl_device_problem("cpu", "1.16.0") is None

@@ -13,15 +13,16 @@ import random
 import numpy as np
 import pytest
 
-from vlmrl import stats
-from vlmrl.compare import CompareError, compare_runs
-from vlmrl.config import load_config
+from vlmrl.common import stats
+from vlmrl.common.io import read_jsonl, write_jsonl_atomic
+from vlmrl.compare.stage import CompareError, compare_runs
+from vlmrl.config.schema import load_config
 from vlmrl.data.items import record_hashes
-from vlmrl.evaluate import evaluate, load_holdout
-from vlmrl.io import read_jsonl, write_jsonl_atomic
+from vlmrl.evaluate.stage import evaluate
+from vlmrl.evaluate.swap import derangement, swap_images
 from vlmrl.pipeline import prepare_with_budget
 from vlmrl.report import build_report
-from vlmrl.visual_control import derangement, swap_images
+from vlmrl.run.layout import read_holdout as load_holdout
 
 
 def _items(counts: dict[str, int]) -> list[dict]:
@@ -170,7 +171,7 @@ def test_swap_images_keeps_everything_but_the_image():
 def test_demo_gpu_preset_says_in_one_line_that_it_needs_cuda(monkeypatch):
     import torch
 
-    from vlmrl.needs import RequirementError, check_requirements
+    from vlmrl.run.needs import RequirementError, check_requirements
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     config = load_config("demo-gpu")

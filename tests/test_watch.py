@@ -12,8 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 from vlmrl.cli import app
-from vlmrl.config import ConfigError, load_config
-from vlmrl.io import read_jsonl
+from vlmrl.common.io import read_jsonl
+from vlmrl.config.schema import ConfigError, load_config
 from vlmrl.pipeline import prepare_with_budget
 
 runner = CliRunner()
@@ -114,13 +114,14 @@ def test_config_validate_accepts_the_presets_with_a_tracker() -> None:
 
 def test_a_flat_trl_name_is_pointed_to_its_section() -> None:
     with pytest.raises(ConfigError, match="did you mean 'train.report_to'"):
-        from vlmrl.config import validate_config
+        from vlmrl.config.schema import validate_config
 
         validate_config({"report_to": ["tensorboard"]})
 
 
 def test_report_to_is_not_part_of_any_fingerprint() -> None:
-    from vlmrl.train import _checkpoint_fingerprint, train_fingerprint
+    from vlmrl.run.layout import train_fingerprint
+    from vlmrl.train.stage import _checkpoint_fingerprint
 
     a, b = load_config("demo"), load_config("demo", ["train.report_to=[tensorboard]"])
     assert a.fingerprint() == b.fingerprint()
@@ -129,7 +130,7 @@ def test_report_to_is_not_part_of_any_fingerprint() -> None:
 
 
 def test_a_missing_tracker_package_is_one_line_naming_what_to_install(monkeypatch) -> None:
-    from vlmrl import trackers
+    from vlmrl.train import trackers
 
     real = trackers.importlib.util.find_spec
     monkeypatch.setattr(trackers.importlib.util, "find_spec", lambda name: None if name == "wandb" else real(name))
@@ -157,7 +158,7 @@ def test_version_and_short_help() -> None:
 def test_the_gspo_dr_grpo_choice_is_explained_once_and_trls_warning_filtered() -> None:
     import logging
 
-    from vlmrl.trainargs import gspo_loss_note, quiet_trl_gspo_warning
+    from vlmrl.train.args import gspo_loss_note, quiet_trl_gspo_warning
 
     assert "loss_type=grpo" in gspo_loss_note(load_config("demo"))
     quiet_trl_gspo_warning()
@@ -183,7 +184,7 @@ def test_train_progress_off_a_terminal_is_one_plain_line_per_step() -> None:
 
     from rich.console import Console
 
-    from vlmrl.records import TrainProgress
+    from vlmrl.train.callbacks import TrainProgress
 
     lines: list[str] = []
     progress = TrainProgress(Console(file=_io.StringIO(), width=40), lines.append)  # not a terminal
@@ -203,7 +204,7 @@ def test_train_progress_on_a_terminal_draws_a_bar_not_lines() -> None:
 
     from rich.console import Console
 
-    from vlmrl.records import TrainProgress
+    from vlmrl.train.callbacks import TrainProgress
 
     out = _io.StringIO()
     lines: list[str] = []
@@ -220,7 +221,7 @@ def test_eval_progress_off_a_terminal_prints_plain_lines() -> None:
 
     from rich.console import Console
 
-    from vlmrl.progress import EvalProgress
+    from vlmrl.common.progress import EvalProgress
 
     out = _io.StringIO()
     bar = EvalProgress(Console(file=out, width=30), "baseline", every=3600)

@@ -4,7 +4,7 @@ Stages talk only through files in the run directory. Each stage is skipped when 
 made by this config, so re-running after a crash resumes where it stopped (evaluation and training also
 resume *within* the stage). A run directory made by a different config is refused unless `force`; one moved or
 copied elsewhere (another run.name or output_dir, same settings) is the same run and resumes. The folder is
-claimed for the whole command (vlmrl.rundir: the lock, the mark, what `--force` removes).
+claimed for the whole command (vlmrl.run.claim: the lock, the mark, what `--force` removes).
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vlmrl.config import Config, ConfigError, dump_config, load_config
-from vlmrl.io import read_json, write_text_atomic
+from vlmrl.common.io import read_json, write_text_atomic
+from vlmrl.config.schema import Config, ConfigError, dump_config, load_config
+from vlmrl.run import layout
 
 Say = Callable[[str], None]
 
@@ -29,8 +30,8 @@ class RunOutcome:
 def run_all(config: Config, *, force: bool = False, say: Say = print, progress_factory=None,
             train_progress=None) -> RunOutcome:
     """Run stages 1-8 and the report into `config.run_dir`, holding the folder's claim throughout."""
-    from vlmrl.reward_fns import load_rewards
-    from vlmrl.rundir import claimed
+    from vlmrl.grading.user_rewards import load_rewards
+    from vlmrl.run.claim import claimed
 
     load_rewards(config)  # a reward that cannot be imported fails before anything runs (the call check: in eval)
     run_dir = config.run_dir
@@ -40,9 +41,13 @@ def run_all(config: Config, *, force: bool = False, say: Say = print, progress_f
 
 
 def _run_stages(config: Config, run_dir: Path, say: Say, progress_factory, train_progress) -> RunOutcome:
-    from vlmrl import compare, evaluate, export, report, train
-    from vlmrl.doctor import collect_environment
-    from vlmrl.io import write_json_atomic
+    from vlmrl import report
+    from vlmrl.common.io import write_json_atomic
+    from vlmrl.compare.stage import compare_runs
+    from vlmrl.evaluate.stage import evaluate
+    from vlmrl.evaluate.visual_control import evaluate_swapped
+    from vlmrl.export.stage import export_adapter
+    from vlmrl.run.doctor import collect_environment
 
     outcome = RunOutcome(run_dir)
 
@@ -56,25 +61,24 @@ def _run_stages(config: Config, run_dir: Path, say: Say, progress_factory, train
         outcome.done.append(name)
 
     # 1 environment
-    stage("doctor", False, lambda: write_json_atomic(run_dir / "env.json", collect_environment(run_dir)))
+    stage("doctor", False, lambda: write_json_atomic(run_dir / layout.ENV, collect_environment(run_dir)))
     # 4 data (2 and 3, model load and LoRA, happen inside the stages that need them)
-    stage("prepare", is_prepared(config, run_dir), lambda: prepare_with_budget(config, run_dir))
+    stage("prepare", layout.is_prepared(config, run_dir), lambda: prepare_with_budget(config, run_dir))
     # 5 baseline evaluation
-    stage("eval baseline", eval_done(config, run_dir, "baseline"),
-          lambda: evaluate.evaluate(config, run_dir, "baseline", progress=_progress(progress_factory, "baseline")))
+    stage("eval baseline", layout.eval_done(config, run_dir, "baseline"),
+          lambda: evaluate(config, run_dir, "baseline", progress=_progress(progress_factory, "baseline")))
     # 6 training
-    stage("train", train.is_trained(config, run_dir), lambda: retrain(config, run_dir, say, train_progress))
+    stage("train", layout.is_trained(config, run_dir), lambda: retrain(config, run_dir, say, train_progress))
     # 7 evaluation after training, and the paired comparison
-    stage("eval after", eval_done(config, run_dir, "after"),
-          lambda: evaluate.evaluate(config, run_dir, "after", progress=_progress(progress_factory, "after")))
+    stage("eval after", layout.eval_done(config, run_dir, "after"),
+          lambda: evaluate(config, run_dir, "after", progress=_progress(progress_factory, "after")))
     if config.eval.visual_control:  # the same held-out set with images swapped between items, before and after
-        from vlmrl import visual_control
-
-        stage("eval swapped images", all(eval_done(config, run_dir, s + visual_control.SWAPPED) for s in evaluate.STAGES),
-              lambda: visual_control.evaluate_swapped(config, run_dir, progress_factory))
-    stage("compare", False, lambda: compare.compare_runs(run_dir, seed=config.run.seed))
+        stage("eval swapped images",
+              all(layout.eval_done(config, run_dir, s + layout.SWAPPED) for s in layout.STAGES),
+              lambda: evaluate_swapped(config, run_dir, progress_factory))
+    stage("compare", False, lambda: compare_runs(run_dir, seed=config.run.seed))
     # 8 export, then the report
-    stage("export", export.is_exported(config, run_dir), lambda: export.export_adapter(config, run_dir))
+    stage("export", layout.is_exported(config, run_dir), lambda: export_adapter(config, run_dir))
     stage("report", False, lambda: report.write_report(run_dir))
     return outcome
 
@@ -89,62 +93,38 @@ def prepare_with_budget(config: Config, run_dir: Path):
 def prompt_token_counter(config: Config, run_dir: Path):
     from transformers import AutoProcessor
 
+    from vlmrl.engine.rollout.generation import count_prompt_tokens
     from vlmrl.models.loading import resolve_model_source
-    from vlmrl.rollout.generation import count_prompt_tokens
 
     processor = AutoProcessor.from_pretrained(resolve_model_source(config.model.name, run_dir))
     return lambda prompt, images: count_prompt_tokens(processor, prompt, images)
 
 
-def is_prepared(config: Config, run_dir: Path) -> bool:
-    summary = run_dir / "data" / "summary.json"
-    return (
-        summary.exists()
-        and (run_dir / "data" / "holdout.jsonl").exists()
-        and read_json(summary).get("fingerprint") == config.data_fingerprint()
-    )
-
-
-def eval_done(config: Config, run_dir: Path, stage: str) -> bool:
-    from vlmrl.evaluate import EvalError, load_holdout
-    from vlmrl.reward_fns import rewards_fingerprint
-
-    summary = run_dir / f"{stage}_summary.json"
-    if not summary.exists():
-        return False
-    try:
-        made = read_json(summary)  # by these rewards too: else evaluate() rescores its records
-        return made.get("n") == len(load_holdout(config, run_dir)) and made.get(
-            "rewards_fingerprint") == rewards_fingerprint(config)
-    except (OSError, ValueError, AttributeError, EvalError):  # unreadable or not ours: evaluate (again)
-        return False
-
-
 def retrain(config: Config, run_dir: Path, say: Say, progress=None) -> None:
     """Train; a training that finished under another fingerprint (the config's own fingerprint matched, so
     a reward file changed) starts again from step 0, and the old adapter's after-training records go."""
-    from vlmrl import train
+    from vlmrl.train.stage import train
 
-    summary = run_dir / "train" / "summary.json"
-    stale = summary.exists() and read_json(summary).get("fingerprint") != train.train_fingerprint(config)
+    summary = run_dir / layout.TRAIN_SUMMARY
+    stale = summary.exists() and read_json(summary).get("fingerprint") != layout.train_fingerprint(config)
     if stale:
         say("[note] train: the finished training used other rewards (a reward file changed); training again")
     for path in [run_dir / "after_summary.json", run_dir / "after_swapped_summary.json",
                  *run_dir.glob("after_records*.jsonl"), *run_dir.glob("after_swapped_records*.jsonl")]:
         path.unlink(missing_ok=True)  # made with an adapter that is about to be replaced
-    train.train(config, run_dir, resume=not stale, console_callback=say, progress=progress)
+    train(config, run_dir, resume=not stale, console_callback=say, progress=progress)
 
 
 def claim_run_dir(config: Config, run_dir: Path, *, force: bool) -> None:
     """Write config.yaml, refusing to reuse a directory that holds a run of a different config, or a folder
     vlmrl did not make (`force` or not). `force` removes only what vlmrl wrote there."""
-    from vlmrl.rundir import RunDirError, ensure_marked, remove_vlmrl_outputs
+    from vlmrl.run.claim import RunDirError, ensure_marked, remove_vlmrl_outputs
 
     try:
         ensure_marked(run_dir)
     except RunDirError as exc:
         raise ConfigError(str(exc)) from None
-    path = run_dir / "config.yaml"
+    path = run_dir / layout.CONFIG
     if path.exists() and not force:
         try:
             previous = load_config(str(path))

@@ -6,7 +6,7 @@ Both paths train the same random-weight model with the real shapes of a named mo
 (`min_new_tokens`), so only the generation path differs:
 
   plain           `GRPOTrainer` exactly as a user writes it;
-  vlmrl           the same trainer after `vlmrl.rollout.fast.enable_fast_generation` (static cache + compiled
+  vlmrl           the same trainer after `vlmrl.engine.rollout.fast.enable_fast_generation` (static cache + compiled
                   decode), as `vlmrl train` runs it by default;
   vlmrl-merged    vlmrl with the adapter merged into the weights for rollouts (`train.rollout_merge=true`,
                   opt-in; optional);
@@ -42,16 +42,10 @@ The pieces: `shaped` (settings, the shaped model, the data), `floors` (floors an
 (one path measured, the whole benchmark), `summary` (figures, ratios, markdown tables), `throughput`
 (`--generation-batches`: one row per generation batch). This module re-exports what the CLI, the tests and the
 scripts under benchmarks/ use; `_StepClock` included, since GPU scripts patch its `wrap_generation`.
-Left out: the CPU preflight memory estimate (`vlmrl.preflight`, which reuses the floors' counts).
+Left out: the CPU preflight memory estimate (`vlmrl.run.preflight`, which reuses the floors' counts).
 """
 
-from vlmrl.bench.floors import (
-    decode_floor_ms,
-    kv_bytes_per_token,
-    language_param_count,
-    measure_ceilings,
-    train_floor_s,
-)
+from vlmrl.bench.floors import decode_floor_ms, measure_ceilings, train_floor_s
 from vlmrl.bench.run import (
     _StepClock,
     path_steps,
@@ -77,6 +71,7 @@ from vlmrl.bench.shaped import (
 from vlmrl.bench.summary import RATIO_PREFIXES, SETTING_LABELS, markdown_table, scaling_table, summarize
 from vlmrl.bench.throughput import parse_batches, run_throughput
 from vlmrl.bench.unsloth_path import UNSLOTH_PATHS, run_unsloth, unsloth_unavailable_reason
+from vlmrl.run.preflight import kv_bytes_per_token, language_param_count
 
 __all__ = [
     "GIB",

@@ -3,7 +3,7 @@
 Decode is bandwidth-bound (weights + KV cache read once per token step), training FLOP-bound (6 x language
 parameters x tokens: forward, checkpoint recompute, input-gradient backward; frozen weights get no weight
 gradient). The ceilings (bf16 matmul rate, device copy bandwidth) are measured on the same device in the same
-run. Pure functions, except `measure_ceilings` (CUDA only); `vlmrl.preflight` reuses the parameter and KV counts.
+run. Pure functions, except `measure_ceilings` (CUDA only); `vlmrl.run.preflight` reuses the parameter and KV counts.
 Left out: the measured paths (`run`), the tables (`summary`).
 """
 
@@ -25,23 +25,6 @@ def decode_floor_ms(weight_bytes: float, kv_bytes_per_token: float, batch: int, 
 
 def train_floor_s(language_params: float, tokens: float, flops: float) -> float:
     return 6 * language_params * tokens / flops
-
-
-def kv_bytes_per_token(text_config: dict, dtype_bytes: int = 2) -> int:
-    heads = text_config["num_key_value_heads"]
-    head_dim = text_config.get("head_dim") or text_config["hidden_size"] // text_config["num_attention_heads"]
-    return 2 * text_config["num_hidden_layers"] * heads * head_dim * dtype_bytes
-
-
-def language_param_count(text_config: dict) -> int:
-    """Parameters the decoder reads per token: attention, MLP, norms, embedding row and LM head."""
-    h, i, layers = text_config["hidden_size"], text_config["intermediate_size"], text_config["num_hidden_layers"]
-    heads, kv = text_config["num_attention_heads"], text_config["num_key_value_heads"]
-    head_dim = text_config.get("head_dim") or h // heads
-    attention = h * head_dim * (heads + 2 * kv) + heads * head_dim * h
-    mlp = 3 * h * i
-    lm_head = h * text_config["vocab_size"]
-    return layers * (attention + mlp) + lm_head
 
 
 def measure_ceilings(device: str = "cuda") -> dict:

@@ -1,7 +1,7 @@
 """One bench path measured (`run_path`), and the whole benchmark (`run_bench`): every path, then the summary.
 
 Each path builds the shaped model afresh, trains it with TRL's `GRPOTrainer` (vlmrl's paths after
-`vlmrl.rollout.fast.enable_fast_generation`), and records wall time per optimizer step, generation time inside
+`vlmrl.engine.rollout.fast.enable_fast_generation`), and records wall time per optimizer step, generation time inside
 it and the peak GPU memory of rollouts and of the rest (`_StepClock`). One path failing records its error and
 leaves the others' numbers. The unsloth path runs in a process of its own (`unsloth_path`) through the same
 `train_and_measure`. Left out: the model and data (`shaped`), the figures and tables (`summary`).
@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-from vlmrl import distributed
 from vlmrl.bench.floors import measure_ceilings
 from vlmrl.bench.shaped import (
     GIB,
@@ -32,7 +31,8 @@ from vlmrl.bench.shaped import (
 )
 from vlmrl.bench.summary import markdown_table, summarize
 from vlmrl.bench.unsloth_path import UNSLOTH_PATHS, run_unsloth
-from vlmrl.rollout.compile_cache import use_compile_cache
+from vlmrl.common import distributed
+from vlmrl.engine.rollout.compile_cache import use_compile_cache
 
 # the filled-cache window of the paths that use one (train.rollout_filled_window): 11 windows over 1,344 positions
 FILLED_WINDOW = 128
@@ -134,10 +134,10 @@ def train_and_measure(path: str, settings: BenchSettings, model: Any, processor:
     # In the unsloth process this import follows `import unsloth`, so it is Unsloth's patched trainer.
     from trl import GRPOConfig, GRPOTrainer
 
-    from vlmrl.loss_pass import enable_loss_pass
+    from vlmrl.engine.loss_pass import enable_loss_pass
+    from vlmrl.engine.rollout.fast import enable_fast_generation
+    from vlmrl.grading.rewards import correctness_reward, format_reward
     from vlmrl.models.loading import multimodal_token_ids
-    from vlmrl.rewards import correctness_reward, format_reward
-    from vlmrl.rollout.fast import enable_fast_generation
 
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()  # the peak of training, not of building the random model
@@ -214,7 +214,7 @@ def train_and_measure(path: str, settings: BenchSettings, model: Any, processor:
 
 def fast_options(path: str) -> dict:
     """enable_fast_generation's settings for a vlmrl bench path: `vlmrl train`'s defaults, then the path's own."""
-    from vlmrl.config import TrainConfig
+    from vlmrl.config.schema import TrainConfig
 
     defaults = TrainConfig()
     options = {"merge": defaults.rollout_merge, "adapter_copies": defaults.rollout_adapter_copies,
@@ -286,7 +286,7 @@ def prepare_device(settings: BenchSettings, work: Path) -> tuple[Any, Path]:
 def prompt_tokens_of(processor_dir: Path, dataset: Any) -> int:
     from transformers import AutoProcessor
 
-    from vlmrl.rollout.generation import count_prompt_tokens
+    from vlmrl.engine.rollout.generation import count_prompt_tokens
 
     processor = AutoProcessor.from_pretrained(str(processor_dir))
     row = dataset[0]

@@ -8,15 +8,14 @@ a loadable folder for the multi-GPU record check. Left out: measuring anything (
 from __future__ import annotations
 
 import gc
-import json
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from vlmrl import distributed
+from vlmrl.common import distributed
+from vlmrl.run.preflight import load_shapes
 
 GIB = 2**30
 
@@ -49,14 +48,9 @@ class BenchSettings:
     memory_cap_gib: float | None = None
     image_size: int = 512
     prompt_bucket: int = 64
-    # torch.compile's cache folder (`vlmrl.rollout.compile_cache`); None = vlmrl's default. Two processes given the same
+    # torch.compile's cache folder (`vlmrl.engine.rollout.compile_cache`); None = vlmrl's default. Two processes given the same
     # empty folder measure the first step cold, then warm.
     compile_cache: str | None = None
-
-
-def load_shapes(name: str) -> dict:
-    text = resources.files("vlmrl.shapes").joinpath(f"{name}.json").read_text()
-    return json.loads(text)
 
 
 def build_processor(work: Path, image_size: int) -> Path:

@@ -11,8 +11,10 @@ from dataclasses import asdict
 
 import torch
 
-from vlmrl.bench.floors import decode_floor_ms, kv_bytes_per_token, language_param_count, train_floor_s
+from vlmrl.bench.floors import decode_floor_ms, train_floor_s
 from vlmrl.bench.shaped import PATHS, BenchSettings
+from vlmrl.common.provenance import package_version
+from vlmrl.run.preflight import kv_bytes_per_token, language_param_count
 
 
 def ratio_prefix(path: str) -> str:
@@ -100,7 +102,7 @@ def summarize(settings: BenchSettings, shapes: dict, ceilings: dict, results: li
     return {
         "settings": asdict(settings),
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "versions": _versions(),
+        "versions": versions(),
         "ceilings": ceilings,
         "prompt_tokens": prompt_tokens,
         "language_params": language,
@@ -109,18 +111,6 @@ def summarize(settings: BenchSettings, shapes: dict, ceilings: dict, results: li
         "ratios": ratios,
         "raw": results,
     }
-
-
-def _versions() -> dict:
-    import importlib.metadata as md
-
-    out = {}
-    for name in ("torch", "transformers", "trl", "peft", "bitsandbytes"):
-        try:
-            out[name] = md.version(name)
-        except md.PackageNotFoundError:
-            out[name] = None
-    return out
 
 
 # What each fast path ran, as the markdown table names it (fields of `FastGeneration`; absent in older records).
@@ -207,3 +197,8 @@ def scaling_table(one: dict, many: dict, path: str = "vlmrl") -> tuple[str, dict
     lines.append("")
     lines.append(f"Samples per second on {b['world_size']} GPUs: {figures['speedup']:.2f}x one GPU.")
     return "\n".join(lines) + "\n", figures
+
+
+def versions() -> dict:
+    """The versions a bench record ran with."""
+    return {name: package_version(name) for name in ("torch", "transformers", "trl", "peft", "bitsandbytes")}

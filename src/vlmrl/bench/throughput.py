@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from vlmrl import distributed
 from vlmrl.bench.run import prepare_device, prompt_tokens_of, run_path
 from vlmrl.bench.shaped import BenchSettings, bench_dataset, build_processor, load_shapes
+from vlmrl.common import distributed
 
 
 def parse_batches(text: str, generations: int) -> list[int]:

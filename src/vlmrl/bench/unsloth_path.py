@@ -5,7 +5,7 @@ has imported all three long before it reaches a path, so this path runs in a fre
 is `unsloth` (`CHILD_CODE`). The parent saves the shaped random weights once as a folder (`save_weights_once`);
 the child loads that folder by name through `FastVisionModel.from_pretrained`, puts LoRA on the language layers
 with `FastVisionModel.get_peft_model` (vision frozen, the same r/alpha and projections as the other paths),
-trains it with `bench.run.train_and_measure` and writes the path's record as JSON, which the parent adds to the
+trains it with `bench.run.train_and_measure` (`unsloth_child`) and writes the path's record as JSON, which the parent adds to the
 table beside its own paths.
 
 Unsloth pins older TRL/datasets/transformers than vlmrl's own paths use, so its packages may live in a folder
@@ -30,7 +30,7 @@ UNSLOTH_PATHS = ("unsloth",)
 SITE_ENV = "VLMRL_UNSLOTH_SITE"
 # Which of the modules Unsloth must precede were already imported when `unsloth` was: recorded, must be none.
 CHILD_CODE = ("import sys; _before = sorted(m for m in ('transformers', 'trl', 'peft') if m in sys.modules); "
-              "import unsloth; from vlmrl.bench.unsloth_path import child_main; child_main(_before)")
+              "import unsloth; from vlmrl.bench.unsloth_child import child_main; child_main(_before)")
 
 
 def unsloth_site() -> Path | None:
@@ -124,32 +124,3 @@ def load_unsloth_model(model_dir: Path, settings: Any) -> tuple[Any, Any]:
         random_state=0,
     )
     return model, processor
-
-
-def child_main(imported_before: list[str]) -> None:
-    """The child process (after `import unsloth`): argv = settings JSON, model folder, work folder, out JSON."""
-    from vlmrl.bench.run import prepare_device, train_and_measure
-    from vlmrl.bench.shaped import BenchSettings, bench_dataset
-    from vlmrl.bench.summary import _versions
-
-    settings_file, model_dir, work, out_file = (Path(a) for a in sys.argv[1:5])
-    settings = BenchSettings(**json.loads(settings_file.read_text()))
-    work.mkdir(parents=True, exist_ok=True)
-    if torch.cuda.is_available():  # this process's memory cap; the parent refuses the path without CUDA
-        prepare_device(settings, work)
-    dataset = bench_dataset(settings)
-    model, processor = load_unsloth_model(model_dir, settings)
-    result = train_and_measure("unsloth", settings, model, processor, dataset, work, peft_config=None)
-    result["imported_before_unsloth"] = imported_before
-    result["versions"] = {**_versions(), "unsloth": _version("unsloth"), "unsloth_zoo": _version("unsloth_zoo"),
-                          "datasets": _version("datasets")}
-    out_file.write_text(json.dumps(result, indent=2, default=str))
-
-
-def _version(name: str) -> str | None:
-    import importlib.metadata as md
-
-    try:
-        return md.version(name)
-    except md.PackageNotFoundError:
-        return None

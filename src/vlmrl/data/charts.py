@@ -9,7 +9,16 @@ from __future__ import annotations
 
 import random
 
-from .canvas import PALETTE, Canvas, Problem, chart_axes, format_number, nice_step, place_boxes, ticks_between
+from vlmrl.data.canvas import (
+    PALETTE,
+    Canvas,
+    Problem,
+    chart_axes,
+    format_number,
+    nice_step,
+    place_boxes,
+    ticks_between,
+)
 
 TITLES = ("Sales", "Scores", "Visitors", "Results", "Counts", "Revenue", "Votes", "Output")
 

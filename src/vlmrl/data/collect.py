@@ -14,15 +14,14 @@ from pathlib import Path
 
 from PIL import Image
 
-from vlmrl.io import write_bytes_atomic
-
-from ..config import Config
-from ..contract import build_prompt_text
-from .images import ImageError, dhash, image_sha256, normalize_image, open_row_image, to_png_bytes
-from .items import Candidate, Dropped, Item
-from .mathvista import convert_rows
-from .sources import open_rows
-from .synthetic import SyntheticItem, check_families, generate_items
+from vlmrl.common.io import write_bytes_atomic
+from vlmrl.config.schema import Config
+from vlmrl.contract import build_prompt_text
+from vlmrl.data.images import ImageError, dhash, image_sha256, normalize_image, open_row_image, to_png_bytes
+from vlmrl.data.items import Candidate, Dropped, Item
+from vlmrl.data.mathvista import convert_rows
+from vlmrl.data.sources import open_rows
+from vlmrl.data.synthetic import SyntheticItem, check_families, generate_items
 
 TokenCounter = Callable[[str, list[Image.Image]], int]  # (prompt text, the item's images) -> tokens
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..config import DataConfig
-from .items import ANSWER_TYPES, Candidate, DataError, Dropped
-from .values import decimals_of, integer_text, is_integer_text, json_safe, number_text
+from vlmrl.config.schema import DataConfig
+from vlmrl.data.items import ANSWER_TYPES, Candidate, DataError, Dropped
+from vlmrl.data.values import decimals_of, integer_text, is_integer_text, json_safe, number_text
 
 COLUMN_KEYS = ("id", "question", "answer", "image", "images", "choices", "answer_type", "precision", "unit")
 IMAGEFOLDER_COLUMN = "file_name"

@@ -20,10 +20,18 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-from ..config import DataConfig
-from .items import Candidate, DataError, Dropped
-from .mapped import check_columns_seen, check_mapping, convert_mapped
-from .values import MAX_DEPTH, decimals_of, depth, integer_text, is_integer_text, json_safe, number_text
+from vlmrl.config.schema import DataConfig
+from vlmrl.data.items import Candidate, DataError, Dropped
+from vlmrl.data.mapped import check_columns_seen, check_mapping, convert_mapped
+from vlmrl.data.values import (
+    MAX_DEPTH,
+    decimals_of,
+    depth,
+    integer_text,
+    is_integer_text,
+    json_safe,
+    number_text,
+)
 
 __all__ = ["convert_rows", "decimals_of", "parse_number"]
 

@@ -21,12 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vlmrl.io import write_json_atomic, write_jsonl_atomic
-
-from ..config import Config
-from .collect import TokenCounter, collect_items
-from .items import DataError, Dropped, Item, read_items
-from .splits import ImageKey, check_no_overlap, choose_holdout, find_contamination
+from vlmrl.common.io import write_json_atomic, write_jsonl_atomic
+from vlmrl.config.schema import Config
+from vlmrl.data.collect import TokenCounter, collect_items
+from vlmrl.data.items import DataError, Dropped, Item, read_items
+from vlmrl.data.splits import ImageKey, check_no_overlap, choose_holdout, find_contamination
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +80,7 @@ def prepare_data(
     # step 1-2: every row becomes a kept item (image stored) or a dropped row
     converted: dict[str, int] = {}
     if progress is None:
-        from vlmrl.progress import counter
+        from vlmrl.common.progress import counter
 
         progress = counter("prepare: reading rows and normalising images")
     kept, dropped, hashes = collect_items(config, run_dir, token_counter, progress, converted)
@@ -164,7 +163,7 @@ def _check_enough(config: Config, data_dir: Path, kept: list[Item], dropped: lis
 def min_train_items(config: Config, world: int = 1) -> int:
     """Prompts in one generation batch: a training set smaller than this gives TRL no step to take.
 
-    >>> from vlmrl.config import load_config
+    >>> from vlmrl.config.schema import load_config
     >>> min_train_items(load_config("demo", ["train.per_device_train_batch_size=8", "train.num_generations=4",
     ...                                      "train.gradient_accumulation_steps=2"]))
     4

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import DataConfig
-from .items import DataError
+from vlmrl.config.schema import DataConfig
+from vlmrl.data.items import DataError
 
 BATCH = 64
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .items import DataError, Item
+from vlmrl.data.items import DataError, Item
 
 NEAR_DUPLICATE_BITS = 4
 

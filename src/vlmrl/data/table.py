@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .items import Item
+from vlmrl.data.items import Item
 
 SCALARS = (str, bool, int, float)
 MAPPED = ("id", "question", "answer", "answer_type", "precision", "unit", "choices", "category", "source")

@@ -2,7 +2,7 @@
 
 RL only helps a policy that sometimes earns reward. A random-weight model never writes `<SOLUTION>`, so every
 GRPO group has identical rewards and nothing moves. This module builds one that can learn: a tiny Qwen3-VL
-(4 layers, hidden 128) given a short supervised warm start (`vlmrl.sft`) on synthetic figures, *stopped
+(4 layers, hidden 128) given a short supervised warm start (`vlmrl.models.warm_start`) on synthetic figures, *stopped
 early* on purpose, so it follows the output structure only part of the time and answers a minority right.
 The embedded `vlmrl run` then has room to show RL moving both numbers.
 
@@ -25,6 +25,8 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+
+from vlmrl.common.paths import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -88,10 +90,6 @@ RECIPES = {"demo-policy": DEMO_RECIPE, "demo-policy-gpu": DEMO_GPU_RECIPE, "demo
 SFT_DATA_SEED = 1_000_003
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("VLMRL_CACHE", Path.home() / ".cache" / "vlmrl"))
-
-
 def demo_policy_dir(recipe: dict = DEMO_RECIPE) -> Path:
     digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:10]
     return cache_root() / f"demo-policy-{digest}"
@@ -126,7 +124,7 @@ def build_demo_policy(out_dir: Path, recipe: dict = DEMO_RECIPE, say=None) -> di
 
     from vlmrl.data.synthetic import generate_items
     from vlmrl.models.tiny import build_tiny_model
-    from vlmrl.sft import SftExample, sft_train
+    from vlmrl.models.warm_start import SftExample, sft_train
 
     torch.manual_seed(recipe["weight_seed"])
     extra = {"vision_depth": recipe["vision_depth"]} if "vision_depth" in recipe else {}
@@ -152,7 +150,7 @@ def build_demo_policy(out_dir: Path, recipe: dict = DEMO_RECIPE, say=None) -> di
                                    families=recipe["families"])
     ]
     started = time.perf_counter()
-    from vlmrl.progress import counter
+    from vlmrl.common.progress import counter
 
     tick = counter("demo policy: warm-start steps")
     stop_at, checks = recipe.get("stop_accuracy"), []
@@ -185,8 +183,8 @@ def reading_check(model, processor, items: list, batch: int = 128) -> dict:
     The model is left in train mode."""
     import torch
 
-    from vlmrl.rewards import score_completion
-    from vlmrl.rollout.generation import generate_batch
+    from vlmrl.engine.rollout.generation import generate_batch
+    from vlmrl.grading.rewards import score_completion
 
     model.eval()
     right: dict[str, list[bool]] = {}

@@ -22,9 +22,10 @@ from typing import Any
 
 import torch
 
-from vlmrl.config import ModelConfig
-from vlmrl.models import DEMO_POLICIES
+from vlmrl.config.builtin_models import DEMO_POLICIES, is_local_only  # noqa: F401 (re-exported)
+from vlmrl.config.schema import ModelConfig
 from vlmrl.models.lora import VISION_MARKERS
+from vlmrl.run.doctor import four_bit_unsupported_reason
 
 log = logging.getLogger(__name__)
 
@@ -51,15 +52,6 @@ class LoadedModel:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
-
-
-def is_local_only(model_name: str) -> bool:
-    """True for the bases vlmrl builds itself offline (`tiny:<arch>`, `demo-policy`), which no hub hosts.
-
-    >>> is_local_only("tiny:qwen3_vl"), is_local_only("demo-policy"), is_local_only("Qwen/Qwen3-VL-8B-Instruct")
-    (True, True, False)
-    """
-    return model_name.startswith("tiny:") or model_name in DEMO_POLICIES
 
 
 def resolve_model_source(name: str, run_dir: Path | None = None) -> str:
@@ -124,6 +116,30 @@ def base_identity(config_name: str, source: str) -> dict:
     return {"model_name": config_name, "config_sha256": digest}
 
 
+def adapter_base_problem(adapter: Path, model_name: str, run_dir: Path | None = None) -> str | None:
+    """Why `adapter` does not belong on the base `model_name` names (None when it does): no adapter there, or
+    trained on another base. `vlmrl train` records the base exactly (`vlmrl_base.json`: the name and a hash of
+    its config.json); an adapter without that record is matched by PEFT's `base_model_name_or_path`, where a
+    run folder copied or moved elsewhere keeps the same folder name."""
+    adapter_config = adapter / "adapter_config.json"
+    if not adapter_config.is_file():
+        return f"{adapter}: no adapter here (adapter_config.json missing); train first or pass --adapter DIR."
+    recorded = json.loads(adapter_config.read_text()).get("base_model_name_or_path")
+    expected = resolve_model_source(model_name, run_dir)
+    identity_file = adapter / BASE_RECORD
+    if identity_file.is_file():  # exact, and independent of where the run lives
+        trained_on = json.loads(identity_file.read_text())
+        if trained_on != base_identity(model_name, expected):
+            return (f"{adapter}: this adapter was trained on {trained_on}, but this config's base model is "
+                    f"{base_identity(model_name, expected)}.")
+        return None
+    same = recorded is not None and (recorded == expected or Path(recorded).name == Path(expected).name
+                                     or Path(recorded).resolve() == Path(expected).resolve())
+    if not same:
+        return f"{adapter}: this adapter was trained on {recorded!r}, but model.name resolves to {expected!r}."
+    return None
+
+
 def detect_family(source: str) -> str:
     """The model family from a local config.json, or from the hub id's name when not local."""
     config_path = Path(source) / "config.json"
@@ -176,27 +192,6 @@ def _load_transformers(config: ModelConfig, source: str) -> tuple[Any, Any]:
     except OSError as exc:
         raise ModelLoadError(f"model.name={source!r}: cannot load ({str(exc).splitlines()[0]}).") from None
     return model, processor
-
-
-BNB_CPU_MIN = (0, 48)  # the first bitsandbytes release whose CPU backend does nf4 (de)quantization
-
-
-def four_bit_unsupported_reason() -> str | None:
-    """Why bitsandbytes 4-bit cannot load here (None when it can): not installed, or a CPU-only machine with a
-    bitsandbytes older than its CPU backend. Checked before anything is built or downloaded."""
-    import importlib.metadata
-
-    from packaging.version import Version
-
-    if importlib.util.find_spec("bitsandbytes") is None:
-        return "bitsandbytes is not installed (pip install 'vlmrl[quant]')"
-    if torch.cuda.is_available():
-        return None
-    version = importlib.metadata.version("bitsandbytes")
-    if Version(version).release < BNB_CPU_MIN:
-        return (f"this machine has no CUDA GPU and bitsandbytes {version} has no CPU 4-bit backend "
-                f"(pip install 'bitsandbytes>={BNB_CPU_MIN[0]}.{BNB_CPU_MIN[1]}', or set model.load_in_4bit=false)")
-    return None
 
 
 def nf4_config(compute_dtype: torch.dtype) -> Any:

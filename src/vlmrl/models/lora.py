@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from vlmrl.config import LoraConfig
+from vlmrl.config.schema import LoraConfig
 
 log = logging.getLogger(__name__)
 

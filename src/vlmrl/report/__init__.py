@@ -14,7 +14,7 @@ Where each part lives, split by what changes together:
 - `plots`: matplotlib curves as inline SVG;
 - `files`: reading the run folder once, and the sentence for a missing or unreadable file;
 - `cells`: escaping, number cells and tables shared by every section.
-The visual-control section is `vlmrl.visual_control.report_html`, beside the numbers it shows.
+- `visual`: the visual-control table;
 
 Left out on purpose: computing statistics (that is `compare.py`'s job; the report only shows them), and
 full-size images (96 px thumbnails keep a 100-item report well under a few megabytes).

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import html
 import json
-import math
 from typing import Any
+
+from vlmrl.common.stats import finite
 
 
 def table(head: list[str], rows: list[str], cls: str = "") -> str:
@@ -58,10 +59,6 @@ def num_td(value: Any, fmt: str = ".3f", signed: bool = False) -> str:
 
 def delta_td(before: Any, after: Any) -> str:
     return num_td(after - before, signed=True) if finite(before) and finite(after) else "<td></td>"
-
-
-def finite(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def esc(value: Any) -> str:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
-from vlmrl.io import read_json, read_jsonl
+from vlmrl.common.io import read_json, read_jsonl
 from vlmrl.report.cells import esc
 
 

@@ -2,7 +2,7 @@
 
 What lives here: the section order, the header (navigation, input-file inventory), the inline CSS and the one
 inline script (sample filtering), and the Content-Security-Policy that pins that script by its hash. Left out:
-the sections' content (`sections`, `samples`, `vlmrl.visual_control`) and any external asset.
+the sections' content (`sections`, `samples`, `visual`) and any external asset.
 """
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ import base64
 import hashlib
 from pathlib import Path
 
-from vlmrl import visual_control
-from vlmrl.io import write_text_atomic
+from vlmrl.common.io import write_text_atomic
 from vlmrl.report.cells import esc
 from vlmrl.report.files import RunFiles
 from vlmrl.report.samples import samples_section
@@ -25,6 +24,7 @@ from vlmrl.report.sections import (
     setup_section,
     training_section,
 )
+from vlmrl.report.visual import report_html as visual_section
 
 
 def write_report(run_dir: Path) -> Path:
@@ -41,7 +41,7 @@ def build_report(run_dir: Path) -> str:
         ("headline", "Before / after", headline_section(files)),
         ("training", "Training", training_section(files)),
         ("categories", "By category", category_section(files)),
-        ("visual", "Visual control", visual_control.report_html((files.json_object("comparison.json") or {}).get("visual_control"))),
+        ("visual", "Visual control", visual_section((files.json_object("comparison.json") or {}).get("visual_control"))),
         ("flips", "Flips", flips_section(files)),
         ("samples", "Samples", samples_section(files)),
         ("export", "Export checks", export_section(files)),

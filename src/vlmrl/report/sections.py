@@ -1,7 +1,7 @@
 """The report's sections: before/after tables, training and validation curves, categories, flips, export,
 data and setup; each shows values from one named run-folder file, or says which file is missing.
 
-Left out: the per-sample viewer (`samples`), the visual control (`vlmrl.visual_control.report_html`), and
+Left out: the per-sample viewer (`samples`), the visual control (`visual`), and
 the page around them (`page`).
 """
 

@@ -1,0 +1,183 @@
+"""What the `vlmrl` commands print once a stage returns: rich tables and plain lines built from the dataclasses,
+dicts and files the stages produce. The console lives here; cli.py, which holds the commands, prints through it.
+
+Kept apart from `cli.py` so that a command reads as options -> one stage call -> one `show_*` call. Left out:
+progress while a stage runs (vlmrl.common.progress, vlmrl.train.callbacks.TrainProgress), error lines and exit codes
+(vlmrl.cli.errors), help and --version (vlmrl.cli.help).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from vlmrl.cli.errors import fail
+
+if TYPE_CHECKING:
+    from vlmrl.common.progress import EvalProgress
+    from vlmrl.config.schema import Config
+
+console = Console()
+# What `vlmrl run` lists at its end, those that exist, in the order the stages write them.
+RUN_FILES = ("config.yaml", "data/summary.json", "baseline_records.jsonl", "train/metrics.jsonl",
+             "train/rollouts.jsonl", "after_records.jsonl", "comparison.json", "adapter", "export.json",
+             "report.html")
+
+
+def say(message: str) -> None:
+    """A plain line: never wrapped (a log keeps one line per record), no markup read from the message."""
+    console.print(message, highlight=False, markup=False, soft_wrap=True)
+
+
+def eval_progress(label: str) -> EvalProgress:
+    from vlmrl.common.progress import EvalProgress
+
+    return EvalProgress(console, label)
+
+
+def show_environment(env: dict) -> None:
+    """`vlmrl doctor`'s table from vlmrl.run.doctor.collect_environment."""
+    table = Table(title="vlmrl doctor", show_header=False)
+    table.add_row("python", env["python"])
+    for name, version in env["packages"].items():
+        table.add_row(name, version or "[red]missing[/red]")
+    cuda = env["cuda"]
+    if cuda["available"]:
+        for dev in cuda["devices"]:
+            table.add_row(f"cuda:{dev['index']}", f"{dev['name']} ({dev['memory_gib']} GiB, sm {dev['capability']})")
+    else:
+        table.add_row("cuda", "not available (CPU only: tiny models and the demo run)")
+    four_bit = env["four_bit"]
+    table.add_row("4-bit (nf4)", "[green]available[/green]" + ("" if cuda["available"] else " on the CPU (slow)")
+                  if four_bit["available"] else f"not available: {escape(four_bit['reason'])}")
+    for name, ok in env["backends"].items():
+        table.add_row(name, "[green]available[/green]" if ok else "not installed")
+    table.add_row("disk free", f"{env['disk_free_gib']} GiB")
+    console.print(table)
+
+
+def show_preflight(config: Config, env: dict, prompt_tokens: int) -> None:
+    """`vlmrl doctor --config`: the predicted GPU memory of `config` and advice against the first GPU of `env`."""
+    from vlmrl.run.preflight import advice, estimate_memory, shapes_for
+
+    shapes = shapes_for(config.model.name)
+    if shapes is None:
+        console.print(f"preflight: no local config.json or shipped shapes for {config.model.name!r}; "
+                      "point model.name at a downloaded folder to get a prediction.", highlight=False, markup=False)
+        return
+    # The prediction is for the GPU the config is meant for, where `auto` turns fast generation on.
+    estimate = estimate_memory(config, shapes, prompt_tokens=prompt_tokens,
+                               fast_generation=config.train.fast_generation != "never")
+    table = Table(title=f"memory preflight: {config.model.name} (prompt {prompt_tokens} tokens)", show_header=False)
+    for key, value in estimate.as_dict().items():
+        table.add_row(key.removesuffix("_gib").replace("_", " "), f"{value:.1f} GiB")
+    console.print(table)
+    devices = env["cuda"]["devices"]
+    for line in advice(estimate, devices[0]["memory_gib"] if devices else None, config):
+        console.print(f"[yellow]warning:[/yellow] {escape(line)}")
+
+
+def show_tiny_model(path: Path, summary: dict) -> None:
+    console.print_json(json.dumps(summary))
+    console.print(f"wrote {path}", markup=False)
+
+
+def show_run_done(run_dir: Path, seconds: float) -> None:
+    """`vlmrl run`'s end: the comparison, the time taken and the files the run holds."""
+    show_comparison(run_dir / "comparison.json")
+    console.print(f"\n[bold]done[/bold] in {seconds:.0f} s: {escape(str(run_dir))}")
+    for name in RUN_FILES:
+        if (run_dir / name).exists():
+            console.print(f"  {run_dir / name}", highlight=False, markup=False)
+
+
+def show_prepared(run_dir: Path) -> None:
+    """`vlmrl prepare`'s data/summary.json (less the per-category counts), and the warning it may carry."""
+    summary = json.loads((run_dir / "data" / "summary.json").read_text())
+    console.print_json(json.dumps({k: v for k, v in summary.items() if k != "by_category"}))
+    if summary.get("comparable_to_published") is False:
+        console.print(f"[yellow]warning:[/yellow] {escape(str(summary.get('message')))}")
+    console.print(f"wrote {run_dir / 'data'}", markup=False)
+
+
+def show_eval(stage: str, result: Any) -> None:
+    """An evaluation's summary (vlmrl.evaluate.stage's result): each metric with its 95% interval."""
+    s = result.summary
+    table = Table(title=f"{stage} ({s['n']} items)")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_column("95% CI", justify="right")
+    for key in ("accuracy", "mathvista_accuracy", "format_compliance", "total_reward"):
+        lo, hi = s[key]["ci95"]
+        table.add_row(key, f"{s[key]['mean']:.3f}", escape(f"[{lo:.3f}, {hi:.3f}]"))
+    table.add_row("truncation_rate", f"{s['truncation_rate']:.3f}", "")
+    table.add_row("gibberish_rate", f"{s['gibberish_rate']:.3f}", "")
+    console.print(table)
+    console.print(f"records: {result.records_path}", markup=False)
+
+
+def show_trained(result: Any) -> None:
+    console.print_json(json.dumps(result.summary, default=str))
+    console.print(f"adapter: {result.final_dir}", markup=False)
+
+
+def show_comparison(path: Path) -> None:
+    """comparison.json as a before -> after table, the flip counts and the visual control; nothing if absent."""
+    if not path.exists():
+        return
+    comparison = json.loads(path.read_text())
+    table = Table(title=f"before -> after ({comparison['n_paired']} held-out items)")
+    for column in ("metric", "before", "after", "delta", "95% CI", "McNemar p"):
+        table.add_column(column, justify="right" if column != "metric" else "left")
+    for name, m in comparison["metrics"].items():
+        lo, hi = m["delta_ci95"]
+        p = f"{m['mcnemar_p']:.3g}" if "mcnemar_p" in m else ""
+        table.add_row(name, f"{m['before']:.3f}", f"{m['after']:.3f}", f"{m['delta']:+.3f}",
+                      escape(f"[{lo:+.3f}, {hi:+.3f}]"), p)
+    console.print(table)
+    flips = comparison["flip_counts"]
+    console.print(", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in flips.items()), highlight=False)
+    if comparison.get("visual_control"):
+        _show_visual_control(comparison["visual_control"])
+
+
+def _show_visual_control(control: dict) -> None:
+    table = Table(title="visual control: accuracy on true vs swapped images")
+    for column in ("family", "n", "before true", "before swapped", "after true", "after swapped", "visual gain", "95% CI"):
+        table.add_column(column, justify="right" if column != "family" else "left")
+    for name, b in [("all", control["overall"]), *sorted(control["by_family"].items())]:
+        a, (lo, hi) = b["accuracy"], b["visual_gain_ci95"]
+        table.add_row(name, str(b["n"]), *(f"{a[k]:.3f}" for k in ("before_true", "before_swapped", "after_true",
+                      "after_swapped")), f"{b['visual_gain']:+.3f}", escape(f"[{lo:+.3f}, {hi:+.3f}]"))
+    console.print(table)
+
+
+def show_export_checks(report: dict) -> None:
+    """vlmrl.export.stage.export_adapter's checks: pass, FAIL or skipped, with the value measured."""
+    table = Table(title="export checks")
+    for column in ("check", "result", "value", "detail"):
+        table.add_column(column)
+    for c in report["checks"]:
+        verdict = {True: "[green]pass[/green]", False: "[red]FAIL[/red]", None: "skipped"}[c["passed"]]
+        table.add_row(c["name"], verdict, escape(str(c["value"])), escape(c["detail"]))
+    console.print(table)
+
+
+def show_bench(out: Path, summary: dict) -> None:
+    """bench.md as written; exit 1 naming the paths that failed (their errors are in bench.json)."""
+    console.print((out / "bench.md").read_text(), markup=False, highlight=False)
+    failed = [name for name, p in summary["paths"].items() if p.get("error")]
+    if failed:
+        fail(f"bench path(s) failed: {', '.join(failed)} (details in {out / 'bench.json'})")
+
+
+def show_throughput(out: Path, summary: dict) -> None:
+    """throughput.md as written; exit 1 naming the generation batches that failed or were skipped."""
+    console.print((out / "throughput.md").read_text(), markup=False, highlight=False)
+    if failed := [f"{r['path']} at {r['generation_batch']}" for r in summary["rows"] if r.get("error")]:
+        fail(f"generation batch(es) failed or skipped: {', '.join(failed)} (details in {out / 'throughput.json'})")

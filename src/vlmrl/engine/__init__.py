@@ -1,0 +1,5 @@
+"""The engine: how completions are generated (`rollout/`) and scored by the trainer's loss pass (`loss_pass`,
+with Liger's fused kernels in `loss_kernels` and the LoRA input dtype in `adapter_inputs`).
+
+Knows models as torch modules only: it imports no config, data, grading or stage.
+"""

@@ -1,0 +1,144 @@
+"""The stacked projections' second step (`vlmrl.engine.rollout.stacked`) as one Triton kernel for a token step's few rows.
+
+A stacked group's first matmul gives, per row, the base outputs and then the adapters' rank-space inputs side by
+side. What follows is `base + scale * (first @ secondᵀ)`, `second` the group's block-diagonal second factors. At a
+token step (32 rows) cuBLAS runs that small matmul (K = the group's summed ranks, 16-48) in about 9 µs on an H200,
+latency rather than bandwidth, and the scaled sum after it is another kernel: 144 small matmuls per token step of
+Qwen3-VL-8B took about 1.3 ms (`docs/benchmarks.md`). Here one kernel reads the stacked output once, multiplies
+the rank-space inputs by a tile of the second factors on the tensor cores, scales, adds the base outputs and
+writes the group's outputs; one program per block of output columns (and of rows).
+
+Rounded as the unfused path rounds, in bf16 (fp16 stays on the unfused step): the product is rounded, then scaled
+(a float, or one value per output column in bf16) and rounded, then added to the base outputs and rounded. Only the dot's
+summation order differs from cuBLAS's. Like `decode_attention`, a `torch.library` custom op (one opaque node in a
+compiled step and its CUDA graph) that falls back to the same arithmetic in torch, with one warning, where Triton
+cannot build or launch it; on a CPU (tests) Triton's interpreter runs it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from vlmrl.engine.rollout.decode_attention import HAS_TRITON, interpreted, kernel_or_fallback
+
+log = logging.getLogger(__name__)
+_failed: dict[tuple, str] = {}  # (device, dtype) -> why the kernel could not run there
+
+MAX_ROWS = 64  # rows of a token step (the rollout batch); more rows (a prompt pass) stay on cuBLAS
+BLOCK_M, BLOCK_N = 32, 64
+
+
+def usable(stacked: torch.Tensor, second: torch.Tensor) -> bool:
+    """True when the kernel computes this group's step: few rows, bf16, ranks up to 128, on CUDA (or the
+    interpreter). Reads metadata only, so a compiled step traces it without a graph break."""
+    rows = stacked.numel() // stacked.shape[-1] if stacked.shape[-1] else 0
+    return (
+        HAS_TRITON
+        and 0 < rows <= MAX_ROWS
+        and stacked.dtype == torch.bfloat16
+        and second.dtype == stacked.dtype
+        and second.shape[-1] <= 128
+        and (stacked.is_cuda or interpreted())
+        and not torch.is_grad_enabled()
+    )
+
+
+def reference(stacked: torch.Tensor, second: torch.Tensor, scale: Any) -> torch.Tensor:
+    """The unfused arithmetic: what `vlmrl.engine.rollout.stacked` computes without the kernel."""
+    width = second.shape[0]
+    base, first = stacked[..., :width], stacked[..., width:]
+    return base + F.linear(first, second) * scale
+
+
+@torch.library.custom_op("vlmrl::stacked_second", mutates_args=())
+def _stacked_second(stacked: torch.Tensor, second: torch.Tensor, scales: torch.Tensor | None,
+                    scale: float) -> torch.Tensor:
+    return kernel_or_fallback(
+        _failed, (str(stacked.device), stacked.dtype), lambda: _launch(stacked, second, scales, scale),
+        lambda: reference(stacked, second, scales if scales is not None else scale),
+        what="stacked second-factor kernel", instead="cuBLAS", logger=log)
+
+
+@_stacked_second.register_fake
+def _(stacked: torch.Tensor, second: torch.Tensor, scales: torch.Tensor | None, scale: float) -> torch.Tensor:
+    return stacked.new_empty((*stacked.shape[:-1], second.shape[0]))
+
+
+def stacked_second(stacked: torch.Tensor, second: torch.Tensor, scale: Any) -> torch.Tensor:
+    """`base + scale * (first @ secondᵀ)` for `stacked` = [..., width + ranks] (base outputs, then rank-space
+    inputs), `second` [width, ranks] and `scale` a float or a [width] tensor. Call `usable` first."""
+    if isinstance(scale, torch.Tensor):
+        return _stacked_second(stacked, second, scale, 1.0)
+    return _stacked_second(stacked, second, None, float(scale))
+
+
+def _launch(stacked: torch.Tensor, second: torch.Tensor, scales: torch.Tensor | None, scale: float) -> torch.Tensor:
+    width, ranks = second.shape
+    flat = stacked.reshape(-1, stacked.shape[-1])
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    second = second.contiguous()
+    rows = flat.shape[0]
+    out = torch.empty(rows, width, device=stacked.device, dtype=stacked.dtype)
+    interpret = interpreted()
+    kernel = _kernel(interpret)
+    block_r = max(16, 1 << (ranks - 1).bit_length())
+    grid = (-(-rows // BLOCK_M), -(-width // BLOCK_N))
+    kernel[grid](flat, second, scales if scales is not None else out, out, rows, width, ranks, flat.stride(0), scale,
+                 PER_COLUMN=scales is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=block_r,
+                 DOT_F32=interpret)
+    return out.view(*stacked.shape[:-1], width)
+
+
+@functools.cache
+def _kernel(interpret: bool) -> Any:
+    """The Triton kernel, built on first use (importing vlmrl needs no Triton)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def to_bf16(x):
+        # float32 -> the nearest bfloat16 value (ties to even), kept in float32; NaN stays NaN. Done on the bits
+        # because Triton's interpreter truncates where compiled kernels round: the tests then check this code.
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return tl.where(x == x, bits.to(tl.float32, bitcast=True), x)  # noqa: PLR0124 (False for NaN only)
+
+    globals()["to_bf16"] = to_bf16  # a kernel finds the functions it calls among its module's globals
+
+    @triton.jit
+    def second_step(Stacked, Second, Scales, Out, rows, width, ranks, stride_row, scale,
+                    PER_COLUMN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                    DOT_F32: tl.constexpr):
+        # DOT_F32: the interpreter's tl.dot reads bf16 as raw integers, so there the dot takes float32 copies
+        # (exact: bf16 values and their products are float32 values); compiled kernels multiply in the inputs' dtype.
+        r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k = tl.arange(0, BLOCK_R)
+        in_rows, in_cols, in_ranks = r < rows, c < width, k < ranks
+        first = tl.load(Stacked + r[:, None] * stride_row + width + k[None, :],
+                        mask=in_rows[:, None] & in_ranks[None, :], other=0.0)
+        factors = tl.load(Second + c[None, :] * ranks + k[:, None], mask=in_ranks[:, None] & in_cols[None, :],
+                          other=0.0)  # [BLOCK_R, BLOCK_N]: secondᵀ's tile
+        if DOT_F32:
+            product = tl.dot(first.to(tl.float32), factors.to(tl.float32))
+        else:
+            product = tl.dot(first, factors)
+        dtype = Out.dtype.element_ty  # bfloat16
+        product = to_bf16(product)  # the small matmul's output, rounded
+        if PER_COLUMN:
+            scaled = product * tl.load(Scales + c, mask=in_cols, other=0.0).to(tl.float32)
+        else:
+            scaled = product * scale
+        scaled = to_bf16(scaled)
+        base = tl.load(Stacked + r[:, None] * stride_row + c[None, :], mask=in_rows[:, None] & in_cols[None, :],
+                       other=0.0).to(tl.float32)
+        tl.store(Out + r[:, None] * width + c[None, :], to_bf16(base + scaled).to(dtype),
+                 mask=in_rows[:, None] & in_cols[None, :])
+
+    return second_step

@@ -1,0 +1,241 @@
+"""Rollouts compute each group of adapted projections that read the same input with two matmuls: the base weights
+and the adapters' first factors stacked in one, the second factors in the other.
+
+A rollout token step with the adapter not merged runs, per adapted projection, the base matmul, the adapter's
+first factor (input x A, rank 16), the second (x B) and their sum. At batch 32 each of those is a launch-bound
+kernel: in an H200 profile of a token step (Qwen3-VL-8B shapes, `h200_decode_variants_kernel.md`) the 252 first
+factors took 1.07 ms plus 0.4 ms of split-K reductions, the second factors about 0.6 ms, where the 36 layers'
+base weights, read once, take about 4.5 ms. Merging the adapter into the weights removes them (8.2 against 11.1 ms
+per token step outside TRL) but rounds small adapter deltas away (`vlmrl.engine.rollout.merge`).
+
+Projections that read the same input (q/k/v of an attention block; gate/up of an MLP; o and down alone) are
+stacked instead:
+- `StackedProjections(model)` moves each group's frozen base weights, once, into one tensor with rank-many
+  spare rows per member below them; each base layer's weight (and bias) becomes a view of its rows, so the loss
+  pass and everything else compute exactly what they did, and no weight is copied.
+- For each rollout, `active()` writes the adapters' current first factors into the spare rows (in the base
+  dtype) and builds the group's second factors as one block-diagonal matrix (zeros off the blocks: exact).
+  A group's first member then runs one matmul for the base outputs and the rank-space inputs together, one
+  for the adapter outputs, and the scaled sum PEFT computes; its siblings take their slice of the result when
+  they are called with the same input tensor (anything else runs PEFT's own forward).
+Per layer that is 4 + 4 matmuls where PEFT's forward runs 7 + 14. The values are those of PEFT's forward under
+the rollout's autocast (base and adapter matmuls in the base dtype, the same scale and sum) up to the order in
+which a matmul kernel sums its products.
+
+Applies to plain LoRA (no DoRA or other variant, no dropout, no bias of its own, one active adapter) over
+unquantized float base weights that are not sharded (FSDP / ZeRO-3); elsewhere the adapter copies apply
+(`vlmrl.engine.rollout.adapter_cast`). On by default: `train.rollout_stacked`. Measured on an H200 in TRL (Qwen3-VL-8B
+shapes, seed recipe): 18.1 -> 11.6 ms per token step beside the copies (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from vlmrl.engine.rollout import second_factors
+
+# Projections that every supported family calls with the same input, in the order it calls them.
+SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _member_reason(layer: Any) -> str | None:
+    """Why a PEFT LoRA layer cannot be stacked; None when it can."""
+    from vlmrl.engine.rollout.merge import variant
+
+    names = list(layer.lora_A.keys())
+    if len(names) != 1:
+        return "more than one adapter"
+    name = names[0]
+    kind = variant(layer, name)
+    if kind:
+        return f"{kind} adapters"
+    if getattr(layer, "lora_bias", {}).get(name):
+        return "LoRA with a bias"
+    if not isinstance(layer.lora_dropout[name], torch.nn.Identity):
+        return "LoRA dropout (each projection draws its own mask)"
+    base = layer.get_base_layer()
+    if type(base) is not torch.nn.Linear:
+        return f"a {type(base).__name__} base layer (quantized or not a plain Linear)"
+    if not base.weight.is_floating_point() or base.weight.requires_grad:
+        return "a base weight that is not a frozen float tensor"
+    return None
+
+
+@dataclass
+class _Group:
+    layers: list[Any]
+    weight: torch.Tensor  # [sum(outs) + sum(ranks), in]: the base weights, then the first factors' rows
+    bias: torch.Tensor | None
+    outs: list[int]
+    ranks: list[int]
+    second: torch.Tensor | None = None  # [sum(outs), sum(ranks)], block-diagonal; only while a rollout runs
+    scale: Any = None
+    fused: bool = False  # token steps run the second step as one kernel (`vlmrl.engine.rollout.second_factors`)
+    # the outputs still owed to the siblings of the member that computed them, and the input they were for
+    source: torch.Tensor | None = None
+    owed: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def width(self) -> int:
+        return sum(self.outs)
+
+    def compute(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        stacked = F.linear(x, self.weight, self.bias)
+        fused = self.fused and second_factors.usable(stacked, self.second)
+        second_step = second_factors.stacked_second if fused else second_factors.reference
+        return second_step(stacked, self.second, self.scale).split(self.outs, dim=-1)
+
+    def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Member `index`'s output for input `x`: its share of a result computed for this very tensor by the
+        group's first member, or the whole group computed afresh. The first member always computes, so nothing
+        owed from an earlier forward is taken."""
+        if index and self.source is x and index in self.owed:
+            out = self.owed.pop(index)
+            if not self.owed:
+                self.source = None
+            return out
+        outs = self.compute(x)
+        if len(outs) > 1:  # nothing is kept for a group of one: no tensor outlives its layer's call
+            self.source, self.owed = x, {i: o for i, o in enumerate(outs) if i != index}
+        return outs[index]
+
+
+class StackedProjections:
+    """Stacks the frozen base weights of `model`'s LoRA projections by shared input (see the module's text);
+    `active()` makes rollouts use them. `reason` says why nothing was stacked (then `active()` changes nothing)."""
+
+    def __init__(self, model: Any):
+        from vlmrl.engine.rollout.merge import lora_layers
+
+        self.groups: list[_Group] = []
+        layers = lora_layers(model)
+        self.reason = "no LoRA layers" if not layers else next(filter(None, map(_member_reason, layers)), None)
+        if self.reason is not None:
+            return
+        adapted = {id(layer) for layer in layers}
+        by_parent: dict[int, dict[str, Any]] = {}
+        for module in model.modules():
+            for child_name, child in module.named_children():
+                if id(child) in adapted:
+                    by_parent.setdefault(id(module), {})[child_name] = child
+        for siblings in by_parent.values():
+            left = dict(siblings)
+            for names in SHARED_INPUT:
+                if all(n in left for n in names) and _compatible([left[n] for n in names]):
+                    self.groups.append(_stack([left.pop(n) for n in names]))
+            self.groups.extend(_stack([layer]) for layer in left.values())
+
+    @property
+    def nbytes(self) -> int:
+        """What the first factors' rows add to the weights (kept between rollouts)."""
+        return sum(g.weight[g.width:].nbytes + (g.bias[g.width:].nbytes if g.bias is not None else 0)
+                   for g in self.groups)
+
+    def second_nbytes(self) -> int:
+        """What the block-diagonal second factors take while a rollout runs."""
+        return sum(g.width * sum(g.ranks) * g.weight.element_size() for g in self.groups)
+
+    @contextlib.contextmanager
+    def active(self, fused: bool = False) -> Iterator[None]:
+        """Within the block the stacked groups hold the adapters' current factors and their layers compute
+        through them; after it, PEFT's own forwards again (and the second factors are freed). `fused`: token
+        steps run each group's second step as one Triton kernel (`vlmrl.engine.rollout.second_factors`)."""
+        if not self.groups:
+            yield
+            return
+        installed: list[Any] = []
+        try:
+            with torch.no_grad():
+                for group in self.groups:
+                    _load_factors(group)
+                    group.fused = fused
+            for group in self.groups:
+                for index, layer in enumerate(group.layers):
+                    layer.forward = _stacked_forward(group, index, layer)
+                    installed.append(layer)
+            yield
+        finally:
+            for layer in installed:
+                del layer.forward
+            for group in self.groups:
+                group.second = group.scale = group.source = None
+                group.owed, group.fused = {}, False
+
+
+def _compatible(layers: list[Any]) -> bool:
+    bases = [layer.get_base_layer() for layer in layers]
+    first = bases[0]
+    return all(b.in_features == first.in_features and b.weight.dtype == first.weight.dtype
+               and b.weight.device == first.weight.device and (b.bias is None) == (first.bias is None)
+               for b in bases)
+
+
+def _stack(layers: list[Any]) -> _Group:
+    """Move the layers' base weights (and biases) into one tensor with rank-many spare rows each below them."""
+    bases = [layer.get_base_layer() for layer in layers]
+    outs = [b.out_features for b in bases]
+    ranks = [next(iter(layer.lora_A.values())).out_features for layer in layers]
+    first = bases[0].weight
+    weight = torch.zeros(sum(outs) + sum(ranks), first.shape[1], dtype=first.dtype, device=first.device)
+    bias = None
+    if bases[0].bias is not None:
+        bias = torch.zeros(sum(outs) + sum(ranks), dtype=bases[0].bias.dtype, device=first.device)
+    start = 0
+    for base, out in zip(bases, outs):
+        with torch.no_grad():
+            weight[start:start + out].copy_(base.weight)
+            if bias is not None:
+                bias[start:start + out].copy_(base.bias)
+        base.weight = torch.nn.Parameter(weight[start:start + out], requires_grad=False)
+        if bias is not None:
+            base.bias = torch.nn.Parameter(bias[start:start + out], requires_grad=False)
+        start += out
+    _static(weight, bias)
+    return _Group(layers, weight, bias, outs, ranks)
+
+
+def _static(*tensors: Any) -> None:
+    """Tell compiled CUDA graphs these tensors stay where they are: without it every replay would first copy them
+    (they are not parameters or buffers). A new address (the second factors of the next rollout) re-records."""
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor):
+            torch._dynamo.mark_static_address(tensor, guard=False)
+
+
+def _load_factors(group: _Group) -> None:
+    """The adapters' current factors, in the base dtype: first factors into the spare rows, second factors into
+    a fresh block-diagonal matrix; the scale PEFT applies (one number, or one per output column)."""
+    dtype, device = group.weight.dtype, group.weight.device
+    row, col, out_start = group.width, 0, 0
+    second = torch.zeros(group.width, sum(group.ranks), dtype=dtype, device=device)
+    scales = []
+    for layer, out, rank in zip(group.layers, group.outs, group.ranks):
+        name = next(iter(layer.lora_A))
+        group.weight[row:row + rank].copy_(layer.lora_A[name].weight)
+        second[out_start:out_start + out, col:col + rank].copy_(layer.lora_B[name].weight)
+        scales.append(layer.scaling[name])
+        row, col, out_start = row + rank, col + rank, out_start + out
+    group.second = second
+    if len(set(scales)) == 1:
+        group.scale = scales[0]
+    else:
+        group.scale = torch.cat([torch.full((out,), float(s), dtype=dtype, device=device)
+                                 for out, s in zip(group.outs, scales)])
+    _static(group.second, group.scale)
+
+
+def _stacked_forward(group: _Group, index: int, layer: Any) -> Any:
+    peft_forward = type(layer).forward.__get__(layer)
+
+    def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if args or kwargs or layer.disable_adapters or layer.merged or layer.active_adapters != list(layer.lora_A):
+            return peft_forward(x, *args, **kwargs)
+        return group.output(index, x)
+
+    return forward

@@ -1,0 +1,421 @@
+"""Deciding whether an answer is right: one public grader per answer type, and MathVista's official scoring.
+
+Three jobs live here because all decide whether an answer is right:
+
+* ``grade(prediction, gold, answer_type, *, choices, precision)`` is the one grader the training reward and the
+  evaluation records use, for the five answer types ``integer | float | choice | expression | text`` (the exact
+  rules are in docs/rewards.md). It never raises on any prediction or gold and stays fast on any string a
+  policy can emit: numbers and expressions are only read from short texts, text rules are linear.
+* ``parse_number`` / ``numeric_equal`` read one number from what a policy wrote (``1,000``, ``\\frac{1}{2}``,
+  ``$30^\\circ$``, ``50%``) and compare it with the gold answer at the gold answer's own precision: only
+  short texts are considered (a 1 MB "number" is not one number), and every regex is anchored and free of
+  nested quantifiers. An integer gold is compared exactly, whatever its number of digits.
+* ``normalize_mathvista`` / ``mathvista_correct`` reproduce MathVista's official
+  ``normalize_extracted_answer`` and ``safe_equal`` (evaluation/calculate_score.py) so our benchmark numbers
+  are comparable with published ones. They are checked row by row against an oracle computed with the
+  official code (tests/test_grading.py), quirks included: an empty multiple-choice extraction still picks the
+  shortest choice, integers are truncated, not rounded.
+
+Symbolic equivalence (``2\\sqrt{2}`` = ``\\sqrt{8}``) is the ``expression`` type's alone, through math-verify in
+a separate process (``vlmrl.grading.symbolic``); ``integer``/``float`` answers stay numeric. Deliberately left out:
+numbers written in words, non-ASCII digits, and Unicode normalisation of text answers (full-width letters
+differ from ASCII ones).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from decimal import Context, Decimal
+from fractions import Fraction
+
+from vlmrl.data.items import ANSWER_TYPES
+from vlmrl.grading.symbolic import MAX_EXPRESSION_CHARS, expressions_equal
+
+# A solution longer than this cannot be "one number" with at most one unit; refusing it early bounds the
+# work done on adversarial completions.
+MAX_NUMBER_CHARS = 200
+# Exponents beyond float range would make exact arithmetic explode (10**10**9) and mean inf or 0 anyway.
+_MAX_EXPONENT = 400
+_RELATIVE_TOLERANCE = Fraction(1, 10**9)
+# Decimal's default context keeps 28 digits; a number of up to MAX_NUMBER_CHARS digits must stay exact.
+_EXACT = Context(prec=2 * MAX_NUMBER_CHARS)
+
+_SIGN = r"[+\-\u2212]?"  # U+2212 is the minus sign typeset by LaTeX-trained models
+_MANTISSA = r"(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]*)?|\.[0-9]+"
+_PLAIN_RE = re.compile(rf"(?P<sign>{_SIGN})(?P<mantissa>{_MANTISSA})(?:[eE](?P<exp>[+\-]?[0-9]+))?")
+_FRAC_RE = re.compile(rf"(?P<sign>{_SIGN})\s*\\[dt]?frac\s*\{{(?P<num>[^{{}}]*)\}}\s*\{{(?P<den>[^{{}}]*)\}}")
+_UNIT_RE = re.compile(
+    r"\s*(?:%|\\%|°|\^\s*\{?\s*\\circ\s*\}?|\\circ"
+    r"|\\(?:text|mathrm)\{\s*(?P<latex_word>[A-Za-z]{1,12})\s*\}"
+    r"|(?P<word>[A-Za-z]{1,12})(?:\^\{?[23]\}?|[²³])?)\Z"
+)
+# Words that look like a unit to the pattern above but would turn "5 nan" into the number 5.
+_NOT_UNITS = {"nan", "inf", "infinity", "e"}
+_WRAPPERS = (("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"), ("\\boxed{", "}"))
+_OPTION_LETTER_RE = re.compile(r"\(([a-zA-Z])\)")
+
+
+def grade(
+    prediction: str,
+    gold: str,
+    answer_type: str,
+    *,
+    choices: Sequence[str] | None = None,
+    precision: int | None = None,
+) -> bool:
+    """Whether ``prediction`` is the gold answer, by the rules of ``answer_type`` (docs/rewards.md).
+
+    ``integer``/``float``: ``numeric_equal`` (``precision`` counts for floats). ``choice``: the gold choice's
+    text (as ``text`` compares) or its letter (A = first of ``choices``; ``b``, ``(B)``, ``B.``, ``B)``).
+    ``expression``: ``expression_equal``. ``text``: ``text_equal``. A prediction or gold that is not a string
+    is never right; an ``answer_type`` outside ``ANSWER_TYPES`` is a ValueError (a typo must not zero every
+    reward).
+
+    >>> grade("12.0", "12", "integer"), grade("b)", "7", "choice", choices=["6", "7"])
+    (True, True)
+    >>> grade("Paris.", "paris", "text"), grade("Lyon", "paris", "text")
+    (True, False)
+    >>> grade("0.5", "\\\\frac{1}{2}", "expression"), grade("A", "7", "choice", choices=["6", "7"])
+    (True, False)
+    """
+    if answer_type not in ANSWER_TYPES:
+        raise ValueError(f"answer_type must be one of {', '.join(ANSWER_TYPES)}, got {answer_type!r}")
+    if not isinstance(prediction, str) or not isinstance(gold, str):
+        return False
+    if answer_type == "integer":
+        return numeric_equal(prediction, gold)
+    if answer_type == "float":
+        return numeric_equal(prediction, gold, precision=precision)
+    if answer_type == "choice":
+        return choice_equal(prediction, gold, choices)
+    if answer_type == "expression":
+        return expression_equal(prediction, gold)
+    return text_equal(prediction, gold)
+
+
+_TRAILING = ".,;:!? "
+# A text or choice answer longer than this (after trimming) is a derivation, not an answer: never right, and
+# never normalised, so megabytes of repeated words cost nothing.
+MAX_TEXT_CHARS = 10_000
+# A letter answer, read on the normalised prediction (lower case, single spaces, no trailing "." left).
+_LETTER_RE = re.compile(r"(?:\((?P<inner>[a-z])\)|(?P<bare>[a-z])[.)]?)(?: (?P<rest>.*))?", re.DOTALL)
+
+
+def normalize_text(text: str) -> str:
+    """``text`` compared case-insensitively, whitespace runs as one space, trailing ``.,;:!?`` dropped.
+
+    >>> normalize_text("  The  Eiffel\\nTower. "), normalize_text("Yes!?"), normalize_text("C++")
+    ('the eiffel tower', 'yes', 'c++')
+    """
+    return " ".join(text.split()).casefold().rstrip(_TRAILING)
+
+
+def text_equal(prediction: str, gold: str) -> bool:
+    """Whether the two are the same text once normalised (``normalize_text``); an empty gold matches nothing.
+
+    >>> text_equal(" The  Eiffel Tower!", "the eiffel tower"), text_equal("Paris, France", "Paris")
+    (True, False)
+    """
+    if _too_long(prediction):
+        return False
+    target = normalize_text(gold)
+    return bool(target) and normalize_text(prediction) == target
+
+
+def choice_equal(prediction: str, gold: str, choices: Sequence[str] | None) -> bool:
+    """Whether ``prediction`` names the gold choice: by its text, or by its letter (A = first choice).
+
+    The letter may be any case, in parentheses or followed by ``.`` or ``)``, and may be followed by the same
+    choice's text (``(B) 140°``). A prediction that is the text of a choice is read as that text, never as a
+    letter: with choices ``["B", "A"]``, ``B`` names the first choice.
+
+    >>> opts = ["135°", "140°", "145°"]
+    >>> [choice_equal(p, "140°", opts) for p in ("140°", "b", "(B)", "B.", "B) 140°", "C", "(B) 145°", "140")]
+    [True, True, True, True, True, False, False, False]
+    """
+    if _too_long(prediction):
+        return False
+    target = normalize_text(gold)
+    said = normalize_text(prediction)
+    if not target or not said:
+        return False
+    if said == target:
+        return True
+    if isinstance(choices, str):  # one string is not a list of choices (its characters are no options)
+        choices = None
+    options = [normalize_text(str(choice)) for choice in choices or ()]
+    if said in options:  # the text of another choice
+        return False
+    match = _LETTER_RE.fullmatch(said)
+    if not match:
+        return False
+    index = ord(match["inner"] or match["bare"]) - ord("a")
+    if index >= len(options) or options[index] != target:
+        return False
+    return match["rest"] is None or match["rest"] == target
+
+
+def _too_long(prediction: str) -> bool:
+    # strip() only when needed: whitespace padding around a short answer is still that answer
+    return len(prediction) > MAX_TEXT_CHARS and len(prediction.strip()) > MAX_TEXT_CHARS
+
+
+def expression_equal(prediction: str, gold: str) -> bool:
+    """Whether two mathematical answers are equal: numbers by ``numeric_equal``, the rest by math-verify.
+
+    Identical texts are equal. When both are plain numbers (what ``parse_number`` reads, fractions and
+    ``\\frac`` included) the numeric rules decide, exactly and without a parser; otherwise math-verify compares
+    them symbolically (``vlmrl.grading.symbolic``). Texts longer than ``MAX_EXPRESSION_CHARS`` are only equal when
+    identical.
+
+    >>> expression_equal("1/2", "\\\\frac{1}{2}"), expression_equal("0.5", "1/2"), expression_equal("0.6", "1/2")
+    (True, True, False)
+    """
+    prediction, gold = prediction.strip(), gold.strip()
+    if not prediction or not gold:
+        return False
+    if prediction == gold:
+        return True
+    if len(prediction) > MAX_EXPRESSION_CHARS or len(gold) > MAX_EXPRESSION_CHARS:
+        return False
+    if _parse_exact(prediction) is not None and _parse_exact(gold) is not None:
+        return numeric_equal(prediction, gold)
+    return expressions_equal(prediction, gold)
+
+
+def parse_number(text: str) -> float | None:
+    """The single finite number ``text`` writes, or None (two numbers, words only, nan, 1e999, too long).
+
+    >>> parse_number("$\\\\boxed{1,000}$"), parse_number("-\\\\frac{3}{4}"), parse_number("30°")
+    (1000.0, -0.75, 30.0)
+    >>> parse_number("3 or 4") is None, parse_number("nan") is None, parse_number("1e999") is None
+    (True, True, True)
+    """
+    value = _parse_exact(text)
+    return None if value is None else float(value)
+
+
+def numeric_equal(pred: str, gold: str, *, precision: int | None = None) -> bool:
+    """Whether ``pred`` states the gold number, at the precision the gold answer is written with.
+
+    A gold whose value is an integer must be matched exactly, however many digits it has; another gold
+    written without decimals (``1/3``) within 1e-9 relative (``0.333333333333`` states it). A gold with d
+    decimals is matched by any prediction that rounds (half away from zero) to it; ``precision``, when it asks
+    for more decimals than the gold is written with, is the number of decimals used instead (gold ``1.5`` with
+    precision 2 is read as ``1.50``).
+
+    >>> numeric_equal("2.675", "2.68"), numeric_equal("1/2", "0.5"), numeric_equal("12 cm", "12")
+    (True, True, True)
+    >>> numeric_equal("2.4", "2"), numeric_equal("two", "2")
+    (False, False)
+    >>> numeric_equal("12345678901234567891", "12345678901234567890")  # 20 digits: exact
+    False
+    >>> numeric_equal("1.54", "1.5"), numeric_equal("1.54", "1.5", precision=2)
+    (True, False)
+    """
+    if not isinstance(pred, str) or not isinstance(gold, str):
+        return False
+    pred_value, gold_value = _parse_exact(pred), _parse_exact(gold)
+    if pred_value is None or gold_value is None:
+        return False
+    decimals = max(_decimals_written(gold), _valid_precision(precision))
+    if decimals == 0:
+        # An integral gold is matched exactly: a tolerance lets 20-digit integers match their neighbours.
+        if gold_value.denominator == 1:
+            return pred_value == gold_value
+        tolerance = _RELATIVE_TOLERANCE * max(abs(pred_value), abs(gold_value))
+        return abs(pred_value - gold_value) <= tolerance
+    # Rounding the gold too only matters when precision asks for more decimals than a fraction gold has.
+    return _round_half_away(pred_value, decimals) == _round_half_away(gold_value, decimals)
+
+
+def _valid_precision(precision: object) -> int:
+    """Decimals asked for by an item's ``precision`` (0 when absent, NaN, negative or absurd).
+
+    >>> _valid_precision(2), _valid_precision(2.0), _valid_precision(None), _valid_precision(float("nan"))
+    (2, 2, 0, 0)
+    """
+    if isinstance(precision, bool) or not isinstance(precision, (int, float)):
+        return 0
+    if not math.isfinite(precision) or precision < 0 or precision != int(precision):
+        return 0
+    return min(int(precision), _MAX_EXPONENT)
+
+
+def _parse_exact(text: str) -> Fraction | None:
+    """The exact value of the one number in ``text`` (exact so that rounding 2.675 is not a float accident)."""
+    if not isinstance(text, str) or len(text) > MAX_NUMBER_CHARS:
+        return None
+    core = _unwrap(_strip_unit(_unwrap(text)))
+    frac = _FRAC_RE.fullmatch(core)
+    if frac:
+        return _ratio(frac["num"], frac["den"], negate=frac["sign"] in ("-", "\u2212"))
+    if core.count("/") == 1:
+        numerator, denominator = core.split("/")
+        return _ratio(numerator, denominator, negate=False)
+    return _parse_plain(core)
+
+
+def _unwrap(text: str) -> str:
+    """Peel math-mode and box wrappers (``$..$``, ``\\(..\\)``, ``\\boxed{..}``), nested ones too."""
+    text = text.strip()
+    peeled = True
+    while peeled:
+        peeled = False
+        for opening, closing in _WRAPPERS:
+            if (
+                len(text) > len(opening) + len(closing) - 1
+                and text.startswith(opening)
+                and text.endswith(closing)
+            ):
+                text = text[len(opening) : len(text) - len(closing)].strip()
+                peeled = True
+    return text
+
+
+def _strip_unit(text: str) -> str:
+    """Drop one trailing unit, percent or degree sign: ``5 cm`` -> ``5``, ``30^\\circ`` -> ``30``."""
+    match = _UNIT_RE.search(text)
+    if not match or match.start() == 0:
+        return text
+    word = match["word"] or match["latex_word"]
+    if word and word.lower() in _NOT_UNITS:
+        return text
+    return text[: match.start()]
+
+
+def _ratio(numerator: str, denominator: str, *, negate: bool) -> Fraction | None:
+    top, bottom = _parse_plain(numerator.strip()), _parse_plain(denominator.strip())
+    if top is None or not bottom:  # None, or a zero denominator
+        return None
+    value = top / bottom
+    return -value if negate else value
+
+
+def _parse_plain(text: str) -> Fraction | None:
+    """A signed decimal with optional thousands separators and exponent, as an exact fraction."""
+    match = _PLAIN_RE.fullmatch(text)
+    if not match:
+        return None
+    exponent = int(match["exp"] or 0)
+    if abs(exponent) > _MAX_EXPONENT:
+        return None
+    value = Decimal(match["mantissa"].replace(",", "")).scaleb(exponent, context=_EXACT)
+    if value != 0 and (abs(value.adjusted()) > _MAX_EXPONENT or not math.isfinite(float(value))):
+        return None
+    exact = Fraction(value)
+    return -exact if match["sign"] in ("-", "\u2212") else exact
+
+
+def _decimals_written(gold: str) -> int:
+    """How many decimals the gold answer states (``12.50`` -> 2, ``1.5e3`` -> 0, ``1/3`` -> 0)."""
+    match = _PLAIN_RE.fullmatch(_unwrap(_strip_unit(_unwrap(gold))))
+    if not match:
+        return 0
+    value = Decimal(match["mantissa"].replace(",", "")).scaleb(int(match["exp"] or 0), context=_EXACT)
+    exponent = value.as_tuple().exponent
+    return max(0, -int(exponent))
+
+
+def _round_half_away(value: Fraction, decimals: int) -> Fraction:
+    scale = 10**decimals
+    magnitude = math.floor(abs(value) * scale + Fraction(1, 2))
+    return Fraction(magnitude if value >= 0 else -magnitude, scale)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# MathVista's official normalization (evaluation/calculate_score.py), reimplemented.
+
+
+def normalize_mathvista(
+    extraction: object,
+    *,
+    question_type: str,
+    answer_type: str,
+    precision: float | None = None,
+    choices: list[str] | None = None,
+) -> str | None:
+    """What MathVista's ``normalize_extracted_answer`` turns an extracted answer into.
+
+    Multiple choice: a letter (``B`` or ``(b)``) becomes that choice, anything else the closest choice by
+    edit distance (first one on ties). Integer answers are *truncated* (``2.9`` -> ``2``), floats rounded to
+    ``precision`` with Python's ``round``; unparseable numbers give None. ``precision`` may be a float (the
+    Hugging Face copy stores ``1.0``): we cast it, where the official code would fail and return None.
+
+    >>> normalize_mathvista("(b) 7", question_type="multi_choice", answer_type="text", choices=["6", "7"])
+    '7'
+    >>> normalize_mathvista("2.9", question_type="free_form", answer_type="integer")
+    '2'
+    >>> normalize_mathvista("3.14159", question_type="free_form", answer_type="float", precision=2.0)
+    '3.14'
+    """
+    if question_type == "multi_choice":
+        return _normalize_choice(extraction, choices)
+    try:
+        if answer_type == "integer":
+            return str(int(float(extraction)))  # type: ignore[arg-type]
+        if answer_type == "float":
+            return str(round(float(extraction), _ndigits(precision)))  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError):  # None, words, nan/inf for integers
+        return None
+    if answer_type == "list":
+        return str(extraction)  # official: even None becomes "None"
+    # Other answer types pass through unchanged in the official code (none exist in testmini).
+    return extraction if extraction is None else str(extraction)
+
+
+def mathvista_correct(normalized: object, gold: object) -> bool:
+    """MathVista's ``safe_equal``: plain equality, and any comparison error counts as wrong."""
+    try:
+        return bool(normalized == gold)
+    except Exception:  # noqa: BLE001 - the official code swallows everything here too
+        return False
+
+
+def _normalize_choice(extraction: object, choices: list[str] | None) -> str:
+    if not choices:
+        raise ValueError("a multi_choice item needs a non-empty `choices` list to normalize against")
+    text = extraction.strip() if isinstance(extraction, str) else str(extraction)
+    letter = _OPTION_LETTER_RE.search(text)
+    if letter:
+        text = letter.group(1).upper()
+    letters = [chr(ord("A") + i) for i in range(len(choices))]
+    if text in letters:
+        return choices[letters.index(text)]
+    distances = [edit_distance(text, choice) for choice in choices]
+    return choices[distances.index(min(distances))]
+
+
+def _ndigits(precision: float | None) -> int | None:
+    """Digits for ``round``; None keeps the official ``round(x, None)`` (an int) for items without one."""
+    if precision is None or (isinstance(precision, float) and math.isnan(precision)):
+        return None
+    return int(precision)
+
+
+def edit_distance(a: str, b: str) -> int:
+    """Levenshtein distance (insert, delete, substitute all cost 1), as ``Levenshtein.distance`` computes it.
+
+    >>> edit_distance("kitten", "sitting"), edit_distance("", "abc"), edit_distance("same", "same")
+    (3, 3, 0)
+    """
+    # A shared prefix or suffix never changes the distance; trimming it makes typical cases cheap.
+    start = 0
+    while start < min(len(a), len(b)) and a[start] == b[start]:
+        start += 1
+    a, b = a[start:], b[start:]
+    end = 0
+    while end < min(len(a), len(b)) and a[-1 - end] == b[-1 - end]:
+        end += 1
+    a, b = a[: len(a) - end], b[: len(b) - end]
+    if len(a) < len(b):
+        a, b = b, a  # keep the row (len(b) + 1) short
+    previous = list(range(len(b) + 1))
+    for i, char_a in enumerate(a, start=1):
+        current = [i]
+        for j, char_b in enumerate(b, start=1):
+            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (char_a != char_b)))
+        previous = current
+    return previous[-1]

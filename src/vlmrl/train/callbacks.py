@@ -1,0 +1,297 @@
+"""Training records and health monitors, as `transformers` callbacks around TRL's trainer.
+
+- `MetricsRecorder` -> `train/metrics.jsonl`: every logged metric, one line per logging step.
+- `RolloutRecorder` -> `train/rollouts.jsonl`: every completion of every generation batch (item id, text, each
+  reward, advantage, length, truncated), so an item's learning history can be followed.
+- `HealthMonitor`   -> `train/health.jsonl`: per-step gibberish / format / truncation / zero-variance rates and
+  NaN checks, against the thresholds in `config.health`; crossing one warns, NaN/Inf saves and stops.
+
+Rollouts are read from TRL's own per-batch log (`trainer._logs`, filled for every generation batch whether or
+not completions are printed) plus three columns our wrapped format reward adds through TRL's `log_extra`
+hook: the item id, the completion length and whether it was truncated. Only the main process writes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback
+
+from vlmrl.common.io import append_jsonl, read_jsonl, write_jsonl_atomic
+from vlmrl.common.progress import Say, step_line
+from vlmrl.common.stats import finite
+from vlmrl.contract import completion_text
+from vlmrl.grading.rewards import format_reward, is_degenerate
+
+log = logging.getLogger(__name__)
+
+
+def last_complete_checkpoint(checkpoints: Path) -> Path | None:
+    """The newest `checkpoint-N` whose trainer_state.json (written last by transformers) parses, or None.
+
+    transformers writes a checkpoint in place, so a kill mid-save leaves a folder that looks like the newest
+    checkpoint but cannot be resumed from. Such folders are removed, so neither this resume nor the trainer's
+    checkpoint rotation trusts them.
+    """
+    if not checkpoints.is_dir():
+        return None
+    found = sorted(
+        (int(p.name.removeprefix("checkpoint-")), p)
+        for p in checkpoints.iterdir()
+        if p.is_dir() and p.name.removeprefix("checkpoint-").isdigit()
+    )
+    for _, folder in reversed(found):
+        try:
+            json.loads((folder / "trainer_state.json").read_text(encoding="utf-8"))
+            return folder
+        except (OSError, ValueError):
+            log.warning("%s: incomplete checkpoint (interrupted while saving); removing it", folder)
+            shutil.rmtree(folder, ignore_errors=True)
+    return None
+
+
+def trim_records_after(train_dir: Path, step: int) -> None:
+    """Drop record lines past `step` (written after the checkpoint a resume starts from), so a resumed run
+    neither duplicates nor keeps rows from steps that are about to be re-done. An end-of-training summary row
+    (`train_runtime`) goes too: the resumed run writes its own."""
+    for name in ("metrics.jsonl", "rollouts.jsonl", "health.jsonl", "validation.jsonl"):
+        path = train_dir / name
+        if path.exists():
+            rows = read_jsonl(path)
+            kept = [r for r in rows if r.get("step", 0) <= step and "train_runtime" not in r]
+            if len(kept) != len(rows) or path.read_bytes()[-1:] != b"\n":
+                write_jsonl_atomic(path, kept)
+
+
+class MetricsRecorder(TrainerCallback):
+    """Every logged metric to metrics.jsonl (the console line per step is `TrainProgress`'s, below)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not (state.is_world_process_zero and logs):
+            return
+        append_jsonl(self.path, [{"step": state.global_step, "epoch": state.epoch, **logs}])
+
+
+class _RecordingReward:
+    """A reward function that also reports id, length and truncation of each completion to TRL's log."""
+
+    def __init__(self, fn: Callable[..., list[float]], recorder: RolloutRecorder):
+        self.fn = fn
+        self.recorder = recorder
+        self.__name__ = fn.__name__  # TRL names reward columns after the function
+
+    def __call__(self, completions, completion_ids=None, log_extra=None, **kwargs) -> list[float]:
+        rewards = self.fn(completions=completions, completion_ids=completion_ids, log_extra=log_extra, **kwargs)
+        if log_extra is not None and completion_ids is not None:
+            stop = self.recorder.stop_ids
+            limit = self.recorder.max_length
+            log_extra("id", list(kwargs.get("id") or [None] * len(completions)))
+            log_extra("length", [len(ids) for ids in completion_ids])
+            log_extra("truncated", [bool(ids) and len(ids) >= limit and ids[-1] not in stop for ids in completion_ids])
+        self.recorder.batches_scored += 1
+        return rewards
+
+
+class RolloutRecorder(TrainerCallback):
+    def __init__(self, path: Path):
+        self.path = path
+        self.trainer: Any = None
+        self.stop_ids: set[int] = set()
+        self.max_length = 0
+        self.batches_scored = 0
+        self.batches_written = 0
+        self.last_batch: list[dict] = []
+
+    def wrap(self, fn: Callable[..., list[float]]) -> _RecordingReward:
+        return _RecordingReward(fn, self)
+
+    def attach(self, trainer: Any) -> None:
+        self.trainer = trainer
+        tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
+        self.stop_ids = set(getattr(trainer, "eos_token_ids", None) or [tokenizer.eos_token_id])
+        if tokenizer.pad_token_id is not None:
+            self.stop_ids.add(tokenizer.pad_token_id)
+        self.max_length = trainer.max_completion_length
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        self._flush(state, step=state.global_step + 1)  # the optimizer step these rollouts feed
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._flush(state, step=state.global_step)  # already counted here
+
+    def _flush(self, state, *, step: int) -> None:
+        if self.trainer is None or self.batches_scored == self.batches_written:
+            return
+        self.batches_written = self.batches_scored
+        logs = self.trainer._logs
+        rewards = {name: list(values) for name, values in logs["rewards"].items()}
+        extra = {name: list(values) for name, values in logs["extra"].items()}
+        rows = []
+        for i, completion in enumerate(logs["completion"]):
+            text = completion_text(completion) or ""
+            rows.append(
+                {
+                    "step": step,
+                    "id": extra.get("id", [None] * (i + 1))[i],
+                    "completion": text,
+                    "rewards": {name: values[i] for name, values in rewards.items()},
+                    "advantage": logs["advantages"][i],
+                    "length": extra.get("length", [None] * (i + 1))[i],
+                    "truncated": extra.get("truncated", [None] * (i + 1))[i],
+                    "degenerate": is_degenerate(text),
+                }
+            )
+        self.last_batch = rows
+        if state.is_world_process_zero:
+            append_jsonl(self.path, rows)
+
+
+class HealthMonitor(TrainerCallback):
+    """Per-step health of the policy: warns on thresholds, stops on NaN/Inf or persistent gibberish."""
+
+    def __init__(self, config: Any, path: Path, console: Callable[[str], None] | None = None):
+        self.config = config
+        self.path = path
+        self.console = console
+        self.recorder: RolloutRecorder | None = None
+        self.halted: str | None = None
+        self.warning_count = 0
+        self._gibberish_streak = 0
+
+    def attach(self, recorder: RolloutRecorder) -> None:
+        self.recorder = recorder
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        logs = logs or {}
+        if "train_runtime" in logs:  # the end-of-training summary, not a step
+            return control
+        row: dict[str, Any] = {"step": state.global_step}
+        batch = self.recorder.last_batch if self.recorder else []
+        row.update(batch_health(batch, group_size=args.num_generations, weights=args.reward_weights))
+        for key in ("loss", "grad_norm"):
+            if key in logs:
+                row[key] = logs[key]
+        warnings = self._check(row)
+        row["warnings"] = warnings
+        if any(w.startswith("non-finite") for w in warnings):
+            self.halted = (warnings[0] + "; lower train.learning_rate, or clip harder with a smaller "
+                           "train.max_grad_norm")
+            control.should_save = True
+            control.should_training_stop = True
+        if self.config.stop_on_gibberish_steps and self._gibberish_streak >= self.config.stop_on_gibberish_steps:
+            self.halted = (f"gibberish rate above {self.config.max_gibberish_rate} for {self._gibberish_streak} "
+                           "steps: the policy is collapsing")
+            control.should_save = True
+            control.should_training_stop = True
+        if self.halted:
+            row["halted"] = self.halted
+        if state.is_world_process_zero:
+            append_jsonl(self.path, [row])
+            for warning in warnings:
+                self.warning_count += 1
+                if self.console:
+                    self.console(f"[health] step {state.global_step}: {warning}")
+                else:
+                    log.warning("step %d: %s", state.global_step, warning)
+        return control
+
+    def _check(self, row: dict) -> list[str]:
+        c = self.config
+        warnings = []
+        for key in ("loss", "grad_norm"):
+            if key in row and not math.isfinite(float(row[key])):
+                warnings.append(f"non-finite {key} ({row[key]})")
+        if row.get("n"):
+            if row["gibberish_rate"] > c.max_gibberish_rate:
+                warnings.append(f"gibberish rate {row['gibberish_rate']:.2f} > {c.max_gibberish_rate}")
+                self._gibberish_streak += 1
+            else:
+                self._gibberish_streak = 0
+            if row["format_rate"] < c.min_format_rate:
+                warnings.append(f"format compliance {row['format_rate']:.2f} < {c.min_format_rate}")
+            if row["truncation_rate"] > c.max_truncation_rate:
+                warnings.append(f"truncation rate {row['truncation_rate']:.2f} > {c.max_truncation_rate}")
+            if row["zero_variance_groups"] > c.max_zero_variance_groups:
+                warnings.append(f"zero-variance groups {row['zero_variance_groups']:.2f} > {c.max_zero_variance_groups}")
+        return warnings
+
+
+def batch_health(rows: list[dict], *, group_size: int, weights: list[float] | None = None) -> dict:
+    """Rates over one generation batch of rollout rows (consecutive `group_size` rows share a prompt)."""
+    if not rows:
+        return {"n": 0}
+    n = len(rows)
+    weights = weights or [1.0] * len(rows[0]["rewards"])
+    # TRL logs a None reward as NaN and leaves it out of the total: so do we
+    totals = [sum(w * v for w, v in zip(weights, r["rewards"].values()) if finite(v)) for r in rows]
+    # the format rate is about the completions, whether or not format_reward is one of the configured rewards
+    formats = [r["rewards"]["format_reward"] if "format_reward" in r["rewards"]
+               else format_reward([r.get("completion") or ""])[0] for r in rows]
+    groups = [totals[i : i + group_size] for i in range(0, n, group_size)]
+    lengths = [r["length"] for r in rows if r.get("length") is not None]
+    mean_total = sum(totals) / n
+    return {
+        "n": n,
+        "gibberish_rate": sum(r["degenerate"] for r in rows) / n,
+        "format_rate": sum(f == 2.0 for f in formats) / n,
+        "truncation_rate": sum(bool(r.get("truncated")) for r in rows) / n,
+        "mean_length": sum(lengths) / len(lengths) if lengths else None,
+        "zero_variance_groups": sum(max(g) == min(g) for g in groups) / len(groups),
+        "reward_mean": mean_total,
+        "reward_std": math.sqrt(sum((t - mean_total) ** 2 for t in totals) / n),
+    }
+
+
+class TrainProgress(TrainerCallback):
+    """Rich bar on a terminal console, else one `step_line` per logged step through `say`."""
+
+    def __init__(self, console: Any = None, say: Say | None = None, recorder: Any = None):
+        self.console = console
+        self.say = say
+        self.recorder = recorder  # a RolloutRecorder: its last batch gives the format rate
+        self.rich = console is not None and console.is_terminal
+        self._bar: Any = None
+        self._task: Any = None
+        self._started = 0.0
+        self._first_step = 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._started, self._first_step = time.perf_counter(), state.global_step
+        if self.rich and state.is_world_process_zero:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+            self._bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[line]}"), console=self.console, transient=False)
+            self._bar.start()
+            self._task = self._bar.add_task("train", total=state.max_steps, completed=state.global_step, line="")
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        logs = logs or {}
+        if not state.is_world_process_zero or "train_runtime" in logs:
+            return
+        done = state.global_step - self._first_step
+        per_step = (time.perf_counter() - self._started) / done if done > 0 else None
+        line = step_line(state.global_step, state.max_steps, per_step, logs, self._format_rate(args))
+        if self._bar is not None:
+            self._bar.update(self._task, completed=state.global_step, line=line.split(")", 1)[-1].strip())
+        elif self.say:
+            self.say(line)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+    def _format_rate(self, args) -> float | None:
+        rows = getattr(self.recorder, "last_batch", None)
+        return batch_health(rows, group_size=args.num_generations).get("format_rate") if rows else None

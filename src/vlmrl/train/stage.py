@@ -1,0 +1,422 @@
+"""Stage 6, training: TRL's `GRPOTrainer` built from the config, GRPO or GSPO by one field.
+
+We do not write an RL loop. What this module adds around TRL: the dataset from the prepared manifests, the
+configured rewards with their weights, LoRA on the language layers only (checked), an honest optimizer fallback,
+crash-safe resume, and records (`train/metrics.jsonl`, `train/rollouts.jsonl`, `train/health.jsonl`) written
+by the callbacks in `vlmrl.train.callbacks`.
+
+    step 1  data      train.jsonl -> datasets.Dataset (prompt, images: a list per item, every Item.columns());
+                      each reward called once on held-out items (vlmrl.grading.user_rewards); GRPOConfig from the
+                      config (+ trl_overrides), checked before any model loads
+    step 2  model     base model + LoRA, layout verified
+    step 3  trainer   GRPOTrainer with our rewards and callbacks
+    step 4  train     resume from the last checkpoint when one exists
+    step 5  save      train/final/ (the adapter) + train/summary.json
+
+Launched as several processes (`vlmrl train --gpus N`, on one host or `--nodes M`), every rank runs these steps
+(TRL shards the prompts, transformers the checkpoints) after checking that all of them read the same
+`data/train.jsonl`; only rank 0 writes the records, `train/final/vlmrl_base.json` and the summary.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vlmrl.common import distributed
+from vlmrl.common.io import (
+    DiskSpaceError,
+    check_disk_space,
+    checkpoint_bytes,
+    match_umask,
+    read_json,
+    read_jsonl,
+    write_json_atomic,
+)
+from vlmrl.common.provenance import package_version
+from vlmrl.config.schema import OBSERVATION_FIELDS, Config
+from vlmrl.grading.user_rewards import check_run_rewards
+from vlmrl.run import layout
+from vlmrl.run.layout import rewards_fingerprint, train_fingerprint
+from vlmrl.run.preflight import BatchChoice, auto_batch
+
+log = logging.getLogger(__name__)
+
+
+class TrainError(RuntimeError):
+    """Training cannot start or had to stop; the message says why and what to change."""
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    final_dir: Path
+    summary: dict
+    already_done: bool = False  # a finished run of this config was found; nothing was trained
+
+
+def trl_device_problem(device_type: str, trl_version: str) -> str | None:
+    """Why this TRL cannot train on this device, or None. TRL 1.15's GRPOTrainer computes the loss pass's
+    log-probs with Triton kernels only (`trl.kernels`), which do not run on a CPU; TRL 1.16 added a CPU path.
+    vlmrl admits 1.15 because Unsloth 2026.10.9 pins trl<=1.15, and that pairing is for a GPU."""
+    from packaging.version import Version
+
+    if device_type != "cpu" or Version(trl_version) >= Version("1.16"):
+        return None
+    return (f"trl {trl_version} computes GRPO's log-probs with Triton kernels only, which do not run on a CPU; "
+            "training on a CPU needs trl>=1.16 (pip install -U 'trl>=1.16'), or run on a CUDA GPU.")
+
+
+def train(config: Config, run_dir: Path, *, resume: bool = True, console_callback: Any = None,
+          progress: Any = None) -> TrainResult:
+    """Train the LoRA adapter of `run_dir` and save it to `run_dir/train/final`."""
+    from transformers.trainer_callback import PrinterCallback
+    from trl import GRPOTrainer
+
+    from vlmrl.common.provenance import provenance, utc_now
+    from vlmrl.engine.loss_pass import enable_loss_pass
+    from vlmrl.engine.rollout.compile_cache import use_compile_cache
+    from vlmrl.engine.rollout.fast import FastGeneration, enable_fast_generation
+    from vlmrl.engine.rollout.fast import wanted as fast_wanted
+    from vlmrl.models.loading import BASE_RECORD, base_identity, load_model
+    from vlmrl.models.lora import apply_lora
+    from vlmrl.train.args import gspo_loss_note, quiet_trl_gspo_warning
+    from vlmrl.train.callbacks import (
+        HealthMonitor,
+        MetricsRecorder,
+        RolloutRecorder,
+        TrainProgress,
+        last_complete_checkpoint,
+        trim_records_after,
+    )
+    from vlmrl.train.trackers import TrackerError, build_tracker_callbacks
+    from vlmrl.train.validation import ValidationCallback
+
+    train_dir = run_dir / "train"
+    checkpoints = train_dir / "checkpoints"
+    if resume and is_finished(config, run_dir):
+        summary = read_json(train_dir / "summary.json")
+        if console_callback:
+            console_callback(f"train: {run_dir} already finished {summary.get('steps')} steps with this config; "
+                             "nothing to do (pass --no-resume to train again).")
+        return TrainResult(train_dir / "final", summary, already_done=True)
+    started_at = utc_now()
+    # step 1: data, and the trainer's arguments (a bad trl_overrides key fails here, before any model loads)
+    dataset = build_train_dataset(run_dir)
+    _check_trainable(config, run_dir, len(dataset))
+    rewards = check_run_rewards(config, run_dir)  # a broken reward fails here, not mid-run
+    choice = _auto_batch(config, train_dir, len(dataset), console_callback)
+    args, notes = build_grpo_config(config, checkpoints, suppress_tokens=_multimodal_ids(config, run_dir),
+                                    batch=choice.per_device_train_batch_size if choice else None)
+    _ = args.device  # sets up the process group (several ranks) and pins this rank's GPU before the model loads
+    if problem := trl_device_problem(args.device.type, package_version("trl") or "0"):
+        raise TrainError(problem)
+    _same_file_on_every_rank(run_dir / "data" / "train.jsonl")
+    _claim_checkpoints(config, checkpoints, resume=resume)
+    try:
+        trackers = build_tracker_callbacks(config.train.report_to, train_dir)
+    except TrackerError as exc:
+        raise TrainError(str(exc)) from None
+    if note := gspo_loss_note(config):
+        notes.append(note)
+        quiet_trl_gspo_warning()  # ours, above, says it once and why; TRL's would repeat it per trainer
+        (console_callback or log.warning)(f"note: {notes[-1]}")
+    compile_cache = use_compile_cache()  # before anything compiles: the first step's compile, cached across runs
+    # step 2: model
+    loaded = load_model(config.model, run_dir, for_training=True)
+    model, lora_report = apply_lora(loaded.model, config.lora, backend=loaded.backend, seed=config.run.seed)
+    try:  # a full disk found at the first save would cost every step before it
+        check_disk_space(checkpoints, checkpoint_bytes(lora_report.trainable_params), what="one checkpoint")
+    except DiskSpaceError as exc:
+        raise TrainError(str(exc)) from None
+    # step 3: trainer
+    recorder = RolloutRecorder(train_dir / "rollouts.jsonl")
+    health = HealthMonitor(config.health, train_dir / "health.jsonl", console=console_callback)
+    watchers: list[Any] = [*trackers]
+    if console_callback or progress:  # the progress display replaces MetricsRecorder's own line
+        watchers.append(progress or TrainProgress(None, console_callback, recorder))
+    validation = (ValidationCallback(config, run_dir, processor=loaded.processor, trackers=trackers,
+                                     say=console_callback, base_record=base_identity(config.model.name, loaded.source))
+                  if config.train.eval_every_steps else None)
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[recorder.wrap(rewards[0].fn), *(r.fn for r in rewards[1:])],
+        args=args,
+        train_dataset=dataset,
+        processing_class=loaded.processor,
+        callbacks=[MetricsRecorder(train_dir / "metrics.jsonl"), recorder, health, *watchers,
+                   *([validation] if validation else [])],
+    )
+    trainer.remove_callback(PrinterCallback)  # TrainProgress prints one readable line per step instead
+    fast = (
+        enable_fast_generation(trainer, bucket=config.train.prompt_bucket, merge=config.train.rollout_merge,
+                               adapter_copies=config.train.rollout_adapter_copies,
+                               filled_window=config.train.rollout_filled_window,
+                               decode_kernel=config.train.rollout_decode_kernel,
+                               stacked=config.train.rollout_stacked,
+                               stacked_kernel=config.train.rollout_stacked_kernel, guards=config.train.rollout_guards)
+        if fast_wanted(config.train.fast_generation)
+        else FastGeneration(False, f"train.fast_generation={config.train.fast_generation}")
+    )
+    loss_pass = enable_loss_pass(trainer, trim=config.train.trim_padding, group=config.train.group_by_length,
+                                 adapter_input_cast=config.train.adapter_input_cast,
+                                 kernels=config.train.loss_kernels)
+    recorder.attach(trainer)
+    health.attach(recorder)
+    # step 4: train, resuming from the last complete checkpoint if there is one
+    last = last_complete_checkpoint(checkpoints) if resume else None
+    start_step = int(last.name.split("-")[-1]) if last else 0
+    if isinstance(progress, TrainProgress):
+        progress.recorder = recorder
+    if distributed.is_main_process():
+        trim_records_after(train_dir, start_step)
+    started = time.perf_counter()
+    output = trainer.train(resume_from_checkpoint=str(last) if last else None)
+    seconds = time.perf_counter() - started
+    if health.halted:
+        raise TrainError(f"training stopped at step {trainer.state.global_step}: {health.halted} "
+                         f"(checkpoint saved under {checkpoints}; see {train_dir / 'health.jsonl'}).")
+    # step 5: save
+    final_dir = train_dir / "final"
+    # resumed: TRL's figure covers only this process's steps; metrics.jsonl holds them all
+    resumed_loss = total_train_loss(train_dir / "metrics.jsonl", trainer.state.global_step) if start_step else None
+    trainer.save_model(str(final_dir))  # every rank: FSDP/ZeRO-3 gather the weights; rank 0 writes them
+    summary = {
+        "fingerprint": train_fingerprint(config),
+        "algorithm": config.train.algorithm,
+        "importance_sampling_level": args.importance_sampling_level,
+        "loss_type": args.loss_type,
+        "optimizer": args.optim,
+        "steps": trainer.state.global_step,
+        "resumed_from_step": start_step,
+        "train_seconds": round(seconds, 2),
+        "train_loss": output.training_loss if resumed_loss is None else resumed_loss,
+        "train_items": len(dataset),
+        "world_size": distributed.world_size(),  # processes of all hosts: a generation batch is this many per-device ones
+        "lora": lora_report.as_dict(),
+        "backend": loaded.backend,
+        "base_model": loaded.source,
+        "notes": notes,
+        "health_warnings": health.warning_count,
+        "fast_generation": fast.as_dict(),
+        "loss_pass": loss_pass.as_dict(),  # this process's log-prob passes and how its micro-batches were formed
+        "compile_cache": compile_cache.as_dict(),
+        "auto_batch": choice.as_dict() if choice else None,
+        "report_to": list(config.train.report_to),
+        "validation": validation.summary() if validation else None,
+        "provenance": provenance(started_at=started_at, finished_at=utc_now()),
+    }
+    if distributed.is_main_process():
+        for folder in (final_dir, checkpoints, train_dir / "best"):
+            if folder.is_dir():
+                match_umask(folder)  # the adapter weights arrive 0600 from safetensors
+        write_json_atomic(final_dir / BASE_RECORD, base_identity(config.model.name, loaded.source))
+        write_json_atomic(train_dir / "summary.json", summary)
+    distributed.barrier()  # no rank returns (and maybe starts evaluating) before the adapter is complete
+    return TrainResult(final_dir, summary)
+
+
+def _claim_checkpoints(config: Config, checkpoints: Path, *, resume: bool) -> None:
+    """Refuse to resume checkpoints written under another training config (a changed learning rate after a NaN
+    halt, say): their optimizer state and step count belong to that config."""
+    stamp = checkpoints / "vlmrl_fingerprint.json"
+    current = _checkpoint_fingerprint(config)
+    if resume and stamp.exists() and any(checkpoints.glob("checkpoint-*")):
+        recorded = json.loads(stamp.read_text()).get("fingerprint")
+        if recorded != current:
+            raise TrainError(
+                f"{checkpoints}: checkpoints were written with another training config (fingerprint {recorded}, "
+                f"now {current}); restore that config to resume, or pass --no-resume to start over."
+            )
+    if distributed.is_main_process():
+        write_json_atomic(stamp, {"fingerprint": current})
+
+
+# Fields a resumed run may change: how long to train, how often to log, save or validate, and where to report.
+_RESUMABLE_CHANGES = ("max_steps", "num_train_epochs", "save_steps", "save_total_limit", "logging_steps",
+                      *OBSERVATION_FIELDS["train"], "eval_every_steps", "eval_subset")
+
+
+def _checkpoint_fingerprint(config: Config) -> str:
+    import hashlib
+
+    train = {k: v for k, v in config.train.model_dump(mode="json").items() if k not in _RESUMABLE_CHANGES}
+    data = {"train": train, "model": config.model.model_dump(mode="json"), "lora": config.lora.model_dump(mode="json"),
+            "data": config.data_fingerprint(), "seed": config.run.seed, "rewards": rewards_fingerprint(config)}
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def build_train_dataset(run_dir: Path):
+    """`data/train.jsonl` as the conversational image dataset TRL expects (images decoded lazily; see
+    data/table.py for the columns)."""
+    import datasets
+
+    path = run_dir / "data" / "train.jsonl"
+    if not path.is_file():
+        raise TrainError(f"{path}: no training set; run `vlmrl prepare` for this config first.")
+    rows = read_jsonl(path)
+    from vlmrl.data.items import Item
+    from vlmrl.data.splits import check_no_overlap
+    from vlmrl.data.table import train_table
+
+    holdout = read_jsonl(run_dir / "data" / "holdout.jsonl")
+    check_no_overlap([Item.from_json(r) for r in rows], [Item.from_json(r) for r in holdout])
+    items = [Item.from_json(r) for r in rows]
+    table = train_table(items, run_dir)  # prompt, images (a list per item) and every column rewards receive
+    datasets.disable_progress_bars()  # its cast bar has no newline: our one-line messages would follow it
+    return datasets.Dataset.from_dict(table).cast_column("images", datasets.Sequence(datasets.Image()))
+
+
+def _auto_batch(config: Config, train_dir: Path, n_train: int, say: Any) -> BatchChoice | None:
+    """train.auto_batch's choice (None when off), said and written to train/auto_batch.json before training."""
+    t = config.train
+    # no bigger batch than the training set fills: one generation batch needs batch x processes x
+    # steps_per_generation / num_generations prompts (the check _check_trainable makes for the configured one)
+    per_step = distributed.world_size() * (t.steps_per_generation or t.gradient_accumulation_steps)
+    max_batch = max(t.num_generations, n_train * t.num_generations // per_step // t.num_generations * t.num_generations)
+    choice = auto_batch(config, max_batch=min(max_batch, 4096))
+    if choice is None:
+        return None
+    (say or log.info)(choice.note)
+    if distributed.is_main_process():
+        write_json_atomic(train_dir / "auto_batch.json", choice.as_dict())
+    return choice
+
+
+def _same_file_on_every_rank(path: Path) -> None:
+    """Refuse, on every rank alike, a run whose ranks read different copies of `path`: hosts that do not share
+    the run folder would each train on their own data and the records would mix them silently."""
+    differing = distributed.ranks_differing(distributed.file_digest(path))
+    if differing:
+        raise TrainError(
+            f"{path} differs between rank 0 and rank(s) {', '.join(map(str, differing))}: every host must read the "
+            "same run folder, on a filesystem all of them see (docs/multi_gpu.md, Several hosts)."
+        )
+
+
+def _check_trainable(config: Config, run_dir: Path, n_train: int) -> None:
+    """Refuse, before any model loads, a training set smaller than one generation batch (TRL would take 0 steps
+    and an untrained adapter would be evaluated as if trained)."""
+    from vlmrl.data.prepare import min_train_items
+
+    need = min_train_items(config, distributed.world_size())
+    if n_train >= need:
+        return
+    summary = run_dir / "data" / "summary.json"
+    dropped = read_json(summary).get("dropped_by_reason", {}) if summary.is_file() else {}
+    top = ", ".join(f"{reason}: {count}" for reason, count in list(dropped.items())[:3])
+    raise TrainError(
+        f"{run_dir / 'data' / 'train.jsonl'}: {n_train} training items, fewer than one generation batch ({need} "
+        f"prompts: per_device_train_batch_size x processes x steps_per_generation / num_generations), so training "
+        f"could take no step" + (f" (drops: {top})" if top else "") + ". Lower the batch size or "
+        "data.holdout_size, or supply more data, then re-run `vlmrl prepare`."
+    )
+
+
+def total_train_loss(metrics_path: Path, steps: int) -> float | None:
+    """The mean loss over steps 1..`steps` from metrics.jsonl (each logged loss is the mean since the previous
+    log, so it is weighted by its interval), or None when the rows do not cover every step. A resumed run's
+    own `training_loss` covers only the steps it ran.
+    """
+    by_step = {r["step"]: r["loss"] for r in read_jsonl(metrics_path) if "loss" in r and "step" in r}
+    if not by_step or max(by_step) != steps:
+        return None
+    total, previous = 0.0, 0
+    for step in sorted(by_step):
+        total += float(by_step[step]) * (step - previous)
+        previous = step
+    return total / steps
+
+
+def build_grpo_config(
+    config: Config, output_dir: Path, *, suppress_tokens: list[int] | None = None, batch: int | None = None
+) -> tuple[Any, list[str]]:
+    """GRPOConfig from our typed config; returns it and notes about any fallback taken. `batch` replaces
+    train.per_device_train_batch_size (train.auto_batch's choice; the config, and so its fingerprint, keep the
+    configured value)."""
+    from trl import GRPOConfig
+
+    t = config.train
+    notes: list[str] = []
+    optim = t.optim
+    if "8bit" in optim and not (torch.cuda.is_available() and importlib.util.find_spec("bitsandbytes")):
+        notes.append(f"optimizer {optim} needs bitsandbytes on CUDA; using adamw_torch instead")
+        log.warning(notes[-1])
+        optim = "adamw_torch"
+    on_cuda = torch.cuda.is_available()
+    kwargs: dict[str, Any] = dict(  # noqa: C408  (keyword form mirrors GRPOConfig)
+        output_dir=str(output_dir),
+        seed=config.run.seed,
+        learning_rate=t.learning_rate,
+        lr_scheduler_type=t.lr_scheduler_type,
+        warmup_steps=t.warmup_ratio,  # transformers 5: a float in [0, 1) is a ratio of total steps
+        optim=optim,
+        per_device_train_batch_size=batch or t.per_device_train_batch_size,
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        steps_per_generation=t.steps_per_generation,
+        num_generations=t.num_generations,
+        num_iterations=t.num_iterations,
+        max_completion_length=t.max_completion_length,
+        temperature=t.temperature,
+        epsilon=t.epsilon,
+        epsilon_high=t.epsilon_high,
+        beta=t.beta,
+        num_train_epochs=t.num_train_epochs,
+        max_steps=t.max_steps,
+        max_grad_norm=t.max_grad_norm,
+        mask_truncated_completions=t.mask_truncated_completions,
+        reward_weights=[r.weight for r in config.rewards],
+        importance_sampling_level="sequence" if t.algorithm == "gspo" else "token",
+        loss_type=t.loss_type,
+        gradient_checkpointing=t.gradient_checkpointing,
+        logging_steps=t.logging_steps,
+        logging_nan_inf_filter=False,  # the default logs a NaN loss as the mean of earlier ones, hiding it
+        save_strategy="steps",
+        save_steps=t.save_steps,
+        save_total_limit=t.save_total_limit,
+        use_vllm=t.generation_backend == "vllm",
+        bf16=on_cuda and config.model.dtype in ("auto", "bfloat16"),
+        fp16=on_cuda and config.model.dtype == "float16",
+        use_cpu=not on_cuda,
+        report_to="none",
+        log_completions=False,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        generation_kwargs={"suppress_tokens": suppress_tokens} if suppress_tokens else None,
+    )
+    from vlmrl.train.args import training_problems
+
+    problems = training_problems(config)  # the same checks as `vlmrl config validate`
+    if problems:
+        raise TrainError("; ".join(problems) + ".")
+    kwargs.update(t.trl_overrides)
+    try:  # an unknown optimizer or scheduler name, or a contradiction TRL finds: before any model loads
+        return GRPOConfig(**kwargs), notes
+    except (ValueError, TypeError) as exc:
+        raise TrainError(f"train: TRL refuses these settings: {' '.join(str(exc).split())}") from None
+
+
+def _multimodal_ids(config: Config, run_dir: Path) -> list[int]:
+    from transformers import AutoConfig
+
+    from vlmrl.models.loading import multimodal_token_ids, resolve_model_source
+
+    return multimodal_token_ids(AutoConfig.from_pretrained(resolve_model_source(config.model.name, run_dir)))
+
+
+def is_finished(config: Config, run_dir: Path) -> bool:
+    """Trained with this config, and no checkpoint is missing the last step (a kill after the summary was written
+    but mid-save would leave the last checkpoint behind the summary's step count: then training resumes)."""
+    from vlmrl.train.callbacks import last_complete_checkpoint
+
+    if not layout.is_trained(config, run_dir):
+        return False
+    last = last_complete_checkpoint(run_dir / "train" / "checkpoints")
+    steps = read_json(run_dir / "train" / "summary.json").get("steps") or 0
+    return last is None or int(last.name.split("-")[-1]) >= steps
