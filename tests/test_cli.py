@@ -8,7 +8,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from vlmrl.cli import app
+from vlmrl.cli.app import app
 
 runner = CliRunner()
 
@@ -29,11 +29,20 @@ def test_doctor_exits_zero_and_writes_env_json(tmp_path):
     assert isinstance(env["cuda"]["available"], bool)
 
 
-def test_config_show_seed_prints_the_recipe():
-    result = runner.invoke(app, ["config", "show", "seed"])
-    assert result.exit_code == 0
-    assert "importance" not in result.output  # our field is `algorithm`, mapped to TRL later
-    assert "algorithm: gspo" in result.output and "learning_rate: 5.0e-06" in result.output
+def test_config_show_seed_prints_the_recipe(tmp_path):
+    full = runner.invoke(app, ["config", "show", "seed", "--all"])
+    assert full.exit_code == 0
+    assert "importance" not in full.output  # our field is `algorithm`, mapped to TRL later
+    assert "algorithm: gspo" in full.output and "learning_rate: 5.0e-06" in full.output
+    short = runner.invoke(app, ["config", "show", "seed"])
+    assert short.exit_code == 0 and len(short.output.splitlines()) <= 60  # one screen
+    assert "seed: 3407" in short.output and "load_in_4bit: true" in short.output  # what the preset changes
+    assert "learning_rate" not in short.output  # a default
+    # the short form is the same config: it loads back to the same fingerprint
+    (tmp_path / "short.yaml").write_text(short.output)
+    again = runner.invoke(app, ["config", "validate", str(tmp_path / "short.yaml")])
+    reference = runner.invoke(app, ["config", "validate", "seed"])
+    assert again.output.split("fingerprint")[1] == reference.output.split("fingerprint")[1]
 
 
 def test_config_validate_misspelt_key_exits_2_naming_it(tmp_path):

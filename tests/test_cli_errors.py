@@ -15,7 +15,7 @@ import time
 import pytest
 from typer.testing import CliRunner
 
-from vlmrl.cli import app
+from vlmrl.cli.app import app
 from vlmrl.common.io import DamagedFileError, write_jsonl_atomic
 from vlmrl.config.schema import load_config
 from vlmrl.train.stage import total_train_loss

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -24,7 +26,7 @@ def test_seed_preset_is_the_write_up_recipe_field_for_field():
     assert (t.max_completion_length, t.num_train_epochs, t.max_grad_norm) == (1024, 1.0, 0.1)
     assert (t.algorithm, t.loss_type) == ("gspo", "dr_grpo")
     assert [(r.name, r.weight) for r in c.rewards] == [("format", 0.3), ("correctness", 1.0)]
-    assert t.mask_truncated_completions is False
+    assert t.trl_overrides == {"mask_truncated_completions": False}  # the write-up's, passed to TRL as is
     d = c.data
     assert (d.source, d.split, d.holdout_size, d.image_size, d.resize) == ("AI4Math/MathVista", "testmini", 100, 512, "squash")
 
@@ -74,7 +76,7 @@ def test_old_reward_weights_are_refused_with_the_new_form():
 
 def test_vllm_with_vision_lora_is_contradictory():
     with pytest.raises(ConfigError, match="vLLM cannot serve LoRA on vision layers"):
-        load_config("seed", ["train.generation_backend=vllm", "lora.vision=true"])
+        load_config("seed", ["train.trl_overrides.use_vllm=true", "lora.vision=true"])
 
 
 def test_missing_file_and_bad_yaml(tmp_path):
@@ -118,7 +120,54 @@ def test_the_loading_side_is_importable_alone_and_its_doctests_pass():
     result = doctest.testmod(vlmrl.config.load)
     assert result.attempted > 0 and result.failed == 0
     probe = ("import sys, vlmrl.config.load; "
-             "print(sorted(m for m in sys.modules if m.startswith('vlmrl.') and m != 'vlmrl.config.load'))")
+             "print(sorted(m for m in sys.modules if m.startswith('vlmrl.') and m not in ('vlmrl.config', 'vlmrl.config.load')))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
     assert vlmrl.config.load.ConfigError is ConfigError and vlmrl.config.load.PRESETS is PRESETS
+
+
+# --- fields of earlier releases --------------------------------------------------------------------------------
+
+
+def test_a_removed_speed_switch_is_refused_naming_where_it_went(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  rollout_stacked: true\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path))
+    message = str(info.value)
+    assert "\n" not in message and "train.rollout_stacked was removed" in message and "automatically" in message
+    with pytest.raises(ConfigError, match="train.rollout_merge was removed: an experiment.*benchmarks/"):
+        load_config("demo", ["train.rollout_merge=true"])
+    with pytest.raises(ConfigError, match="train.loss_kernels was removed: see train.rollout.kernels"):
+        load_config("demo", ["train.loss_kernels=false"])
+
+
+def test_renamed_and_trl_fields_are_moved(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  fast_generation: never\n  logging_steps: 5\n  generation_backend: hf\n")
+    config = load_config(str(path), ["train.prompt_bucket=32"])
+    assert (config.train.rollout.fast, config.train.rollout.prompt_bucket) == ("never", 32)
+    assert config.train.trl_overrides == {"logging_steps": 5}
+    assert load_config("demo", ["train.fast_generation=always"]).train.rollout.fast == "always"  # --set wins
+
+
+def test_a_run_folder_written_before_keeps_its_fingerprints():
+    """A run folder's config.yaml from before `train.rollout` (every field written out, a kernel switched off,
+    logging_steps and fast_generation set) loads, and gives the fingerprints that release recorded: the run
+    resumes instead of training again. The expected values were computed by the code of commit d9d356d."""
+    from vlmrl.run.layout import export_fingerprint, train_fingerprint
+    from vlmrl.train.stage import _checkpoint_fingerprint
+
+    old = Path(__file__).parent / "fixtures" / "config_before_rollout_section.yaml"
+    with pytest.raises(ConfigError, match="was removed"):
+        load_config(str(old))  # as a config file of one's own: the removed fields are named
+    config = load_config(str(old), migrate=True)
+    assert config.train.rollout.fast == "never" and config.train.rollout.kernels is False
+    assert config.train.trl_overrides == {"logging_steps": 3, "save_total_limit": 2, "mask_truncated_completions": False}
+    assert config.fingerprint() == "7ecbb038f25a08d0"
+    assert train_fingerprint(config) == "6bfdf509b637c6116ddabed10"
+    assert export_fingerprint(config) == "6bfdf509b637c6116ddabed10e6d5b64a"
+    assert _checkpoint_fingerprint(config) == "01727d15a92a5d11"
+    assert config.data_fingerprint() == "6dda366e21ceafff"
+    for preset, expected in (("demo", "eec369f58bb3ffae6ddabed10"), ("seed", "724298fc143a3bad0f17bed13407")):
+        assert train_fingerprint(load_config(preset)) == expected  # the presets' runs resume too

@@ -23,7 +23,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from vlmrl.cli import app
+from vlmrl.cli.app import app
 from vlmrl.common import distributed
 from vlmrl.common.io import read_json, read_jsonl, write_jsonl_atomic
 from vlmrl.config.schema import Config, dump_config, load_config

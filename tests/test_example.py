@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from vlmrl.cli import app
+from vlmrl.cli.app import app
 from vlmrl.common.io import read_json, read_jsonl
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "shapes_quiz"

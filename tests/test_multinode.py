@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from vlmrl.cli import app
+from vlmrl.cli.app import app
 from vlmrl.common import distributed
 from vlmrl.common.io import read_json, read_jsonl
 from vlmrl.config.schema import dump_config, load_config

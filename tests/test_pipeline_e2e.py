@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from vlmrl.cli import app
+from vlmrl.cli.app import app
 from vlmrl.common.io import read_json, read_jsonl
 from vlmrl.config.schema import load_config
 from vlmrl.contract import completion_text

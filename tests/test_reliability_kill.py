@@ -38,7 +38,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from vlmrl.cli import app
+from vlmrl.cli.app import app
 from vlmrl.common.io import read_jsonl, write_jsonl_atomic
 from vlmrl.config.schema import ConfigError, load_config
 from vlmrl.pipeline import claim_run_dir

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from vlmrl.cli import app
+from vlmrl.cli.app import app
 from vlmrl.common.io import read_json, read_jsonl
 from vlmrl.config.schema import Config, ConfigError, load_config
 from vlmrl.data.prepare import prepare_data
@@ -45,7 +45,9 @@ BROKEN = {  # reward file body -> what the one-line error must say
     "def f(completions, **kwargs):\n    return ['good' for _ in completions]\n": r"returned 'good' \(str\)",
     "def f(completions, **kwargs):\n    return [1 / 0 for _ in completions]\n": r"f raised ZeroDivisionError: division by zero",
     "def f(completions):\n    return [0.0 for _ in completions]\n": r"wrong signature \(completions\)",
-    "def f(prompts, **kwargs):\n    return []\n": r"wrong signature \(prompts, \*\*kwargs\)",
+    "def f(completions, /, **kwargs):\n    return []\n": r"wrong signature \(completions, /, \*\*kwargs\)",
+    "def f(completions, solution, **kwargs):\n    return []\n": r"f takes 'solution', which is no column .* "
+                                                             r"columns: \{solution: answer\}",
     "f = 3\n": r"is a int, not a function",
     "def g(completions, **kwargs):\n    return []\n": r"has no 'f'",
     "import not_a_module_anywhere\n": r"importing .*broken\.py failed: ModuleNotFoundError: No module named "

@@ -17,7 +17,7 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from tests.test_export import varied_reward
-from vlmrl.cli import app
+from vlmrl.cli.app import app
 from vlmrl.common.io import read_json, read_jsonl
 from vlmrl.config.schema import load_config
 
@@ -165,7 +165,7 @@ def test_cli_export_push_to_hub_calls_the_upload(tmp_path: Path, monkeypatch) ->
 
 
 def test_a_run_folder_is_accepted_where_a_config_is(tmp_path: Path) -> None:
-    from vlmrl.cli import _config
+    from vlmrl.cli.app import _config
     from vlmrl.config.schema import dump_config
 
     config = load_config("demo", ["run.name=mine", f"run.output_dir={tmp_path / 'elsewhere'}", "train.max_steps=7"])

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from vlmrl.cli import app
+from vlmrl.cli.app import app
 from vlmrl.common.io import read_jsonl
 from vlmrl.config.schema import ConfigError, load_config
 from vlmrl.pipeline import prepare_with_budget

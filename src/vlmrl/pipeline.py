@@ -127,7 +127,7 @@ def claim_run_dir(config: Config, run_dir: Path, *, force: bool) -> None:
     path = run_dir / layout.CONFIG
     if path.exists() and not force:
         try:
-            previous = load_config(str(path))
+            previous = load_config(str(path), migrate=True)
         except ConfigError:
             previous = None
         if previous is None or settings_fingerprint(previous) != settings_fingerprint(config):

@@ -31,6 +31,7 @@ from vlmrl.cli.launch import relaunch_if_asked as _relaunch_if_asked
 from vlmrl.cli.launch import stage_argv as _stage_argv
 from vlmrl.cli.show import console, eval_progress, say
 from vlmrl.config.schema import PRESETS, Config, ConfigError, dump_config, load_config
+from vlmrl.run import layout
 
 if TYPE_CHECKING:
     from vlmrl.bench import BenchSettings
@@ -54,18 +55,25 @@ RunDirOpt = Annotated[Path | None, typer.Option("--run-dir", help="Run directory
 def _config(source: str | None, overrides: list[str] | None, run_dir: Path | None = None) -> Config:
     """A preset, a YAML file, or a run folder (its config.yaml; the run then lives in that folder)."""
     if source is not None and Path(source).is_dir():
-        if not (Path(source) / "config.yaml").is_file():
+        if not (Path(source) / layout.CONFIG).is_file():
             fail(f"{source}: a folder without config.yaml; give a preset, a YAML file or a run folder.", 2)
         run_dir = run_dir or Path(source)
-        source = str(Path(source) / "config.yaml")
+        source = str(Path(source) / layout.CONFIG)
     try:
-        config = load_config(source, overrides)
+        config = load_config(source, overrides, migrate=_in_run_folder(source))
     except ConfigError as exc:
         fail(str(exc), 2)
     if run_dir is not None:
         config.run.output_dir = str(run_dir.parent)
         config.run.name = run_dir.name
     return config
+
+
+def _in_run_folder(source: str | None) -> bool:
+    """A run folder's own config.yaml (vlmrl's mark beside it): written by this or an earlier release."""
+    from vlmrl.run.claim import MARKER
+
+    return source is not None and Path(source).name == layout.CONFIG and (Path(source).parent / MARKER).is_file()
 
 
 @app.callback()
@@ -109,15 +117,19 @@ def doctor(
         show.show_preflight(_config(config_source, set_), env, prompt_tokens)
     if run_dir is not None:
         with _claimed(Path(run_dir)):  # a folder vlmrl did not make is refused, never written into
-            write_json_atomic(Path(run_dir) / "env.json", env)
+            write_json_atomic(Path(run_dir) / layout.ENV, env)
         console.print(f"wrote {Path(run_dir) / 'env.json'}", markup=False)
 
 
 @config_app.command("show")
-def config_show(source: ConfigArg = None, set_: SetOpt = None) -> None:
-    """Print the fully resolved configuration (preset or file, plus overrides)."""
+def config_show(source: ConfigArg = None, set_: SetOpt = None,
+                all_: Annotated[bool, typer.Option("--all", help="Every field, defaults included.")] = False) -> None:
+    """Print the resolved configuration (preset or file, plus overrides): the fields that differ from their
+    defaults, or with --all every field (as the run folder's config.yaml holds it)."""
     config = _config(source, set_)
-    console.print(dump_config(config), highlight=False, markup=False, end="")
+    if not all_:
+        console.print("# fields that differ from their defaults; --all prints every field", markup=False)
+    console.print(dump_config(config, changed_only=not all_), highlight=False, markup=False, end="")
 
 
 @config_app.command("validate")
@@ -262,7 +274,7 @@ def compare(
         seed = config.run.seed
         with _claimed(config.run_dir, create=False):
             guarded(lambda: evaluate_swapped(config, config.run_dir, eval_progress))
-    elif (run_dir / "config.yaml").is_file():  # the seed the run's own compare stage used
+    elif (run_dir / layout.CONFIG).is_file():  # the seed the run's own compare stage used
         seed = _config(str(run_dir), None, run_dir).run.seed
     result = guarded(lambda: compare_runs(run_dir, seed=seed))
     show.show_comparison(result.path)

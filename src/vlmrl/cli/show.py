@@ -17,6 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from vlmrl.cli.errors import fail
+from vlmrl.run import layout
 
 if TYPE_CHECKING:
     from vlmrl.common.progress import EvalProgress
@@ -24,9 +25,9 @@ if TYPE_CHECKING:
 
 console = Console()
 # What `vlmrl run` lists at its end, those that exist, in the order the stages write them.
-RUN_FILES = ("config.yaml", "data/summary.json", "baseline_records.jsonl", "train/metrics.jsonl",
-             "train/rollouts.jsonl", "after_records.jsonl", "comparison.json", "adapter", "export.json",
-             "report.html")
+RUN_FILES = (layout.CONFIG, layout.DATA_SUMMARY, layout.records_file("baseline"), layout.METRICS,
+             layout.ROLLOUTS, layout.records_file("after"), layout.COMPARISON, "adapter", layout.EXPORT,
+             layout.REPORT)
 
 
 def say(message: str) -> None:
@@ -72,7 +73,7 @@ def show_preflight(config: Config, env: dict, prompt_tokens: int) -> None:
         return
     # The prediction is for the GPU the config is meant for, where `auto` turns fast generation on.
     estimate = estimate_memory(config, shapes, prompt_tokens=prompt_tokens,
-                               fast_generation=config.train.fast_generation != "never")
+                               fast_generation=config.train.rollout.fast != "never")
     table = Table(title=f"memory preflight: {config.model.name} (prompt {prompt_tokens} tokens)", show_header=False)
     for key, value in estimate.as_dict().items():
         table.add_row(key.removesuffix("_gib").replace("_", " "), f"{value:.1f} GiB")
@@ -89,7 +90,7 @@ def show_tiny_model(path: Path, summary: dict) -> None:
 
 def show_run_done(run_dir: Path, seconds: float) -> None:
     """`vlmrl run`'s end: the comparison, the time taken and the files the run holds."""
-    show_comparison(run_dir / "comparison.json")
+    show_comparison(run_dir / layout.COMPARISON)
     console.print(f"\n[bold]done[/bold] in {seconds:.0f} s: {escape(str(run_dir))}")
     for name in RUN_FILES:
         if (run_dir / name).exists():
@@ -98,7 +99,7 @@ def show_run_done(run_dir: Path, seconds: float) -> None:
 
 def show_prepared(run_dir: Path) -> None:
     """`vlmrl prepare`'s data/summary.json (less the per-category counts), and the warning it may carry."""
-    summary = json.loads((run_dir / "data" / "summary.json").read_text())
+    summary = json.loads((run_dir / layout.DATA_SUMMARY).read_text())
     console.print_json(json.dumps({k: v for k, v in summary.items() if k != "by_category"}))
     if summary.get("comparable_to_published") is False:
         console.print(f"[yellow]warning:[/yellow] {escape(str(summary.get('message')))}")

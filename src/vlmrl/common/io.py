@@ -4,11 +4,13 @@ A run can be killed at any moment (SIGKILL, OOM, a pre-empted node). Whole files
 and `os.replace`, which is atomic on POSIX; record files are appended one complete line at a time and a
 torn last line (the only damage a kill can do) is ignored and truncated away on the next append.
 `check_disk_space` refuses work whose output cannot fit before the work starts, not at the first save.
+Every JSON file is strict JSON, which any parser reads: a NaN or infinite number is written as `null`.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -61,11 +63,34 @@ def write_text_atomic(path: str | Path, text: str) -> None:
 
 
 def write_json_atomic(path: str | Path, data: Any) -> None:
-    write_text_atomic(path, json.dumps(data, indent=2, ensure_ascii=False, default=str) + "\n")
+    write_text_atomic(path, strict_json(data, indent=2) + "\n")
 
 
 def write_jsonl_atomic(path: str | Path, rows: Iterable[dict]) -> None:
-    write_text_atomic(path, "".join(json.dumps(row, ensure_ascii=False, default=str) + "\n" for row in rows))
+    write_text_atomic(path, "".join(strict_json(row) + "\n" for row in rows))
+
+
+def strict_json(data: Any, *, indent: int | None = None) -> str:
+    """`json.dumps` that never writes `NaN` or `Infinity` (Python's default, which strict parsers refuse):
+    a non-finite number becomes `null`, as JavaScript's JSON.stringify does.
+
+    >>> strict_json({"a": float("nan"), "b": [1.5, float("-inf")]})
+    '{"a": null, "b": [1.5, null]}'
+    """
+    try:  # the common case: nothing to replace, one pass
+        return json.dumps(data, indent=indent, ensure_ascii=False, default=str, allow_nan=False)
+    except ValueError:
+        return json.dumps(_finite_or_none(data), indent=indent, ensure_ascii=False, default=str, allow_nan=False)
+
+
+def _finite_or_none(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite_or_none(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite_or_none(item) for item in value]
+    return value
 
 
 def read_json(path: str | Path) -> Any:
@@ -99,7 +124,7 @@ def append_jsonl(path: str | Path, rows: Iterable[dict]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     _truncate_torn_tail(path)
-    payload = "".join(json.dumps(row, ensure_ascii=False, default=str) + "\n" for row in rows)
+    payload = "".join(strict_json(row) + "\n" for row in rows)
     with open(path, "a", encoding="utf-8") as handle:
         handle.write(payload)
         handle.flush()

@@ -17,6 +17,7 @@ from vlmrl.common import stats
 from vlmrl.common.io import read_jsonl, write_json_atomic
 from vlmrl.compare import visual_gain
 from vlmrl.data.items import record_hashes
+from vlmrl.run import layout
 
 BINARY_METRICS = {"accuracy": "correct", "mathvista_accuracy": "mathvista_correct", "format_compliance": "format_ok"}
 REWARD_METRICS = {"total_reward": "total_reward", "format_reward": "format_reward", "correctness_reward": "correctness_reward"}
@@ -36,8 +37,8 @@ def compare_runs(run_dir: Path, *, seed: int = 0, top_regressions: int = 10) -> 
     """Write `run_dir/comparison.json` from `baseline_records.jsonl` and `after_records.jsonl`."""
     if not Path(run_dir).is_dir():
         raise CompareError(f"{run_dir}: no such run folder (give the folder `vlmrl run` wrote, e.g. runs/demo).")
-    before = _load(run_dir / "baseline_records.jsonl")
-    after = _load(run_dir / "after_records.jsonl")
+    before = _load(run_dir / layout.records_file("baseline"))
+    after = _load(run_dir / layout.records_file("after"))
     ids = [i for i in before if i in after]
     missing = sorted(set(before) ^ set(after))
     if not ids:
@@ -81,7 +82,7 @@ def compare_runs(run_dir: Path, *, seed: int = 0, top_regressions: int = 10) -> 
         raise CompareError(str(exc)) from None
     if control is not None:
         comparison["visual_control"] = control
-    path = run_dir / "comparison.json"
+    path = run_dir / layout.COMPARISON
     write_json_atomic(path, comparison)
     return CompareResult(path, comparison)
 

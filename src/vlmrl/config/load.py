@@ -26,6 +26,61 @@ class ConfigError(ValueError):
     """A config that cannot be used; the message names the file, the field and the fix."""
 
 
+# Train fields of earlier releases, and where each went. Renamed ones and those now passed to TRL as they are
+# (`train.trl_overrides`) are moved, the same run either way. Removed ones are refused in a config file, with
+# where they went; in a run folder's own config.yaml (`migrate`), where every field was written out, they are
+# dropped (a kernel switch that was off turns train.rollout.kernels off).
+RENAMED_TRAIN = {"fast_generation": "fast", "prompt_bucket": "prompt_bucket"}  # -> train.rollout.<new>
+TO_TRL = ("logging_steps", "save_total_limit", "mask_truncated_completions")  # -> train.trl_overrides.<same>
+_AUTOMATIC = "the stacked LoRA projections run wherever they apply and the adapter copies where they do not, automatically"
+_EXPERIMENT = "an experiment that did not pay, now a script in benchmarks/ (vlmrl.engine.experimental)"
+REMOVED_TRAIN = {
+    "rollout_stacked": _AUTOMATIC,
+    "rollout_adapter_copies": _AUTOMATIC,
+    "rollout_stacked_kernel": "see train.rollout.kernels",
+    "rollout_decode_kernel": "see train.rollout.kernels",
+    "loss_kernels": "see train.rollout.kernels",
+    "trim_padding": "the loss pass always skips all-padding columns (the same log-probs, less compute)",
+    "group_by_length": "micro-batches are always grouped by length where the loss allows it",
+    "rollout_merge": _EXPERIMENT,
+    "rollout_guards": _EXPERIMENT,
+    "rollout_filled_window": _EXPERIMENT,
+    "adapter_input_cast": _EXPERIMENT,
+}
+_KERNEL_SWITCHES = ("rollout_stacked_kernel", "rollout_decode_kernel", "loss_kernels")
+
+
+def upgrade_train_fields(raw: dict, origin: str, *, migrate: bool = False) -> None:
+    """Move renamed train fields to their place, refuse removed ones naming where they went (or, with `migrate`,
+    drop them: a run folder's config.yaml written by an earlier release)."""
+    train = raw.get("train")
+    if not isinstance(train, dict):
+        return
+    rollout = train.get("rollout") if isinstance(train.get("rollout"), dict) else {}
+    for old, new in RENAMED_TRAIN.items():
+        if old in train:
+            rollout[new] = train.pop(old)
+    if any(train.get(name) is False for name in _KERNEL_SWITCHES) and migrate:
+        rollout.setdefault("kernels", False)
+    if rollout:
+        train["rollout"] = rollout
+    overrides = train.get("trl_overrides") if isinstance(train.get("trl_overrides"), dict) else {}
+    for name in TO_TRL:
+        if name in train:
+            overrides[name] = train.pop(name)
+    if train.get("generation_backend") == "vllm":
+        overrides.setdefault("use_vllm", True)
+    if train.pop("generation_backend", "hf") not in ("hf", "vllm"):
+        raise ConfigError(f"{origin}: train.generation_backend is now train.trl_overrides.use_vllm (true or false).")
+    if overrides:
+        train["trl_overrides"] = overrides
+    for name, where in REMOVED_TRAIN.items():
+        if name in train:
+            if not migrate:
+                raise ConfigError(f"{origin}: train.{name} was removed: {where}; delete the line.")
+            del train[name]
+
+
 def refuse_reward_weights(raw: dict, origin: str) -> None:
     """`train.reward_weights` (before `rewards:` existed) is refused with the form that replaces it."""
     train = raw.get("train")

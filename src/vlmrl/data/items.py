@@ -161,14 +161,19 @@ def open_record_images(run_dir: Path, record: dict[str, Any]) -> list[Any]:
 
 @dataclass(frozen=True)
 class Dropped:
-    """One input row that was not kept: `reason` is a stable code, `detail` says what exactly."""
+    """One input row that was not kept: `reason` is a stable code, `detail` says what exactly (with the value),
+    `fix` what to change when this row's own case needs more than the reason's usual fix (`vlmrl.data.drops`)."""
 
     id: str
     reason: str
     detail: str = ""
+    fix: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        record = asdict(self)
+        if not self.fix:
+            del record["fix"]
+        return record
 
 
 @dataclass(frozen=True)

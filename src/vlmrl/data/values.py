@@ -22,6 +22,10 @@ MAX_DEPTH = 64  # nesting kept in a row; deeper rows are dropped (`too_deeply_ne
 _PLAIN = re.compile(r"^[-+]?(\d+(\.\d*)?|\.\d+)$")
 _THOUSANDS = re.compile(r"^[-+]?\d{1,3}(,\d{3})+(\.\d+)?$")
 _WITH_UNIT = re.compile(r"^\$?\s*([-+]?(?:\d+(?:\.\d*)?|\.\d+))\s*[^\d]*$")  # "6cm", "135°", "$4"
+_LATEX = re.compile(r"\\[A-Za-z]+|\$|[\^_]\{")  # \frac, \sqrt, $...$, x^{2}, a_{1}
+# Plain symbolic maths: digits, one-letter variables, operators, brackets and a few function names only.
+_SYMBOLIC = re.compile(r"^(?:\s|\d|\.|[a-zA-Z](?![a-zA-Z])|sqrt|pi|sin|cos|tan|log|ln|exp|[-+*/^()=,π√·×])+$")
+_OPERATOR = re.compile(r"[-+*/^=π√·×]|sqrt|pi|sin|cos|tan|log|ln|exp")
 
 
 def number_text(value: Any, *, allow_unit: bool = False) -> str | None:
@@ -58,6 +62,25 @@ def number_text(value: Any, *, allow_unit: bool = False) -> str | None:
         return _tidy(text)
     match = _WITH_UNIT.match(text) if allow_unit else None
     return _tidy(match.group(1)) if match else None
+
+
+def looks_like_expression(text: str) -> bool:
+    """Whether a gold that is not a plain number is maths (LaTeX or a symbolic expression), not prose.
+
+    >>> [looks_like_expression(t) for t in ("\\\\frac{1}{2}", "2\\\\sqrt{3}", "1/2", "x^2 + 1", "3pi", "$4$")]
+    [True, True, True, True, True, True]
+    >>> [looks_like_expression(t) for t in ("red", "the Eiffel Tower", "B", "A-B", "2020-01-02T10:00", "")]
+    [False, False, False, False, False, False]
+    """
+    text = text.strip()
+    if not text or len(text) > 300:
+        return False
+    if _LATEX.search(text):
+        return True
+    if not _SYMBOLIC.match(text) or not _OPERATOR.search(text):
+        return False
+    # an operator between letters alone ("A-B", "x=y") reads as a label more often than as maths
+    return any(ch.isdigit() for ch in text) or bool(re.search(r"sqrt|pi|π|√|\^", text))
 
 
 def is_integer_text(text: str) -> bool:

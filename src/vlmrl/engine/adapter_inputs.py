@@ -45,7 +45,7 @@ class CastOutsideAutocast:
 
 def keep_inputs_under_autocast(model: Any, device_type: str) -> int:
     """Install `CastOutsideAutocast` on every plain LoRA layer of `model` (`plain_lora`); how many layers."""
-    from vlmrl.engine.rollout.merge import lora_layers
+    from vlmrl.engine.lora_layers import lora_layers
 
     flag = CastOutsideAutocast(device_type)
     layers = [layer for layer in lora_layers(model) if plain_lora(layer)]
@@ -58,7 +58,7 @@ def plain_lora(layer: Any) -> bool:
     """A LoRA layer whose input meets nothing but the adapter matmul: no dropout (its random mask could be drawn
     differently for a bf16 input), no DoRA and no other LoRA variant (their elementwise terms would see the bf16
     input instead of the float32 one)."""
-    from vlmrl.engine.rollout.merge import variant
+    from vlmrl.engine.lora_layers import variant
 
     names = list(getattr(layer, "lora_A", {}))
     return bool(names) and all(

@@ -5,7 +5,8 @@ vlmrl's tool cache (`~/.cache/vlmrl/llama.cpp-<version>/`, or under `$VLMRL_LLAM
 runs `pip download --no-deps --no-binary :all: llama-cpp-python==<version>` and extracts the converter
 (`convert_hf_to_gguf.py`, `conversion/`, `gguf-py/`) from the source distribution's `vendor/llama.cpp/`.
 llama.cpp at that version converts Qwen3-VL (`Qwen3VLForConditionalGeneration`) and its vision projector
-(`--mmproj`). The converter itself does f16/bf16/q8_0; q4_k_m needs the `llama-quantize` binary.
+(`--mmproj`). The converter itself does f16/bf16/q8_0; q4_k_m needs the `llama-quantize` binary. Both run as
+children that die with vlmrl (`vlmrl.common.children`): a killed export leaves nothing writing a GGUF file.
 
 Checks recorded: the file parses with the `gguf` package, its block count and embedding shape match the merged
 config, the token embedding matches the merged weights to the output type's rounding, and, when `llama_cpp` is
@@ -20,11 +21,12 @@ import json
 import os
 import runpy
 import shutil
-import subprocess
 import sys
 import tarfile
 import tempfile
 from pathlib import Path
+
+from vlmrl.common import children
 
 LLAMA_CPP_PYTHON = "0.3.36"
 QUANTIZATIONS = ("none", "q8_0", "q4_k_m")
@@ -58,9 +60,8 @@ def fetch_converter(target: Path | None = None) -> Path:
     """Download llama-cpp-python's sdist with pip and extract llama.cpp's converter into the cache."""
     target = target or cached_converter_dir()
     with tempfile.TemporaryDirectory() as tmp:
-        done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                               f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", tmp],
-                              check=False, capture_output=True, text=True)
+        done = children.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                             f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", tmp])
         archives = list(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
         if not archives:
             raise GgufError(f"pip could not download llama-cpp-python=={LLAMA_CPP_PYTHON}'s source distribution: "
@@ -102,8 +103,7 @@ def convert(merged: Path, out_dir: Path, quantization: str, llama_cpp: Path) -> 
         files["mmproj"] = mmproj
     if quantize is not None:
         quantized = out_dir / "model-q4_k_m.gguf"
-        done = subprocess.run([quantize, str(files["model"]), str(quantized), "Q4_K_M"], check=False, capture_output=True,
-                              text=True)
+        done = children.run([quantize, str(files["model"]), str(quantized), "Q4_K_M"])
         if done.returncode:
             raise GgufError(f"llama-quantize failed: {(done.stderr.strip().splitlines() or ['no output'])[-1]}")
         files["model"].unlink()
@@ -116,7 +116,7 @@ def _run_converter(llama_cpp: Path, merged: Path, outfile: Path, outtype: str, *
                    check: bool = True) -> str | None:
     argv = [sys.executable, "-m", "vlmrl.export.gguf", "convert", str(llama_cpp), str(merged),
             "--outfile", str(outfile), "--outtype", outtype, *(["--mmproj"] if mmproj else [])]
-    done = subprocess.run(argv, check=False, capture_output=True, text=True)
+    done = children.run(argv)  # killed with vlmrl: never left writing into the run after its lock is released
     if done.returncode == 0 and outfile.is_file():
         return None
     last = next((line for line in reversed(done.stderr.strip().splitlines()) if line.strip()), "no output")

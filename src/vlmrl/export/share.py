@@ -18,6 +18,7 @@ from typing import Any
 
 from vlmrl.config.schema import Config
 from vlmrl.models.loading import is_local_only
+from vlmrl.run import layout
 
 LOCAL_BASE = "base-model"  # inside adapter/, for bases no hub hosts
 
@@ -82,7 +83,7 @@ def _recipe(config: Config, base_name: str) -> str:
 
 
 def _results(run_dir: Path) -> str:
-    path = run_dir / "comparison.json"
+    path = run_dir / layout.COMPARISON
     if not path.is_file():
         return "## Held-out results\n\nNo comparison.json in the run (run `vlmrl compare`): no before/after figures.\n"
     comparison = json.loads(path.read_text())
@@ -95,7 +96,7 @@ def _results(run_dir: Path) -> str:
 
 
 def _dataset(run_dir: Path) -> str:
-    path = run_dir / "data" / "summary.json"
+    path = run_dir / layout.DATA_SUMMARY
     if not path.is_file():
         return "## Data\n\nNo data/summary.json in the run.\n"
     summary = json.loads(path.read_text())

@@ -2,7 +2,8 @@
 
 Both are plain TRL reward functions, ``(completions, **kwargs) -> list[float]``, passed to ``GRPOTrainer`` as
 ``reward_funcs`` with ``DEFAULT_REWARD_WEIGHTS`` going to ``GRPOConfig.reward_weights`` (TRL 1.x takes the
-weights only there). They score whatever a policy emits, so they never raise on text and stay linear in its
+weights only there). They score the ``seed`` contract unless called with ``contract="think"``
+(``builtin_reward`` binds the config's contract; the rules are in ``vlmrl.contract``). They score whatever a policy emits, so they never raise on text and stay linear in its
 length: tags are counted with ``str.count``/``str.find``, never with backtracking regexes, and the numeric
 comparison only looks at short solutions (see ``grading.MAX_NUMBER_CHARS``).
 
@@ -14,19 +15,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
-from vlmrl.contract import (
-    DEGENERATE_TOKEN,
-    REASONING_END,
-    REASONING_START,
-    SOLUTION_END,
-    SOLUTION_START,
-    completion_text,
-)
+from vlmrl.contract import DEGENERATE_TOKEN, completion_text, extract_answer, format_checks
 from vlmrl.grading.grader import grade, numeric_equal
 
 __all__ = [
     "DEFAULT_REWARD_WEIGHTS",
     "REWARD_FUNCS",
+    "builtin_reward",
     "correctness_reward",
     "extract_solution",
     "format_reward",
@@ -54,10 +49,7 @@ def extract_solution(text: str) -> str | None:
     >>> extract_solution("<SOLUTION>4</SOLUTION><SOLUTION>5</SOLUTION>") is None  # two answers: neither counts
     True
     """
-    if not _has_one_pair(text, SOLUTION_START, SOLUTION_END):
-        return None
-    start = text.find(SOLUTION_START) + len(SOLUTION_START)
-    return text[start : text.find(SOLUTION_END)].strip()
+    return extract_answer(text, "seed")
 
 
 def is_degenerate(text: str) -> bool:
@@ -72,26 +64,32 @@ def is_degenerate(text: str) -> bool:
     return bool(text) and 2 * junk >= len(text)
 
 
-def format_reward(completions: Sequence[object], **kwargs: object) -> list[float]:
+def format_reward(completions: Sequence[object], *, contract: str = "seed", **kwargs: object) -> list[float]:
     """+1 for one well-ordered ``<REASONING>`` pair, +1 for one ``<SOLUTION>`` pair, -2 if degenerate.
+
+    Under ``contract="think"``: +1 for the text opening with its one ``<think>...</think>``, +1 for one
+    ``\\boxed{}`` after it, -2 if degenerate (``vlmrl.contract.format_checks``).
 
     >>> format_reward(["<REASONING>r</REASONING><SOLUTION>1</SOLUTION>", "<SOLUTION>1</SOLUTION>", "hi"])
     [2.0, 1.0, 0.0]
     >>> format_reward([[{"role": "assistant", "content": "<SOLUTION>1</SOLUTION>addCriterion"}], None])
     [-1.0, 0.0]
+    >>> format_reward(["<think>r</think>\\n\\\\boxed{1}", "<SOLUTION>1</SOLUTION>"], contract="think")
+    [2.0, 0.0]
     """
     texts = _texts(completions)
-    return [0.0 if text is None else _format_score(text) for text in texts]
+    return [0.0 if text is None else _format_score(text, contract) for text in texts]
 
 
 def correctness_reward(
-    completions: Sequence[object], answer: Sequence[object], **kwargs: object
+    completions: Sequence[object], answer: Sequence[object], *, contract: str = "seed", **kwargs: object
 ) -> list[float]:
     """2.0 when the solution equals the gold answer exactly, 1.5 when ``grade`` says it is right, else 0.
 
     TRL passes every dataset column as a list aligned with ``completions``: ``answer_type``, ``choices`` and
     ``precision`` (each optional) pick the grading rule per item (``vlmrl.grading.grader.grade``); without
-    ``answer_type`` an item is graded as a number, as the seed recipe's are.
+    ``answer_type`` an item is graded as a number, as the seed recipe's are. The answer is read under
+    ``contract`` (``<SOLUTION>`` for seed, ``\\boxed{}`` after ``</think>`` for think).
 
     >>> correctness_reward(["<SOLUTION>42</SOLUTION>", "<SOLUTION>42.0</SOLUTION>", "42"], ["42", "42", "42"])
     [2.0, 1.5, 0.0]
@@ -116,7 +114,8 @@ def correctness_reward(
     return [
         0.0
         if text is None
-        else _correctness_score(text, _gold_text(gold), answer_type=kind, choices=options, precision=digits)
+        else _correctness_score(text, _gold_text(gold), answer_type=kind, choices=options, precision=digits,
+                                contract=contract)
         for text, gold, kind, options, digits in zip(
             texts, answer, columns["answer_type"], columns["choices"], columns["precision"]
         )
@@ -131,6 +130,27 @@ def reward_functions() -> list[Callable[..., list[float]]]:
     return list(REWARD_FUNCS)
 
 
+def builtin_reward(name: str, contract: str = "seed") -> Callable[..., list[float]]:
+    """The built-in ``<name>_reward`` scoring ``contract``: the plain function for seed, else a picklable
+    callable under the same ``__name__`` (TRL's log column and the records' key stay ``format_reward``...).
+
+    >>> builtin_reward("format", "think")(["<think>r</think>\\\\boxed{1}"])
+    [2.0]
+    """
+    fn = {"format": format_reward, "correctness": correctness_reward}[name]
+    return fn if contract == "seed" else _UnderContract(fn, contract)
+
+
+class _UnderContract:
+    """A built-in reward with its contract bound (a class, not a closure, so TRL can pickle it)."""
+
+    def __init__(self, fn: Callable[..., list[float]], contract: str):
+        self.fn, self.contract, self.__name__ = fn, contract, fn.__name__
+
+    def __call__(self, completions: Sequence[object], **kwargs: object) -> list[float]:
+        return self.fn(completions, **{**kwargs, "contract": self.contract})  # a `contract` column never wins
+
+
 def score_completion(
     text: str,
     gold: str,
@@ -139,22 +159,25 @@ def score_completion(
     answer_type: str | None = None,
     choices: Sequence[str] | None = None,
     precision: int | None = None,
+    contract: str = "seed",
 ) -> dict[str, object]:
     """Every reward-side fact about one completion, for evaluation records (one JSONL line per sample).
 
-    ``answer_type``, ``choices`` and ``precision`` are the item's, graded as ``correctness_reward`` does.
+    ``answer_type``, ``choices`` and ``precision`` are the item's, graded as ``correctness_reward`` does;
+    the answer is read and the format checked under ``contract``.
 
     >>> record = score_completion("<REASONING>r</REASONING><SOLUTION>7</SOLUTION>", "7")
     >>> record["total"], record["format_ok"], record["exact_match"], record["pred"]
     (2.6, True, True, '7')
     """
-    format_score = _format_score(text)
-    correctness = _correctness_score(text, gold, answer_type=answer_type, choices=choices, precision=precision)
+    format_score = _format_score(text, contract)
+    correctness = _correctness_score(text, gold, answer_type=answer_type, choices=choices, precision=precision,
+                                     contract=contract)
     return {
         "format": format_score,
         "correctness": correctness,
         "total": weights[0] * format_score + weights[1] * correctness,
-        "pred": extract_solution(text),
+        "pred": extract_answer(text, contract),
         "format_ok": format_score == 2.0,
         "correct": correctness > 0,
         "exact_match": correctness == EXACT_MATCH_REWARD,
@@ -162,12 +185,8 @@ def score_completion(
     }
 
 
-def _format_score(text: str) -> float:
-    score = 0.0
-    if _has_one_pair(text, REASONING_START, REASONING_END):
-        score += 1.0
-    if _has_one_pair(text, SOLUTION_START, SOLUTION_END):
-        score += 1.0
+def _format_score(text: str, contract: str = "seed") -> float:
+    score = float(sum(format_checks(text, contract)))
     if is_degenerate(text):
         score += DEGENERATE_PENALTY
     return score
@@ -180,8 +199,9 @@ def _correctness_score(
     answer_type: str | None = None,
     choices: Sequence[str] | None = None,
     precision: int | None = None,
+    contract: str = "seed",
 ) -> float:
-    pred = extract_solution(text)
+    pred = extract_answer(text, contract)
     if pred is None:
         return 0.0
     if pred == gold.strip():
@@ -191,11 +211,6 @@ def _correctness_score(
     if grade(pred, gold, answer_type, choices=choices, precision=precision):
         return NUMERIC_MATCH_REWARD
     return 0.0
-
-
-def _has_one_pair(text: str, opening: str, closing: str) -> bool:
-    """Exactly one ``opening`` and one ``closing`` tag, in that order (nested or repeated pairs fail)."""
-    return text.count(opening) == 1 and text.count(closing) == 1 and text.find(opening) < text.find(closing)
 
 
 def _texts(completions: Sequence[object]) -> list[str | None]:

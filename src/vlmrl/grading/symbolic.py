@@ -11,7 +11,8 @@ thread for a minute or more. A child process is bounded whatever it does: it run
 own sub-second timer (``symbolic_worker.py``), and when even that does not answer, the caller stops waiting
 after ``TIMEOUT_S``, kills it, and the next call starts a fresh one. The worker starts on first use (0.5-2 s
 of imports; processes that never grade an expression never start it), serves calls from any thread one at a
-time, and exits with its parent (end of its stdin). A process forked after the worker started gets its own
+time, and dies with its parent: the kernel kills it when vlmrl dies (`vlmrl.common.children`), and it exits
+at the end of its stdin. A process forked after the worker started gets its own
 worker. Answers are cached per (pred, gold): a GRPO group often repeats a completion.
 
 Measured here (2 shared CPU cores): a comparison takes 1-20 ms through the pipe (the first ones up to ~1 s
@@ -35,6 +36,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from vlmrl.common import children
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +118,7 @@ class _Worker:
             self._kill()
         self._proc, self._buffer = None, b""  # (in a forked child the parent's worker stays the parent's)
         try:
-            self._proc = subprocess.Popen(
+            self._proc = children.popen(  # SIGKILLed if vlmrl dies, even mid-computation
                 [sys.executable, "-P", str(_WORKER_SCRIPT), str(WORKER_BUDGET_S)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,

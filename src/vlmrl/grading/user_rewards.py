@@ -1,40 +1,48 @@
 """The configured rewards as callables: built-ins by name, the user's own functions from a file or a module.
 
 `load_rewards(config)` turns the `rewards:` list into `Reward`s (name, weight, a guarded TRL-style callable),
-refusing with one line a function that cannot be imported, is not callable or has the wrong signature.
-`check_rewards` calls every reward once on real held-out items, with the keyword arguments TRL passes, so a
-function that raises, returns the wrong length or non-numbers fails before any training or evaluation
-rather than mid-run. The guard stays on during training: a reward that fails later is one line too.
+refusing with one line a function that cannot be imported, is not callable or has a signature TRL could not
+call (every argument comes by keyword, so `**kwargs` is needed; `completion_ids`-only and async functions are
+fine). A reward's `columns` hands it dataset columns under its own argument names (`solution: answer` for
+`trl.rewards.accuracy_reward`). `check_rewards` calls every reward once on real held-out items, with the
+keyword arguments TRL passes (`trainer_state` a state at step 0), so a function that raises, returns the
+wrong length or non-numbers fails before any training or evaluation rather than mid-run; a reward that gives
+a correct, well-formed completion no more than an empty one is one warning naming the contract it seems to
+expect. The guard stays on during training: a reward that fails later is one line too.
 
 A reward's name is its function's `__name__` (TRL names its log columns `rewards/<name>/mean` after it):
-`format_reward` and `correctness_reward` for the built-ins. Left out: async reward functions and reward
-models (TRL takes both; vlmrl's records assume one plain function per reward).
+`format_reward` and `correctness_reward` for the built-ins. Left out: reward models (TRL takes them; vlmrl's
+records assume one function per reward).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import importlib
 import importlib.util
 import inspect
-import numbers
+import logging
 import sys
 import traceback
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vlmrl.config.schema import Config, ConfigError, RewardSpec
+from vlmrl.config.schema import Config, RewardSpec
+from vlmrl.contract import CONTRACTS, render_answer
 from vlmrl.grading import rewards as builtin_rewards
+from vlmrl.grading.reward_call import RewardError, call_reward
 from vlmrl.run.layout import reward_source_file, rewards_fingerprint  # noqa: F401 (rewards_fingerprint: re-exported)
 
 # Names that already are before/after metrics or record fields; a user reward with one would overwrite it.
 RESERVED_NAMES = ("accuracy", "mathvista_accuracy", "format_compliance", "total_reward", "exact_match")
+# What TRL passes every reward besides the dataset's columns.
+TRL_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
 
-
-class RewardError(ConfigError):
-    """A configured reward that cannot be used; the message names the reward and the problem."""
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -43,6 +51,7 @@ class Reward:
     weight: float
     fn: Callable[..., list[float | None]]  # guarded: validates the output, errors become RewardError
     label: str  # where it came from, for messages: `name: format` or `function: my.py:f`
+    needs: tuple[str, ...] = ()  # keyword arguments it requires (after its `columns` renaming)
 
 
 def load_rewards(config: Config) -> list[Reward]:
@@ -50,13 +59,16 @@ def load_rewards(config: Config) -> list[Reward]:
     loaded: list[Reward] = []
     for index, spec in enumerate(config.rewards):
         label = f"rewards[{index}] ({'name: ' + spec.name if spec.name else 'function: ' + str(spec.function)})"
-        raw = _builtin(spec) if spec.name else _import_function(spec, label)
-        _check_signature(raw, label)
+        raw = _builtin(spec, config.contract) if spec.name else _import_function(spec, label)
+        needs = _check_signature(raw, label)
         name = _callable_name(raw, spec)
         if name in RESERVED_NAMES or name in {r.name for r in loaded}:
             raise RewardError(f"{label}: the name {name!r} is already taken (by another reward or a metric); "
                               "rename the function.")
-        loaded.append(Reward(name, spec.weight, _Guarded(raw, name, label), label))
+        if spec.columns or _is_async(raw):
+            raw = _Adapted(raw, spec.columns, name, label)
+        needs = tuple(spec.columns.get(arg, arg) for arg in needs)  # what the columns must provide
+        loaded.append(Reward(name, spec.weight, _Guarded(raw, name, label, spec.timeout_s), label, needs))
     return loaded
 
 
@@ -68,9 +80,15 @@ def reward_kwargs(rows: Sequence[dict]) -> dict[str, list[Any]]:
     """
     keys = list(rows[0]) if rows else []
     kwargs: dict[str, list[Any]] = {key: [row.get(key) for row in rows] for key in keys}
-    # TRL's hooks: a check or an evaluation has no trainer, so the state is None and logging goes nowhere.
-    kwargs.update(trainer_state=None, log_extra=_ignore, log_metric=_ignore)
+    # TRL's hooks: a check or an evaluation has no trainer: a fresh state (step 0), logging goes nowhere.
+    kwargs.update(trainer_state=_step_zero_state(), log_extra=_ignore, log_metric=_ignore)
     return kwargs
+
+
+def _step_zero_state() -> Any:
+    from transformers import TrainerState
+
+    return TrainerState()
 
 
 def call_rewards(
@@ -92,17 +110,63 @@ def weighted_total(values: dict[str, float | None], loaded: Sequence[Reward]) ->
     return sum(r.weight * values[r.name] for r in loaded if values.get(r.name) is not None)
 
 
-def check_rewards(loaded: Sequence[Reward], items: Sequence[dict], columns: Sequence[dict], images: Sequence[Any]) -> None:
-    """Call every reward once on real held-out items with three fake completions each (a well-formed right
-    answer, an empty string, untagged text); raises RewardError on the first failure."""
+PROBES = ("well_formed", "empty", "untagged", "other_contract")  # the check's fake completions, per item
+
+
+def check_rewards(loaded: Sequence[Reward], items: Sequence[dict], columns: Sequence[dict], images: Sequence[Any],
+                  *, contract: str = "seed") -> dict[str, dict[str, float | None]]:
+    """Call every reward once on real held-out items with four fake completions each (`PROBES`: a correct,
+    well-formed answer under `contract`, an empty string, untagged text, and the same answer well-formed
+    under the other contract); raises RewardError on the first failure. Returns each reward's mean per probe
+    (None where it scored nothing) and warns, one line each, about a reward that gives the well-formed answer
+    no more than the empty completion."""
+    if not items:
+        return {}
+    _check_arguments(loaded, columns[0])
+    other = next(c for c in CONTRACTS if c != contract)
     prompts, completions, rows = [], [], []
     for item, cols, image in zip(items, columns, images):
-        for text in (f"<REASONING>checking</REASONING><SOLUTION>{item['answer']}</SOLUTION>", "", "no tags at all"):
+        texts = (render_answer("checking", str(item["answer"]), contract), "", "no tags at all",
+                 render_answer("checking", str(item["answer"]), other))
+        for text in texts:
             prompts.append(prompt_messages(item["prompt"], image))
             completions.append(text)
             rows.append(cols)
-    if rows:
-        call_rewards(loaded, prompts, completions, rows)
+    values = call_rewards(loaded, prompts, completions, rows)
+    means = {name: {probe: _mean(scores[k::len(PROBES)]) for k, probe in enumerate(PROBES)}
+             for name, scores in values.items()}
+    for reward in loaded:
+        if warning := _unrewarded(reward, means[reward.name], contract, other):
+            log.warning(warning)
+    return means
+
+
+def _check_arguments(loaded: Sequence[Reward], columns: dict) -> None:
+    """A reward requiring an argument that neither TRL nor any column provides: one line, with the fix."""
+    available = set(TRL_ARGUMENTS) | set(columns)
+    for reward in loaded:
+        missing = [arg for arg in reward.needs if arg not in available]
+        if missing:
+            raise RewardError(
+                f"{reward.label}: {reward.name} takes {', '.join(map(repr, missing))}, which is no column of the "
+                f"data (columns: {', '.join(sorted(columns))}); give it one under that name with this reward's "
+                f"`columns`, e.g. columns: {{{missing[0]}: answer}}.")
+
+
+def _unrewarded(reward: Reward, means: dict[str, float | None], contract: str, other: str) -> str | None:
+    """The warning for a reward that scores a correct, well-formed completion no higher than an empty one."""
+    well, empty, elsewhere = means["well_formed"], means["empty"], means["other_contract"]
+    if well is None or empty is None or well > empty:
+        return None
+    expects = (f"it seems to expect `contract: {other}`" if elsewhere is not None and elsewhere > empty
+               else "it seems to expect neither contract's form (or another column: see its `columns`)")
+    return (f"{reward.label}: {reward.name} gives a correct, well-formed `{contract}` completion {well:.2f}, "
+            f"no more than an empty one ({empty:.2f}); {expects}.")
+
+
+def _mean(values: Sequence[float | None]) -> float | None:
+    scored = [v for v in values if v is not None]
+    return sum(scored) / len(scored) if scored else None
 
 
 def prompt_messages(prompt: str, image: Any) -> list[dict]:
@@ -117,37 +181,22 @@ def prompt_messages(prompt: str, image: Any) -> list[dict]:
 
 
 class _Guarded:
-    """A reward function whose output is checked and whose errors become one line (RewardError)."""
+    """A reward function called on its own copies, within its time limit, its values checked, every failure one
+    line (RewardError): `vlmrl.grading.reward_call`."""
 
-    def __init__(self, fn: Callable[..., Any], name: str, label: str):
-        self.fn, self.label = fn, label
+    def __init__(self, fn: Callable[..., Any], name: str, label: str, timeout_s: float | None):
+        self.fn, self.label, self.timeout_s = fn, label, timeout_s
         self.__name__ = name  # TRL names the reward's log columns after it
 
     def __call__(self, prompts=None, completions=None, **kwargs) -> list[float | None]:
-        try:
-            out = self.fn(prompts=prompts, completions=completions, **kwargs)
-        except RewardError:
-            raise
-        except Exception as exc:  # noqa: BLE001  any failure of the user's code becomes one line
-            raise RewardError(f"{self.label}: {self.__name__} raised {_one_line(exc)}") from None
-        return _check_output(out, len(completions or []), f"{self.label}: {self.__name__}")
+        return call_reward(self.fn, f"{self.label}: {self.__name__}", timeout_s=self.timeout_s, prompts=prompts,
+                           completions=list(completions or []), kwargs=kwargs)
 
 
-def _check_output(out: Any, expected: int, who: str) -> list[float | None]:
-    if not isinstance(out, list | tuple):
-        raise RewardError(f"{who} returned {type(out).__name__}, not a list of numbers (one per completion).")
-    if len(out) != expected:
-        raise RewardError(f"{who} returned {len(out)} values for {expected} completions; return one per completion.")
-    bad = [v for v in out if v is not None and not (isinstance(v, numbers.Real) and not isinstance(v, bool))]
-    if bad:
-        raise RewardError(f"{who} returned {bad[0]!r} ({type(bad[0]).__name__}); each value must be a number or "
-                          "None (None = no reward for this completion).")
-    return [None if v is None else float(v) for v in out]
-
-
-def _builtin(spec: RewardSpec) -> Callable[..., Any]:
+def _builtin(spec: RewardSpec, contract: str) -> Callable[..., Any]:
     # looked up at load time so tests can substitute a built-in
-    return getattr(builtin_rewards, f"{spec.name}_reward")
+    fn = getattr(builtin_rewards, f"{spec.name}_reward")
+    return fn if contract == "seed" else builtin_rewards.builtin_reward(str(spec.name), contract)
 
 
 def _import_function(spec: RewardSpec, label: str) -> Callable[..., Any]:
@@ -164,8 +213,15 @@ def _import_function(spec: RewardSpec, label: str) -> Callable[..., Any]:
             module_spec.loader.exec_module(module)  # type: ignore[union-attr]
         except Exception as exc:  # noqa: BLE001  the user's file: report its error, not ours
             sys.modules.pop(module_name, None)
+            if isinstance(exc, ImportError) and (dotted := _package_module(path)):
+                raise RewardError(
+                    f"{label}: {path} belongs to the package {dotted.split('.')[0]!r} and imports from it; name it "
+                    f"as a module instead: `function: {dotted}:{attr}` (its package beside the config file or on "
+                    "PYTHONPATH).") from None
             raise RewardError(f"{label}: importing {path} failed: {_one_line(exc, path)}") from None
     else:
+        if spec.resolved and spec.resolved not in sys.path:  # the package beside the config file
+            sys.path.append(spec.resolved)
         try:
             module = importlib.import_module(where)
         except Exception as exc:  # noqa: BLE001
@@ -178,20 +234,63 @@ def _import_function(spec: RewardSpec, label: str) -> Callable[..., Any]:
     return fn
 
 
-def _check_signature(fn: Callable[..., Any], label: str) -> None:
-    call = fn if inspect.isroutine(fn) else type(fn).__call__  # a callable object: its __call__
-    if inspect.iscoroutinefunction(call):
-        raise RewardError(f"{label}: async reward functions are not supported; make it a plain def.")
+def _check_signature(fn: Callable[..., Any], label: str) -> tuple[str, ...]:
+    """Refuse what TRL could not call (it passes every argument by keyword, more than any one reward takes);
+    returns the keyword arguments `fn` requires. `(completions, **kwargs)`, `(completion_ids, **kwargs)`,
+    `(prompts, completions, solution, **kwargs)` and their async forms are all fine."""
     try:
-        params = inspect.signature(fn).parameters.values()
+        params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
-        return  # a builtin or C callable without a signature: the call check will judge it
-    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    if not any(p.kind is p.VAR_KEYWORD for p in params) or "completions" not in names:
+        return ()  # a builtin or C callable without a signature: the call check will judge it
+    positional = [p.name for p in params if p.kind is p.POSITIONAL_ONLY and p.default is p.empty]
+    if not any(p.kind is p.VAR_KEYWORD for p in params) or positional:
         raise RewardError(
-            f"{label}: wrong signature {inspect.signature(fn)}; a reward takes TRL's arguments: "
-            "`def f(completions, **kwargs)` (kwargs: prompts, completion_ids and every dataset column)."
+            f"{label}: wrong signature {inspect.signature(fn)}; TRL calls a reward with keyword arguments only "
+            "(prompts, completions, completion_ids, every dataset column and its hooks), so it must take "
+            "**kwargs and no positional-only argument: `def f(completions, **kwargs)`."
         )
+    return tuple(p.name for p in params
+                 if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty)
+
+
+def _is_async(fn: Callable[..., Any]) -> bool:
+    return inspect.iscoroutinefunction(fn if inspect.isroutine(fn) else type(fn).__call__)
+
+
+class _Adapted:
+    """A reward as TRL would call it, plus what vlmrl's synchronous calls need: the reward's `columns`
+    given under its own argument names, and an async function's result awaited (a class: TRL pickles it)."""
+
+    def __init__(self, fn: Callable[..., Any], columns: dict[str, str], name: str, label: str):
+        self.fn, self.columns, self.label, self.__name__ = fn, dict(columns), label, name
+
+    def __call__(self, **kwargs: Any) -> Any:
+        for argument, column in self.columns.items():
+            if column not in kwargs:
+                raise RewardError(f"{self.label}: columns: {{{argument}: {column}}} names no column of the data "
+                                  f"(columns: {', '.join(sorted(k for k in kwargs if k not in TRL_ARGUMENTS))}).")
+            kwargs[argument] = kwargs[column]
+        out = self.fn(**kwargs)
+        return _awaited(out) if inspect.isawaitable(out) else out
+
+
+def _awaited(coroutine: Any) -> Any:
+    """Run an async reward's coroutine to its result, in a thread of its own when a loop already runs here."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
+
+
+def _package_module(path: Path) -> str | None:
+    """`pkg.sub.mod` for a file inside a package (folders holding `__init__.py`), else None."""
+    parts, folder = [path.stem], path.resolve().parent
+    while (folder / "__init__.py").is_file():
+        parts.insert(0, folder.name)
+        folder = folder.parent
+    return ".".join(parts) if len(parts) > 1 else None
 
 
 def _callable_name(fn: Callable[..., Any], spec: RewardSpec) -> str:
@@ -224,7 +323,12 @@ def _ignore(*args: Any, **kwargs: Any) -> None:
 
 def check_run_rewards(config: Config, run_dir: Path, *, items: int = 4) -> list[Reward]:
     """Load the configured rewards and call each once on the first `items` held-out items of `run_dir`
-    (their prompts, images and columns, and three fake completions each). Raises RewardError."""
+    (their prompts, images and columns, and the fake completions of `check_rewards`). Raises RewardError."""
+    return reward_check(config, run_dir, items=items)[0]
+
+
+def reward_check(config: Config, run_dir: Path, *, items: int = 4) -> tuple[list[Reward], dict]:
+    """`check_run_rewards`, and what the check measured: each reward's mean per fake completion (`PROBES`)."""
     from vlmrl.common.io import read_jsonl
     from vlmrl.data.items import open_record_images
 
@@ -232,8 +336,7 @@ def check_run_rewards(config: Config, run_dir: Path, *, items: int = 4) -> list[
     rows = read_jsonl(run_dir / "data" / "holdout.jsonl")[:items]
     images = [open_record_images(run_dir, row) for row in rows]
     columns = [item_columns(row, image) for row, image in zip(rows, images)]
-    check_rewards(loaded, rows, columns, images)
-    return loaded
+    return loaded, check_rewards(loaded, rows, columns, images, contract=config.contract)
 
 
 def item_columns(row: dict, image: Any = None) -> dict[str, Any]:

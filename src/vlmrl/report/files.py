@@ -12,15 +12,16 @@ from typing import Any, ClassVar
 
 from vlmrl.common.io import read_json, read_jsonl
 from vlmrl.report.cells import esc
+from vlmrl.run import layout
 
 
 class RunFiles:
     """Reads each run-directory file once and remembers which were unreadable, for the page to say so."""
 
     KNOWN: ClassVar[list[str]] = [
-        "config.yaml", "env.json", "data/summary.json", "data/holdout.jsonl", "baseline_records.jsonl",
-        "baseline_summary.json", "train/summary.json", "train/metrics.jsonl", "train/health.jsonl",
-        "after_records.jsonl", "after_summary.json", "comparison.json", "export.json"]
+        layout.CONFIG, layout.ENV, layout.DATA_SUMMARY, layout.HOLDOUT, layout.records_file("baseline"),
+        layout.summary_file("baseline"), "train/summary.json", layout.METRICS, "train/health.jsonl",
+        layout.records_file("after"), layout.summary_file("after"), layout.COMPARISON, layout.EXPORT]
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir

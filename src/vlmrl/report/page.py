@@ -25,11 +25,12 @@ from vlmrl.report.sections import (
     training_section,
 )
 from vlmrl.report.visual import report_html as visual_section
+from vlmrl.run import layout
 
 
 def write_report(run_dir: Path) -> Path:
     """Write `run_dir/report.html` from whatever stage outputs exist; return its path."""
-    path = Path(run_dir) / "report.html"
+    path = Path(run_dir) / layout.REPORT
     write_text_atomic(path, build_report(Path(run_dir)))
     return path
 
@@ -41,7 +42,7 @@ def build_report(run_dir: Path) -> str:
         ("headline", "Before / after", headline_section(files)),
         ("training", "Training", training_section(files)),
         ("categories", "By category", category_section(files)),
-        ("visual", "Visual control", visual_section((files.json_object("comparison.json") or {}).get("visual_control"))),
+        ("visual", "Visual control", visual_section((files.json_object(layout.COMPARISON) or {}).get("visual_control"))),
         ("flips", "Flips", flips_section(files)),
         ("samples", "Samples", samples_section(files)),
         ("export", "Export checks", export_section(files)),

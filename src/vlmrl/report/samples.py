@@ -14,21 +14,22 @@ from typing import Any
 
 from vlmrl.report.cells import esc, finite, num
 from vlmrl.report.files import RunFiles
+from vlmrl.run import layout
 
 THUMB_PX = 96
 
 
 def samples_section(files: RunFiles) -> str:
-    holdout = {r.get("id"): r for r in files.jsonl("data/holdout.jsonl")}
-    before = {r.get("id"): r for r in files.jsonl("baseline_records.jsonl")}
-    after = {r.get("id"): r for r in files.jsonl("after_records.jsonl")}
+    holdout = {r.get("id"): r for r in files.jsonl(layout.HOLDOUT)}
+    before = {r.get("id"): r for r in files.jsonl(layout.records_file("baseline"))}
+    after = {r.get("id"): r for r in files.jsonl(layout.records_file("after"))}
     ids = list(dict.fromkeys([*holdout, *before, *after]))
     if not ids:
-        return files.missing("data/holdout.jsonl", "No held-out items yet")
+        return files.missing(layout.HOLDOUT, "No held-out items yet")
     notes = [files.missing(name, what) for name, what, rows in (
-        ("data/holdout.jsonl", "No images or questions from the data", holdout),
-        ("baseline_records.jsonl", "No baseline completions yet", before),
-        ("after_records.jsonl", "No completions after training yet", after)) if not rows]
+        (layout.HOLDOUT, "No images or questions from the data", holdout),
+        (layout.records_file("baseline"), "No baseline completions yet", before),
+        (layout.records_file("after"), "No completions after training yet", after)) if not rows]
     states = {i: _sample_state(before.get(i), after.get(i)) for i in ids}
     cards = "".join(_sample_card(i, states[i], holdout.get(i), before.get(i), after.get(i), files.run_dir)
                     for i in ids)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from vlmrl.report.cells import delta_td, esc, id_link, interval, kv_table, num_td, short, table
 from vlmrl.report.files import RunFiles
 from vlmrl.report.plots import figure, step_series
+from vlmrl.run import layout
 
 HEADLINE = [  # comparison.json metric -> label; the first three are paired binary metrics (with McNemar)
     ("accuracy", "Accuracy (ours)"), ("mathvista_accuracy", "Accuracy (MathVista grading)"),
@@ -34,7 +35,7 @@ HEALTH_KEYS = [("format_rate", "format rate"), ("gibberish_rate", "gibberish rat
 
 
 def headline_section(files: RunFiles) -> str:
-    comparison = files.json_object("comparison.json")
+    comparison = files.json_object(layout.COMPARISON)
     parts = []
     if comparison and isinstance(comparison.get("metrics"), dict):
         rows = []
@@ -55,15 +56,15 @@ def headline_section(files: RunFiles) -> str:
             + table(["metric", "before", "after", "delta", "delta 95% CI", "McNemar p", "flips"], rows,
                      "headline"))
     else:
-        parts.append(files.missing("comparison.json", "No before/after comparison yet", '"metrics"'))
+        parts.append(files.missing(layout.COMPARISON, "No before/after comparison yet", '"metrics"'))
     summaries = {s: files.json_object(f"{s}_summary.json") for s in ("baseline", "after")}
     summaries = {stage: summary for stage, summary in summaries.items() if summary}
     if summaries:
         parts.append(_eval_summary_table(summaries))
     if "baseline" not in summaries:
-        parts.append(files.missing("baseline_summary.json", "No evaluation yet"))
+        parts.append(files.missing(layout.summary_file("baseline"), "No evaluation yet"))
     if "after" not in summaries:
-        parts.append(files.missing("after_summary.json", "No evaluation after training yet"))
+        parts.append(files.missing(layout.summary_file("after"), "No evaluation after training yet"))
     return "".join(parts)
 
 
@@ -88,7 +89,7 @@ def _eval_summary_table(summaries: dict[str, dict]) -> str:
 
 
 def training_section(files: RunFiles) -> str:
-    metrics, health = files.jsonl("train/metrics.jsonl"), files.jsonl("train/health.jsonl")
+    metrics, health = files.jsonl(layout.METRICS), files.jsonl("train/health.jsonl")
     summary = files.json_object("train/summary.json")
     parts = [f'<p class="src">From train/summary.json.</p>{kv_table(summary)}' if summary
              else files.missing("train/summary.json", "No training summary yet")]
@@ -104,7 +105,7 @@ def training_section(files: RunFiles) -> str:
             plots.append(figure(label, key, series))
     parts.append('<h3>Trainer log</h3><p class="src">From train/metrics.jsonl (TRL logs), against step.</p>'
                  f'<div class="plots">{"".join(plots)}</div>' if plots
-                 else files.missing("train/metrics.jsonl", "No training metrics yet", "plottable metric yet"))
+                 else files.missing(layout.METRICS, "No training metrics yet", "plottable metric yet"))
     plots = [figure(label, key, {key: step_series(health, key)})
              for key, label in HEALTH_KEYS if step_series(health, key)[0]]
     parts.append('<h3>Health</h3><p class="src">From train/health.jsonl (our check of each step\'s '
@@ -136,9 +137,9 @@ def _validation_part(files: RunFiles) -> str:
 
 
 def category_section(files: RunFiles) -> str:
-    categories = (files.json_object("comparison.json") or {}).get("by_category")
+    categories = (files.json_object(layout.COMPARISON) or {}).get("by_category")
     if not isinstance(categories, dict) or not categories:
-        return files.missing("comparison.json", "No per-category comparison yet", '"by_category"')
+        return files.missing(layout.COMPARISON, "No per-category comparison yet", '"by_category"')
     rows = []
     for name, c in sorted(categories.items()):
         ab, aa = c.get("accuracy_before"), c.get("accuracy_after")
@@ -153,9 +154,9 @@ def category_section(files: RunFiles) -> str:
 
 
 def flips_section(files: RunFiles) -> str:
-    comparison = files.json_object("comparison.json") or {}
+    comparison = files.json_object(layout.COMPARISON) or {}
     if not isinstance(comparison.get("flip_counts"), dict):
-        return files.missing("comparison.json", "No flips yet", '"flip_counts"')
+        return files.missing(layout.COMPARISON, "No flips yet", '"flip_counts"')
     flips = comparison.get("flips") or {}
     rows = [f'<tr data-flip="{esc(kind)}"><th>{esc(kind.replace("_", " "))}</th>{num_td(count, "d")}'
             f'<td class="ids">{" ".join(id_link(i) for i in flips.get(kind) or [])}</td></tr>'
@@ -172,9 +173,9 @@ def flips_section(files: RunFiles) -> str:
 
 
 def export_section(files: RunFiles) -> str:
-    export = files.json_object("export.json")
+    export = files.json_object(layout.EXPORT)
     if not export:
-        return files.missing("export.json", "No export yet")
+        return files.missing(layout.EXPORT, "No export yet")
     verdicts = {True: ("pass", "passed"), False: ("fail", "FAILED"), None: ("skip", "skipped")}
     rows = []
     for check in (c for c in export.get("checks") or [] if isinstance(c, dict)):
@@ -188,26 +189,26 @@ def export_section(files: RunFiles) -> str:
 
 
 def data_section(files: RunFiles) -> str:
-    summary = files.json_object("data/summary.json")
+    summary = files.json_object(layout.DATA_SUMMARY)
     if not summary:
-        return files.missing("data/summary.json", "No data summary yet")
+        return files.missing(layout.DATA_SUMMARY, "No data summary yet")
     message = f'<p>{esc(summary["message"])}</p>' if summary.get("message") else ""
     rest = {k: v for k, v in summary.items() if k != "message"}
     return f'<p class="src">From data/summary.json.</p>{message}{kv_table(rest)}'
 
 
 def setup_section(files: RunFiles) -> str:
-    config, env = files.text("config.yaml"), files.json_object("env.json")
+    config, env = files.text(layout.CONFIG), files.json_object(layout.ENV)
     parts = ['<h3>Config</h3><p class="src">From config.yaml (the fully resolved configuration).</p>'
              f'<pre class="config">{esc(config)}</pre>' if config is not None
-             else files.missing("config.yaml", "No config recorded")]
+             else files.missing(layout.CONFIG, "No config recorded")]
     if env:
         packages = env.get("packages") if isinstance(env.get("packages"), dict) else {}
         rest = {k: v for k, v in env.items() if k != "packages"}
         parts.append(f'<h3>Environment</h3><p class="src">From env.json.</p>{kv_table(rest)}'
                      f"<details><summary>{len(packages)} packages</summary>{kv_table(packages)}</details>")
     else:
-        parts.append(files.missing("env.json", "No environment recorded"))
+        parts.append(files.missing(layout.ENV, "No environment recorded"))
     return "".join(parts)
 
 

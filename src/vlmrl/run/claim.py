@@ -26,16 +26,18 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from vlmrl.run import layout
+
 MARKER = ".vlmrl-run"
 LOCK = ".vlmrl.lock"
 CLAIM_ENV = "VLMRL_RUN_CLAIM"
 # Everything a vlmrl command writes at the top of a run folder (records shards and temp files are matched by
 # their stem in `is_vlmrl_entry`).
 VLMRL_ENTRIES = frozenset({
-    "config.yaml", "env.json", "data", "base-model", "baseline_records.jsonl", "baseline_summary.json", "train",
-    "after_records.jsonl", "after_summary.json", "comparison.json", "adapter", "export.json", "merged-16bit",
-    "merged-4bit", "gguf", "report.html", "baseline_swapped_records.jsonl", "baseline_swapped_summary.json",
-    "after_swapped_records.jsonl", "after_swapped_summary.json", MARKER, LOCK,
+    layout.CONFIG, layout.ENV, layout.DATA, "base-model", layout.TRAIN, layout.COMPARISON, layout.ADAPTER,
+    layout.EXPORT, "merged-16bit", "merged-4bit", "gguf", layout.REPORT, MARKER, LOCK,
+    *(layout.records_file(s + swap) for s in layout.STAGES for swap in ("", layout.SWAPPED)),
+    *(layout.summary_file(s + swap) for s in layout.STAGES for swap in ("", layout.SWAPPED)),
 })
 
 

@@ -70,7 +70,10 @@ def summary_file(stage: str) -> str:
 def rewards_fingerprint(config: Config) -> str:
     """The `rewards:` entries plus the bytes of every user file behind them: a changed reward file means the
     trained adapter is stale."""
-    parts: list[Any] = [spec.model_dump(mode="json") for spec in config.rewards]
+    # a reward's `columns`, added later, is left out when empty: earlier runs keep their fingerprint; its
+    # `timeout_s` always (raising it after a timeout must resume the run)
+    parts: list[Any] = [spec.model_dump(mode="json", exclude={"timeout_s"} if spec.columns else {"columns", "timeout_s"})
+                        for spec in config.rewards]
     for spec in config.rewards:
         path = reward_source_file(spec)
         parts.append(_sha256(path) if path else None)
@@ -83,8 +86,12 @@ def reward_source_file(spec: RewardSpec) -> Path | None:
         return Path(spec.resolved or spec.file)
     if spec.function is None:
         return None
+    module = str(spec.function).rpartition(":")[0]
+    if spec.resolved:  # a package beside the config file
+        base = Path(spec.resolved, *module.split("."))
+        return next((p for p in (base.with_suffix(".py"), base / "__init__.py") if p.is_file()), None)
     try:
-        found = importlib.util.find_spec(str(spec.function).rpartition(":")[0])
+        found = importlib.util.find_spec(module)
     except (ImportError, ValueError):
         return None
     return Path(found.origin) if found and found.origin else None

@@ -131,7 +131,7 @@ def _gpu_problems(config: Config) -> list[str]:
         return []
     try:
         estimate = estimate_memory(config, shapes, prompt_tokens=384,
-                                   fast_generation=config.train.fast_generation != "never")
+                                   fast_generation=config.train.rollout.fast != "never")
     except (KeyError, TypeError, ValueError):  # a config.json without the fields the arithmetic needs
         return []
     total = torch.cuda.get_device_properties(0).total_memory / 2**30

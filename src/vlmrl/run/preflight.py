@@ -13,10 +13,10 @@ The prediction is arithmetic on the same quantities that fill the card:
                        about one prompt-sized KV cache (generation batch x prompt tokens x KV bytes per token),
                        fitted to the H200 peaks; not explained yet (the prompt pass's dynamic cache is freed layer
                        by layer as it is moved into the static one, so it is not that cache)
-    adapter copies     with train.rollout_adapter_copies, in rollouts only: LoRA parameters x 2 bytes
+    adapter copies     with fast generation where stacking does not apply, in rollouts only: LoRA parameters x 2 bytes
                        (vlmrl.engine.rollout.adapter_cast), while the optimizer's moments (8 bytes a parameter with
                        AdamW) wait on the host (vlmrl.engine.rollout.offload)
-    stacked projections with train.rollout_stacked instead of the copies: the first factors' rows kept beside the
+    stacked projections with fast generation over an unquantized base, instead of the copies: the first factors' rows kept beside the
                        base weights (about half the LoRA parameters x 2 bytes, always) and the block-diagonal
                        second factors in rollouts (about the LoRA parameters x 2 bytes; vlmrl.engine.rollout.stacked)
     training           one micro-batch: checkpointed layer inputs (tokens x hidden x 2 bytes x layers) plus one
@@ -96,12 +96,6 @@ def count_params(shapes: dict) -> tuple[int, int, int]:
     return language, vision, lora_unit
 
 
-def adapted_weight_bytes(shapes: dict) -> int:
-    """bf16 bytes of the weights LoRA adapts (attention + MLP projections of every language layer)."""
-    t = shapes["text_config"]
-    return 2 * (language_param_count(t) - t["hidden_size"] * t["vocab_size"])  # the layers, without the LM head
-
-
 def estimate_memory(config: Config, shapes: dict, *, prompt_tokens: int, fast_generation: bool) -> MemoryEstimate:
     t = shapes["text_config"]
     language, vision, lora_unit = count_params(shapes)
@@ -115,7 +109,7 @@ def estimate_memory(config: Config, shapes: dict, *, prompt_tokens: int, fast_ge
     tr = config.train
     generation_batch = tr.per_device_train_batch_size * (tr.steps_per_generation or tr.gradient_accumulation_steps)
     kv_per_token = kv_bytes_per_token(t)
-    bucket = config.train.prompt_bucket if fast_generation else 1  # fast generation rounds the cache length up
+    bucket = config.train.rollout.prompt_bucket if fast_generation else 1  # fast generation rounds the cache length up
     cache_positions = -(-(prompt_tokens + tr.max_completion_length - 1) // bucket) * bucket
     kv = generation_batch * cache_positions * kv_per_token
     prefill = generation_batch * prompt_tokens * (6 * t["intermediate_size"] + 8 * t["hidden_size"]) * 2
@@ -129,10 +123,10 @@ def estimate_memory(config: Config, shapes: dict, *, prompt_tokens: int, fast_ge
     fixed = weights + lora * optimizer_bytes
     # bf16 adapter copies for rollouts (vlmrl.engine.rollout.adapter_cast): only over an unquantized base (QLoRA's adapters are
     # bf16 already), made for each rollout while the optimizer's moments wait on the host (vlmrl.engine.rollout.offload);
-    # counted even with the merge asked for, which can be refused at run time. The stacked projections
-    # (vlmrl.engine.rollout.stacked) take about as much in rollouts, and their first factors' rows always.
-    stacked = fast_generation and tr.rollout_stacked and not config.model.load_in_4bit
-    copies = (fast_generation and tr.rollout_adapter_copies and not config.model.load_in_4bit) or stacked
+    # the stacked projections (vlmrl.engine.rollout.stacked) take about as much in rollouts, and their first
+    # factors' rows always.
+    stacked = fast_generation and not config.model.load_in_4bit
+    copies = stacked
     fixed += lora * 1 if stacked else 0  # the first factors' rows (A is about half of LoRA's parameters)
     rollout_fixed = fixed - lora * (optimizer_bytes - 8) + lora * 2 if copies else fixed
     prompt_cache = generation_batch * prompt_tokens * kv_per_token
@@ -140,8 +134,6 @@ def estimate_memory(config: Config, shapes: dict, *, prompt_tokens: int, fast_ge
     decode = kv + prompt_cache if fast_generation else kv
     generation_phase = rollout_fixed + max(decode, prompt_cache + prefill)
     training_phase = fixed + training
-    merged_copy = adapted_weight_bytes(shapes) if fast_generation and tr.rollout_merge and not config.model.load_in_4bit \
-        else 0
     peak = max(generation_phase, training_phase)
     return MemoryEstimate(
         weights_gib=weights / GIB,
@@ -150,7 +142,7 @@ def estimate_memory(config: Config, shapes: dict, *, prompt_tokens: int, fast_ge
         prefill_gib=prefill / GIB,
         training_gib=training / GIB,
         peak_gib=peak / GIB,
-        host_ram_gib=((language + vision) * 2 + merged_copy) / GIB + 4,
+        host_ram_gib=(language + vision) * 2 / GIB + 4,
     )
 
 
@@ -196,7 +188,7 @@ def choose_batch(config: Config, shapes: dict, *, gpu_gib: float, max_batch: int
     The prediction grows with the batch, so the search walks up until it no longer fits."""
     t = config.train
     step = t.num_generations
-    fast = t.fast_generation != "never"
+    fast = t.rollout.fast != "never"
 
     def peak(batch: int) -> float:
         return estimate_memory(with_batch(config, batch), shapes, prompt_tokens=config.data.max_prompt_tokens,

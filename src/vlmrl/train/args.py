@@ -23,7 +23,6 @@ RENAMED = {
     "seed": "run.seed",
     "warmup_steps": "train.warmup_ratio",
     "importance_sampling_level": "train.algorithm",
-    "use_vllm": "train.generation_backend",
     "bf16": "model.dtype",
     "fp16": "model.dtype",
     "output_dir": "the run directory",

@@ -41,7 +41,7 @@ from vlmrl.common.io import (
     write_json_atomic,
 )
 from vlmrl.common.provenance import package_version
-from vlmrl.config.schema import OBSERVATION_FIELDS, Config
+from vlmrl.config.schema import OBSERVATION_FIELDS, TRL_DEFAULTS, Config
 from vlmrl.grading.user_rewards import check_run_rewards
 from vlmrl.run import layout
 from vlmrl.run.layout import rewards_fingerprint, train_fingerprint
@@ -155,18 +155,11 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
     )
     trainer.remove_callback(PrinterCallback)  # TrainProgress prints one readable line per step instead
     fast = (
-        enable_fast_generation(trainer, bucket=config.train.prompt_bucket, merge=config.train.rollout_merge,
-                               adapter_copies=config.train.rollout_adapter_copies,
-                               filled_window=config.train.rollout_filled_window,
-                               decode_kernel=config.train.rollout_decode_kernel,
-                               stacked=config.train.rollout_stacked,
-                               stacked_kernel=config.train.rollout_stacked_kernel, guards=config.train.rollout_guards)
-        if fast_wanted(config.train.fast_generation)
-        else FastGeneration(False, f"train.fast_generation={config.train.fast_generation}")
+        enable_fast_generation(trainer, bucket=config.train.rollout.prompt_bucket, kernels=config.train.rollout.kernels)
+        if fast_wanted(config.train.rollout.fast)
+        else FastGeneration(False, f"train.rollout.fast={config.train.rollout.fast}")
     )
-    loss_pass = enable_loss_pass(trainer, trim=config.train.trim_padding, group=config.train.group_by_length,
-                                 adapter_input_cast=config.train.adapter_input_cast,
-                                 kernels=config.train.loss_kernels)
+    loss_pass = enable_loss_pass(trainer, kernels=config.train.rollout.kernels)
     recorder.attach(trainer)
     health.attach(recorder)
     # step 4: train, resuming from the last complete checkpoint if there is one
@@ -246,7 +239,7 @@ _RESUMABLE_CHANGES = ("max_steps", "num_train_epochs", "save_steps", "save_total
 def _checkpoint_fingerprint(config: Config) -> str:
     import hashlib
 
-    train = {k: v for k, v in config.train.model_dump(mode="json").items() if k not in _RESUMABLE_CHANGES}
+    train = {k: v for k, v in config.flat_train().items() if k not in _RESUMABLE_CHANGES}
     data = {"train": train, "model": config.model.model_dump(mode="json"), "lora": config.lora.model_dump(mode="json"),
             "data": config.data_fingerprint(), "seed": config.run.seed, "rewards": rewards_fingerprint(config)}
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
@@ -265,7 +258,7 @@ def build_train_dataset(run_dir: Path):
     from vlmrl.data.splits import check_no_overlap
     from vlmrl.data.table import train_table
 
-    holdout = read_jsonl(run_dir / "data" / "holdout.jsonl")
+    holdout = read_jsonl(run_dir / layout.HOLDOUT)
     check_no_overlap([Item.from_json(r) for r in rows], [Item.from_json(r) for r in holdout])
     items = [Item.from_json(r) for r in rows]
     table = train_table(items, run_dir)  # prompt, images (a list per item) and every column rewards receive
@@ -308,7 +301,7 @@ def _check_trainable(config: Config, run_dir: Path, n_train: int) -> None:
     need = min_train_items(config, distributed.world_size())
     if n_train >= need:
         return
-    summary = run_dir / "data" / "summary.json"
+    summary = run_dir / layout.DATA_SUMMARY
     dropped = read_json(summary).get("dropped_by_reason", {}) if summary.is_file() else {}
     top = ", ".join(f"{reason}: {count}" for reason, count in list(dropped.items())[:3])
     raise TrainError(
@@ -370,17 +363,13 @@ def build_grpo_config(
         num_train_epochs=t.num_train_epochs,
         max_steps=t.max_steps,
         max_grad_norm=t.max_grad_norm,
-        mask_truncated_completions=t.mask_truncated_completions,
         reward_weights=[r.weight for r in config.rewards],
         importance_sampling_level="sequence" if t.algorithm == "gspo" else "token",
         loss_type=t.loss_type,
         gradient_checkpointing=t.gradient_checkpointing,
-        logging_steps=t.logging_steps,
         logging_nan_inf_filter=False,  # the default logs a NaN loss as the mean of earlier ones, hiding it
         save_strategy="steps",
         save_steps=t.save_steps,
-        save_total_limit=t.save_total_limit,
-        use_vllm=t.generation_backend == "vllm",
         bf16=on_cuda and config.model.dtype in ("auto", "bfloat16"),
         fp16=on_cuda and config.model.dtype == "float16",
         use_cpu=not on_cuda,
@@ -395,6 +384,7 @@ def build_grpo_config(
     problems = training_problems(config)  # the same checks as `vlmrl config validate`
     if problems:
         raise TrainError("; ".join(problems) + ".")
+    kwargs.update(TRL_DEFAULTS)  # vlmrl's values for the GRPOConfig fields it leaves to trl_overrides
     kwargs.update(t.trl_overrides)
     try:  # an unknown optimizer or scheduler name, or a contradiction TRL finds: before any model loads
         return GRPOConfig(**kwargs), notes
@@ -418,5 +408,5 @@ def is_finished(config: Config, run_dir: Path) -> bool:
     if not layout.is_trained(config, run_dir):
         return False
     last = last_complete_checkpoint(run_dir / "train" / "checkpoints")
-    steps = read_json(run_dir / "train" / "summary.json").get("steps") or 0
+    steps = read_json(run_dir / layout.TRAIN_SUMMARY).get("steps") or 0
     return last is None or int(last.name.split("-")[-1]) >= steps

@@ -31,7 +31,7 @@ import torch
 
 class LowPrecisionAdapters:
     def __init__(self, model: Any, dtype: torch.dtype):
-        from vlmrl.engine.rollout.merge import lora_layers
+        from vlmrl.engine.lora_layers import lora_layers
 
         self.dtype = dtype
         self.entries: list[tuple[torch.nn.Module, torch.nn.Parameter]] = []

@@ -1,31 +1,20 @@
 """Grouped-query attention without copying the KV cache: `vlmrl_sdpa`, a drop-in for transformers' `sdpa`.
 
-Qwen3-VL-8B has 32 query heads and 8 key/value heads. transformers' SDPA path serves this grouped-query
-attention in one of three ways: `enable_gqa` when there is no mask; folding the query heads onto the KV
-heads for a single query token in eager mode; and otherwise `repeat_kv`, which materializes 4 copies of
-the keys and values. The last branch is the one taken under `torch.compile` (the fold is skipped while
-dynamo traces) and for every prefill with padding, i.e. exactly the compiled static-cache decode vlmrl
-uses for rollouts. There it writes and reads 4 copies of the whole static cache per token step: for
-32 sequences x 1,344 positions x 36 layers that is ~50 GB of traffic per step, several times the
-weights themselves.
+With fewer key/value heads than query heads (Qwen3-VL-8B: 8 for 32), transformers' SDPA path copies the keys and
+values once per query head of a group (`repeat_kv`) whenever dynamo traces or a mask is given: at every token step
+of a compiled static-cache decode, the whole cache several times over. `vlmrl_sdpa` folds instead, for any query
+length, whenever a mask shared by all heads is given: the G = heads / kv_heads query heads of one group become
+G x Q query rows against their own KV head, the mask is tiled G times along the query axis, and the result is
+unfolded. The same attention, term for term. Without a mask, or with per-head masks, it defers to transformers'
+`sdpa`. `packed_gqa(model)` switches a model to it for the duration of a block.
 
-`vlmrl_sdpa` folds instead, for any query length, whenever a mask shared by all heads is given: the
-G = heads / kv_heads query heads of one group become G x Q query rows against their own KV head, the mask is
-tiled G times along the query axis (a few MB, against hundreds of MB per layer for the KV copies), and the
-result is unfolded. It is the same attention, term for term: every query row meets the same keys, values
-and mask entries as before. Without a mask, or with per-head masks, it defers to transformers' `sdpa`.
+Inside `decode_kernel()` (rollouts and compiled evaluation, with `train.rollout.kernels`), a token step (one query
+token) with a boolean mask runs `vlmrl.engine.rollout.decode_attention` instead of SDPA: a Triton kernel that reads
+only the cache blocks holding an attended position, with the static cache's shapes unchanged.
 
-A static cache is read in full at every token step, written or not: 1,344 positions for 310-token prompts and
-1,024 new tokens, of which about 820 are filled on average. With `FILLED` among its arguments (a tensor whose
-length is how many leading cache positions can be attended to; `vlmrl.engine.rollout.fast.attend_filled` passes it
-per token step, rounded up to a window) `vlmrl_sdpa` reads only those positions. The positions it drops are
-masked out (never written yet), so the attention is the same but for float summation order. The length is the
-tensor's size, not a number, so a compiled decode step can take it as a dynamic dimension instead of
-recompiling for each value.
-
-Inside `decode_kernel()` (rollouts and compiled evaluation by default, `train.rollout_decode_kernel`), a token step
-(one query token) with a boolean mask runs `vlmrl.engine.rollout.decode_attention` instead of SDPA: a Triton kernel
-that reads only the cache blocks holding an attended position, with the static cache's shapes unchanged.
+With `FILLED` among its arguments (a tensor whose length is how many leading cache positions can be attended to)
+`vlmrl_sdpa` reads only those positions: the experiment `vlmrl.engine.experimental.rollout.attend_filled` passes
+it. What the pieces are worth: docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """A token step's attention over a static KV cache, reading only the cache blocks some position of which is attended.
 
 At a decode step each sequence has one new query token. `vlmrl_sdpa` folds the G query heads of a KV head into
-G query rows (`vlmrl.engine.rollout.attention`) and calls SDPA, which reads the whole static cache: 1,344 positions for
-310-token prompts and 1,024 new tokens, of which ~820 are filled on average. PyTorch's kernels for this shape ran at
-2.4 TB/s of the H200's ~4.2 (`benchmarks/results/h200_decode_attention.json`: 78 us per layer, 2.8 ms of a
-12.4 ms token step over 36 layers). Slicing the cache to the filled length (`train.rollout_filled_window`) changes
-the shapes each step, so CUDA graphs are recorded once per window.
+G query rows (`vlmrl.engine.rollout.attention`) and calls SDPA, which reads the whole static cache, written or not
+(a static cache holds prompt + all new tokens; on average a good part of it is still unwritten). Slicing the cache
+to the filled length instead changes the shapes at each step, so CUDA graphs are recorded once per window (the
+experiment `vlmrl.engine.experimental.rollout.attend_filled`).
 
 This kernel keeps the shapes and reads the mask instead: the cache is cut into blocks of `block` positions, each
 program of the first kernel walks its share of one sequence's blocks for one KV head, loads a block's mask entries
@@ -16,10 +15,10 @@ that there are enough programs to keep every SM streaming (`splits`).
 
 The result is SDPA's attention up to float summation order; like other flash kernels, the probabilities are
 rounded to the values' dtype before they weight the values. It serves inference only: no gradient, one query
-token, a boolean mask shared by all heads, fp16/bf16, head dims of 16 to 128 that are powers of two (128 is the
-one measured; Gemma 3's 256 stays on SDPA). Anything
-else stays on SDPA (`usable`). On a CPU (tests) the Triton interpreter runs it: `TRITON_INTERPRET=1` must be set
-before Triton is first imported (tests/conftest.py does, on machines without CUDA).
+token, a boolean mask shared by all heads, fp16/bf16, head dims of 16 to 128 that are powers of two (Gemma 3's
+256 stays on SDPA). Anything else stays on SDPA (`usable`). On a CPU (tests) the Triton interpreter runs it:
+`TRITON_INTERPRET=1` must be set before Triton is first imported (tests/conftest.py does, on machines without
+CUDA). What it is worth: docs/benchmarks.md ("The decode attention kernel").
 
 `decode_attention` is a `torch.library` custom op, so a compiled decode step (and its CUDA graph) calls it as one
 opaque node. Where Triton cannot build or launch the kernel (an older GPU without bf16 tensor-core dots, say), the

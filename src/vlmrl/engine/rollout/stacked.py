@@ -46,7 +46,7 @@ SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 def _member_reason(layer: Any) -> str | None:
     """Why a PEFT LoRA layer cannot be stacked; None when it can."""
-    from vlmrl.engine.rollout.merge import variant
+    from vlmrl.engine.lora_layers import variant
 
     names = list(layer.lora_A.keys())
     if len(names) != 1:
@@ -111,7 +111,7 @@ class StackedProjections:
     `active()` makes rollouts use them. `reason` says why nothing was stacked (then `active()` changes nothing)."""
 
     def __init__(self, model: Any):
-        from vlmrl.engine.rollout.merge import lora_layers
+        from vlmrl.engine.lora_layers import lora_layers
 
         self.groups: list[_Group] = []
         layers = lora_layers(model)

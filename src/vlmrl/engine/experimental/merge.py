@@ -1,31 +1,17 @@
-"""Rollouts with the LoRA adapter merged into the base weights; the base weights restored exactly afterwards.
+"""Experimental: rollouts with the LoRA adapter merged into the base weights, restored exactly afterwards.
 
-A decode step at the seed recipe's batch (32 sequences, one token each) is bound by reading the weights. The
-LoRA branches add little to read but many small kernels: 7 adapted projections x 36 layers, each an A and a B
-matmul, a scale and an add. On an H200 they cost about 6 ms of a 20 ms compiled decode step
-(`benchmarks/decode_profile.py`). Merged weights (W + scale * B A) compute the same map in one matmul.
+Merged weights (W + scale * B A) compute a rollout's adapted projections in one matmul each, where PEFT runs the
+base matmul and two small adapter matmuls. Merging in place and unmerging by subtraction (PEFT's
+`merge_adapter`/`unmerge_adapter`, TRL's vLLM sync) rounds twice and drifts; `RolloutMerge` instead keeps the
+original base weights in pinned host memory, merges on the GPU (one rounding of W + D, in float32) and copies the
+originals back bit for bit. GPU memory does not grow; host memory holds one copy of the adapted weights.
+`rollout_merge(trainer)` sets it up for a trainer, or says why not.
 
-Merging in place and unmerging by subtraction (what `peft`'s `merge_adapter`/`unmerge_adapter` do, and what
-TRL does before it syncs weights to vLLM) does not give the bf16 base weights back: W + D - D rounds twice, and
-the error accumulates over thousands of steps. A merged copy would keep them but costs a second set of weights
-on the GPU (16 GiB for an 8B model). `RolloutMerge` keeps the original base weights in pinned host memory
-instead: merge on the GPU (one rounding of W + D, computed in float32), generate, then copy the originals
-back, bit for bit. GPU memory does not grow; host memory holds one copy of the adapted weights (12.9 GiB for
-Qwen3-VL-8B), and each rollout adds the merge and one host-to-device copy of them (0.34 s together on an
-H200, against about 5.6 ms saved on each of 1,024 token steps: `benchmarks/results/h200_decode_profile.md`).
-
-The catch, and why it is off by default (`train.rollout_merge=false`): W + D is rounded to W's bf16 grid, so
-every element of D smaller than half a bf16 step of its W is lost. Early in LoRA training, at RL learning
-rates, most of D is that small: with W ~ N(0, 0.02) and D ~ 1e-5, about 90% of the adapter's effect on the
-outputs disappears (`tests/test_merge.py` shows it), and the rollouts sample from close to the base model
-while the loss treats them as samples of the trained policy (TRL's transformers path takes the sampling
-log-probabilities to be the current ones). TRL's vLLM path has the same rounding, and corrects for it with
-importance sampling against vLLM's own log-probabilities; TRL offers that correction to vLLM only. So the
-merge is an opt-in speed setting for runs whose adapter deltas are large against the bf16 step, not a
-default.
-
-Only plain LoRA (no bias, no variant such as DoRA or aLoRA) on unquantized float weights is merged; quantized
-bases (bitsandbytes) and sharded parameters (FSDP, ZeRO-3) are reported unsupported.
+Why it is not supported: W + D is rounded to W's bf16 grid, so every element of D below half a bf16 step of its W
+is lost, which early in LoRA training at RL learning rates is most of the adapter's effect (`tests/test_merge.py`
+shows it): the rollouts sample from close to the base model while the loss treats them as the trained policy's.
+Only plain LoRA (no bias, no DoRA or other variant) on unquantized, unsharded float weights is merged. What it was
+worth: docs/benchmarks.md ("Adapter merged for rollouts").
 """
 
 from __future__ import annotations
@@ -38,20 +24,9 @@ from typing import Any
 
 import torch
 
+from vlmrl.engine.lora_layers import lora_layers, variant
+
 log = logging.getLogger(__name__)
-
-
-def lora_layers(model: Any) -> list[Any]:
-    """PEFT LoRA layers of `model` (modules with `lora_A`, `lora_B` and `merged_adapters`)."""
-    return [m for m in model.modules()
-            if hasattr(m, "lora_A") and hasattr(m, "lora_B") and hasattr(m, "merged_adapters")]
-
-
-def variant(layer: Any, name: str) -> str | None:
-    """"DoRA" or "a LoRA variant" when adapter `name` of `layer` is not plain LoRA; None when it is."""
-    if getattr(layer, "use_dora", {}).get(name):
-        return "DoRA"
-    return "a LoRA variant" if getattr(layer, "lora_variant", {}).get(name) is not None else None
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -137,3 +112,27 @@ class RolloutMerge:
                     self.layers[index].get_base_layer().weight.copy_(self._originals[index], non_blocking=True)
             for layer, names in zip(self.layers, saved):
                 layer.merged_adapters[:] = names
+
+
+def rollout_merge(trainer: Any) -> tuple[RolloutMerge | None, str]:
+    """A `RolloutMerge` for `trainer`'s model with its host copy made up front, or None; and what was done."""
+    from vlmrl.engine.rollout.fast import sharded
+
+    if sharded(trainer):
+        return None, "not merged: parameters are sharded (FSDP / DeepSpeed)"
+    reason = unsupported_reason(trainer.model)
+    if reason:
+        return None, f"not merged: {reason}"
+    need, free = host_bytes(trainer.model), available_host_bytes()
+    copies = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # every process on this host pins its own copy
+    if free is not None and need * copies > free // 2:
+        return None, (f"not merged: {copies} pinned copies of {need / 2**30:.1f} GiB exceed half the free host "
+                      "memory")
+    merger = RolloutMerge(trainer.model)
+    try:
+        merger.keep_originals()
+    except (RuntimeError, MemoryError) as exc:  # pinning can fail where locked memory is limited
+        return None, f"not merged: the host copy could not be made ({type(exc).__name__}: {exc})"[:300]
+    log.warning("rollouts sample from merged bf16 weights: adapter deltas below half a bf16 step of their weight "
+                "are lost in rollouts (vlmrl.engine.experimental.merge)")
+    return merger, f"merged for rollouts (host copy {need / 2**30:.1f} GiB)"

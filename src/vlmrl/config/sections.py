@@ -1,0 +1,338 @@
+"""The config's sections, one per stage, each field documented once, here: `RunConfig`, `ModelConfig`,
+`LoraConfig`, `DataConfig`, `EvalConfig`, `TrainConfig` (with `RolloutConfig`), `HealthConfig`, `ExportConfig`,
+and `RewardSpec` (an entry of the top-level `rewards:` list). `vlmrl.config.schema.Config` composes them.
+
+Every section refuses unknown keys and non-finite numbers; cross-field checks live on `Config`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+TRACKERS = ("tensorboard", "wandb", "trackio", "none")
+class _Section(BaseModel):
+    # inf/nan pass `gt=0` checks (a learning rate of .inf is "positive") and fail only hours later
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _exact_in_float_fields(cls, value: Any, info: Any) -> Any:
+        """An integer given to a float field arrives unchanged or is refused: pydantic would store 2**53 + 1 as
+        2**53 (found by tests/test_fuzz_config.py)."""
+        if isinstance(value, int) and not isinstance(value, bool) and _takes_float(cls.model_fields[info.field_name]):
+            try:
+                exact = float(value) == value
+            except OverflowError:
+                exact = False
+            if not exact:
+                raise ValueError(f"{value} has no exact floating-point value; write the number you mean as a float")
+        return value
+
+
+def _takes_float(field: Any) -> bool:
+    """True when a field's type is float, alone or in a union (float | None)."""
+    annotation = field.annotation
+    return annotation is float or float in get_args(annotation)
+
+
+class RunConfig(_Section):
+    name: str = Field("demo", description="Run name; artifacts land in `<output_dir>/<name>/`.")
+    output_dir: str = Field("runs", description="Parent folder of run directories.")
+    seed: int = Field(0, description="Seed for data splits, sampling and training.")
+
+
+class ModelConfig(_Section):
+    name: str = Field(
+        "tiny:qwen3_vl",
+        description="Hub id, local folder, or `tiny:<arch>` (an offline random-weight model built into the run, "
+        "arch in qwen3_vl|qwen2_5_vl|gemma3), or `demo-policy` (the project's small warm-started policy).",
+    )
+    backend: Literal["auto", "unsloth", "transformers"] = Field(
+        "auto", description="`auto`: Unsloth FastVisionModel when installed and CUDA is present, else transformers."
+    )
+    load_in_4bit: bool = Field(False, description="bitsandbytes nf4 base weights (CUDA, or CPU with bitsandbytes >= 0.48).")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="Weight dtype; `auto` is bfloat16 on CUDA and float32 on CPU."
+    )
+    attn_implementation: Literal["auto", "eager", "sdpa", "flash_attention_2"] = Field(
+        "auto", description="Attention kernel; `auto` lets transformers choose (sdpa where supported)."
+    )
+    max_seq_length: int = Field(
+        16384, gt=0, le=262_144, description="Longest sequence (image tokens + prompt + completion) the model must hold."
+    )
+
+
+class LoraConfig(_Section):
+    r: int = Field(16, gt=0, le=1024, description="LoRA rank; higher adds capacity and memory.")
+    alpha: int = Field(16, gt=0, le=65_536, description="LoRA scaling numerator (scale = alpha / r).")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
+    attention: bool = Field(True, description="Adapt the language model's attention projections.")
+    mlp: bool = Field(True, description="Adapt the language model's MLP projections.")
+    vision: bool = Field(
+        False,
+        description="Also adapt the vision tower. Off by default: the task is reasoning about what the model sees, "
+        "and vLLM's LoRA cannot serve vision layers.",
+    )
+
+
+class DataConfig(_Section):
+    source: str = Field(
+        "synthetic",
+        description="`synthetic` (built-in procedural visual math), a hub id (`AI4Math/MathVista`), "
+        "or a local Parquet/JSONL/CSV file, imagefolder or save_to_disk folder.",
+    )
+    split: str | None = Field(
+        None,
+        description="Split trained on (hub id, folder, DatasetDict). None follows the source: `testmini` where it has "
+        "one (MathVista), else `train` where it has one, else every row.",
+    )
+    holdout_split: str | None = Field(
+        None,
+        description="Take the held-out set (up to holdout_size items) from this split of the source, e.g. `test`, "
+        "instead of cutting it from the training split.",
+    )
+    answer_types: list[Literal["integer", "float", "choice", "expression", "text"]] = Field(
+        ["integer", "float"],
+        description="Answer types kept (graded by `vlmrl.grading.grader.grade`, docs/rewards.md); MathVista's free-form "
+        "items are integer or float, so the default keeps its free-form numeric items.",
+    )
+    include_multi_choice: bool = Field(
+        False, description="Also keep MathVista's multiple-choice items, as answer type `choice` with their choices."
+    )
+    answer_type: Literal["integer", "float", "choice", "expression", "text"] | None = Field(
+        None,
+        description="Answer type of mapped rows without an `answer_type` cell; unset: read off the gold "
+        "(a number is integer/float, one of the row's choices is choice, else text). See docs/data.md.",
+    )
+    prompt_field: Literal["question", "query"] = Field(
+        "question",
+        description="`question` as the write-up does, or MathVista's `query` (which carries hints, units, choices).",
+    )
+    columns: dict[str, str] = Field(
+        default_factory=dict,
+        description="Column mapping for other datasets: keys id, question, answer, image, images, choices, "
+        "answer_type, precision, unit, category (docs/data.md).",
+    )
+    choices_separator: str | None = Field(
+        None,
+        description="A choices cell that is neither a JSON nor a Python list is split at this text (`|`, `;`); "
+        "None: such a cell drops its row (bad_choices).",
+    )
+    # 28: one merged vision patch of Qwen-VL; 4096: a 4096^2 RGB image is 48 MiB before the processor copies it
+    image_size: int = Field(512, ge=28, le=4096, description="Side of the normalised image (squash/fit policies).")
+    resize: Literal["squash", "fit", "max_pixels"] = Field(
+        "squash",
+        description="`squash` to image_size x image_size ignoring aspect (the write-up's choice), `fit` keeps aspect "
+        "and pads, `max_pixels` only shrinks to at most image_size^2 pixels.",
+    )
+    holdout_size: int = Field(100, gt=0, le=100_000, description="Held-out items for baseline/after evaluation.")
+    max_prompt_tokens: int = Field(
+        2048, gt=0, le=262_144, description="Prompts longer than this (image tokens included) are dropped with the reason."
+    )
+    num_synthetic: int = Field(400, gt=0, le=1_000_000, description="Items generated when source is `synthetic`.")
+    difficulty: int = Field(1, ge=1, le=3, description="Synthetic difficulty: 1 easy .. 3 hard.")
+    families: list[str] = Field(
+        default_factory=list, description="Synthetic families to draw from; empty means the first data version's 20 "
+        "(vlmrl.data.synthetic.DEFAULT_FAMILIES); bar_tallest and polygon_sides are drawn only when named."
+    )
+    max_items: int | None = Field(None, gt=0, le=10_000_000, description="Cap on source rows read (for quick runs).")
+
+
+class EvalConfig(_Section):
+    batch_size: int = Field(8, gt=0, le=4096, description="Held-out items generated together.")
+    max_new_tokens: int = Field(1024, gt=0, le=131_072, description="Completion token limit for evaluation.")
+    do_sample: bool = Field(False, description="Greedy by default so before/after differ only by the weights.")
+    temperature: float = Field(1.0, gt=0.0, description="Sampling temperature when do_sample.")
+    num_samples: int = Field(1, gt=0, le=256, description="Samples per item when do_sample (gives pass@k, majority vote).")
+    compile: Literal["auto", "always", "never"] = Field(
+        "auto", description="Static KV cache + torch.compile decode; `auto` turns it on for CUDA only."
+    )
+    visual_control: bool = Field(
+        False,
+        description="Also evaluate the held-out set with each item's image swapped for another item's (same family), "
+        "before and after training, and report the visual gain (vlmrl.evaluate.visual_control).",
+    )
+
+
+class RolloutConfig(_Section):
+    """How completions are generated during training (vlmrl.engine). Each piece of the fast path applies where it
+    can and falls back by itself where it cannot (a 4-bit base, FSDP, no Triton), and the run records what ran
+    (`fast_generation` in train/summary.json). What each piece is worth: docs/benchmarks.md."""
+
+    fast: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="The fast rollout engine inside TRL's trainer (static KV cache, compiled decoding, stacked LoRA "
+        "projections; vlmrl.engine.rollout.fast): `auto` = on a CUDA GPU; `never` = TRL's own generate.",
+    )
+    prompt_bucket: int = Field(
+        64, gt=0, le=65_536,
+        description="The fast engine's KV cache length is rounded up to a multiple of this, so compiled decoding sees "
+        "few shapes (prompts are not padded). Raise it when prompt lengths vary widely.",
+    )
+    kernels: bool = Field(
+        True,
+        description="vlmrl's Triton kernels in rollouts (decode attention, the stacked projections' second step) and "
+        "Liger's fused kernels in the loss pass, on CUDA where they apply. False: PyTorch's own operations, the "
+        "same functions up to float rounding (to rule the kernels out when chasing a numerical question).",
+    )
+
+
+class TrainConfig(_Section):
+    algorithm: Literal["grpo", "gspo"] = Field(
+        "gspo", description="`gspo` = sequence-level importance ratio (arXiv:2507.18671); `grpo` = token level."
+    )
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = Field("dr_grpo", description="TRL loss aggregation.")
+    learning_rate: float = Field(5e-6, gt=0.0, description="Peak learning rate of the LoRA parameters.")
+    lr_scheduler_type: str = Field("cosine", description="transformers scheduler name.")
+    warmup_ratio: float = Field(0.0, ge=0.0, lt=1.0, description="Fraction of steps spent warming up.")
+    optim: str = Field(
+        "adamw_8bit",
+        description="Optimizer; `adamw_8bit` needs bitsandbytes on CUDA and falls back to `adamw_torch` otherwise "
+        "(the fallback is logged).",
+    )
+    per_device_train_batch_size: int = Field(8, gt=0, le=4096, description="Completions per device per micro-step.")
+    gradient_accumulation_steps: int = Field(4, gt=0, le=4096, description="Micro-steps per optimizer step.")
+    num_generations: int = Field(4, ge=2, le=1024, description="Completions sampled per prompt (the GRPO group).")
+    steps_per_generation: int | None = Field(
+        None, gt=0, le=4096, description="Optimizer micro-steps per generation batch; None = gradient_accumulation_steps."
+    )
+    num_iterations: int = Field(1, gt=0, le=1024, description="Policy updates per generation batch (mu in the papers).")
+    max_completion_length: int = Field(1024, gt=0, le=131_072, description="Completion token limit during training.")
+    temperature: float = Field(1.0, gt=0.0, description="Sampling temperature of rollouts.")
+    epsilon: float = Field(0.2, gt=0.0, description="Lower clip range of the importance ratio.")
+    epsilon_high: float | None = Field(None, gt=0.0, description="Upper clip range; None = epsilon.")
+    beta: float = Field(0.0, ge=0.0, description="KL coefficient (0 skips the reference model).")
+    num_train_epochs: float = Field(1.0, gt=0.0, description="Passes over the training set.")
+    max_steps: int = Field(-1, description="Optimizer steps (>= 1); -1 = derived from num_train_epochs.")
+    max_grad_norm: float = Field(0.1, gt=0.0, description="Gradient clipping norm.")
+    gradient_checkpointing: bool = Field(True, description="Trade compute for activation memory.")
+    save_steps: int = Field(50, gt=0, description="Checkpoint every N optimizer steps.")
+    auto_batch: bool = Field(
+        False,
+        description="On a CUDA GPU, replace per_device_train_batch_size by the largest multiple of num_generations "
+        "whose predicted peak memory (vlmrl.run.preflight, prompts at data.max_prompt_tokens) fits 92% of the card, "
+        "capped by the training set; logged and recorded in train/auto_batch.json. A bigger batch means more "
+        "prompts per optimizer step (and fewer steps per epoch). No change on the CPU.",
+    )
+    rollout: RolloutConfig = Field(default_factory=lambda: RolloutConfig())
+    report_to: list[Literal["tensorboard", "wandb", "trackio", "none"]] = Field(
+        default_factory=list,
+        description="Experiment trackers fed during training (TensorBoard event files under train/tensorboard/; "
+        "W&B and trackio in offline mode unless WANDB_MODE / TRACKIO_* say otherwise). Not part of the fingerprint: "
+        "a run resumes under another tracker. Empty or [none]: records only.",
+    )
+    eval_every_steps: int | None = Field(
+        None, gt=0,
+        description="Evaluate a fixed subset of the held-out set (greedy) every N optimizer steps during training; "
+        "rows go to train/validation.jsonl and the trackers. None: no validation during training.",
+    )
+    eval_subset: int = Field(32, gt=0, description="Held-out items (the first N) evaluated during training.")
+    trl_overrides: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra GRPOConfig fields passed through unchanged (escape hatch); a field vlmrl sets from its "
+        "own config (learning_rate, ...) is refused here: set it in its section.",
+    )
+
+    @field_validator("max_steps")
+    @classmethod
+    def _steps(cls, value: int) -> int:
+        if value < 1 and value != -1:
+            raise ValueError("must be >= 1, or -1 to train for train.num_train_epochs")
+        return value
+
+    @field_validator("report_to")
+    @classmethod
+    def _trackers(cls, value: list[str]) -> list[str]:
+        if "none" in value and len(value) > 1:
+            raise ValueError("`none` cannot be combined with a tracker")
+        return value
+
+
+class HealthConfig(_Section):
+    max_gibberish_rate: float = Field(0.2, ge=0, le=1, description="Warn when more completions are degenerate.")
+    min_format_rate: float = Field(0.0, ge=0, le=1, description="Warn when fewer completions follow the format.")
+    max_truncation_rate: float = Field(0.5, ge=0, le=1, description="Warn when more completions hit the limit.")
+    max_zero_variance_groups: float = Field(
+        0.9, ge=0, le=1, description="Warn when more groups have identical rewards (no learning signal)."
+    )
+    stop_on_gibberish_steps: int | None = Field(
+        None, gt=0, description="Stop when the gibberish rate stays above max_gibberish_rate this many steps."
+    )
+
+
+class ExportConfig(_Section):
+    merged_16bit: bool = Field(False, description="Also write `merged-16bit/` and verify it against the adapter.")
+    merged_4bit: bool = Field(False, description="Also write `merged-4bit/` (nf4 through bitsandbytes, CUDA or CPU).")
+    gguf: bool = Field(False, description="Also write `gguf/` with llama.cpp's converter (see docs/export.md).")
+    gguf_quantization: Literal["none", "q8_0", "q4_k_m"] = Field(
+        "q8_0", description="GGUF weights: none (f16), q8_0 (the converter itself), q4_k_m (needs llama-quantize).")
+    llama_cpp_dir: str | None = Field(
+        None, description="A llama.cpp folder holding convert_hf_to_gguf.py; default $VLMRL_LLAMA_CPP_DIR, then "
+        "vlmrl's cache (filled by `python -m vlmrl.export.gguf fetch`).")
+    logits_atol: float = Field(1e-3, gt=0, description="Tolerance for reload-reproduces-logits checks.")
+    checkpoint: Literal["last", "best"] = Field(
+        "last",
+        description="`last`: export the adapter of the final step; `best`: the adapter of the validation step with "
+        "the highest checkpoint_metric (needs train.eval_every_steps; kept in train/best/).",
+    )
+    checkpoint_metric: Literal["accuracy", "mathvista_accuracy", "format_compliance", "total_reward"] = Field(
+        "accuracy", description="Validation metric that picks the best checkpoint (higher is better)."
+    )
+
+
+class RewardSpec(_Section):
+    """One entry of `rewards:`: a built-in by `name`, or a user function by `function`, with its weight."""
+
+    name: Literal["format", "correctness"] | None = Field(
+        None, description="A built-in reward: `format` (format_reward) or `correctness` (correctness_reward)."
+    )
+    function: str | None = Field(
+        None,
+        description="A user reward `file.py:name` (the file relative to the config file) or `module.path:name`, "
+        "with TRL's signature `fn(prompts, completions, **kwargs) -> list[float | None]`.",
+    )
+    weight: float = Field(1.0, description="Weight of this reward in the total (GRPOConfig.reward_weights).")
+    timeout_s: float | None = Field(
+        60.0, gt=0, le=86400,
+        description="Seconds one call may take (one call scores a whole batch of completions); over it, the run "
+        "stops with one line naming the reward and resumes when re-run. A minute is far above what a Python "
+        "reward needs for a batch and short enough that a hung one is noticed. null: no limit, and the call runs "
+        "in the caller's thread (for code that needs the main thread, e.g. signal.alarm). Not in any fingerprint.",
+    )
+    columns: dict[str, str] = Field(
+        default_factory=dict,
+        description="This reward's argument names for dataset columns, e.g. {solution: answer} hands "
+        "trl.rewards:accuracy_reward the gold answer as `solution`.",
+    )
+    resolved: str | None = Field(
+        None,
+        description="Filled in by vlmrl when the config is loaded: the absolute path of a `function:` file (or the "
+        "folder beside the config holding a `module.path`'s package), so the run folder's copy still finds it.",
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> RewardSpec:
+        if (self.name is None) == (self.function is None):
+            raise ValueError("give exactly one of `name:` (format | correctness) or `function:` (file.py:name).")
+        if self.function is not None:
+            where, sep, attr = self.function.rpartition(":")
+            if not sep or not where.strip() or not attr.isidentifier() or "\0" in where:
+                raise ValueError(
+                    f"function {self.function!r}: expected `file.py:name` or `module.path:name`, e.g. "
+                    "my_rewards.py:shortness."
+                )
+        return self
+
+    @property
+    def file(self) -> str | None:
+        """The `.py` file part of `function`, or None for a built-in or a module path.
+
+        >>> RewardSpec(function="r/my.py:f").file, RewardSpec(function="pkg.mod:f").file
+        ('r/my.py', None)
+        """
+        where = (self.function or "").rpartition(":")[0]
+        return where if where.endswith(".py") else None
+
+

@@ -1,0 +1,203 @@
+"""Experimental rollout variants (unsupported; see the package's docstring), and `apply`, which adds them to a
+trainer that `vlmrl.engine.rollout.fast.enable_fast_generation` set up.
+
+- `attend_filled(model, window)`: each token step's attention reads only the filled static-cache positions,
+  rounded up to `window`, instead of the whole cache (`vlmrl_sdpa`'s `FILLED` argument). The same attention up to
+  float summation order; CUDA graphs record one graph per window.
+- `guards_once(model)`: each `generate` call's compiled token steps check dynamo's guards until one compiles
+  nothing, and skip them after (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`).
+- `apply(trainer, fast, ...)`: those, the adapter merge (`merge.rollout_merge`), or one of vlmrl's two token-step
+  kernels off, inserted among the trainer's rollout contexts; returns the FastGeneration record updated.
+What each was worth: docs/benchmarks.md ("The engine's pieces, one by one").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from vlmrl.engine.rollout.fast import (
+    KERNEL_READ,
+    SECOND_KERNEL,
+    FastGeneration,
+    cache_key,
+    full_attention_static,
+    wrap_rollouts,
+)
+
+log = logging.getLogger(__name__)
+# Contexts that serve the unmerged adapter; a merged rollout has no use for them.
+_UNMERGED = ("offload", "adapter_copies", "stacked")
+
+
+def apply(trainer: Any, fast: FastGeneration, *, merge: bool = False, filled_window: int = 0,
+          guards_once: bool = False, sdpa_decode: bool = False, second_cublas: bool = False) -> FastGeneration:
+    """Add experimental variants to `trainer`'s rollouts (set up by `enable_fast_generation`, which returned
+    `fast`) and return `fast` with what was done. `merge`: the adapter merged for each rollout; `filled_window` > 0:
+    attention over the filled cache positions in windows of that many; `guards_once`: dynamo's guards checked until
+    the token steps are steady; `sdpa_decode`: token steps attend through SDPA instead of vlmrl's decode kernel;
+    `second_cublas`: the stacked projections' second step as a cuBLAS matmul and a sum instead of one kernel."""
+    if not fast.enabled:
+        return fast
+    contexts = list(trainer.vlmrl_rollout_contexts)
+    names = [name for name, _ in contexts]
+    changes: dict[str, Any] = {}
+    if merge:
+        from vlmrl.engine.experimental.merge import rollout_merge
+
+        merger, changes["merge"] = rollout_merge(trainer)
+        if merger is not None:
+            if any(name in _UNMERGED for name in names):
+                changes["adapters"] = "merged into the base weights (stacked projections and copies unused)"
+            contexts = [(name, factory) for name, factory in contexts if name not in _UNMERGED]
+            _insert(contexts, ("merge", merger.merged), before=("autocast", "stop_check"))
+    if filled_window > 0:
+        read = fast.cache_read or ""
+        if "attention" in names:
+            contexts.insert(names.index("attention") + 1,
+                            ("filled_window", lambda: attend_filled(trainer.model, filled_window)))
+            changes["cache_read"] = read.replace("the whole static cache",
+                                                 f"filled positions, rounded up to {filled_window}", 1)
+        else:
+            changes["cache_read"] = f"{read} (the filled window needs vlmrl_sdpa)"
+    if sdpa_decode:
+        contexts = [(name, factory) for name, factory in contexts if name != "decode_kernel"]
+        changes["cache_read"] = changes.get("cache_read", fast.cache_read or "").replace(KERNEL_READ, "")
+    if second_cublas:
+        contexts = [(name, functools.partial(factory.func, fused=False) if name == "stacked" else factory)
+                    for name, factory in contexts]
+        changes["adapters"] = changes.get("adapters", fast.adapters or "").replace(SECOND_KERNEL, "")
+    if guards_once:
+        _insert(contexts, ("guards_once", lambda: _guards_once(trainer.model)), before=("compile_over_4bit",))
+        changes["guards"] = "first step"
+    wrap_rollouts(trainer, contexts)
+    log.warning("experimental rollout variants (vlmrl.engine.experimental): %s", changes or "none")
+    return dataclasses.replace(fast, **changes)
+
+
+def _insert(contexts: list[tuple[str, Callable[[], Any]]], entry: tuple[str, Callable[[], Any]], *,
+            before: tuple[str, ...]) -> None:
+    """Insert `entry` before the first context named in `before` that is there; at the end when none is."""
+    names = [name for name, _ in contexts]
+    at = next((names.index(name) for name in before if name in names), len(contexts))
+    contexts.insert(at, entry)
+
+
+@contextlib.contextmanager
+def attend_filled(model: Any, window: int) -> Iterator[None]:
+    """Inside the block, each token step on a static cache tells `vlmrl_sdpa` how many leading cache positions
+    can be attended to: the tokens so far (the step's own included), rounded up to `window`, at most the cache.
+
+    Wraps the model's `prepare_inputs_for_generation`, which `generate` calls on the host before every step with
+    all tokens so far, so the length is known without reading the device. It travels as the size of a view of one
+    buffer (`FILLED`), marked dynamic: a compiled decode step takes it as a symbolic size rather than recompiling
+    for each value, and CUDA graphs record one graph per window (cache length / window of them at most).
+    """
+    from vlmrl.engine.rollout.attention import FILLED, base_model
+
+    base = base_model(model)
+    original = base.prepare_inputs_for_generation
+    buffers: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+    def prepare(input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        inputs = original(input_ids, *args, **kwargs)
+        key = cache_key(inputs)
+        length = _static_cache_length(inputs[key] if key else None)
+        if length is None:
+            return inputs
+        filled = min(-(-input_ids.shape[1] // window) * window, length)
+        buffer = (input_ids.device, length)
+        if buffer not in buffers:
+            buffers[buffer] = torch.empty(length, dtype=torch.uint8, device=input_ids.device)
+        view = buffers[buffer][:filled]
+        torch._dynamo.maybe_mark_dynamic(view, 0)
+        inputs[FILLED] = view
+        return inputs
+
+    with _replaced(base, "prepare_inputs_for_generation", prepare):
+        yield
+
+
+def _static_cache_length(cache: Any) -> int | None:
+    """The length of a static cache of full-attention layers only; None for any other cache."""
+    if not full_attention_static(cache) or not cache.layers:
+        return None
+    lengths = {layer.max_cache_len for layer in cache.layers}
+    return lengths.pop() if len(lengths) == 1 else None
+
+
+@contextlib.contextmanager
+def guards_once(model: Any) -> Iterator[None]:
+    """Inside the block, the compiled token steps of each `generate` call check dynamo's guards until one of them
+    compiles nothing; the later steps of the call run under `torch.compiler.set_stance(skip_guard_eval_unsafe=True)`.
+
+    Dynamo checks thousands of guards on the model's attributes and inputs before every call of a compiled
+    function, on the host. Within one `generate` call nothing they check changes from one token step to the next
+    once the steps are steady: the static cache, the batch and every shape are fixed for the call. The first steps
+    check everything (and compile when something did change, e.g. a new cache length), so only steady repeats are
+    skipped; torch still checks the guards that tell its compiled entries apart. Should a skipped step still need
+    a graph that is not compiled (torch raises instead of compiling under that stance), the step runs again with
+    its guards checked, and so does the rest of the call: a token step is a pure function of its inputs and the
+    cache positions it writes, so running it again writes the same values. Wraps the model's `get_compiled_call`
+    (transformers 5.x), which `generate` calls once per call.
+    """
+    from torch._dynamo.utils import counters
+
+    from vlmrl.engine.rollout.attention import base_model
+
+    base = base_model(model)
+    original = getattr(base, "get_compiled_call", None)
+    if original is None:
+        yield
+        return
+
+    def get_compiled_call(compile_config: Any) -> Callable:
+        compiled = original(compile_config)
+        steady = False  # a checked token step of this call compiled nothing
+        fell_back = False  # a skipped step needed a new graph: the rest of the call checks every step
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            nonlocal steady, fell_back
+            if steady and not fell_back:
+                try:
+                    with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                        return compiled(*args, **kwargs)
+                except RuntimeError as error:
+                    if "skip_guard_eval_unsafe" not in str(error):
+                        raise
+                    fell_back = True
+                    log.info("guards_once: a token step needed a graph not compiled yet; it ran again with its "
+                             "guards checked, as will the rest of this generate call")
+            compiles = counters["frames"]["total"]
+            out = compiled(*args, **kwargs)
+            steady = counters["frames"]["total"] == compiles
+            return out
+
+        return call
+
+    with _replaced(base, "get_compiled_call", get_compiled_call):
+        yield
+
+
+_guards_once = guards_once  # `apply`'s keyword of the same name hides the function inside it
+
+
+@contextlib.contextmanager
+def _replaced(obj: Any, name: str, value: Any) -> Iterator[None]:
+    """`obj.name` is `value` inside the block; afterwards the instance's own attribute again, or none (the class's)."""
+    own = name in vars(obj)
+    original = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        if own:
+            setattr(obj, name, original)
+        else:
+            delattr(obj, name)
