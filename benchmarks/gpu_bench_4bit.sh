@@ -3,4 +3,4 @@
 # Needs bitsandbytes. Run from the repository root: bash benchmarks/gpu_bench_4bit.sh OUTDIR
 OUT=${1:-${OUT:-bench-4bit}}
 export PYTHONUNBUFFERED=1
-python3 -m vlmrl.cli.app bench --paths vlmrl --load-in-4bit --memory-cap-gib 24 --steps 3 --completion 1024 --out $OUT
+python3 -m vlmrl.cli bench --paths vlmrl --load-in-4bit --memory-cap-gib 24 --steps 3 --completion 1024 --out $OUT

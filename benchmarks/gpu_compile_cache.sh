@@ -10,7 +10,7 @@ export PYTHONUNBUFFERED=1
 CACHE="$OUT/compile-cache"
 rm -rf "$CACHE" && mkdir -p "$CACHE"
 for run in cold warm; do
-  python3 -m vlmrl.cli.app bench --paths vlmrl --steps 1 --completion 1024 --compile-cache "$CACHE" \
+  python3 -m vlmrl.cli bench --paths vlmrl --steps 1 --completion 1024 --compile-cache "$CACHE" \
     --out "$OUT/$run" "$@" || exit 1
 done
 python3 - "$OUT" <<'PY'

@@ -9,26 +9,26 @@ W=${VLMRL_WORK:-/tmp/vlmrl-multi}; mkdir -p $W
 MODEL=${MODEL:-$W/shaped}            # MODEL=<folder> skips building (the CPU rehearsal passes a tiny one)
 COMPLETION=${COMPLETION:-256}
 export PYTHONUNBUFFERED=1
-[ -f $MODEL/config.json ] || python3 -m vlmrl.cli.app bench --save-model $MODEL
+[ -f $MODEL/config.json ] || python3 -m vlmrl.cli bench --save-model $MODEL
 S="--set model.name=$MODEL --set model.backend=transformers --set model.dtype=auto --set model.max_seq_length=2048
    --set data.image_size=${IMAGE_SIZE:-512} --set data.num_synthetic=80 --set data.holdout_size=16
    --set eval.batch_size=4 --set eval.max_new_tokens=${EVAL_TOKENS:-64} --set eval.do_sample=false
    --set run.output_dir=$W/runs --set run.name=one"
-python3 -m vlmrl.cli.app prepare demo $S > $OUT/eval.log 2>&1 || { tail -20 $OUT/eval.log; exit 1; }
+python3 -m vlmrl.cli prepare demo $S > $OUT/eval.log 2>&1 || { tail -20 $OUT/eval.log; exit 1; }
 rm -rf $W/runs/two && cp -r $W/runs/one $W/runs/two
 # 1-GPU evaluation on the second GPU while the 1-GPU training bench runs on the first
-CUDA_VISIBLE_DEVICES=1 python3 -m vlmrl.cli.app eval demo $S --run-dir $W/runs/one >> $OUT/eval.log 2>&1 &
+CUDA_VISIBLE_DEVICES=1 python3 -m vlmrl.cli eval demo $S --run-dir $W/runs/one >> $OUT/eval.log 2>&1 &
 EVAL1=$!
 if [ -z "${SKIP_BENCH:-}" ]; then
-  CUDA_VISIBLE_DEVICES=0 python3 -m vlmrl.cli.app bench --paths vlmrl --steps 3 --completion $COMPLETION \
+  CUDA_VISIBLE_DEVICES=0 python3 -m vlmrl.cli bench --paths vlmrl --steps 3 --completion $COMPLETION \
     --out $OUT/one > $OUT/bench.log 2>&1
 fi
 wait $EVAL1 || echo "1-GPU eval failed"
-python3 -m vlmrl.cli.app eval demo $S --run-dir $W/runs/two --gpus 2 >> $OUT/eval.log 2>&1 || echo "2-GPU eval failed"
+python3 -m vlmrl.cli eval demo $S --run-dir $W/runs/two --gpus 2 >> $OUT/eval.log 2>&1 || echo "2-GPU eval failed"
 if [ -z "${SKIP_BENCH:-}" ]; then
   CFG=$(python3 -c "from vlmrl.common.distributed import accelerate_config as c; print(c('ddp'))")
   python3 -m accelerate.commands.launch --config_file $CFG --num_processes 2 --num_machines 1 --main_process_port 0 \
-    -m vlmrl.cli.app bench --paths vlmrl --steps 3 --completion $COMPLETION --out $OUT/two >> $OUT/bench.log 2>&1
+    -m vlmrl.cli bench --paths vlmrl --steps 3 --completion $COMPLETION --out $OUT/two >> $OUT/bench.log 2>&1
 fi
 python3 - $W/runs $OUT <<'PY'
 import json, sys

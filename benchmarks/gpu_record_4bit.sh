@@ -5,5 +5,5 @@
 # (TMPDIR on a RAM disk makes the once-saved random bf16 weights quick to write and reload.)
 OUT=${1:-${OUT:-bench-record-4bit}}
 export PYTHONUNBUFFERED=1
-python3 -m vlmrl.cli.app bench --paths vlmrl,plain --load-in-4bit --memory-cap-gib 24 --steps 2 --steps-plain 1 \
+python3 -m vlmrl.cli bench --paths vlmrl,plain --load-in-4bit --memory-cap-gib 24 --steps 2 --steps-plain 1 \
   --completion 1024 --out "$OUT" && cp "$OUT/bench.json" "$OUT/h200_record_4bit.json"

@@ -8,12 +8,15 @@ export PYTHONUNBUFFERED=1
 CACHE=$(mktemp -d /tmp/vlmrl-compile-cache.XXXX)  # outside OUT: thousands of small files
 # STEPS / STEPS_PLAIN / WARMUP: steps per path and how many are set apart (vlmrl bench --warmup-steps); the
 # second step still does one-off work, so e.g. STEPS=4 STEPS_PLAIN=3 WARMUP=2 (about 13 minutes: run it detached).
-# PATHS: the paths measured in the record's process (default plain,vlmrl), e.g. with a variant beside them.
-python3 -m vlmrl.cli.app bench --paths "${PATHS:-plain,vlmrl}" --steps "${STEPS:-2}" --warmup-steps "${WARMUP:-1}" \
+# PATHS: the paths measured in the record's process (default plain,vlmrl), e.g. with an engine variant beside them
+# (a name from benchmarks/engine_variants.py: the record then runs through that script, the same bench otherwise).
+BENCH="python3 -m vlmrl.cli"
+case ",${PATHS:-}," in *,vlmrl-*) BENCH="python3 benchmarks/engine_variants.py" ;; esac
+$BENCH bench --paths "${PATHS:-plain,vlmrl}" --steps "${STEPS:-2}" --warmup-steps "${WARMUP:-1}" \
   ${STEPS_PLAIN:+--steps-plain "$STEPS_PLAIN"} --completion 1024 --compile-cache "$CACHE" \
   --out "$OUT/record" && cp "$OUT/record/bench.json" "$OUT/h200_record.json" || exit 1
 [ "${WARM:-1}" = 0 ] && exit 0  # WARM=0: the record alone, without the warm first step
-python3 -m vlmrl.cli.app bench --paths vlmrl --steps 1 --completion 1024 --compile-cache "$CACHE" --out "$OUT/warm" \
+python3 -m vlmrl.cli bench --paths vlmrl --steps 1 --completion 1024 --compile-cache "$CACHE" --out "$OUT/warm" \
   && cp "$OUT/warm/bench.json" "$OUT/h200_compile_cache_warm.json"
 python3 - "$OUT" <<'PY'
 import json, sys

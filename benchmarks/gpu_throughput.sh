@@ -17,11 +17,11 @@ case "$MODE" in
 esac
 rc=0
 if [ "$MODE" != 4bit ]; then
-  python3 -m vlmrl.cli.app bench --paths vlmrl --generation-batches "$BATCHES" --steps 2 --completion 1024 \
+  python3 -m vlmrl.cli bench --paths vlmrl --generation-batches "$BATCHES" --steps 2 --completion 1024 \
     --out "$OUT/bf16" || rc=$?
 fi
 if [ "$MODE" != bf16 ]; then
-  python3 -m vlmrl.cli.app bench --paths vlmrl --generation-batches "$BATCHES" --steps 2 --completion 1024 \
+  python3 -m vlmrl.cli bench --paths vlmrl --generation-batches "$BATCHES" --steps 2 --completion 1024 \
     --load-in-4bit --out "$OUT/4bit" || rc=$?
 fi
 exit $rc

@@ -50,7 +50,7 @@ bench() {  # $1 = bf16 | 4bit
   [ -w /dev/shm ] && export TMPDIR=/dev/shm
   local name=h200_unsloth_$1
   [ "$PATHS" = unsloth,vlmrl ] || name=${name}_${PATHS//,/_}
-  VLMRL_UNSLOTH_SITE=$SITE PYTHONPATH=$SITE:$PWD/src timeout "${BENCH_TIMEOUT:-570}" python3 -m vlmrl.cli.app bench --paths "$PATHS" \
+  VLMRL_UNSLOTH_SITE=$SITE PYTHONPATH=$SITE:$PWD/src timeout "${BENCH_TIMEOUT:-570}" python3 -m vlmrl.cli bench --paths "$PATHS" \
     --steps 2 --completion 1024 "${flags[@]}" --out "$OUT/$1" 2>&1 | tee "$OUT/$1/bench.log"
   local rc=$?
   [ -f "$OUT/$1/bench.json" ] && mv "$OUT/$1/bench.json" "$OUT/$name.json" \

@@ -1,6 +1,6 @@
 """Host time TorchDynamo spends checking guards before each compiled token step, and what checking them at the
-first step of each `generate` call only (`vlmrl.engine.rollout.fast.guards_once`, `train.rollout_guards="first step"`)
-leaves of it, on the CPU.
+first step of each `generate` call only (`vlmrl.engine.experimental.rollout.guards_once`, an experiment) leaves of
+it, on the CPU.
 
 On an H200 at Qwen3-VL-8B shapes the check took 6.1 ms of host time per token step (`TorchDynamo Cache Lookup` in
 `h200_decode_variants_stacked.md`), about 270 guards per layer. This script shows the mechanism where anyone can
@@ -26,12 +26,8 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from vlmrl.data.synthetic import generate_items
-from vlmrl.engine.rollout.fast import (
-    bucket_static_cache,
-    compile_settings,
-    guards_once,
-    prefill_into_dynamic_cache,
-)
+from vlmrl.engine.experimental.rollout import guards_once
+from vlmrl.engine.rollout.fast import bucket_static_cache, compile_settings, prefill_into_dynamic_cache
 from vlmrl.engine.rollout.generation import encode_batch
 from vlmrl.engine.rollout.stacked import StackedProjections
 from vlmrl.models.tiny import build_tiny_model

@@ -116,7 +116,7 @@ def test_the_deferred_stop_check_generates_the_same_tokens(stop, tmp_path, monke
     assert built == [1]
 
 
-def test_fast_generation_swaps_the_copies_in_for_rollouts_only_when_asked():
+def test_fast_generation_swaps_the_copies_in_for_rollouts_where_they_are_the_fallback():
     import transformers.generation.utils as generation
 
     from vlmrl.engine.rollout.fast import enable_fast_generation
@@ -132,7 +132,7 @@ def test_fast_generation_swaps_the_copies_in_for_rollouts_only_when_asked():
             return args
 
         trainer = fake_trainer(model, rollout)
-        fast = enable_fast_generation(trainer, adapter_copies=asked)
+        fast = enable_fast_generation(trainer, stacked=False, adapter_copies=asked)  # as where stacking is refused
         assert trainer._generate_single_turn(1) == (1,)
         expected = torch.bfloat16 if asked else torch.float32
         assert seen == [({expected}, True)], "adapter dtype in the rollout; stop check deferred there"

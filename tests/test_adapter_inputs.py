@@ -78,7 +78,7 @@ def test_enable_applies_only_where_the_trainer_has_an_autocast():
                if hasattr(m, "lora_A"))
     untouched = _adapted()
     assert enable(SimpleNamespace(model=untouched, args=SimpleNamespace(bf16=False, fp16=False))).startswith("as PEFT")
-    assert enable(SimpleNamespace(model=untouched, args=bf16), wanted=False).endswith("(train.adapter_input_cast=true)")
+    assert enable(SimpleNamespace(model=untouched, args=bf16), wanted=False).endswith("(adapter_input_cast asked for)")
     assert all(getattr(m, "cast_input_dtype_enabled", True) is True for m in untouched.modules())
 
 

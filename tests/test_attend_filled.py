@@ -1,6 +1,6 @@
-"""Decode attention over the filled static-cache positions only (`train.rollout_filled_window`,
-`vlmrl.engine.rollout.fast.attend_filled` + `vlmrl.engine.rollout.attention.attend_filled_only`): the same attention, the same
-tokens, fewer positions read, and one compiled graph for all windows."""
+"""Decode attention over the filled static-cache positions only (an experiment: the bench path `vlmrl-filled`,
+`vlmrl.engine.experimental.rollout.attend_filled` + `vlmrl.engine.rollout.attention.attend_filled_only`): the same
+attention, the same tokens, fewer positions read, and one compiled graph for all windows."""
 
 from __future__ import annotations
 
@@ -13,13 +13,9 @@ from transformers import AutoModelForImageTextToText
 from tests.conftest import load_sdpa
 from tests.test_fastgen import _Module
 from vlmrl.data.synthetic import generate_items
+from vlmrl.engine.experimental.rollout import attend_filled
 from vlmrl.engine.rollout import attention
-from vlmrl.engine.rollout.fast import (
-    attend_filled,
-    bucket_static_cache,
-    compile_settings,
-    prefill_into_dynamic_cache,
-)
+from vlmrl.engine.rollout.fast import bucket_static_cache, compile_settings, prefill_into_dynamic_cache
 from vlmrl.engine.rollout.generation import encode_batch
 
 
@@ -121,11 +117,12 @@ def test_compiled_decoding_compiles_once_for_every_window(tiny):
     assert counters["stats"]["unique_graphs"] == graphs  # a second rollout reuses them
 
 
-def test_the_setting_wraps_each_rollout_and_is_recorded(tiny):
+def test_the_experiment_wraps_each_rollout_and_is_recorded(tiny):
     from types import SimpleNamespace
 
     from transformers import GenerationConfig
 
+    from vlmrl.engine.experimental.rollout import apply
     from vlmrl.engine.rollout.fast import enable_fast_generation
 
     model, _ = _setup(tiny)
@@ -140,20 +137,24 @@ def test_the_setting_wraps_each_rollout_and_is_recorded(tiny):
                                args=SimpleNamespace(bf16=False, fp16=False), _generate_single_turn=rollout)
 
     on = trainer(model)
-    fast = enable_fast_generation(on, filled_window=128)
+    fast = apply(on, enable_fast_generation(on, kernels=False), filled_window=128)
     assert fast.cache_read == "filled positions, rounded up to 128" and fast.as_dict()["cache_read"] == fast.cache_read
+    assert [name for name, _ in on.vlmrl_rollout_contexts][:2] == ["attention", "filled_window"]
     on._generate_single_turn()
     assert seen == [True] and "prepare_inputs_for_generation" not in vars(base)  # only inside the rollout
-    assert enable_fast_generation(trainer(model)).cache_read == "the whole static cache"  # off by default
+    plain = enable_fast_generation(trainer(model), kernels=False)
+    assert plain.cache_read == "the whole static cache"  # the product never asks for it
     eager = AutoModelForImageTextToText.from_pretrained(str(tiny), attn_implementation="eager")
-    refused = enable_fast_generation(trainer(eager), filled_window=128)
-    assert refused.cache_read == "the whole static cache (train.rollout_filled_window needs vlmrl_sdpa)"
+    refused = apply(eager_trainer := trainer(eager), enable_fast_generation(eager_trainer), filled_window=128)
+    assert refused.cache_read == ("the whole static cache (the decode kernel needs vlmrl_sdpa) "
+                                  "(the filled window needs vlmrl_sdpa)")
 
 
 def test_the_bench_path_is_reported_beside_the_others():
+    """A variant path (registered by benchmarks/engine_variants.py, not one of `PATHS`) gets its ratios too."""
     from vlmrl.bench import PATHS, BenchSettings, load_shapes, markdown_table, summarize
 
-    assert "vlmrl-filled" in PATHS
+    assert "vlmrl-filled" not in PATHS
 
     def raw(path, seconds, fast=None):
         return {"path": path, "error": None, "fast_generation": fast, "peak_memory_gib": 20.0,

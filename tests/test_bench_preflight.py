@@ -261,27 +261,21 @@ def test_plain_may_run_fewer_steps_and_its_only_step_is_its_steady_one():
     assert math.isclose(s["ratios"]["step_speedup"], 7.0)
 
 
-def test_the_vlmrl_bench_path_runs_vlmrl_trains_defaults_and_each_variant_changes_only_its_own():
-    from vlmrl.bench.run import FILLED_WINDOW, PATH_OPTIONS, fast_options
-    from vlmrl.config.schema import TrainConfig
+def test_the_vlmrl_bench_path_runs_vlmrl_trains_defaults():
+    """`vlmrl bench`'s vlmrl path is the engine's defaults, which are `vlmrl train`'s config defaults; the variants
+    of the engine are benchmarks/engine_variants.py's (tests/test_benchmark_scripts.py)."""
+    import inspect
 
-    defaults = TrainConfig()
-    assert fast_options("vlmrl") == {"merge": defaults.rollout_merge, "adapter_copies": defaults.rollout_adapter_copies,
-                                     "filled_window": defaults.rollout_filled_window,
-                                     "decode_kernel": defaults.rollout_decode_kernel,
-                                     "stacked": defaults.rollout_stacked,
-                                     "stacked_kernel": defaults.rollout_stacked_kernel, "guards": defaults.rollout_guards}
-    assert fast_options("vlmrl-stacked") == {**fast_options("vlmrl"), "stacked": True}
-    assert fast_options("vlmrl-stacked-kernel") == {**fast_options("vlmrl"), "stacked_kernel": True}
-    assert fast_options("vlmrl-second-cublas") == {**fast_options("vlmrl"), "stacked_kernel": False}
-    assert defaults.rollout_stacked_kernel  # on by default since h200_record (decode 1.89x its floor)
-    assert fast_options("vlmrl-copies") == {**fast_options("vlmrl"), "adapter_copies": True, "stacked": False}
-    assert fast_options("vlmrl-filled-copies") == {**fast_options("vlmrl"), "filled_window": FILLED_WINDOW,
-                                                   "adapter_copies": True, "stacked": False}
-    assert fast_options("vlmrl-merged")["merge"] is True
-    from vlmrl.bench import PATHS
+    from vlmrl.bench import VARIANTS
+    from vlmrl.config.schema import Config
+    from vlmrl.engine.loss_pass import enable_loss_pass
+    from vlmrl.engine.rollout.fast import enable_fast_generation
 
-    assert set(PATH_OPTIONS) == {p for p in PATHS if p.startswith("vlmrl")}
+    rollout = Config().train.rollout
+    assert VARIANTS == {}
+    assert inspect.signature(enable_fast_generation).parameters["kernels"].default is rollout.kernels
+    assert inspect.signature(enable_loss_pass).parameters["kernels"].default is rollout.kernels
+    assert BenchSettings().prompt_bucket == rollout.prompt_bucket
 
 
 def test_warmup_steps_set_the_one_off_second_step_apart_and_say_so():
@@ -297,3 +291,19 @@ def test_warmup_steps_set_the_one_off_second_step_apart_and_say_so():
     one = summarize(BenchSettings(steps=3), SHAPES, {"matmul_tflops": 800, "copy_bandwidth_tbs": 4.0},
                     [_raw("vlmrl", [(120, 110), (30, 22), (20, 14)], 9.0)], prompt_tokens=300)
     assert one["paths"]["vlmrl"]["step_seconds"] == 25 and "Steps set apart" not in markdown_table(one)
+
+
+def test_a_16gb_card_is_offered_the_seed_16gb_preset_which_fits_it():
+    """On a 16 GB card (15 GiB usable) the seed recipe is predicted not to fit and the advice names seed-16gb,
+    whose own prediction fits with the margin, with the seed's model, data, rewards and optimizer step."""
+    from vlmrl.run.preflight import GPU_MARGIN, advice
+
+    seed, small = load_config("seed"), load_config("seed-16gb")
+    predicted = {name: estimate_memory(c, SHAPES, prompt_tokens=1024, fast_generation=True)
+                 for name, c in (("seed", seed), ("small", small))}
+    assert "seed-16gb preset" in advice(predicted["seed"], 15.0, seed)[0]
+    assert predicted["small"].peak_gib <= GPU_MARGIN * 15.0 and advice(predicted["small"], 15.0, small) == []
+    assert advice(predicted["seed"], 80.0, seed) == []  # a large card: the seed fits, nothing to propose
+    same = lambda c: (c.model.name, c.lora, c.data, c.rewards, c.train.learning_rate, c.train.num_generations,  # noqa: E731
+                      c.train.per_device_train_batch_size * c.train.gradient_accumulation_steps)
+    assert same(seed) == same(small) and small.model.dtype == "float16"

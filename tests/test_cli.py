@@ -82,7 +82,7 @@ def test_config_validate_with_a_broken_checker_answers_in_one_line(monkeypatch):
     assert "second line" not in result.output
 
 
-def test_bench_results_print_as_written_and_a_failed_path_exits_1(tmp_path, capsys):
+def test_bench_results_print_as_written_and_a_failed_path_exits_2(tmp_path, capsys):
     from vlmrl.cli.show import show_bench, show_throughput
 
     (tmp_path / "bench.md").write_text("| path | samples/s |\n| plain | 1.0 |\n")
@@ -90,7 +90,7 @@ def test_bench_results_print_as_written_and_a_failed_path_exits_1(tmp_path, caps
     assert "| plain | 1.0 |" in capsys.readouterr().out
     with pytest.raises(typer.Exit) as exited:
         show_bench(tmp_path, {"paths": {"plain": {}, "vlmrl": {"error": "CUDA out of memory"}}})
-    assert exited.value.exit_code == 1 and "bench path(s) failed: vlmrl" in capsys.readouterr().out
+    assert exited.value.exit_code == 2 and "bench path(s) failed: vlmrl" in capsys.readouterr().out
     (tmp_path / "throughput.md").write_text("| batch |\n")
     with pytest.raises(typer.Exit):
         show_throughput(tmp_path, {"rows": [{"path": "vlmrl", "generation_batch": 64, "error": "skipped"}]})

@@ -113,7 +113,7 @@ def test_unknown_optimizer_is_refused_before_any_model_loads(tmp_path):
     config = load_config("demo", [*SMALL, f"run.output_dir={tmp_path}"])
     prepare_data(config, config.run_dir)
     result = invoke("train", "demo", *sets(*SMALL, "train.optim=adamw_nonsense"), "--run-dir", str(config.run_dir))
-    assert result.exit_code == 1 and "adamw_nonsense" in one_error_line(result.output)
+    assert result.exit_code == 2 and "adamw_nonsense" in one_error_line(result.output)
     assert not (config.run_dir / "train").exists()  # refused while building the trainer's arguments
 
 
@@ -126,7 +126,7 @@ def test_prepare_refuses_a_train_set_smaller_than_one_generation_batch(tmp_path)
                 "train.per_device_train_batch_size=8", "train.gradient_accumulation_steps=4",
                 "train.num_generations=4")
     result = invoke("prepare", "demo", *args, "--run-dir", str(tmp_path / "run"))
-    assert result.exit_code == 1, result.output
+    assert result.exit_code == 2, result.output
     line = one_error_line(result.output)
     assert "6 training items left (6 held out" in line and "fewer than one generation batch (8 prompts" in line
     assert not (tmp_path / "run" / "data" / "summary.json").exists()  # not prepared: `run` will not skip it
@@ -142,7 +142,7 @@ def test_train_refuses_too_few_items_before_loading_a_model(tmp_path, kept):
     write_jsonl_atomic(train, [json.loads(line) for line in train.read_text().splitlines()[:kept]])
     result = invoke("train", "demo", *sets(*SMALL, "train.per_device_train_batch_size=16"),
                     "--run-dir", str(config.run_dir))
-    assert result.exit_code == 1, result.output
+    assert result.exit_code == 2, result.output
     line = one_error_line(result.output)
     assert f"{kept} training items, fewer than one generation batch (4 prompts" in line
     assert "run `vlmrl prepare` first" not in line

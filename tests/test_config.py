@@ -155,8 +155,7 @@ def test_a_run_folder_written_before_keeps_its_fingerprints():
     """A run folder's config.yaml from before `train.rollout` (every field written out, a kernel switched off,
     logging_steps and fast_generation set) loads, and gives the fingerprints that release recorded: the run
     resumes instead of training again. The expected values were computed by the code of commit d9d356d."""
-    from vlmrl.run.layout import export_fingerprint, train_fingerprint
-    from vlmrl.train.stage import _checkpoint_fingerprint
+    from vlmrl.run.layout import checkpoint_fingerprint, export_fingerprint, train_fingerprint
 
     old = Path(__file__).parent / "fixtures" / "config_before_rollout_section.yaml"
     with pytest.raises(ConfigError, match="was removed"):
@@ -167,7 +166,7 @@ def test_a_run_folder_written_before_keeps_its_fingerprints():
     assert config.fingerprint() == "7ecbb038f25a08d0"
     assert train_fingerprint(config) == "6bfdf509b637c6116ddabed10"
     assert export_fingerprint(config) == "6bfdf509b637c6116ddabed10e6d5b64a"
-    assert _checkpoint_fingerprint(config) == "01727d15a92a5d11"
+    assert checkpoint_fingerprint(config) == "01727d15a92a5d11"
     assert config.data_fingerprint() == "6dda366e21ceafff"
     for preset, expected in (("demo", "eec369f58bb3ffae6ddabed10"), ("seed", "724298fc143a3bad0f17bed13407")):
         assert train_fingerprint(load_config(preset)) == expected  # the presets' runs resume too

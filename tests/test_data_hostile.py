@@ -171,10 +171,33 @@ def test_a_damaged_csv_is_one_error_and_a_bad_row_is_one_drop(tmp_path):
     )
     result, items, _dropped = prepared(tmp_path, path, MAPPING)
     assert set(items) == {"r0", "r3"} and result.dropped_by_reason == {"bad_encoding": 1, "bad_row": 1}
+
+
+def test_an_oversized_csv_cell_drops_its_row_not_the_file(tmp_path):
+    """Issue 37: one cell over the csv module's 131,072-character limit refused the whole file."""
+    for k in range(4):
+        placeholder_image(f"c{k}").save(tmp_path / f"{k}.png")
     big = tmp_path / "big.csv"
-    big.write_text("id,question,answer,image\n" + 'r0,"' + "x" * 200_000 + '",1,0.png\n')
-    with pytest.raises(DataError, match=r"big\.csv: not a readable CSV file"):
-        prepare_data(load_config("demo", [f"data.source={big}", MAPPING]), tmp_path / "run2")
+    cells = ['r0,q,0,0.png', 'r1,"' + "x" * 200_000 + '",1,1.png', 'r2,"multi\nline",2,2.png', "r3,q,3,3.png"]
+    big.write_text("id,question,answer,image\n" + "\n".join(cells) + "\n")
+    result, items, dropped = prepared(tmp_path, big, MAPPING)
+    assert set(items) == {"r0", "r2", "r3"} and result.dropped_by_reason == {"cell_too_large": 1}
+    assert "200,000 characters" in next(iter(dropped.values()))["detail"]
+
+
+def test_a_huge_image_file_is_refused_by_its_size_before_it_is_read(tmp_path, monkeypatch):
+    """Issue 37: a 64 GiB sparse file as an image was read whole (MemoryError) before any size check."""
+    from vlmrl.data.images import ImageError, open_row_image
+
+    lines = [row_line(k) for k in range(4)]
+    path = source(tmp_path, lines)
+    with open(tmp_path / "2.png", "r+b") as handle:
+        handle.truncate(64 * 2**30)  # sparse: no disk used
+    monkeypatch.setattr(Path, "read_bytes", lambda self: pytest.fail(f"{self} was read whole"))
+    with pytest.raises(ImageError, match="too_large: .*68,719,476,736 bytes"):
+        open_row_image("2.png", base_dir=tmp_path)
+    result, items, dropped = prepared(tmp_path, path, MAPPING)
+    assert set(items) == {"r0", "r1", "r3"} and result.dropped_by_reason == {"too_large": 1}
 
 
 # --- gold answers stored exactly ---------------------------------------------------------------------------

@@ -213,7 +213,7 @@ def test_column_mapped_dataset(tmp_path):
         ],
     )
     result = prepare_data(config, tmp_path / "run")
-    # "2\\sqrt{3}" is not a number: read off the gold it is a text answer, not in data.answer_types
+    # "2\\sqrt{3}" is not a number: read off the gold it is an expression answer, not in data.answer_types
     assert result.dropped_by_reason == {"filtered_answer_type": 1, "missing_answer": 1}
     items = {i.id: i for i in read_items(result.train_path) + read_items(result.holdout_path)}
     assert len(items) == 8 and items["geo-0"].question == "Find x in figure 0."
@@ -223,7 +223,7 @@ def test_column_mapped_dataset(tmp_path):
         2,
     )
     assert items["geo-3"].answer_type == "integer" and items["geo-3"].source == "train"
-    assert result.comparable_to_published is True and result.message is None
+    assert result.comparable_to_published is None and result.message is None  # not MathVista: no claim
 
 
 def test_column_mapping_errors(tmp_path):

@@ -187,7 +187,7 @@ def test_bad_rows_are_dropped_with_reasons_and_the_run_completes(tmp_path):
         "no-answer": "missing_answer",
         "words": "non_numeric_answer",
         "g0": "duplicate_id",
-        "row-17": "bad_row",
+        "rows.jsonl:18": "bad_row",  # no id: named by its file and line
     }
     assert reasons["truncated"] in ("truncated_image", "corrupt_image")
     assert result.num_train + result.num_holdout == 6

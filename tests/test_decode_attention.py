@@ -1,4 +1,4 @@
-"""The token-step attention kernel (`vlmrl.engine.rollout.decode_attention`, `train.rollout_decode_kernel`), on CUDA where
+"""The token-step attention kernel (`vlmrl.engine.rollout.decode_attention`, `train.rollout.kernels`), on CUDA where
 there is one and otherwise in Triton's CPU interpreter (tests/conftest.py turns it on): SDPA's attention, blocks
 nothing attends to left unread, the cases it refuses left to SDPA, and the rollouts that turn it on."""
 
@@ -196,29 +196,33 @@ def test_rollouts_run_it_and_the_setting_is_recorded(tiny):
                                _generate_single_turn=lambda: seen.append(attention._decode_kernel))
 
     on = trainer(model)
-    fast = enable_fast_generation(on, decode_kernel=True)
+    fast = enable_fast_generation(on)  # kernels on: the product's default
     assert fast.cache_read.endswith("token steps skip the blocks nothing attends to (vlmrl.engine.rollout.decode_attention)")
     on._generate_single_turn()
     assert seen == [True] and not attention._decode_kernel  # on for the rollout only
     off = trainer(model)
-    assert enable_fast_generation(off).cache_read == "the whole static cache"
+    assert enable_fast_generation(off, kernels=False).cache_read == "the whole static cache"
     off._generate_single_turn()
     assert seen == [True, False]
     eager = AutoModelForImageTextToText.from_pretrained(str(tiny), attn_implementation="eager")
-    refused = enable_fast_generation(trainer(eager), decode_kernel=True)
-    assert refused.cache_read == "the whole static cache (train.rollout_decode_kernel needs vlmrl_sdpa)"
+    refused = enable_fast_generation(trainer(eager))
+    assert refused.cache_read == "the whole static cache (the decode kernel needs vlmrl_sdpa)"
+    from vlmrl.engine.experimental.rollout import apply
+
+    sdpa = trainer(model)  # the bench's vlmrl-sdpa-decode: the kernel's context taken out again
+    assert apply(sdpa, enable_fast_generation(sdpa), sdpa_decode=True).cache_read == "the whole static cache"
+    sdpa._generate_single_turn()
+    assert seen == [True, False, False] and "decode_kernel" not in dict(sdpa.vlmrl_rollout_contexts)
 
 
 def test_vlmrl_train_turns_it_on_by_default():
-    from vlmrl.bench.run import fast_options
-    from vlmrl.config.schema import Config, TrainConfig
+    from vlmrl.config.schema import Config
 
-    assert TrainConfig().rollout_decode_kernel is True
-    assert fast_options("vlmrl")["decode_kernel"] is True and fast_options("vlmrl-sdpa-decode")["decode_kernel"] is False
+    assert Config().train.rollout.kernels is True  # passed to enable_fast_generation(kernels=...) by vlmrl train
     # how a token step's attention is summed is not what a run produces: a finished stage stays done
     config = Config()
     before = config.fingerprint()
-    config.train.rollout_decode_kernel = False
+    config.train.rollout.kernels = False
     assert config.fingerprint() == before
 
 

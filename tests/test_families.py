@@ -82,3 +82,23 @@ def test_a_trainable_idefics3_connector_fails_the_layout_check(tmp_path: Path) -
     peft_config = LoraConfig(r=2, target_modules=r".*(text_model\..*\.q_proj|connector\..*\.proj)")
     with pytest.raises(LoraLayoutError, match=r"vision parameter trains: .*connector"):
         verify_lora_layout(get_peft_model(base, peft_config))
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_a_float16_grpo_step_is_finite(arch: str, tmp_path: Path, monkeypatch, captured) -> None:
+    """`model.dtype: float16` (a T4 has no bfloat16): the base loads in fp16, the float32 LoRA trains, and one
+    step's loss, rewards and adapter gradients are finite."""
+    monkeypatch.setattr("vlmrl.grading.rewards.correctness_reward", varied_reward)
+    config = load_config("demo", [f"model.name=tiny:{arch}", f"run.output_dir={tmp_path}", "model.dtype=float16",
+                                  "data.num_synthetic=12", "data.holdout_size=4", "train.max_completion_length=8",
+                                  "train.max_steps=1", "train.per_device_train_batch_size=4", "train.save_steps=1"])
+    prepare_with_budget(config, config.run_dir)
+    train(config, config.run_dir)
+    model, before = captured["model"], captured["before"]
+    assert {p.dtype for n, p in model.named_parameters() if not p.requires_grad and p.is_floating_point()} == {
+        torch.float16}
+    lora = {n: p.detach() for n, p in model.named_parameters() if ".lora_" in n}
+    assert lora and all(torch.isfinite(p).all() for p in lora.values())
+    assert any(not torch.equal(before[n], p) for n, p in lora.items())  # the step moved the adapter
+    rows = read_jsonl(config.run_dir / "train" / "metrics.jsonl")
+    assert rows and math.isfinite(rows[0]["loss"]) and math.isfinite(rows[0]["reward"])

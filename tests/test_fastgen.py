@@ -124,7 +124,8 @@ def test_training_with_fast_generation_records_it_and_scopes_it_to_rollouts(merg
 
     from tests.test_train import quick_config
     from vlmrl.common.io import read_json, read_jsonl
-    from vlmrl.engine.rollout.merge import lora_layers
+    from vlmrl.engine.lora_layers import lora_layers
+    from vlmrl.engine.rollout import fast
     from vlmrl.models import lora
     from vlmrl.pipeline import prepare_with_budget
     from vlmrl.train.stage import train
@@ -154,8 +155,13 @@ def test_training_with_fast_generation_records_it_and_scopes_it_to_rollouts(merg
     attention.register()
     monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", spy("sdpa"))
     monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, attention.NAME, spy(attention.NAME))
-    config = quick_config(tmp_path, "train.max_steps=2", "train.fast_generation=always",
-                          f"train.rollout_merge={str(merge).lower()}")
+    if merge:  # the experiment (vlmrl.engine.experimental), on the trainer `vlmrl train` builds
+        from vlmrl.engine.experimental.rollout import apply
+
+        real = fast.enable_fast_generation
+        monkeypatch.setattr(fast, "enable_fast_generation",
+                            lambda trainer, **kwargs: apply(trainer, real(trainer, **kwargs), merge=True))
+    config = quick_config(tmp_path, "train.max_steps=2", "train.rollout.fast=always")
     prepare_with_budget(config, config.run_dir)
     train(config, config.run_dir)
     summary = read_json(config.run_dir / "train" / "summary.json")
@@ -164,7 +170,7 @@ def test_training_with_fast_generation_records_it_and_scopes_it_to_rollouts(merg
     compile_cache = Path(summary["compile_cache"]["inductor_dir"])  # the compiled decode's cache went there
     assert compile_cache == Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) and any(compile_cache.rglob("*"))
     assert record["prefill"] == "dynamic cache, then static"
-    assert record["merge"].startswith("merged for rollouts" if merge else "not merged (train.rollout_merge=false)")
+    assert record["merge"].startswith("merged for rollouts") if merge else record["merge"] is None
     language = {s for s in seen if s[0] == attention.NAME}
     assert language == {(attention.NAME, merge, False)}, "rollouts: folded attention, merged only when asked, no grad"
     assert (("sdpa", False, True) in seen), "the loss pass runs transformers' sdpa with the LoRA branches"
@@ -273,7 +279,7 @@ def test_rollouts_run_under_the_training_autocast_when_adapters_are_fp32():
 
     trainer = fake_trainer(mixed, rollout)
     fast = enable_fast_generation(trainer)
-    assert fast.autocast == "bfloat16" and fast.merge.startswith("not merged")
+    assert fast.autocast == "bfloat16" and fast.merge is None
     assert trainer._generate_single_turn(1, 2) == (1, 2)
     # under the training autocast, without its cast cache (it would hold a bf16 copy of every adapter weight)
     assert seen == [(True, torch.bfloat16, False)]

@@ -1,5 +1,5 @@
-"""`vlmrl.engine.rollout.fast.guards_once` (`train.rollout_guards="first step"`): each `generate` call's compiled token
-steps check dynamo's guards until one compiles nothing, skip them after, still give the eager path's tokens across
+"""`vlmrl.engine.experimental.rollout.guards_once` (an experiment: the bench path `vlmrl-guards-once`): each
+`generate` call's compiled token steps check dynamo's guards until one compiles nothing, skip them after, still give the eager path's tokens across
 cache lengths, and run a skipped step again checked when it needs a new graph."""
 
 from __future__ import annotations
@@ -8,12 +8,8 @@ import torch
 
 from tests.conftest import load_sdpa
 from vlmrl.data.synthetic import generate_items
-from vlmrl.engine.rollout.fast import (
-    bucket_static_cache,
-    compile_settings,
-    guards_once,
-    prefill_into_dynamic_cache,
-)
+from vlmrl.engine.experimental.rollout import guards_once
+from vlmrl.engine.rollout.fast import bucket_static_cache, compile_settings, prefill_into_dynamic_cache
 from vlmrl.engine.rollout.generation import encode_batch
 
 SETTINGS = {"do_sample": False, "cache_implementation": "static", "return_dict_in_generate": True}
@@ -54,19 +50,22 @@ def test_steady_token_steps_skip_the_guards_across_cache_lengths(tiny_qwen3_vl, 
     assert stances == [{"skip_guard_eval_unsafe": True}] * ((lengths[0] - 3) + (lengths[1] - 2))
 
 
-def test_the_setting_wraps_each_rollout_and_is_recorded(tiny_qwen3_vl):
+def test_the_experiment_wraps_each_rollout_and_is_recorded(tiny_qwen3_vl):
     from tests.test_fastgen import fake_trainer
+    from vlmrl.engine.experimental.rollout import apply
     from vlmrl.engine.rollout.attention import base_model
     from vlmrl.engine.rollout.fast import enable_fast_generation
 
     model, _ = load_sdpa(tiny_qwen3_vl)
     seen = []
     trainer = fake_trainer(model, lambda: seen.append("get_compiled_call" in vars(base_model(model))))
-    assert enable_fast_generation(trainer, guards="first step").as_dict()["guards"] == "first step"
+    fast = apply(trainer, enable_fast_generation(trainer), guards_once=True)
+    assert fast.as_dict()["guards"] == "first step"
+    assert [name for name, _ in trainer.vlmrl_rollout_contexts][-2:] == ["guards_once", "compile_over_4bit"]
     trainer._generate_single_turn()
     assert seen == [True] and "get_compiled_call" not in vars(base_model(model))  # only inside the rollout
     plain = fake_trainer(model, lambda: seen.append("get_compiled_call" in vars(base_model(model))))
-    assert enable_fast_generation(plain).guards == "every step"
+    assert enable_fast_generation(plain).guards is None  # the product checks them at every step
     plain._generate_single_turn()
     assert seen == [True, False]
 
@@ -111,7 +110,7 @@ def test_a_skipped_step_that_needs_a_new_graph_runs_again_checked(tiny_qwen3_vl,
             language.norm.phase = phase
             model.generate(**batch, max_new_tokens=4, min_new_tokens=4, **{**SETTINGS, **settings})
         language.norm.phase = 0
-        with caplog.at_level("INFO", logger="vlmrl.engine.rollout.fast"):
+        with caplog.at_level("INFO", logger="vlmrl.engine.experimental.rollout"):
             got = model.generate(**batch, max_new_tokens=8, min_new_tokens=8, logits_processor=LogitsProcessorList(
                 [SetPhase()]), **{**SETTINGS, **settings}).sequences
     assert torch.equal(got, eager)

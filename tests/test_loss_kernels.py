@@ -1,4 +1,4 @@
-"""Liger's fused kernels in the loss pass (`vlmrl.engine.loss_kernels`, `train.loss_kernels`): installed on the text
+"""Liger's fused kernels in the loss pass (`vlmrl.engine.loss_kernels`, `train.rollout.kernels`): installed on the text
 model's own modules, called for eager CUDA tensors only (never inside a compiled graph, never on the CPU), with
 Qwen's casting; on CUDA, no farther from float32 than the modules' own bf16 forwards."""
 
@@ -133,7 +133,7 @@ def test_gradients_flow_through_the_installed_modules(tiny_qwen3_vl, liger):
 def test_what_enable_records(tiny_qwen3_vl, monkeypatch):
     model = _model(tiny_qwen3_vl)
     trainer = types.SimpleNamespace(model=model)
-    assert loss_kernels.enable(trainer, wanted=False) == "the modules' own (train.loss_kernels=false)"
+    assert loss_kernels.enable(trainer, wanted=False) == "the modules' own (kernels off)"
     if not torch.cuda.is_available():
         assert loss_kernels.enable(trainer).endswith("no CUDA device (Liger's kernels are Triton kernels for CUDA)")
     monkeypatch.setattr(loss_kernels, "liger_missing", lambda: None)
@@ -150,14 +150,12 @@ def test_what_enable_records(tiny_qwen3_vl, monkeypatch):
 
 
 def test_the_setting_is_on_by_default_and_left_out_of_the_fingerprint():
-    from vlmrl.bench.run import LOSS_PASS_OPTIONS
     from vlmrl.config.schema import Config
 
     config = Config()
-    assert config.train.loss_kernels is True
-    assert LOSS_PASS_OPTIONS["vlmrl-own-kernels"] == {"kernels": False}
+    assert config.train.rollout.kernels is True
     fingerprint = config.fingerprint()
-    config.train.loss_kernels = False
+    config.train.rollout.kernels = False
     assert config.fingerprint() == fingerprint
 
 

@@ -283,8 +283,8 @@ def _stand_in(steps: int):
 @pytest.mark.parametrize(("trim", "group", "steps", "why"), [
     (True, True, 4, None),
     (True, True, 1, "one micro-batch per optimizer step: nothing to group"),
-    (True, False, 4, "group_by_length is off"),
-    (False, True, 4, "trim_padding is off: grouping saves nothing without it"),
+    (True, False, 4, "grouping is off"),
+    (False, True, 4, "the trim is off: grouping saves nothing without it"),
 ])
 def test_the_record_says_whether_and_why_not_micro_batches_were_grouped(trim, group, steps, why):
     trainer = _stand_in(steps)

@@ -1,5 +1,5 @@
-"""Rollouts on merged LoRA weights (`vlmrl.engine.rollout.merge`): the merged model computes what the adapter computes, and the
-bf16 base weights come back bit for bit, where peft's merge/unmerge round trip drifts."""
+"""Rollouts on merged LoRA weights (`vlmrl.engine.experimental.merge`, an experiment): the merged model computes what
+the adapter computes, and the bf16 base weights come back bit for bit, where peft's merge/unmerge round trip drifts."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from vlmrl.engine.rollout.merge import RolloutMerge, host_bytes, lora_layers, unsupported_reason
+from vlmrl.engine.experimental.merge import RolloutMerge, host_bytes, rollout_merge, unsupported_reason
+from vlmrl.engine.lora_layers import lora_layers
 
 
 class _Net(torch.nn.Module):
@@ -114,21 +115,21 @@ def test_host_copy_size_and_what_is_not_merged():
         RolloutMerge(_Net())
 
 
-def test_fast_generation_says_why_it_does_not_merge(monkeypatch):
+def test_the_experiment_says_why_it_does_not_merge(monkeypatch):
     from types import SimpleNamespace
 
-    from vlmrl.engine.rollout import fast, merge
+    from vlmrl.engine.experimental import merge
 
     model = _lora(torch.bfloat16)
     need = host_bytes(model)
-    merger, note = fast._rollout_merge(SimpleNamespace(model=model))
+    merger, note = rollout_merge(SimpleNamespace(model=model))
     assert isinstance(merger, RolloutMerge) and note.startswith("merged for rollouts")
     assert merger._originals is not None  # the host copy is made up front, before any rollout
-    _, note = fast._rollout_merge(SimpleNamespace(model=model, is_fsdp_enabled=True))
+    _, note = rollout_merge(SimpleNamespace(model=model, is_fsdp_enabled=True))
     assert note == "not merged: parameters are sharded (FSDP / DeepSpeed)"
-    _, note = fast._rollout_merge(SimpleNamespace(model=_Net()))
+    _, note = rollout_merge(SimpleNamespace(model=_Net()))
     assert note == "not merged: no LoRA layers"
     monkeypatch.setattr(merge, "available_host_bytes", lambda: 4 * need)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # four processes on this host, each pinning a copy
-    merger, note = fast._rollout_merge(SimpleNamespace(model=model))
+    merger, note = rollout_merge(SimpleNamespace(model=model))
     assert merger is None and note.startswith("not merged: 4 pinned copies of")

@@ -253,7 +253,7 @@ def test_vlmrl_run_refuses_another_configs_run_dir_before_any_work(tmp_path):
     claim_run_dir(config, config.run_dir, force=False)
     args = ["run", "demo", *SET_ARGS, "--set", f"run.output_dir={tmp_path}", "--set", "train.max_steps=7"]
     result = CliRunner().invoke(app, args, terminal_width=300)
-    assert result.exit_code == 1
+    assert result.exit_code == 2
     assert "different config" in result.output and "--force" in result.output
     # nothing ran: only the run's mark, its lock file and the config are there
     assert sorted(p.name for p in config.run_dir.iterdir()) == [".vlmrl-run", ".vlmrl.lock", "config.yaml"]
@@ -270,7 +270,7 @@ def test_vlmrl_train_refuses_a_train_set_that_contains_a_holdout_item(tmp_path):
     write_jsonl_atomic(data / "train.jsonl", read_jsonl(data / "train.jsonl") + [leaked])
     result = CliRunner().invoke(app, ["train", "demo", *SET_ARGS, "--run-dir", str(config.run_dir)],
                                 terminal_width=300)
-    assert result.exit_code == 1, result.output
+    assert result.exit_code == 2, result.output
     message = " ".join(result.output.split())
     assert "train and holdout overlap" in message and leaked["id"] in message
     assert "vlmrl prepare" in message  # and how to fix it

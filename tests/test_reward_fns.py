@@ -2,7 +2,7 @@
 before any model loads when they cannot be used, and carried into every record of a run.
 
 The refusals are checked on real held-out items (a synthetic set prepared once for the module) and through
-the CLI (`vlmrl train`, `vlmrl eval`, `vlmrl run`), where each must be one red line and exit 1 before a model
+the CLI (`vlmrl train`, `vlmrl eval`, `vlmrl run`), where each must be one red line and exit 2 before a model
 is loaded or a checkpoint written.
 """
 
@@ -190,7 +190,7 @@ def test_the_cli_refuses_a_reward_that_raises_before_loading_a_model(command: st
     config = write_config(tmp_path, "  - {function: 'broken.py:f'}\n", tmp_path)
     args = [command, str(config), "--run-dir", str(prepared), *(["--stage", "baseline"] if command == "eval" else [])]
     result = runner.invoke(app, args)
-    assert result.exit_code == 1, result.output
+    assert result.exit_code == 2, result.output
     assert "f raised ZeroDivisionError" in result.output and "Traceback" not in result.output
     assert not (prepared / "train" / "checkpoints").exists() and not (prepared / "baseline_records.jsonl").exists()
 
@@ -198,7 +198,7 @@ def test_the_cli_refuses_a_reward_that_raises_before_loading_a_model(command: st
 def test_vlmrl_run_refuses_a_missing_reward_file_before_anything_runs(tmp_path: Path) -> None:
     config = write_config(tmp_path, "  - {function: 'gone.py:f'}\n", tmp_path / "runs")
     result = runner.invoke(app, ["run", str(config)])
-    assert result.exit_code == 1, result.output
+    assert result.exit_code == 2, result.output
     assert "no such file" in result.output and not (tmp_path / "runs" / "r").exists()
 
 
@@ -281,3 +281,88 @@ def test_doctests_pass() -> None:
     for module in (vlmrl.grading.user_rewards, vlmrl.config.schema):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0, module.__name__
+
+
+# ---- rewards as TRL accepts them ------------------------------------------------------------------------
+
+TRL_STYLE = '''
+import asyncio
+
+STATES = []
+
+
+def by_ids(completion_ids, **kwargs):
+    """Reads only the token ids (TRL passes them to every reward)."""
+    return [float(len(ids)) for ids in completion_ids]
+
+
+async def later(completions, **kwargs):
+    await asyncio.sleep(0)
+    return [1.0 for _ in completions]
+
+
+def stepped(completions, trainer_state, **kwargs):
+    STATES.append(trainer_state.global_step)
+    return [0.0 for _ in completions]
+'''
+
+
+def test_signatures_trl_accepts_are_loaded_and_called(prepared: Path, tmp_path: Path) -> None:
+    from vlmrl.grading.user_rewards import reward_check
+
+    (tmp_path / "trl_style.py").write_text(TRL_STYLE)
+    entries = "".join(f"  - {{function: 'trl_style.py:{name}'}}\n" for name in ("by_ids", "later", "stepped"))
+    loaded, checked = reward_check(load_config(str(write_config(tmp_path, entries, tmp_path))), prepared)
+    assert [r.name for r in loaded] == ["by_ids", "later", "stepped"]
+    assert checked["by_ids"]["well_formed"] > checked["by_ids"]["empty"] == 0.0  # stand-in ids: one per word
+    assert checked["later"]["well_formed"] == 1.0  # an async reward, awaited
+    assert loaded[2].fn.fn.__globals__["STATES"] == [0]  # a trainer state at step 0 at the check, not None
+
+
+def test_trl_accuracy_reward_gets_its_solution_column_and_a_seed_run_is_told_it_expects_think(
+        prepared: Path, tmp_path: Path, caplog) -> None:
+    from vlmrl.grading.user_rewards import reward_check
+
+    entry = "  - {function: 'trl.rewards:accuracy_reward', columns: {solution: answer}}\n"
+    config = load_config(str(write_config(tmp_path, entry, tmp_path)))
+    with caplog.at_level("WARNING", logger="vlmrl.grading.user_rewards"):
+        loaded, checked = reward_check(config, prepared)
+    # a seed answer has no \boxed{}: TRL's reward gives it what it gives an empty completion, and says so once
+    assert checked["accuracy_reward"] == {"well_formed": 0.0, "empty": 0.0, "untagged": 0.0, "other_contract": 1.0}
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "no more than an empty one" in warning and "`contract: think`" in warning and "\n" not in warning
+    caplog.clear()
+    think = load_config(str(write_config(tmp_path, entry, tmp_path, extra="contract: think\n")))
+    with caplog.at_level("WARNING", logger="vlmrl.grading.user_rewards"):
+        assert reward_check(think, prepared)[1]["accuracy_reward"]["well_formed"] == 1.0
+    assert not caplog.records
+
+
+def test_a_package_beside_the_config_by_module_path_and_one_line_for_its_file_path(prepared: Path,
+                                                                                  tmp_path: Path) -> None:
+    package = tmp_path / "task_rewards"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "util.py").write_text("def length(c):\n    return float(len(c[0]['content']))\n")
+    (package / "scores.py").write_text("from .util import length\n\n\ndef longer(completions, **kwargs):\n"
+                                       "    return [length(c) for c in completions]\n")
+    config = load_config(str(write_config(tmp_path, "  - {function: 'task_rewards.scores:longer'}\n", tmp_path)))
+    assert [r.name for r in check_run_rewards(config, prepared)] == ["longer"]
+    config = load_config(str(write_config(tmp_path, "  - {function: 'task_rewards/scores.py:longer'}\n", tmp_path)))
+    with pytest.raises(RewardError) as info:
+        load_rewards(config)
+    assert "\n" not in str(info.value) and "`function: task_rewards.scores:longer`" in str(info.value)
+
+
+def test_user_rewards_reach_validation_rows_and_tracker_tags() -> None:
+    from vlmrl.evaluate.stage import summarize
+    from vlmrl.train.validation import tracker_scalars, validation_row
+
+    record = {"correct": True, "mathvista_correct": False, "exact_match": True, "format_ok": True, "format_reward": 2.0,
+              "correctness_reward": 2.0, "total_reward": 2.6, "truncated": False, "degenerate": False,
+              "generated_tokens": 5, "rewards": {"brevity": -0.5, "hard_bonus": None}}
+    row = validation_row(3, summarize([record, {**record, "rewards": {"brevity": 0.0, "hard_bonus": 1.0}}],
+                                      stage="validation"), 1.0)
+    assert row["rewards"]["brevity"]["mean"] == -0.25 and row["rewards"]["hard_bonus"]["mean"] == 1.0
+    tags = tracker_scalars(row)
+    assert tags["eval_rewards/brevity/mean"] == -0.25 and tags["eval_accuracy"] == 1.0

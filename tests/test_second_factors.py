@@ -95,7 +95,7 @@ def test_where_the_kernel_cannot_run_the_step_falls_back_with_one_warning(monkey
     assert caplog.text.count("cannot run") == 1 and "no kernel here" in caplog.text
 
 
-def test_the_setting_runs_the_kernel_in_rollouts_only(monkeypatch):
+def test_kernels_run_it_in_rollouts_only(monkeypatch):
     from tests.test_fastgen import fake_trainer
     from vlmrl.engine.rollout.fast import enable_fast_generation
 
@@ -111,7 +111,7 @@ def test_the_setting_runs_the_kernel_in_rollouts_only(monkeypatch):
             return block(x, x)
 
     trainer = fake_trainer(block, rollout)
-    fast = enable_fast_generation(trainer, stacked=True, stacked_kernel=True)
+    fast = enable_fast_generation(trainer)  # the product's default: kernels on
     assert fast.adapters.endswith("each group's second step one Triton kernel (vlmrl.engine.rollout.second_factors)")
     trainer._generate_single_turn()
     assert len(launches) == 4 and not second_factors._failed  # q/k/v once, o, gate/up twice (gate reads x again)
@@ -119,5 +119,10 @@ def test_the_setting_runs_the_kernel_in_rollouts_only(monkeypatch):
         block(x, x)  # outside rollouts: PEFT's own forwards
     assert len(launches) == 4
     plain = fake_trainer(_trained(_Block(64).to(torch.bfloat16)), lambda: None)
-    # off unless asked: enable_fast_generation's own default (vlmrl train's config turns it on)
-    assert "second_factors" not in enable_fast_generation(plain, stacked=True).adapters
+    # off with the kernels (train.rollout.kernels=false)
+    assert "second_factors" not in enable_fast_generation(plain, kernels=False).adapters
+    from vlmrl.engine.experimental.rollout import apply
+
+    cublas = fake_trainer(_trained(_Block(64).to(torch.bfloat16)), lambda: None)  # the bench's vlmrl-second-cublas
+    assert "second_factors" not in apply(cublas, enable_fast_generation(cublas), second_cublas=True).adapters
+    assert dict(cublas.vlmrl_rollout_contexts)["stacked"].keywords == {"fused": False}

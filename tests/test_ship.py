@@ -239,9 +239,9 @@ def test_doctor_reports_whether_4bit_can_load_here(monkeypatch) -> None:
 
 def test_export_without_an_adapter_suggests_only_options_that_exist(tmp_path: Path) -> None:
     result = runner.invoke(app, ["export", "--set", f"run.output_dir={tmp_path}"])
-    assert result.exit_code == 1 and "--adapter" in result.output
+    assert result.exit_code == 2 and "--adapter" in result.output
     retry = runner.invoke(app, ["export", "--set", f"run.output_dir={tmp_path}", "--adapter", str(tmp_path / "none")])
-    assert retry.exit_code == 1 and "No such option" not in retry.output
+    assert retry.exit_code == 2 and "No such option" not in retry.output
     assert "no adapter here" in " ".join(retry.output.split())
 
 

@@ -1,4 +1,4 @@
-"""Stacked projections for rollouts (`vlmrl.engine.rollout.stacked`, `train.rollout_stacked`): what PEFT's forwards
+"""Stacked projections for rollouts (`vlmrl.engine.rollout.stacked`, wherever they apply): what PEFT's forwards
 compute, with 8 matmuls per layer instead of 21, the base weights moved once and the loss pass unchanged."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from peft import LoraConfig, get_peft_model
 from tests.conftest import load_sdpa
 from tests.test_fastgen import fake_trainer
 from vlmrl.data.synthetic import generate_items
+from vlmrl.engine.lora_layers import lora_layers
 from vlmrl.engine.rollout.fast import (
     bucket_static_cache,
     compile_settings,
@@ -19,7 +20,6 @@ from vlmrl.engine.rollout.fast import (
     prefill_into_dynamic_cache,
 )
 from vlmrl.engine.rollout.generation import encode_batch
-from vlmrl.engine.rollout.merge import lora_layers
 from vlmrl.engine.rollout.stacked import StackedProjections
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -156,7 +156,7 @@ def test_what_cannot_be_stacked_is_left_as_it_is_and_says_why(lora, reason):
     assert StackedProjections(_Block()).reason == "no LoRA layers"
 
 
-def test_the_setting_replaces_the_copies_and_wraps_each_rollout():
+def test_stacking_replaces_the_copies_by_default_and_wraps_each_rollout():
     seen = []
 
     def make():
@@ -165,22 +165,27 @@ def test_the_setting_replaces_the_copies_and_wraps_each_rollout():
         return model, trainer
 
     model, trainer = make()
-    fast = enable_fast_generation(trainer, stacked=True, adapter_copies=True)
+    fast = enable_fast_generation(trainer)  # the product's defaults
     assert fast.adapters.startswith("stacked by shared input for rollouts (3 groups of 3/2/1 projections")
+    assert [name for name, _ in trainer.vlmrl_rollout_contexts if name in ("offload", "adapter_copies", "stacked")] \
+        == ["offload", "stacked"]
     trainer._generate_single_turn()
     assert seen == [[True] * 6]
     assert not any("forward" in vars(m) for m in lora_layers(model))
     _, trainer = make()
-    merged = enable_fast_generation(trainer, stacked=True, merge=True)
+    from vlmrl.engine.experimental.rollout import apply
+
+    merged = apply(trainer, enable_fast_generation(trainer), merge=True)  # the experiment drops the stacked rollout
     assert merged.merge.startswith("merged for rollouts") and not merged.adapters.startswith("stacked")
+    assert "stacked" not in dict(trainer.vlmrl_rollout_contexts) and "merge" in dict(trainer.vlmrl_rollout_contexts)
     _, trainer = make()
-    assert enable_fast_generation(trainer, adapter_copies=True).adapters.startswith("bfloat16 copies")
+    assert enable_fast_generation(trainer, stacked=False).adapters.startswith("bfloat16 copies")
     model, trainer = make()
     trainer.args.bf16 = False  # float32 adapters over a bf16 base with no autocast to match them
-    refused = enable_fast_generation(trainer, stacked=True)
+    refused = enable_fast_generation(trainer)
     assert refused.adapters.startswith("not stacked (the adapters' dtype differs")
     model = _trained(_Block().to(torch.bfloat16), lora_dropout=0.1)
-    fallback = enable_fast_generation(fake_trainer(model, lambda: None), stacked=True, adapter_copies=True)
+    fallback = enable_fast_generation(fake_trainer(model, lambda: None))
     assert fallback.adapters.startswith("not stacked (LoRA dropout") and "; bfloat16 copies made per rollout" in \
         fallback.adapters  # refused: the copies apply, and the record says so
 

@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from vlmrl.common.io import read_json, read_jsonl
 from vlmrl.config.schema import Config, ConfigError, load_config
 from vlmrl.contract import completion_text
+from vlmrl.engine.rollout.mismatch import COLUMNS as MISMATCH_COLUMNS
 from vlmrl.grading.rewards import format_reward
 from vlmrl.pipeline import prepare_with_budget
 from vlmrl.run.layout import is_trained
@@ -241,6 +242,7 @@ def check_records(train_dir: Path, steps: list[int]) -> None:
     metrics = step_rows(train_dir / "metrics.jsonl")
     assert [r["step"] for r in metrics] == steps
     assert all("reward" in r and "loss" in r for r in metrics)
+    assert all(set(MISMATCH_COLUMNS) <= set(r) for r in metrics)  # the rollout against the loss pass, every step
     health = read_jsonl(train_dir / "health.jsonl")
     assert [r["step"] for r in health] == steps
     assert all(r["n"] == GENERATION_BATCH for r in health)

@@ -120,13 +120,12 @@ def test_a_flat_trl_name_is_pointed_to_its_section() -> None:
 
 
 def test_report_to_is_not_part_of_any_fingerprint() -> None:
-    from vlmrl.run.layout import train_fingerprint
-    from vlmrl.train.stage import _checkpoint_fingerprint
+    from vlmrl.run.layout import checkpoint_fingerprint, train_fingerprint
 
     a, b = load_config("demo"), load_config("demo", ["train.report_to=[tensorboard]"])
     assert a.fingerprint() == b.fingerprint()
     assert train_fingerprint(a) == train_fingerprint(b)
-    assert _checkpoint_fingerprint(a) == _checkpoint_fingerprint(b)
+    assert checkpoint_fingerprint(a) == checkpoint_fingerprint(b)
 
 
 def test_a_missing_tracker_package_is_one_line_naming_what_to_install(monkeypatch) -> None:

@@ -63,7 +63,7 @@ def _run_stages(config: Config, run_dir: Path, say: Say, progress_factory, train
     # 1 environment
     stage("doctor", False, lambda: write_json_atomic(run_dir / layout.ENV, collect_environment(run_dir)))
     # 4 data (2 and 3, model load and LoRA, happen inside the stages that need them)
-    stage("prepare", layout.is_prepared(config, run_dir), lambda: prepare_with_budget(config, run_dir))
+    stage("prepare", layout.is_prepared(config, run_dir), lambda: _prepare_and_show_drops(config, run_dir, say))
     # 5 baseline evaluation
     stage("eval baseline", layout.eval_done(config, run_dir, "baseline"),
           lambda: evaluate(config, run_dir, "baseline", progress=_progress(progress_factory, "baseline")))
@@ -88,6 +88,15 @@ def prepare_with_budget(config: Config, run_dir: Path):
     from vlmrl.data.prepare import prepare_data
 
     return prepare_data(config, run_dir, token_counter=prompt_token_counter(config, run_dir))
+
+
+def _prepare_and_show_drops(config: Config, run_dir: Path, say: Say) -> None:
+    """Prepare, then say the drop table (each reason, its count, an example, the fix): drops are never silent."""
+    from vlmrl.data.drops import drop_lines
+
+    result = prepare_with_budget(config, run_dir)
+    for line in drop_lines(result.summary.get("drops") or [], result.input_rows):
+        say(line)
 
 
 def prompt_token_counter(config: Config, run_dir: Path):

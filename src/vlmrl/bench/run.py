@@ -1,10 +1,14 @@
 """One bench path measured (`run_path`), and the whole benchmark (`run_bench`): every path, then the summary.
 
 Each path builds the shaped model afresh, trains it with TRL's `GRPOTrainer` (vlmrl's paths after
-`vlmrl.engine.rollout.fast.enable_fast_generation`), and records wall time per optimizer step, generation time inside
-it and the peak GPU memory of rollouts and of the rest (`_StepClock`). One path failing records its error and
-leaves the others' numbers. The unsloth path runs in a process of its own (`unsloth_path`) through the same
-`train_and_measure`. Left out: the model and data (`shaped`), the figures and tables (`summary`).
+`vlmrl.engine.rollout.fast.enable_fast_generation` and `vlmrl.engine.loss_pass.enable_loss_pass`), and records wall
+time per optimizer step, generation time inside it and the peak GPU memory of rollouts and of the rest
+(`_StepClock`). One path failing records its error and leaves the others' numbers. The unsloth path runs in a
+process of its own (`unsloth_path`) through the same `train_and_measure`.
+
+`VARIANTS` is empty in the product: a script (benchmarks/engine_variants.py) registers vlmrl paths with engine
+settings changed, then runs the same CLI. Left out: the model and data (`shaped`), the figures and tables
+(`summary`).
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +27,7 @@ from vlmrl.bench.floors import measure_ceilings
 from vlmrl.bench.shaped import (
     GIB,
     LORA_TARGETS,
+    PATHS,
     BenchSettings,
     bench_dataset,
     build_processor,
@@ -34,27 +41,25 @@ from vlmrl.bench.unsloth_path import UNSLOTH_PATHS, run_unsloth
 from vlmrl.common import distributed
 from vlmrl.engine.rollout.compile_cache import use_compile_cache
 
-# the filled-cache window of the paths that use one (train.rollout_filled_window): 11 windows over 1,344 positions
-FILLED_WINDOW = 128
-# What each vlmrl path changes from `vlmrl train`'s defaults (enable_fast_generation's keyword arguments).
-PATH_OPTIONS = {
-    "vlmrl": {},
-    "vlmrl-merged": {"merge": True},
-    "vlmrl-filled": {"filled_window": FILLED_WINDOW},
-    "vlmrl-copies": {"adapter_copies": True, "stacked": False},
-    "vlmrl-filled-copies": {"filled_window": FILLED_WINDOW, "adapter_copies": True, "stacked": False},
-    "vlmrl-input-cast": {},  # its change is in the loss pass: LOSS_PASS_OPTIONS
-    "vlmrl-sdpa-decode": {"decode_kernel": False},
-    "vlmrl-own-kernels": {},  # its change is in the loss pass: LOSS_PASS_OPTIONS
-    "vlmrl-stacked": {"stacked": True},
-    "vlmrl-guards-once": {"guards": "first step"},
-    "vlmrl-stacked-kernel": {"stacked_kernel": True},
-    "vlmrl-second-cublas": {"stacked_kernel": False},
-}
-# What each vlmrl path changes in the loss pass (enable_loss_pass's keyword arguments).
-LOSS_PASS_OPTIONS = {"vlmrl-input-cast": {"adapter_input_cast": True}, "vlmrl-own-kernels": {"kernels": False}}
-
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A vlmrl bench path with engine settings changed (what benchmarks/engine_variants.py registers)."""
+
+    fast: dict = field(default_factory=dict)  # enable_fast_generation's keyword arguments
+    loss_pass: dict = field(default_factory=dict)  # enable_loss_pass's keyword arguments
+    # (trainer, FastGeneration) -> FastGeneration, applied after enable_fast_generation
+    after: Callable[[Any, Any], Any] | None = None
+
+
+VARIANTS: dict[str, Variant] = {}  # path name -> Variant; empty unless a benchmark script registers some
+
+
+def path_names() -> tuple[str, ...]:
+    """The paths a bench can run here: `PATHS`, then the registered variants."""
+    return (*PATHS, *VARIANTS)
 
 
 class _StepClock:
@@ -136,6 +141,7 @@ def train_and_measure(path: str, settings: BenchSettings, model: Any, processor:
 
     from vlmrl.engine.loss_pass import enable_loss_pass
     from vlmrl.engine.rollout.fast import enable_fast_generation
+    from vlmrl.engine.rollout.mismatch import enable_rollout_mismatch, step_rows
     from vlmrl.grading.rewards import correctness_reward, format_reward
     from vlmrl.models.loading import multimodal_token_ids
 
@@ -174,10 +180,15 @@ def train_and_measure(path: str, settings: BenchSettings, model: Any, processor:
     trainer = GRPOTrainer(model=model, reward_funcs=[format_reward, correctness_reward], args=args,
                           train_dataset=dataset, processing_class=processor, peft_config=peft_config,
                           callbacks=[clock.callback()])
-    fast = (enable_fast_generation(trainer, bucket=settings.prompt_bucket, **fast_options(path))
-            if path.startswith("vlmrl") else None)
-    # plain: TRL as a user writes it
-    loss_pass = enable_loss_pass(trainer, **LOSS_PASS_OPTIONS.get(path, {})) if path.startswith("vlmrl") else None
+    fast = loss_pass = None  # plain: TRL as a user writes it
+    if path == "vlmrl" or path in VARIANTS:
+        variant = VARIANTS.get(path, Variant())
+        fast = enable_fast_generation(trainer, bucket=settings.prompt_bucket, **variant.fast)
+        if variant.after is not None:
+            fast = variant.after(trainer, fast)
+        loss_pass = enable_loss_pass(trainer, **variant.loss_pass)
+    # the sampler's log-probs against the loss pass's at every step, measured only (the loss stays TRL's)
+    mismatch = enable_rollout_mismatch(trainer, correction="none") if path not in UNSLOTH_PATHS else None
     clock.wrap_generation(trainer)
     started = time.perf_counter()
     error = None
@@ -206,22 +217,11 @@ def train_and_measure(path: str, settings: BenchSettings, model: Any, processor:
         "log": [row for row in trainer.state.log_history if "loss" in row],
         # LoRA layers trained: the unsloth path names its targets its own way, so the table shows they match
         "lora_modules": sum(1 for name, _ in trainer.model.named_modules() if name.endswith(".lora_A")),
+        "rollout_mismatch": step_rows(trainer.state.log_history) if mismatch else None,  # per optimizer step
     }
     del trainer, model
     free_memory()
     return result
-
-
-def fast_options(path: str) -> dict:
-    """enable_fast_generation's settings for a vlmrl bench path: `vlmrl train`'s defaults, then the path's own."""
-    from vlmrl.config.schema import TrainConfig
-
-    defaults = TrainConfig()
-    options = {"merge": defaults.rollout_merge, "adapter_copies": defaults.rollout_adapter_copies,
-               "filled_window": defaults.rollout_filled_window, "decode_kernel": defaults.rollout_decode_kernel,
-               "stacked": defaults.rollout_stacked, "stacked_kernel": defaults.rollout_stacked_kernel,
-               "guards": defaults.rollout_guards}
-    return {**options, **PATH_OPTIONS[path]}
 
 
 def path_steps(settings: BenchSettings, path: str) -> int:

@@ -1,4 +1,4 @@
-"""What both bench paths train: the settings, the random-weight model with a named model's real shapes, the data.
+"""What every bench path trains: the settings, the random-weight model with a named model's real shapes, the data.
 
 The shapes ship in `vlmrl/shapes/*.json` (no download); the processor is a tiny Qwen3-VL folder whose tokenizer
 serves the shaped model; the data is vlmrl's synthetic chart items. `save_shaped_model` writes the same model as
@@ -20,9 +20,8 @@ from vlmrl.run.preflight import load_shapes
 GIB = 2**30
 
 
-PATHS = ("plain", "vlmrl", "vlmrl-merged", "vlmrl-filled", "vlmrl-copies", "vlmrl-filled-copies", "vlmrl-input-cast",
-         "vlmrl-sdpa-decode", "vlmrl-own-kernels", "vlmrl-stacked", "vlmrl-guards-once", "vlmrl-stacked-kernel",
-         "vlmrl-second-cublas", "unsloth")  # unsloth: in its own process (`bench.unsloth_path`)
+# unsloth: in its own process (`bench.unsloth_path`). Engine variants: benchmarks/engine_variants.py (`run.VARIANTS`).
+PATHS = ("plain", "vlmrl", "unsloth")
 # The bench's LoRA: language attention + MLP projections (the seed recipe's targets), vision tower frozen.
 LORA_TARGETS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 
@@ -38,9 +37,8 @@ class BenchSettings:
     # Plain TRL compiles nothing, so its first step is already steady; in 4-bit one 1024-token step of it takes
     # minutes, and a record run may give it fewer steps than the compiled path (None = `steps`).
     steps_plain: int | None = None
-    # Steps reported apart from the steady figures: the first compiles; the second still carries one-off work (in the
-    # 12-step run at 256 tokens it took 10.0 s against 6.9-8.5 s for the ten after it). A path that ran no more
-    # steps than this has only its first set apart.
+    # Steps reported apart from the steady figures: the first compiles; the second still carries one-off work
+    # (docs/benchmarks.md, "Over many steps"). A path that ran no more steps than this has only its first set apart.
     warmup_steps: int = 1
     lora_r: int = 16
     algorithm: str = "gspo"

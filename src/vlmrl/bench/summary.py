@@ -12,19 +12,24 @@ from dataclasses import asdict
 import torch
 
 from vlmrl.bench.floors import decode_floor_ms, train_floor_s
-from vlmrl.bench.shaped import PATHS, BenchSettings
+from vlmrl.bench.shaped import BenchSettings
 from vlmrl.common.provenance import package_version
 from vlmrl.run.preflight import kv_bytes_per_token, language_param_count
 
 
 def ratio_prefix(path: str) -> str:
-    """The prefix of a path's ratios to plain TRL: its name less "vlmrl-", with "_" for "-" ("" for vlmrl itself,
-    "filled_copies_" for vlmrl-filled-copies, "unsloth_" for unsloth)."""
+    """The prefix of a path's ratios to plain TRL: its name less "vlmrl-", with "_" for "-".
+
+    >>> ratio_prefix("vlmrl"), ratio_prefix("vlmrl-filled-copies"), ratio_prefix("unsloth")
+    ('', 'filled_copies_', 'unsloth_')
+    """
     name = path.removeprefix("vlmrl").removeprefix("-").replace("-", "_")
     return f"{name}_" if name else ""
 
 
-RATIO_PREFIXES = {path: ratio_prefix(path) for path in PATHS if path != "plain"}
+def ratio_prefixes(paths: list[str] | dict) -> dict[str, str]:
+    """The ratio prefix of each path that ran, plain TRL (the reference) left out."""
+    return {path: ratio_prefix(path) for path in paths if path != "plain"}
 
 
 def steady_steps(steps: list[dict], warmup: int) -> list[dict]:
@@ -85,7 +90,7 @@ def summarize(settings: BenchSettings, shapes: dict, ceilings: dict, results: li
             "imported_before_unsloth": r.get("imported_before_unsloth"),
         }
     ratios = {}
-    for name, prefix in RATIO_PREFIXES.items():
+    for name, prefix in ratio_prefixes(paths).items():
         if "step_seconds" in paths.get("plain", {}) and "step_seconds" in paths.get(name, {}):
             p, v = paths["plain"], paths[name]
             ratios.update({
@@ -158,7 +163,7 @@ def markdown_table(summary: dict) -> str:
         lines.append("Steps set apart before the steady columns (the first step column is the first of them): "
                      + ", ".join(f"{name} {n}" for name, n in apart.items()) + ".")
     r = summary["ratios"]
-    for name, prefix in RATIO_PREFIXES.items():
+    for name, prefix in ratio_prefixes(summary["paths"]).items():
         if f"{prefix}step_speedup" in r:
             lines.append(f"Ratios, {name} vs plain: step {r[prefix + 'step_speedup']:.2f}x faster, decode "
                          f"{r[prefix + 'decode_speedup']:.2f}x faster, decode {r[prefix + 'vlmrl_decode_vs_floor']:.2f}x "

@@ -323,16 +323,9 @@ def bench(
              "work). A path with no more steps keeps all but its first.", min=1)] = 1,
     completion: Annotated[int, typer.Option(help="Completion tokens, forced.")] = 1024,
     paths: Annotated[str, typer.Option(
-        help="Comma-separated, of: plain, vlmrl, vlmrl-merged, vlmrl-filled (attention over the filled cache only), "
-             "vlmrl-copies (bf16 adapter copies for rollouts instead of the stacked projections), vlmrl-filled-copies (both), "
-             "vlmrl-input-cast (PEFT's float32 LoRA input casts in the loss pass), "
-             "vlmrl-sdpa-decode (SDPA over the whole cache instead of vlmrl's decode attention kernel), "
-             "vlmrl-own-kernels (the modules' own RMSNorm, RoPE and SiLU gate in the loss pass instead of Liger's), "
-             "vlmrl-stacked (rollouts run projections that share an input as one matmul with their adapters; the default), "
-             "vlmrl-guards-once (dynamo's guards checked at the first token step of each rollout only), "
-             "vlmrl-stacked-kernel (each stacked group's second step as one Triton kernel at token steps; the default), "
-             "vlmrl-second-cublas (that second step as a cuBLAS matmul and a sum, the default before), "
-             "unsloth (Unsloth's FastVisionModel, in a process of its own)")] = "plain,vlmrl",
+        help="Comma-separated, of: plain (TRL's GRPOTrainer as is), vlmrl (vlmrl train's engine), unsloth (Unsloth's "
+             "FastVisionModel, in a process of its own); engine variants through benchmarks/engine_variants.py.")
+    ] = "plain,vlmrl",
     load_in_4bit: Annotated[bool, typer.Option("--load-in-4bit", help="bitsandbytes 4-bit base weights.")] = False,
     memory_cap_gib: Annotated[float | None, typer.Option(help="Cap this process's GPU memory.")] = None,
     out: Annotated[Path, typer.Option(help="Where bench.json and bench.md go.")] = Path("bench-out"),
@@ -351,13 +344,14 @@ def bench(
     writes the results (samples per second and peak memory of every GPU included)."""
     import tempfile
 
-    from vlmrl.bench import PATHS, BenchSettings, run_bench, save_shaped_model
+    from vlmrl.bench import BenchSettings, path_names, run_bench, save_shaped_model
     from vlmrl.bench.throughput import parse_batches
     from vlmrl.common.distributed import is_main_process, world_size
 
-    unknown = [p for p in paths.split(",") if p not in PATHS]
+    unknown = [p for p in paths.split(",") if p not in path_names()]
     if unknown:
-        fail(f"unknown bench path(s) {', '.join(unknown)}; choose from {', '.join(PATHS)}")
+        fail(f"unknown bench path(s) {', '.join(unknown)}; choose from {', '.join(path_names())} (engine variants: "
+             "python3 benchmarks/engine_variants.py bench --paths ...)")
     if "unsloth" in paths.split(","):
         _unsloth_bench_checks(generation_batches is not None)
     try:

@@ -1,13 +1,19 @@
 """How the `vlmrl` command line fails: one literal line and an exit code, never a traceback for what the user
-can fix (a bad config, a folder in use, a full disk, a read-only folder, a damaged records file); `--debug`
-shows the traceback instead.
+can fix; `--debug` shows the traceback instead.
 
-Kept apart from `cli.py`, which holds the commands. Left out: catching programming errors (anything not named
+Exit codes: 0 done; 2 anything the user can fix (a config, the data, a reward function, a folder in use or not
+vlmrl's, a missing model, a stage that refuses, a full disk or a read-only folder, even when a library reports it
+wrapped in its own exception); 1 only a bug in vlmrl, with its traceback. A stage stopped by the disk or by a
+reward resumes when the same command is re-run.
+
+Kept apart from `app.py`, which holds the commands. Left out: catching programming errors (anything not named
 here still ends in a traceback, which is what a bug report needs).
 """
 
 from __future__ import annotations
 
+import errno
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,7 +38,7 @@ def debug() -> bool:
     return _state["debug"]
 
 
-def fail(message: str, code: int = 1) -> NoReturn:
+def fail(message: str, code: int = 2) -> NoReturn:
     # Text, not markup: a message quoting a path or key with brackets ([v2], [/x]) prints as written
     console.print(Text.assemble(("error:", "red"), " ", message), highlight=False, soft_wrap=True)
     raise typer.Exit(code)
@@ -49,9 +55,40 @@ def describe(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
+# errno values that say "the disk", not "the program": the run resumes once the user has made room
+_DISK_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EDQUOT)
+# The same failures as libraries report them in their own exceptions: safetensors (`... (os error 28)`) and
+# PyTorch's zip writer (`inline_container.cc`: `unexpected pos`, `file write failed`, `open file failed`).
+_DISK_TEXT = re.compile(r"No space left on device|Read-only file system|Disk quota exceeded|os error (?:28|30|122)\b"
+                        r"|inline_container\.cc")
+RESUME = "re-run the same command once that is fixed: it resumes where it stopped"
+
+
+def disk_failure(exc: BaseException) -> str | None:
+    """One line for a full disk, a quota or a read-only folder behind `exc` (itself, or an exception it was
+    raised from), however a library wrapped it; None for anything else.
+
+    >>> disk_failure(RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)"))
+    'writing failed: Error while serializing: I/O error: No space left on device (os error 28); free some space or make the folder writable, then re-run the same command once that is fixed: it resumes where it stopped'
+    >>> disk_failure(KeyError("x")) is None
+    True
+    """
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS:
+            return f"{describe(exc)}; {RESUME}"
+        if not isinstance(exc, OSError) and _DISK_TEXT.search(str(exc)):
+            text = " ".join(str(exc).split())[:300]
+            return f"writing failed: {text}; free some space or make the folder writable, then {RESUME}"
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 class Commands(TyperGroup):
     """The top-level command group: an OS error or a damaged file met anywhere in a command becomes one line
-    and exit 2 (the traceback only with --debug): a full disk or a read-only folder is the user's to fix."""
+    and exit 2 (the traceback only with --debug): a full disk or a read-only folder is the user's to fix, also
+    when a library (safetensors, PyTorch's checkpoint writer) reports it inside an exception of its own."""
 
     def invoke(self, ctx):
         from vlmrl.common.io import DamagedFileError
@@ -61,12 +98,18 @@ class Commands(TyperGroup):
         except (OSError, DamagedFileError, UnicodeDecodeError) as exc:
             if debug():
                 raise
-            fail(f"{describe(exc)} (--debug shows the traceback)", 2)
+            fail(f"{disk_failure(exc) or describe(exc)} (--debug shows the traceback)", 2)
+        except Exception as exc:
+            line = disk_failure(exc)
+            if line is None or debug():
+                raise
+            fail(f"{line} (--debug shows the traceback)", 2)
 
 
 def guarded(action: Callable[[], T]) -> T:
-    """Run a stage, turning the project's own errors into one red line and exit 1 (a folder in use or not
-    vlmrl's: exit 2, nothing was done); with --debug the traceback instead."""
+    """Run a stage, turning the project's own errors (each one the user can act on: a config, the data, a
+    reward, a folder, a model, a refused check) into one red line and exit 2; with --debug the traceback
+    instead."""
     from vlmrl.compare.stage import CompareError
     from vlmrl.compare.visual_gain import VisualGainError
     from vlmrl.config.schema import ConfigError
@@ -88,7 +131,7 @@ def guarded(action: Callable[[], T]) -> T:
             LoraLayoutError, VisualControlError, VisualGainError, RunFolderError) as exc:
         if debug():
             raise
-        fail(str(exc))
+        fail(str(exc), 2)
 
 
 @contextmanager

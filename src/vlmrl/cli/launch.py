@@ -105,7 +105,7 @@ def one_process_only(command: str) -> None:
 
 
 def one_gpu_per_process(processes: int, *, saving: bool) -> None:
-    """`vlmrl bench` measures one GPU per process: exit 1 on a machine without CUDA, or when one process sees
+    """`vlmrl bench` measures one GPU per process: exit 2 on a machine without CUDA, or when one process sees
     several GPUs (unless it only saves a model, which needs no GPU of its own)."""
     import torch
 

@@ -98,9 +98,19 @@ def show_run_done(run_dir: Path, seconds: float) -> None:
 
 
 def show_prepared(run_dir: Path) -> None:
-    """`vlmrl prepare`'s data/summary.json (less the per-category counts), and the warning it may carry."""
+    """`vlmrl prepare`'s data/summary.json (less the per-category counts), the drop table, and the warning the
+    summary may carry."""
     summary = json.loads((run_dir / layout.DATA_SUMMARY).read_text())
-    console.print_json(json.dumps({k: v for k, v in summary.items() if k != "by_category"}))
+    console.print_json(json.dumps({k: v for k, v in summary.items() if k not in ("by_category", "drops")}))
+    if drops := summary.get("drops"):
+        table = Table(title=f"dropped {summary['counts']['dropped']} of {summary['counts']['input_rows']} rows "
+                      "(every one in data/dropped.jsonl)")
+        for column in ("reason", "count", "example", "fix"):
+            table.add_column(column, justify="right" if column == "count" else "left", overflow="fold")
+        for row in drops:
+            table.add_row(row["reason"], str(row["count"]), escape(f"{row['example_id']}: {row['example']}"),
+                          escape(row["fix"]))
+        console.print(table)
     if summary.get("comparable_to_published") is False:
         console.print(f"[yellow]warning:[/yellow] {escape(str(summary.get('message')))}")
     console.print(f"wrote {run_dir / 'data'}", markup=False)
@@ -170,7 +180,7 @@ def show_export_checks(report: dict) -> None:
 
 
 def show_bench(out: Path, summary: dict) -> None:
-    """bench.md as written; exit 1 naming the paths that failed (their errors are in bench.json)."""
+    """bench.md as written; exit 2 naming the paths that failed (their errors are in bench.json)."""
     console.print((out / "bench.md").read_text(), markup=False, highlight=False)
     failed = [name for name, p in summary["paths"].items() if p.get("error")]
     if failed:
@@ -178,7 +188,7 @@ def show_bench(out: Path, summary: dict) -> None:
 
 
 def show_throughput(out: Path, summary: dict) -> None:
-    """throughput.md as written; exit 1 naming the generation batches that failed or were skipped."""
+    """throughput.md as written; exit 2 naming the generation batches that failed or were skipped."""
     console.print((out / "throughput.md").read_text(), markup=False, highlight=False)
     if failed := [f"{r['path']} at {r['generation_batch']}" for r in summary["rows"] if r.get("error")]:
         fail(f"generation batch(es) failed or skipped: {', '.join(failed)} (details in {out / 'throughput.json'})")

@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-PRESETS = ("demo", "demo-gpu", "seed", "gspo-paper")
+PRESETS = ("demo", "demo-gpu", "seed", "seed-16gb", "gspo-paper")
 
 
 class ConfigError(ValueError):

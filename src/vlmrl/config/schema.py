@@ -155,6 +155,8 @@ class Config(_Section):
                     rollout_decode_kernel=kernels, rollout_stacked_kernel=kernels, **_FIXED_TRAIN)
         flat.update({name: overrides.pop(name, default) for name, default in TRL_DEFAULTS.items()})
         flat["generation_backend"] = "vllm" if overrides.pop("use_vllm", False) else "hf"
+        if flat["rollout_correction"] == "auto":  # added later: at its default, earlier runs keep their fingerprints
+            del flat["rollout_correction"]
         flat["trl_overrides"] = overrides
         return flat
 
@@ -257,7 +259,8 @@ def dump_config(config: Config, *, changed_only: bool = False) -> str:
     data = config.model_dump(mode="json")
     if changed_only:
         data = _changed(data, Config().model_dump(mode="json"))
-        data["rewards"] = [{k: v for k, v in r.items() if v not in (None, {}, [])}
+        default_timeout = RewardSpec.model_fields["timeout_s"].default
+        data["rewards"] = [{k: v for k, v in r.items() if v not in (None, {}, []) and (k, v) != ("timeout_s", default_timeout)}
                            for r in config.model_dump(mode="json")["rewards"]]
     return yaml.safe_dump(data, sort_keys=False)
 

@@ -217,6 +217,15 @@ class TrainConfig(_Section):
         "prompts per optimizer step (and fewer steps per epoch). No change on the CPU.",
     )
     rollout: RolloutConfig = Field(default_factory=lambda: RolloutConfig())
+    rollout_correction: Literal["auto", "none", "tis"] = Field(
+        "auto",
+        description="Correct the loss for the gap between the rollout's sampling distribution and the loss pass's "
+        "(vlmrl.engine.rollout.mismatch; measured every step either way): `tis` = truncated importance sampling "
+        "with TRL's semantics (per token for grpo, per completion for gspo, capped at TRL's "
+        "vllm_importance_sampling_clip_max, 3); `none` = measure only; `auto` = tis where the rollout's numerics "
+        "differ from the loss pass's (the fast path, bf16/fp16, a 4-bit base), none where they match (float32 "
+        "without the fast path). Why: docs/rollouts.md.",
+    )
     report_to: list[Literal["tensorboard", "wandb", "trackio", "none"]] = Field(
         default_factory=list,
         description="Experiment trackers fed during training (TensorBoard event files under train/tensorboard/; "

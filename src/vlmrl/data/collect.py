@@ -1,13 +1,15 @@
 """Steps 1-2 of the data stage: read the source row by row, and keep or drop each row.
 
 A kept row has passed its source's field checks, each of its images (in order) has been normalised and
-stored once under `run_dir/data/images/<sha256[:16]>.png`, and its prompt fits `data.max_prompt_tokens`
-(when a token counter is given). A dropped row carries a reason code. Cheap checks run first, so a filtered
+stored once under `run_dir/data/images/<sha256[:16]>.png`, and its prompt (asking for the config's
+`contract`) fits `data.max_prompt_tokens` (when a token counter is given). With `data.holdout_split`, that
+split's rows follow the training split's, each item's `metadata["split"]` saying which it came from. A dropped row carries a reason code. Cheap checks run first, so a filtered
 row never costs a decode; a row is kept only when all of its images are usable.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,7 +20,7 @@ from vlmrl.common.io import write_bytes_atomic
 from vlmrl.config.schema import Config
 from vlmrl.contract import build_prompt_text
 from vlmrl.data.images import ImageError, dhash, image_sha256, normalize_image, open_row_image, to_png_bytes
-from vlmrl.data.items import Candidate, Dropped, Item
+from vlmrl.data.items import Candidate, DataError, Dropped, Item
 from vlmrl.data.mathvista import convert_rows
 from vlmrl.data.sources import open_rows
 from vlmrl.data.synthetic import SyntheticItem, check_families, generate_items
@@ -64,8 +66,15 @@ def _open(config: Config, converted: dict[str, int]) -> tuple[int, Iterator[Cand
             count, seed=config.run.seed, size=data.image_size, difficulty=data.difficulty, families=families
         )
         return count, (_from_synthetic(s) for s in items)
-    source = open_rows(data)
-    return source.total, convert_rows(source.rows, data, source.name, converted)
+    if data.holdout_split is not None and data.source == "synthetic":
+        raise DataError("data.holdout_split: the synthetic source has no splits; unset it (data.holdout_size "
+                        "items are held out of the generated ones).")
+    sources = [open_rows(data)] + ([open_rows(data, holdout=True)] if data.holdout_split is not None else [])
+    if len(sources) == 2 and sources[0].split in (None, sources[1].split):  # None: every file, the held-out too
+        raise DataError(f"data.holdout_split {data.holdout_split!r}: the training rows would include it (data.split "
+                        f"{data.split!r} reads {sources[0].split or 'every file'}); set data.split to another split.")
+    rows = itertools.chain.from_iterable(convert_rows(s.rows, data, s.name, converted) for s in sources)
+    return sum(s.total for s in sources), rows
 
 
 def _from_synthetic(item: SyntheticItem) -> Candidate:
@@ -94,7 +103,8 @@ def _keep(
 ) -> Item | Dropped:
     """Normalise and store the row's images, check the prompt budget; an Item, or why not."""
     data = config.data
-    prompt = build_prompt_text(row.question, answer_type=row.answer_type, choices=row.choices)
+    prompt = build_prompt_text(row.question, answer_type=row.answer_type, choices=row.choices,
+                               contract=config.contract)
     images = []
     for number, value in enumerate(row.images, start=1):
         try:

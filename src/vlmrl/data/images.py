@@ -4,8 +4,9 @@ Every image, from any source, goes through `normalize_image`: EXIF orientation a
 with transparency composited on white, then one of three resize policies. Images that cannot be used raise
 `ImageError` with a stable reason code, which the data stage writes to `dropped.jsonl` instead of crashing.
 
-The size check happens after `Image.open` has read only the header and before any pixel is decoded, so a
-decompression bomb (a small file claiming 20000x20000 pixels) costs nothing.
+A file is measured (stat) before it is read and read no further than `MAX_FILE_BYTES`, so a huge or sparse
+file costs nothing either. The pixel check happens after `Image.open` has read only the header and before any
+pixel is decoded, so a decompression bomb (a small file claiming 20000x20000 pixels) costs nothing.
 
 `image_sha256` (exact identity of the stored PNG) and `dhash` (a 64-bit perceptual hash that survives
 re-encoding, small brightness changes and resizing) feed the train/holdout contamination guard.
@@ -25,6 +26,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 ResizePolicy = Literal["squash", "fit", "max_pixels"]
 
 MAX_PIXELS = 100_000_000  # ~10k x 10k; MathVista's largest testmini image has 18M pixels
+MAX_FILE_BYTES = 4 * MAX_PIXELS  # an uncompressed 8-bit RGBA picture at the pixel limit; real files are far smaller
 MIN_SIDE = 2  # zero-size and one-pixel-wide images carry no picture
 PNG_COMPRESS_LEVEL = 3  # smaller files than 1, several times faster than the default 6 on flat charts
 WHITE = (255, 255, 255)
@@ -58,9 +60,7 @@ def open_image(source: Any, *, base_dir: Path | None = None) -> Image.Image:
         path = Path(source)
         if not path.is_absolute() and base_dir is not None:
             path = base_dir / path
-        if not path.is_file():
-            raise ImageError("missing_image", f"no image file at {path}")
-        source = path.read_bytes()
+        source = _read_limited(path)
     if isinstance(source, (bytes, bytearray, memoryview)):
         return _decode(bytes(source))
     if source is None:
@@ -203,6 +203,21 @@ def dhash(img: Image.Image, hash_size: int = 8) -> int:
 
 def hamming(a: int, b: int) -> int:
     return (a ^ b).bit_count()
+
+
+def _read_limited(path: Path) -> bytes:
+    """The file's bytes, refused as `too_large` by its size before reading (a 64 GiB sparse file would
+    otherwise be read whole) and, should it grow meanwhile, after reading `MAX_FILE_BYTES` + 1 bytes."""
+    if not path.is_file():
+        raise ImageError("missing_image", f"no image file at {path}")
+    size = path.stat().st_size
+    if size > MAX_FILE_BYTES:
+        raise ImageError("too_large", f"{path} is {size:,} bytes, over {MAX_FILE_BYTES:,}")
+    with path.open("rb") as handle:
+        payload = handle.read(MAX_FILE_BYTES + 1)
+    if len(payload) > MAX_FILE_BYTES:
+        raise ImageError("too_large", f"{path} grew past {MAX_FILE_BYTES:,} bytes while being read")
+    return payload
 
 
 def _decode(payload: bytes) -> Image.Image:

@@ -1,29 +1,39 @@
 """Rows of any dataset (not MathVista's schema) to `Candidate`s through the `data.columns` mapping.
 
-`data.columns` maps vlmrl's keys to the file's column names: `question` and `answer` are required, and one of
-`image` (one image, or a list) or `images` (a list, kept in order); `id`, `choices`, `answer_type`,
-`precision` and `unit` are optional. An `imagefolder` source needs no image mapping: its `file_name` column is
-the image. Every column that is not mapped is kept, JSON-safe, in `Candidate.extra` (reward functions get it).
+`data.columns` maps vlmrl's keys to the file's column names: `question` and `answer` are required, and
+`image` (one image, or a list) and/or `images` (a list, kept in order): a row may have its image(s) in either,
+not in both; `id`, `choices`, `answer_type`, `precision`, `unit` and `category` are optional. An `imagefolder`
+source needs no image mapping: its `file_name` column is the image. Every column that is not mapped is kept,
+JSON-safe, in `Candidate.extra` (reward functions get it). A row's id is its `id` cell, else where it was read
+(`train.parquet:12`: file name and row number, the line number for JSONL and CSV).
 
 The answer type of a row: its `answer_type` cell when mapped and non-empty, else `data.answer_type`, else read
 off the gold: a number is `integer` or `float` (from its text: "3.0" is a float with precision 1, a float64
-cell holding 3.0 is the integer 3), a gold that is one of the row's choices is `choice`, anything else `text`
-(declare `expression` answers: inference cannot tell an expression from prose). Rows whose type is not in
-`data.answer_types` are dropped (`filtered_answer_type`). Gold numbers are kept as written (see values.py).
+cell holding 3.0 is the integer 3), a gold that is one of the row's choices is `choice`, LaTeX or a symbolic
+expression (`\\frac{1}{2}`, `1/2`, `x^2+1`) is `expression`, anything else `text`; where the type came from is
+kept in the item's metadata (`answer_type_from`). Rows whose type is not in `data.answer_types` are dropped
+(`filtered_answer_type`, showing the answer and the fix). Choices are a list, or a cell holding a JSON list, a
+Python list literal or text split at `data.choices_separator`. Gold numbers are kept as written (values.py).
 Left out: choices given as letters only ("B" with no choice texts), answers that are not scalars.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 from typing import Any
 
 from vlmrl.config.schema import DataConfig
 from vlmrl.data.items import ANSWER_TYPES, Candidate, DataError, Dropped
-from vlmrl.data.values import decimals_of, integer_text, is_integer_text, json_safe, number_text
+from vlmrl.data.values import decimals_of, integer_text, is_integer_text, json_safe, looks_like_expression, number_text
 
-COLUMN_KEYS = ("id", "question", "answer", "image", "images", "choices", "answer_type", "precision", "unit")
+COLUMN_KEYS = ("id", "question", "answer", "image", "images", "choices", "answer_type", "precision", "unit",
+               "category")
 IMAGEFOLDER_COLUMN = "file_name"
+CHOICE_FORMS = ('write choices as a JSON list ["red", "green"] or a Python list [\'red\', \'green\'], or set '
+                'data.choices_separator to split text such as red|green')
+TYPE_SOURCES = {"column": "its answer_type cell", "data.answer_type": "data.answer_type",
+                "inferred": "read off the gold"}
 
 
 def check_columns_seen(data: DataConfig, seen: set[str], name: str) -> None:
@@ -69,23 +79,26 @@ def convert_mapped(
 ) -> Candidate | Dropped:
     cols = mapping(data, row)
     cell = {key: row.get(column) for key, column in cols.items()}
-    item_id = _id_text(cell.get("id")) or f"{name}-{index}"
+    item_id = _id_text(cell.get("id")) or row.get("__where__") or f"{name}-{index}"
     question = cell["question"]
     if not isinstance(question, str) or not question.replace("<image>", "").strip():
         return Dropped(
             item_id, "missing_question", f"column {cols['question']!r} is missing, empty or not text"
         )
-    images = _images(cell)
+    images = _images(cell, cols)
     if isinstance(images, Dropped):
         return Dropped(item_id, images.reason, images.detail)
-    choices = _choices(cell.get("choices"))
-    if choices is False:
-        return Dropped(item_id, "bad_choices", f"column {cols['choices']!r} is not a list of choices")
+    choices = _choices(cell.get("choices"), data.choices_separator)
+    if isinstance(choices, str):  # why the cell cannot be choices
+        return Dropped(item_id, "bad_choices", f"column {cols['choices']!r}: {choices}", fix=CHOICE_FORMS)
     gold = _gold(item_id, cell, data, choices, counters)
     if isinstance(gold, Dropped):
         return gold
-    answer, atype, precision = gold
-    unit = cell.get("unit")
+    answer, atype, precision, typed_by = gold
+    unit, category = cell.get("unit"), cell.get("category")
+    metadata: dict[str, Any] = {"row": index, "answer_type_from": typed_by}
+    if row.get("__split__"):
+        metadata["split"] = row["__split__"]
     mapped_columns = set(cols.values())
     extra = {k: json_safe(v) for k, v in row.items() if k not in mapped_columns and not k.startswith("__")}
     return Candidate(
@@ -97,8 +110,8 @@ def convert_mapped(
         unit=(str(unit).strip() or None) if unit is not None else None,
         choices=tuple(choices) if choices else None,
         source=name,
-        category=name,
-        metadata={"row": index},
+        category=str(category).strip() if category is not None and str(category).strip() else name,
+        metadata=metadata,
         images=tuple(images),
         base_dir=row.get("__base_dir__"),
         extra=extra,
@@ -107,8 +120,8 @@ def convert_mapped(
 
 def _gold(
     item_id: str, cell: dict[str, Any], data: DataConfig, choices: list[str] | None, counters: dict[str, int]
-) -> tuple[str, str, int | None] | Dropped:
-    """(answer text, answer type, precision) of a row, or why it is dropped."""
+) -> tuple[str, str, int | None, str] | Dropped:
+    """(answer text, answer type, precision, where the type came from) of a row, or why it is dropped."""
     raw = cell["answer"]
     if raw is None or (isinstance(raw, str) and not raw.strip()):
         return Dropped(item_id, "missing_answer", "the answer column is missing or empty")
@@ -118,7 +131,7 @@ def _gold(
     text = raw.strip() if isinstance(raw, str) else number
     if text is None:  # a non-finite float
         return Dropped(item_id, "non_numeric_answer", f"answer {raw!r} is not a finite number")
-    declared = cell.get("answer_type")
+    declared, typed_by = cell.get("answer_type"), "column"
     if isinstance(declared, str) and declared.strip():
         atype = declared.strip().lower()
         if atype not in ANSWER_TYPES:
@@ -130,14 +143,16 @@ def _gold(
             item_id, "unknown_answer_type", f"answer_type is a {type(declared).__name__}, not text"
         )
     elif data.answer_type is not None:
-        atype = data.answer_type
-    elif number is not None:
-        atype = "integer" if "." not in number else "float"
+        atype, typed_by = data.answer_type, "data.answer_type"
     else:
-        atype = "choice" if choices and text in choices else "text"
+        atype, typed_by = _inferred_type(text, number, choices), "inferred"
     if atype not in data.answer_types:
+        fix = f"add {atype} to data.answer_types"
         return Dropped(
-            item_id, "filtered_answer_type", f"{atype} answer not in data.answer_types {data.answer_types}"
+            item_id, "filtered_answer_type",
+            f"answer {_short(text)!r} is {atype} ({TYPE_SOURCES[typed_by]}); data.answer_types is {data.answer_types}",
+            fix=fix if typed_by != "inferred" else f"{fix}, or declare the type (data.answer_type, or an "
+            "answer_type column)",
         )
     if atype in ("integer", "float"):
         if number is None or (atype == "integer" and not is_integer_text(number)):
@@ -145,7 +160,7 @@ def _gold(
         gold = integer_text(number) if atype == "integer" else number
         if gold != text:
             counters["answer_normalized"] = counters.get("answer_normalized", 0) + 1
-        return gold, atype, _precision(cell.get("precision"), atype, gold, counters)
+        return gold, atype, _precision(cell.get("precision"), atype, gold, counters), typed_by
     if atype == "choice":
         if not choices:
             return Dropped(
@@ -155,7 +170,20 @@ def _gold(
             return Dropped(
                 item_id, "answer_not_in_choices", f"answer {text!r} is not one of the choices {choices}"
             )
-    return text, atype, None
+    return text, atype, None, typed_by
+
+
+def _inferred_type(text: str, number: str | None, choices: list[str] | None) -> str:
+    """A number is integer/float, one of the row's choices is choice, maths is expression, the rest text."""
+    if number is not None:
+        return "integer" if "." not in number else "float"
+    if choices and text in choices:
+        return "choice"
+    return "expression" if looks_like_expression(text) else "text"
+
+
+def _short(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _precision(raw: Any, atype: str, gold: str, counters: dict[str, int]) -> int | None:
@@ -173,36 +201,67 @@ def _precision(raw: Any, atype: str, gold: str, counters: dict[str, int]) -> int
     return decimals_of(gold)
 
 
-def _images(cell: dict[str, Any]) -> list[Any] | Dropped:
-    """The row's images, in order: the `images` list when mapped, else the `image` value (or list)."""
-    value = cell.get("images") if "images" in cell else cell.get("image")
-    if isinstance(value, str) and value.lstrip().startswith("["):  # a CSV cell holding a JSON list
-        try:
-            value = json.loads(value)
-        except (json.JSONDecodeError, RecursionError):
-            return Dropped("", "bad_images", "the images cell starts with '[' but is not a JSON list")
-    if isinstance(value, tuple):
-        value = list(value)
-    if value is None or value == []:
-        return Dropped("", "missing_image", "no image in this row")
+def _images(cell: dict[str, Any], cols: dict[str, str]) -> list[Any] | Dropped:
+    """The row's images, in order, from whichever of `images` (a list) and `image` (one, or a list) holds
+    them; a row with images in both is dropped, since which to show would be a guess."""
+    keys = [k for k in ("images", "image") if k in cols]
+    if len(keys) == 2 and cols["image"] == cols["images"]:  # one column mapped twice
+        keys = ["images"]
+    present = {}
+    for key in (k for k in keys if k in cell):
+        value = cell[key]
+        if isinstance(value, str) and value.lstrip().startswith("["):  # a CSV cell holding a JSON list
+            try:
+                value = json.loads(value)
+            except (json.JSONDecodeError, RecursionError):
+                return Dropped("", "bad_images", f"the {key} cell starts with '[' but is not a JSON list")
+        value = list(value) if isinstance(value, tuple) else value
+        if value is not None and value != []:
+            present[key] = value
+    if len(present) > 1:
+        return Dropped("", "image_and_images", f"both columns {cols['image']!r} and {cols['images']!r} hold "
+                       "images in this row; keep them in one")
+    if not present:
+        return Dropped("", "missing_image", f"no image in column(s) {', '.join(repr(cols[k]) for k in keys)}")
+    value = next(iter(present.values()))
     return value if isinstance(value, list) else [value]
 
 
-def _choices(raw: Any) -> list[str] | None | bool:
-    """The choices as text, None when there are none, False when the cell cannot be choices."""
+def _choices(raw: Any, separator: str | None = None) -> list[str] | None | str:
+    """The choices as text, None when there are none, or why the cell cannot be choices.
+
+    >>> _choices('["a", "b"]'), _choices("['a', 'b']"), _choices("a | b", "|"), _choices("a|b")
+    (['a', 'b'], ['a', 'b'], ['a', 'b'], "'a|b' is not a JSON or Python list (and data.choices_separator is unset)")
+    """
     if raw is None:
         return None
     if isinstance(raw, str):
-        if not raw.strip():
+        text = raw.strip()
+        if not text:
             return None
-        try:
-            raw = json.loads(raw)
-        except (json.JSONDecodeError, RecursionError):
-            return False
+        raw = _list_literal(text)
+        if raw is None and separator:
+            raw = [part.strip() for part in text.split(separator) if part.strip()]
+        elif raw is None:
+            return f"{_short(text)!r} is not a JSON or Python list (and data.choices_separator is unset)"
     if not isinstance(raw, (list, tuple)) or any(isinstance(c, (list, dict, tuple)) for c in raw):
-        return False
+        return f"{_short(json.dumps(json_safe(raw)))} is not a list of choices"
     texts = [c.strip() if isinstance(c, str) else (number_text(c) or str(c)) for c in raw]
     return texts or None
+
+
+def _list_literal(text: str) -> Any:
+    """A cell's JSON list or Python list literal (`['a', 'b']`), else None; never runs code."""
+    if not text.startswith("["):
+        return None
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        pass
+    try:
+        return ast.literal_eval(text) if len(text) <= 100_000 else None
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return None
 
 
 def _id_text(raw: Any) -> str | None:

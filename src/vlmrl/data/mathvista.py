@@ -16,6 +16,7 @@ nested too deeply, or one whose cells have types no converter expected, is dropp
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -48,11 +49,12 @@ def convert_rows(
     checked = False
     seen: set[str] = set()  # columns present in some row (mapped optional columns must be somewhere)
     for index, row in enumerate(rows):
+        where = row.get("__where__") or f"row-{index}"  # file name and row number, for rows without an id
         if "__error__" in row:
-            yield Dropped(f"row-{index}", row.get("__reason__", "bad_row"), row["__error__"])
+            yield Dropped(where, row.get("__reason__", "bad_row"), row["__error__"])
             continue
         if depth(row) > MAX_DEPTH:
-            yield Dropped(f"row-{index}", "too_deeply_nested", f"nested more than {MAX_DEPTH} levels deep")
+            yield Dropped(where, "too_deeply_nested", f"nested more than {MAX_DEPTH} levels deep")
             continue
         if not checked:  # the first readable row decides the schema
             _check_schema(row, data, name)
@@ -66,7 +68,7 @@ def convert_rows(
                 yield _mathvista(row, index, data, counters)
         except (TypeError, ValueError, AttributeError, KeyError, OverflowError) as exc:
             # cells of a type no check above expected: the row goes, with what was wrong, the run goes on
-            yield Dropped(f"row-{index}", "bad_row", f"{type(exc).__name__}: {exc}"[:300])
+            yield Dropped(where, "bad_row", f"{type(exc).__name__}: {exc}"[:300])
     if data.columns and checked:
         check_columns_seen(data, seen, name)
 
@@ -93,7 +95,7 @@ def _check_schema(row: dict[str, Any], data: DataConfig, name: str) -> None:
 def _mathvista(
     row: dict[str, Any], index: int, data: DataConfig, counters: dict[str, int]
 ) -> Candidate | Dropped:
-    pid = str(row.get("pid") or f"row-{index}")
+    pid = str(row.get("pid") or row.get("__where__") or f"row-{index}")
     question = row.get(data.prompt_field)
     if not isinstance(question, str) or not question.strip():
         return Dropped(pid, "missing_question", f"field {data.prompt_field!r} is missing or empty")
@@ -134,13 +136,16 @@ def _mathvista(
             counters["answer_normalized"] = counters.get("answer_normalized", 0) + 1
 
     raw_metadata = row.get("metadata")
+    if isinstance(raw_metadata, str):  # a CSV or JSONL file may hold the mapping as JSON text
+        raw_metadata = _json_mapping(raw_metadata) or raw_metadata
     if raw_metadata is None or isinstance(raw_metadata, dict):
         metadata = json_safe(dict(raw_metadata or {}))
     else:  # kept as it was, under its own key: the row is usable, the odd cell is not lost
         metadata = {"metadata": json_safe(raw_metadata)}
         counters["metadata_not_mapping"] = counters.get("metadata_not_mapping", 0) + 1
     split = metadata.get("split") if isinstance(metadata.get("split"), str) else None
-    split = split or data.split
+    split = row.get("__split__") or split or data.split or "testmini"
+    metadata["split"] = split
     metadata.update(
         {"pid": pid, "question_type": json_safe(qtype), "answer_type": json_safe(row.get("answer_type"))}
     )
@@ -160,6 +165,14 @@ def _mathvista(
         images=(_mathvista_image(row),),
         base_dir=row.get("__base_dir__"),
     )
+
+
+def _json_mapping(text: str) -> dict | None:
+    try:
+        value = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _mathvista_image(row: dict[str, Any]) -> Any:

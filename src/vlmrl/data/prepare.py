@@ -4,11 +4,14 @@ Steps, in order:
   1. read the source (synthetic generator, MathVista, or a column-mapped dataset) row by row;
   2. drop what cannot be used (filtered answer types, missing fields, duplicate ids, bad images, prompts over
      `data.max_prompt_tokens`), each with a reason; normalise and store every kept image once, by sha256;
-  3. choose the holdout (reusing the previous one when the data config is unchanged);
+  3. choose the holdout (reusing the previous one when the data config is unchanged), from the training split
+     or, with `data.holdout_split`, from that split (its items past `data.holdout_size` are dropped);
   4. remove from train any item any of whose images is (nearly) a holdout item's image;
   5. write train.jsonl, holdout.jsonl, dropped.jsonl, then summary.json last (its presence means "complete").
 
-Every input row ends up in exactly one of train, holdout or dropped, and summary.json says so.
+Every input row ends up in exactly one of train, holdout or dropped, and summary.json says so, with the drop
+table (`vlmrl.data.drops`: each reason, its count, an example and the fix). Only MathVista sources say
+whether their numbers compare with published MathVista figures (`comparable_to_published`; None otherwise).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any
 from vlmrl.common.io import write_json_atomic, write_jsonl_atomic
 from vlmrl.config.schema import Config
 from vlmrl.data.collect import TokenCounter, collect_items
+from vlmrl.data.drops import drop_table
 from vlmrl.data.items import DataError, Dropped, Item, read_items
 from vlmrl.data.splits import ImageKey, check_no_overlap, choose_holdout, find_contamination
 
@@ -45,7 +49,7 @@ class PrepareResult:
     num_train: int
     num_holdout: int
     dropped_by_reason: dict[str, int]
-    comparable_to_published: bool
+    comparable_to_published: bool | None  # None: not a MathVista source, nothing to compare with
     message: str | None
     fingerprint: str
     holdout_reused: bool
@@ -87,9 +91,13 @@ def prepare_data(
     _check_enough(config, data_dir, kept, dropped)
 
     # step 3: the holdout, reused when this config made it before
-    holdout_ids = set(
-        choose_holdout([i.id for i in kept], data.holdout_size, config.run.seed, previous_holdout)
-    )
+    pool = [i.id for i in kept if data.holdout_split is None or i.metadata.get("split") == data.holdout_split]
+    holdout_ids = set(choose_holdout(pool, data.holdout_size, config.run.seed, previous_holdout))
+    if data.holdout_split is not None:  # the held-out split's other items: neither trained on nor evaluated
+        kept, spare = _set_aside(kept, set(pool) - holdout_ids)
+        dropped += [Dropped(i.id, "beyond_holdout_size", f"split {data.holdout_split!r} has {len(pool)} usable "
+                            f"items; data.holdout_size={data.holdout_size} of them are held out") for i in spare]
+        _check_holdout_split(config, data_dir, len(pool), dropped)
     holdout = [i for i in kept if i.id in holdout_ids]
     train = [i for i in kept if i.id not in holdout_ids]
     reused = bool(previous_holdout) and set(previous_holdout) <= holdout_ids
@@ -142,10 +150,22 @@ def load_prepared(run_dir: Path) -> tuple[list[Item], list[Item]]:
     return train, holdout
 
 
+def _set_aside(kept: list[Item], ids: set[str]) -> tuple[list[Item], list[Item]]:
+    return [i for i in kept if i.id not in ids], [i for i in kept if i.id in ids]
+
+
+def _check_holdout_split(config: Config, data_dir: Path, usable: int, dropped: list[Dropped]) -> None:
+    if usable:
+        return
+    write_jsonl_atomic(data_dir / "dropped.jsonl", (d.to_json() for d in dropped))
+    raise DataError(f"data.holdout_split {config.data.holdout_split!r}: no usable row in that split. "
+                    f"{_top_reasons(dropped)} Every row and its reason: {data_dir / 'dropped.jsonl'}.")
+
+
 def _check_enough(config: Config, data_dir: Path, kept: list[Item], dropped: list[Dropped]) -> None:
     """Refuse data that leaves nothing to train on; the drop report is written first so it can be read."""
     data = config.data
-    if kept and len(kept) > data.holdout_size:
+    if kept and (len(kept) > data.holdout_size or data.holdout_split is not None):
         return
     write_jsonl_atomic(data_dir / "dropped.jsonl", (d.to_json() for d in dropped))
     if not kept:
@@ -199,7 +219,9 @@ def _summary(
 ) -> dict[str, Any]:
     data = config.data
     input_rows = len(train) + len(holdout) + len(dropped)  # every row lands in exactly one of the three
-    comparable = not (any(i.source == TESTMINI for i in train) and any(i.source == TESTMINI for i in holdout))
+    comparable = None  # a claim about MathVista's published figures: made for MathVista sources only
+    if any(i.source.startswith("mathvista-") for i in train + holdout):
+        comparable = not (any(i.source == TESTMINI for i in train) and any(i.source == TESTMINI for i in holdout))
     return {
         "fingerprint": fingerprint,
         "source": data.source,
@@ -210,17 +232,20 @@ def _summary(
             "dropped": len(dropped),
         },
         "dropped_by_reason": dict(Counter(d.reason for d in dropped).most_common()),
+        "drops": drop_table(dropped),
+        "answer_types": dict(sorted(Counter(i.answer_type for i in train + holdout).items())),
         "converted": converted,
         "train_by_category": dict(sorted(Counter(i.category for i in train).items())),
         "holdout_by_category": dict(sorted(Counter(i.category for i in holdout).items())),
-        "holdout": {"size": len(holdout), "requested": data.holdout_size, "seed": config.run.seed},
+        "holdout": {"size": len(holdout), "requested": data.holdout_size, "seed": config.run.seed,
+                    "split": data.holdout_split},
         "images": {
             "stored": len({s for i in train + holdout for s in i.image_sha256}),
             "size": data.image_size,
             "resize": data.resize,
         },
         "comparable_to_published": comparable,
-        "message": None if comparable else NOT_COMPARABLE,
+        "message": NOT_COMPARABLE if comparable is False else None,
     }
 
 

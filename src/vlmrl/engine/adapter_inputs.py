@@ -4,12 +4,9 @@ PEFT keeps LoRA weights in float32 next to a bf16 base, and before each adapter 
 to the adapter weight's dtype (`_cast_input_dtype`). Under the bf16 autocast that TRL's loss pass runs in, the
 matmul then casts that float32 copy straight back to bf16. For a bf16 input the round trip is exact, so it
 changes no number, in the forward or in the backward (whose gradient goes through the same two casts in
-reverse). It is not free: the input is a whole micro-batch of activations (8 x 1,334 tokens x 4,096 or 12,288
-features for Qwen3-VL-8B), cast once for each of the 7 adapted projections of each layer, in the forward, again
-in the checkpoint's recomputation, and twice more in the backward. An H200 profile of the seed recipe's loss
-pass (`benchmarks/step_profile.py`, `h200_step_profile.json`) found 1.3 s of its 6.4 s of kernels in copies and
-casts; skipping these casts took the rest of the step from 6.99 to 6.73 s and its peak from 23.87 to 22.96 GiB
-(`h200_adapter_inputs.json`).
+reverse). It is not free: the input is a whole micro-batch of activations, cast once for each adapted projection
+of each layer, in the forward, again in the checkpoint's recomputation, and twice more in the backward; skipping
+the casts saves loss-pass time and peak memory (docs/benchmarks.md, "LoRA inputs kept in bf16").
 
 PEFT reads the switch for the cast, `cast_input_dtype_enabled`, as a truth value at every forward.
 `keep_inputs_under_autocast` sets it, on every plain LoRA layer, to an object that is false while autocast is on
@@ -18,7 +15,8 @@ otherwise (PEFT casts as before, e.g. in a pass outside autocast, where a bf16 i
 weight). Layers with dropout, DoRA or another LoRA variant keep PEFT's cast. Gradient checkpointing recomputes
 with the forward's autocast state, so the recomputation takes the same branch as the forward. Applies where the
 trainer's autocast exists: a bf16 or fp16 run with float32 adapters over a low-precision frozen base
-(`vlmrl.engine.rollout.fast.rollout_autocast_dtype`); `train.adapter_input_cast=true` leaves PEFT's cast as it is.
+(`vlmrl.engine.rollout.fast.rollout_autocast_dtype`). `enable(trainer, wanted=False)` leaves PEFT's cast as it is
+(a benchmark variant).
 """
 
 from __future__ import annotations
@@ -70,7 +68,7 @@ def enable(trainer: Any, *, wanted: bool = True) -> str:
     from vlmrl.engine.rollout.fast import rollout_autocast_dtype
 
     if not wanted:
-        return "cast to float32 by PEFT (train.adapter_input_cast=true)"
+        return "cast to float32 by PEFT (adapter_input_cast asked for)"
     if rollout_autocast_dtype(trainer.model, trainer.args) is None:
         return "as PEFT does (no float32 adapters under a low-precision autocast)"
     device_type = getattr(getattr(getattr(trainer, "accelerator", None), "device", None), "type", None) or (

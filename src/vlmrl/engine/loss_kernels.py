@@ -1,9 +1,8 @@
 """Liger's fused Triton kernels for the language model's RMSNorm, RoPE and SiLU gate, wherever the model runs
 eagerly on CUDA: TRL's loss pass above all (forward, the checkpoint's recomputation, backward).
 
-An H200 profile of the seed recipe's loss pass (`benchmarks/step_profile.py`, `h200_step_profile.json`) spent 1.8 s
-of its 6.4 s of kernels in elementwise and reduction kernels and 1.3 s in copies and casts, against 2.6 s in the
-matmuls that set its floor. Most of the elementwise work is three small functions that eager PyTorch runs as
+A profile of the seed recipe's loss pass (`benchmarks/step_profile.py`) spends more of its kernel time in elementwise
+and reduction kernels and in copies and casts than in the matmuls that set its floor. Most of the elementwise work is three small functions that eager PyTorch runs as
 chains of kernels, each reading and writing a whole activation: Qwen3-VL's RMSNorm (a float32 copy, a square, a
 mean, a rsqrt, two multiplies and a cast back; 4 per layer with q_norm and k_norm), the rotary embedding (rotate
 half, two multiplies and an add for q and for k), and the MLP's SiLU gate (SiLU, then a multiply), and each of
@@ -25,7 +24,8 @@ to bf16 in eager PyTorch and not in Liger). Differences are at the bf16 rounding
 than the modules' own bf16 forwards.
 Liger's RMSNorm may write its input gradient over its output gradient (`in_place`); it is off here, since a norm's
 output gradient is not always its own (a residual stream can share it).
-`train.loss_kernels=false` keeps the modules' own forwards.
+With `train.rollout.kernels` off the modules keep their own forwards. What the kernels are worth:
+docs/benchmarks.md ("Liger's kernels in the loss pass").
 """
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ def uninstall(model: Any) -> None:
 def enable(trainer: Any, *, wanted: bool = True) -> str:
     """Liger's kernels on `trainer.model`'s text modules where they apply; what was done, for the record."""
     if not wanted:
-        return "the modules' own (train.loss_kernels=false)"
+        return "the modules' own (kernels off)"
     missing = liger_missing()
     if missing:
         return f"the modules' own: {missing}"

@@ -24,11 +24,10 @@ Exactness:
   (tests/test_loss_pass_trim.py); another model type keeps its left padding (Qwen2-VL too: the same rope code,
   but no tiny build to check it on).
 
-Length-grouped micro-batches (`enable_length_grouping`, `train.group_by_length`): TRL shuffles a generation batch's
-rows at random before the split (`shuffle_sequence_dict`), so each micro-batch mixes short and long completions and
-few of its columns are padding in every row: on the demo policy's sampled lengths 17.5% of the loss pass's positions
-are padding but 1.2% are in all-padding columns (`benchmarks/loss_pass_padding.py`, docs/benchmarks.md); grouped,
-14.1% are, and on synthetic lengths of 62 to 1024 tokens 48.3% against 13.6%. Grouping sorts the rows by completion
+Length-grouped micro-batches (`enable_length_grouping`): TRL shuffles a generation batch's rows at random before
+the split (`shuffle_sequence_dict`), so each micro-batch mixes short and long completions and few of its columns are
+padding in every row; grouped, many more are (the shares: `benchmarks/loss_pass_padding.py`, docs/benchmarks.md).
+Grouping sorts the rows by completion
 length, then prompt length, ties broken by TRL's own `torch.randperm` draw (the same random stream as before), so
 each micro-batch's rows have similar lengths and the trim drops the rest. Where a generation batch feeds several
 optimizer steps (steps_per_generation a multiple k of gradient_accumulation_steps), the draw is cut into k shares
@@ -340,20 +339,21 @@ class LossPass:
                 "adapter_inputs": self.adapter_inputs, "kernels": self.kernels}
 
 
-def enable_loss_pass(trainer: Any, *, trim: bool = True, group: bool = True, adapter_input_cast: bool = False,
-                     kernels: bool = True) -> LossPass:
-    """The trim (`enable_padding_trim`) and, with it, the length grouping (`enable_length_grouping`) on `trainer`.
-    Grouping alone would change nothing but the order of the sums, so it needs the trim. Unless
-    `adapter_input_cast`, the LoRA layers keep their inputs in the autocast dtype (`vlmrl.engine.adapter_inputs`). With
-    `kernels`, Liger's fused kernels where they apply (`vlmrl.engine.loss_kernels`)."""
+def enable_loss_pass(trainer: Any, *, kernels: bool = True, trim: bool = True, group: bool = True,
+                     adapter_input_cast: bool = False) -> LossPass:
+    """The trim (`enable_padding_trim`) and, with it, the length grouping (`enable_length_grouping`) on `trainer`;
+    the LoRA layers' inputs kept in the autocast dtype (`vlmrl.engine.adapter_inputs`); with `kernels`, Liger's
+    fused kernels where they apply (`vlmrl.engine.loss_kernels`). The product passes `kernels` only; `trim`,
+    `group` and `adapter_input_cast` turn a piece off for benchmark variants (grouping alone would change nothing
+    but the order of the sums, so it needs the trim)."""
     from vlmrl.engine import adapter_inputs, loss_kernels
 
     inputs = adapter_inputs.enable(trainer, wanted=not adapter_input_cast)
     fused = loss_kernels.enable(trainer, wanted=kernels)
     counters = enable_padding_trim(trainer) if trim else None
     if not group:
-        return LossPass(counters, LengthGrouping(False, why_not="group_by_length is off"), inputs, fused)
+        return LossPass(counters, LengthGrouping(False, why_not="grouping is off"), inputs, fused)
     if not counters:
-        return LossPass(None, LengthGrouping(False, why_not="trim_padding is off: grouping saves nothing without it"),
+        return LossPass(None, LengthGrouping(False, why_not="the trim is off: grouping saves nothing without it"),
                         inputs, fused)
     return LossPass(counters, enable_length_grouping(trainer), inputs, fused)

@@ -38,10 +38,10 @@ from vlmrl.grading.rewards import score_completion
 from vlmrl.grading.user_rewards import (
     Reward,
     call_rewards,
-    check_run_rewards,
     item_columns,
     load_rewards,
     prompt_messages,
+    reward_check,
     weighted_total,
 )
 from vlmrl.models.loading import adapter_base_problem, load_with_adapter
@@ -90,7 +90,7 @@ def evaluate(
         from vlmrl.evaluate.swap import derangement, swap_images
 
         items, name = swap_images(items, derangement(items, swap_seed)), stage + layout.SWAPPED
-    rewards = check_run_rewards(config, run_dir)  # a broken reward fails here, before any model loads
+    rewards, checked = reward_check(config, run_dir)  # a broken reward fails here, before any model loads
     rewards_key = rewards_fingerprint(config)
     if stage == "after":
         adapter = adapter or run_dir / layout.FINAL
@@ -151,7 +151,7 @@ def evaluate(
             )
             seconds = time.perf_counter() - t0
             rows = [make_record(item, gens, settings, seconds / len(batch), stage, rewards=rewards, image=image,
-                                rewards_key=rewards_key)
+                                rewards_key=rewards_key, contract=config.contract)
                     for item, gens, image in zip(batch, generations, images) if item["id"] not in done]
             append_jsonl(out_path, rows)
             tokens += sum(r["generated_tokens"] for r in rows)
@@ -172,6 +172,7 @@ def evaluate(
         if progress and not live and todo:
             progress(len(records), len(items), sum(r["generated_tokens"] for r in records if r["id"] not in done))
         summary = summarize(records, stage=name, seed=config.run.seed)
+        summary["contract"], summary["reward_check"] = config.contract, checked  # the check's means per reward
         summary["provenance"] = provenance(started_at=started_at, finished_at=utc_now())
         write_json_atomic(summary_path, summary)
     distributed.barrier()  # the summary exists before any rank reads it
@@ -209,12 +210,14 @@ def generation_settings(config: Config, adapter: Path | None, run_dir: Path | No
 
 
 def make_record(item: dict, generations: list, settings: dict, seconds: float, stage: str, *,
-                rewards: list[Reward] | None = None, image: object = None, rewards_key: str | None = None) -> dict:
+                rewards: list[Reward] | None = None, image: object = None, rewards_key: str | None = None,
+                contract: str = "seed") -> dict:
     """One held-out item's record; `rewards` are the configured ones (default: format 0.3 + correctness 1.0),
     each called on the item's completions with the item's columns as TRL would; `rewards_key` is their
-    fingerprint (records scored under another one are rescored, see `rescore_records`)."""
-    rewards = rewards if rewards is not None else load_rewards(Config())
-    samples = [_score(item, g) for g in generations]
+    fingerprint (records scored under another one are rescored, see `rescore_records`). The answer is read
+    and the format checked under `contract`."""
+    rewards = rewards if rewards is not None else load_rewards(Config(contract=contract))
+    samples = [_score(item, g, contract) for g in generations]
     for sample, scored in zip(samples, score_rewards(item, [g.text for g in generations], rewards, image)):
         sample.update(scored)
     first = samples[0]
@@ -225,6 +228,7 @@ def make_record(item: dict, generations: list, settings: dict, seconds: float, s
         "gold": item["answer"],
         "answer_type": item.get("answer_type"),
         "precision": item.get("precision"),
+        "contract": contract,
         **first,
         "image_sha256": record_hashes(item),  # one per image, in order
         "prompt_sha256": hashlib.sha256(item["prompt"].encode()).hexdigest()[:16],
@@ -301,8 +305,8 @@ def rescore_records(path: Path, run_dir: Path, items: list[dict], rewards: list[
     return len(stale)
 
 
-def _score(item: dict, generation) -> dict:
-    scored = score_completion(generation.text, item["answer"], **_grading_fields(item))
+def _score(item: dict, generation, contract: str = "seed") -> dict:
+    scored = score_completion(generation.text, item["answer"], **_grading_fields(item), contract=contract)
     question_type = "multi_choice" if item.get("choices") else "free_form"
     normalized = normalize_mathvista(
         scored["pred"],

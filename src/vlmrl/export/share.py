@@ -12,6 +12,7 @@ before/after table with its intervals (from `comparison.json`), the dataset and 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from vlmrl.models.loading import is_local_only
 from vlmrl.run import layout
 
 LOCAL_BASE = "base-model"  # inside adapter/, for bases no hub hosts
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def shareable_base_name(config: Config, adapter_dir: Path, resolved_source: str) -> str:
@@ -48,7 +50,8 @@ def write_model_card(folder: Path, config: Config, run_dir: Path, *, kind: str, 
     sections = [
         _front_matter(base_name, kind, config),
         f"# {config.run.name}: {config.train.algorithm.upper()} LoRA on {base_name} ({kind})\n",
-        "Trained with [vlmrl](https://github.com/) (GRPO/GSPO through TRL) on visual math.\n",
+        f"Trained with vlmrl (GRPO/GSPO through TRL) from {_base_model(config, base_name)} on "
+        f"{_data_source(config.data.source)}.\n",
         _recipe(config, base_name),
         _results(run_dir),
         _dataset(run_dir),
@@ -70,8 +73,9 @@ def _front_matter(base_name: str, kind: str, config: Config) -> str:
 def _recipe(config: Config, base_name: str) -> str:
     t, lora = config.train, config.lora
     rows = [
-        ("base model", base_name + (" (copied into this folder: built by vlmrl, on no hub)" if base_name == LOCAL_BASE
-                                    else "")),
+        ("base model", _base_model(config, base_name)),
+        ("data", _data_source(config.data.source)),
+        ("answer form", f"contract `{config.contract}` (vlmrl.contract)"),
         ("base weights", "nf4 (bitsandbytes 4-bit)" if config.model.load_in_4bit else config.model.dtype),
         ("algorithm", f"{t.algorithm} (loss {t.loss_type}), {t.num_generations} completions per prompt"),
         ("LoRA", f"r={lora.r}, alpha={lora.alpha}, attention={lora.attention}, mlp={lora.mlp}, vision={lora.vision}"),
@@ -107,8 +111,38 @@ def _dataset(run_dir: Path) -> str:
         f"- train items: {counts.get('train')}, held-out items: {counts.get('holdout')}, "
         f"dropped: {counts.get('dropped')} ({summary.get('dropped_by_reason') or 'none'})\n"
         f"- contamination check between train and held-out images: {summary.get('contamination_check')}\n"
-        f"- comparable to published MathVista figures: {summary.get('comparable_to_published')}\n"
+        + (f"- comparable to published MathVista figures: {summary['comparable_to_published']}\n"
+           if summary.get("comparable_to_published") is not None else "")  # claimed for MathVista sources only
     )
+
+
+def _base_model(config: Config, base_name: str) -> str:
+    """The base model as a reader can find it: a hub link, the user's path, or the copy in this folder."""
+    if base_name == LOCAL_BASE:
+        return f"`{config.model.name}` (built by vlmrl, on no hub: copied into this folder as `{LOCAL_BASE}/`)"
+    return _linked(base_name, "model")
+
+
+def _linked(name: str, kind: str) -> str:
+    """A hub id as a link to its hub page; any other name (a local path, this folder) as plain text.
+
+    >>> _linked("Qwen/Qwen3-VL-8B-Instruct", "model"), _linked("AI4Math/MathVista", "dataset"), _linked("./m", "model")
+    ('[Qwen/Qwen3-VL-8B-Instruct](https://huggingface.co/Qwen/Qwen3-VL-8B-Instruct)', \
+'[AI4Math/MathVista](https://huggingface.co/datasets/AI4Math/MathVista)', '`./m`')
+    """
+    if HUB_ID.match(name) and not Path(name).exists():
+        return f"[{name}](https://huggingface.co/{'datasets/' if kind == 'dataset' else ''}{name})"
+    return f"`{name}`"
+
+
+def _data_source(source: str) -> str:
+    """The data named for a reader: a hub dataset linked, a local file or folder by its name (not this machine's
+    path), the built-in generator by what it is."""
+    if source == "synthetic":
+        return "vlmrl's built-in synthetic visual-math figures"
+    if HUB_ID.match(source) and not Path(source).exists():
+        return f"the dataset {_linked(source, 'dataset')}"
+    return f"a local dataset, `{Path(source).name}`"
 
 
 def _usage(kind: str, base_name: str) -> str:

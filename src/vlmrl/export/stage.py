@@ -26,6 +26,7 @@ from vlmrl.common.io import match_umask, read_jsonl, write_json_atomic
 from vlmrl.config.schema import Config
 from vlmrl.models.loading import adapter_base_problem
 from vlmrl.run import layout
+from vlmrl.run.claim import relative_to_run
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,6 @@ def export_adapter(config: Config, run_dir: Path, *, source: Path | None = None)
     from vlmrl.export import merge as em
     from vlmrl.export.share import save_processor, shareable_base_name, write_model_card
     from vlmrl.models.loading import BASE_RECORD, load_with_adapter, resolve_model_source
-    from vlmrl.run.claim import relative_to_run
 
     chosen = _chosen_checkpoint(config, run_dir) if source is None else {"choice": "given", "source": str(source)}
     source = Path(chosen["source"])
@@ -104,10 +104,11 @@ def _chosen_checkpoint(config: Config, run_dir: Path) -> dict:
     """Which adapter folder export.checkpoint picks (`best`: the kept best validation step), as recorded."""
     if config.export.checkpoint == "last":
         return {"choice": "last", "source": str(run_dir / layout.FINAL)}
-    best = layout.best_checkpoint(run_dir)
+    best = layout.best_checkpoint(run_dir, config)  # None too when kept by another training
     if best is None:
-        raise ExportError(f"export.checkpoint=best: no kept best checkpoint in {run_dir / layout.BEST}; "
-                          "train with train.eval_every_steps set (and export.checkpoint=best), or export `last`.")
+        raise ExportError(f"export.checkpoint=best: no best checkpoint of this training in {run_dir / layout.BEST} "
+                          "(none kept, or kept by another training config); train with train.eval_every_steps set "
+                          "(and export.checkpoint=best), or export `last`.")
     return {"choice": "best", "source": str(run_dir / layout.BEST), **best}
 
 
@@ -134,7 +135,7 @@ def verify_adapter_weights(adapter_dir: Path) -> list[Check]:
 
     path = adapter_dir / "adapter_model.safetensors"
     if not path.exists():
-        return [Check("adapter_file", False, None, f"{path} missing")]
+        return [Check("adapter_file", False, None, f"{path.parent.name}/{path.name} missing")]  # no machine path
     tensors = load_file(str(path))
     b_mats = {k: v for k, v in tensors.items() if "lora_B" in k}
     zero_b = sorted(k for k, v in b_mats.items() if not torch.any(v != 0))
@@ -207,8 +208,8 @@ def _route_check(name: str, folder: Path, run_dir: Path, items: list[dict], refe
     result = em.compare(loaded, run_dir, items, reference, tolerance)
     del loaded
     passed = result.pop("passed")
-    return Check(name, passed, result, f"{folder} ({route}) reloaded with plain transformers vs base+adapter on "
-                 f"{len(items)} held-out items; tolerance: {tolerance.describe()}")
+    return Check(name, passed, result, f"{relative_to_run(folder, run_dir)} ({route}) reloaded with plain "
+                 f"transformers vs base+adapter on {len(items)} held-out items; tolerance: {tolerance.describe()}")
 
 
 def _gguf_check(config: Config, run_dir: Path) -> Check:
@@ -228,7 +229,8 @@ def _gguf_check(config: Config, run_dir: Path) -> Check:
         raise ExportError(str(exc)) from None
     result["read_back"] = eg.read_back(result["files"], run_dir / "merged-16bit")
     result["llama_cpp_generation"] = eg.try_generate(result["files"]["model"])
-    result["converter"] = str(llama_cpp)
+    result["files"] = {kind: relative_to_run(path, run_dir) for kind, path in result["files"].items()}
+    result["converter"] = relative_to_run(Path(llama_cpp).resolve(), run_dir)  # outside the run: absolute
     passed = not result["read_back"]["problems"] and result["llama_cpp_generation"]["generated"] is not False
     return Check("gguf", passed, result, "converted by llama.cpp's convert_hf_to_gguf.py, read back with the gguf "
                  "package (block count, embedding shape and values vs merged-16bit); "

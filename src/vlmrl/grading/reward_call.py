@@ -16,7 +16,7 @@ fault.
   completion) or a real number that converts to a finite float. NaN, infinities, `10**400`, bools, strings:
   one line naming the reward, the position and the item's `id`.
 - **Every way out is one line.** An exception, `sys.exit()` and `KeyboardInterrupt` raised by the function
-  become `RewardError`; a real Ctrl-C (delivered to the main thread, which is waiting) still stops the run.
+  become `RewardError`; a real Ctrl-C (a SIGINT, which the main thread receives) still stops the run.
 
 What a thread cannot bound, and a worker process would (docs/reliability.md says why vlmrl does not use one):
 `os._exit()` or a crash in C code ends the whole process; code that holds the GIL in one C call (a
@@ -29,6 +29,7 @@ import contextvars
 import copy
 import math
 import numbers
+import signal
 import threading
 import traceback
 from collections.abc import Callable
@@ -63,7 +64,7 @@ def check_values(out: Any, expected: int, who: str, ids: list | tuple | None = N
     ...     check_values([1.0, float("nan")], 2, "r", ["a", "b"])
     ... except RewardError as exc:
     ...     print(exc)
-    r returned nan for completion 1 (item 'b'); each value must be a finite number, or None for no reward.
+    r returned nan (float) for completion 1 (item 'b'); each value must be a finite number, or None for no reward.
     """
     if not isinstance(out, list | tuple):
         raise RewardError(f"{who} returned {type(out).__name__}, not a list of numbers (one per completion).")
@@ -75,8 +76,8 @@ def check_values(out: Any, expected: int, who: str, ids: list | tuple | None = N
         if number is None and value is not None:
             item = f" (item {ids[position]!r})" if ids is not None and position < len(ids) else ""
             shown = f"{value!r:.60}" + ("..." if len(repr(value)) > 60 else "")
-            raise RewardError(f"{who} returned {shown} for completion {position}{item}; each value must be a finite "
-                              "number, or None for no reward.")
+            raise RewardError(f"{who} returned {shown} ({type(value).__name__}) for completion {position}{item}; each "
+                              "value must be a finite number, or None for no reward.")
         values.append(number)
     return values
 
@@ -111,12 +112,7 @@ def _own_copies(prompts: Any, completions: list, kwargs: dict[str, Any]) -> tupl
 
 def _bounded(call: Callable[[], Any], who: str, timeout_s: float | None, source: str | None) -> Any:
     if timeout_s is None:
-        try:
-            return call()
-        except KeyboardInterrupt:  # in the caller's thread it may be the user's Ctrl-C: let it stop the run
-            raise
-        except BaseException as exc:  # noqa: BLE001  SystemExit and any error of the user's code: one line
-            raise _failure(exc, who, source) from None
+        return _in_caller_thread(call, who, source)
     outcome: dict[str, Any] = {}
     # a fresh thread has none of the caller's context variables, grad mode or CUDA device: it gets them
     thread = threading.Thread(target=contextvars.copy_context().run, args=(_in_thread, call, outcome, _torch_state()),
@@ -129,6 +125,26 @@ def _bounded(call: Callable[[], Any], who: str, timeout_s: float | None, source:
     if "error" in outcome:
         raise _failure(outcome["error"], who, source) from None
     return outcome["value"]
+
+
+def _in_caller_thread(call: Callable[[], Any], who: str, source: str | None) -> Any:
+    """The call where the caller runs; a KeyboardInterrupt is the reward's unless a real SIGINT arrived meanwhile
+    (then the user pressed Ctrl-C, and it stops the run as usual)."""
+    signals: list[int] = []
+    previous = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+    if callable(previous):
+        signal.signal(signal.SIGINT, lambda number, frame: (signals.append(number), previous(number, frame)))
+    try:
+        return call()
+    except KeyboardInterrupt as exc:
+        if signals:
+            raise
+        raise _failure(exc, who, source) from None
+    except BaseException as exc:  # noqa: BLE001  SystemExit and any error of the user's code: one line
+        raise _failure(exc, who, source) from None
+    finally:
+        if callable(previous):
+            signal.signal(signal.SIGINT, previous)
 
 
 def _in_thread(call: Callable[[], Any], outcome: dict[str, Any], torch_state: tuple[bool, int | None]) -> None:

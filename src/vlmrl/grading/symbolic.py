@@ -15,9 +15,8 @@ time, and dies with its parent: the kernel kills it when vlmrl dies (`vlmrl.comm
 at the end of its stdin. A process forked after the worker started gets its own
 worker. Answers are cached per (pred, gold): a GRPO group often repeats a completion.
 
-Measured here (2 shared CPU cores): a comparison takes 1-20 ms through the pipe (the first ones up to ~1 s
-while sympy warms up); ``2^{10^{10}}`` against ``1`` is stopped by the worker's own timer after 1 s; with that
-timer off it is killed after ``TIMEOUT_S`` (tests/test_symbolic.py exercises both).
+A pathological expression (``2^{10^{10}}`` against ``1``) is stopped by the worker's own timer; with that timer
+off it is killed after ``TIMEOUT_S`` (tests/test_symbolic.py exercises both; timings: docs/benchmarks.md).
 
 Left out: Windows (``poll`` on pipes), several workers in parallel (one comparison at a time is fast enough for
 reward batches). Answers longer than ``MAX_EXPRESSION_CHARS`` are not parsed: the caller decides them.

@@ -211,7 +211,7 @@ def _import_function(spec: RewardSpec, label: str) -> Callable[..., Any]:
             module = importlib.util.module_from_spec(module_spec)  # type: ignore[arg-type]
             sys.modules[module_name] = module
             module_spec.loader.exec_module(module)  # type: ignore[union-attr]
-        except Exception as exc:  # noqa: BLE001  the user's file: report its error, not ours
+        except (Exception, SystemExit) as exc:  # noqa: BLE001  the user's file (sys.exit() too): its error, not ours
             sys.modules.pop(module_name, None)
             if isinstance(exc, ImportError) and (dotted := _package_module(path)):
                 raise RewardError(
@@ -224,7 +224,7 @@ def _import_function(spec: RewardSpec, label: str) -> Callable[..., Any]:
             sys.path.append(spec.resolved)
         try:
             module = importlib.import_module(where)
-        except Exception as exc:  # noqa: BLE001
+        except (Exception, SystemExit) as exc:  # noqa: BLE001  sys.exit() at import too
             raise RewardError(f"{label}: importing module {where!r} failed: {_one_line(exc)}") from None
     if not hasattr(module, attr):
         raise RewardError(f"{label}: {where} has no {attr!r}.")

@@ -64,7 +64,9 @@ def _sample_card(item_id: Any, state: tuple[str, bool], item: dict | None, befor
     first = item or before or after or {}
     status, broken = state
     gold = item.get("answer") if item else first.get("gold")
-    meta = " · ".join(esc(first.get(k)) for k in ("category", "answer_type", "source") if first.get(k))
+    # the category, unless it only repeats the source (a dataset with no category column)
+    shown = [first.get(k) for k in ("category", "answer_type", "source") if first.get(k)]
+    meta = " · ".join(esc(v) for i, v in enumerate(shown) if v not in shown[:i])
     return (f'<article class="sample" data-id="{esc(item_id)}" data-status="{status}" '
             f'data-format-broken="{int(broken)}"><div class="thumb">{_thumbnail(item, run_dir)}</div>'
             f'<div class="item"><h3><code>{esc(item_id)}</code> <span class="badge {status}">'

@@ -21,11 +21,15 @@ EVAL_EXTRAS = [  # *_summary.json key -> number format
     ("n", "d"), ("truncation_rate", ".3f"), ("gibberish_rate", ".3f"), ("mean_generated_tokens", ".1f"),
     ("tokens_per_second", ".1f"), ("items_per_second", ".2f"),
 ]
-TRAIN_KEYS = [  # TRL log key -> label, in plotting order; every `clip_ratio/...` key shares one plot
+TRAIN_KEYS = [  # TRL log key -> label, in plotting order; a key ending in * is a prefix whose keys share one plot
     ("reward", "total reward"), ("rewards/format_reward/mean", "format reward (mean)"),
     ("rewards/correctness_reward/mean", "correctness reward (mean)"),
     ("completions/mean_length", "completion length"), ("completions/clipped_ratio", "truncated completions"),
     ("clip_ratio/*", "clip ratio"), ("kl", "KL"), ("frac_reward_zero_std", "zero-variance groups (fraction)"),
+    # the rollout engine against the loss pass (vlmrl.engine.rollout.mismatch, docs/rollouts.md)
+    ("mismatch/logp_diff_*", "rollout vs loss pass: |Δ log p| per token"),
+    ("mismatch/sequence_kl", "rollout vs loss pass: KL per completion (k3)"),
+    ("mismatch/ratio_outside_cap", "rollout vs loss pass: tokens outside the TIS cap (fraction)"),
     ("learning_rate", "learning rate"), ("loss", "loss"), ("grad_norm", "grad norm"),
 ]
 VALIDATION_KEYS = [("accuracy", "validation accuracy"), ("format_compliance", "validation format compliance"),
@@ -97,8 +101,8 @@ def training_section(files: RunFiles) -> str:
     known = {key for key, _ in TRAIN_KEYS}
     user = sorted({k for row in metrics for k in row if k.startswith("rewards/") and k.endswith("/mean")} - known)
     for key, label in TRAIN_KEYS[:3] + [(k, f"{k[8:-5]} (mean)") for k in user] + TRAIN_KEYS[3:]:
-        keys = ([key] if key != "clip_ratio/*"
-                else sorted({k for row in metrics for k in row if k.startswith("clip_ratio/")}))
+        keys = ([key] if not key.endswith("*")
+                else sorted({k for row in metrics for k in row if k.startswith(key[:-1])}))
         series = {k: step_series(metrics, k) for k in keys}
         series = {k: xy for k, xy in series.items() if xy[0]}
         if series:
@@ -124,9 +128,9 @@ def _validation_part(files: RunFiles) -> str:
     """Held-out subset metrics during training: the mean per validation step, and its 95% interval as lo/hi."""
     rows = files.jsonl("train/validation.jsonl")
     plots = []
-    for key, label in VALIDATION_KEYS:
+    for key, label in VALIDATION_KEYS + _validation_rewards(rows):
         flat = [{"step": r.get("step"), "mean": m.get("mean"), "lo": (m.get("ci95") or [None, None])[0],
-                 "hi": (m.get("ci95") or [None, None])[1]} for r in rows if isinstance(m := r.get(key), dict)]
+                 "hi": (m.get("ci95") or [None, None])[1]} for r in rows if isinstance(m := _stat(r, key), dict)]
         series = {name: step_series(flat, name) for name in ("mean", "lo", "hi")}
         if series["mean"][0]:
             plots.append(figure(label, key, {f"{key} {n}": xy for n, xy in series.items() if xy[0]}))
@@ -134,6 +138,20 @@ def _validation_part(files: RunFiles) -> str:
         return ""  # validation during training is optional (train.eval_every_steps)
     return ('<h3>Validation during training</h3><p class="src">From train/validation.jsonl: a fixed held-out '
             f'subset, greedy, with 95% bootstrap intervals (lo, hi), against step.</p><div class="plots">{"".join(plots)}</div>')
+
+
+def _validation_rewards(rows: list[dict]) -> list[tuple[str, str]]:
+    """(key, label) of the user's own rewards in validation rows (their `rewards`; the built-ins are summed
+    into the headline curves already)."""
+    names = dict.fromkeys(n for r in rows if isinstance(r.get("rewards"), dict) for n in r["rewards"])
+    return [(f"rewards/{n}", f"validation {n}") for n in names if n not in ("format_reward", "correctness_reward")]
+
+
+def _stat(row: dict, key: str) -> object:
+    """A validation row's {mean, ci95} for a metric, or for a reward under `rewards/<name>`."""
+    if key.startswith("rewards/"):
+        return (row.get("rewards") or {}).get(key.removeprefix("rewards/"))
+    return row.get(key)
 
 
 def category_section(files: RunFiles) -> str:

@@ -9,8 +9,8 @@
   the lock when the holder exits, however it exits, so a kill -9 leaves no stale claim. Processes started by
   `--gpus N` (and ranks other than 0 under a bare `accelerate launch`) share the claim of the process that
   launched them: the claimed folder is passed down in `VLMRL_RUN_CLAIM`.
-- **`--force`** removes only what vlmrl writes (`VLMRL_ENTRIES` and their shard/temp siblings); anything else
-  in the folder stays.
+- **`--force`** removes only what vlmrl writes (`VLMRL_ENTRIES`, their shard/temp siblings and the trainings a
+  fresh start moved aside, `train.replaced-*`); anything else in the folder stays.
 
 Left out: locks on network filesystems where flock is advisory-only or unsupported (NFS without lockd), and
 claims for `compare` / `report`, which read a finished run and write one file each atomically.
@@ -48,10 +48,11 @@ class RunDirError(RuntimeError):
 def is_vlmrl_entry(name: str) -> bool:
     """Whether a top-level name in a run folder is one vlmrl writes.
 
-    >>> [is_vlmrl_entry(n) for n in ("train", "after_records.rank1.jsonl", ".env.json.x1y2.tmp", "notes.txt")]
-    [True, True, True, False]
+    >>> names = ("train", "train.replaced-20260101-120000", "after_records.rank1.jsonl", ".env.json.x.tmp", "notes")
+    >>> [is_vlmrl_entry(n) for n in names]
+    [True, True, True, True, False]
     """
-    if name in VLMRL_ENTRIES:
+    if name in VLMRL_ENTRIES or name.startswith(layout.SET_ASIDE):  # train.replaced-*: an earlier training
         return True
     for stage in ("baseline", "after", "baseline_swapped", "after_swapped"):
         if name.startswith(f"{stage}_records.rank") and name.endswith(".jsonl"):

@@ -7,12 +7,14 @@ the "is this stage done?" checks. Stages ask here; no stage imports another to l
       baseline_records.jsonl  baseline_summary.json  (+ _swapped_ for the visual control)
       train/      metrics.jsonl  rollouts.jsonl  health.jsonl  validation.jsonl  summary.json
                   checkpoints/checkpoint-N/  final/  best/
+      train.replaced-<UTC time>/   an earlier training, moved aside by a fresh start
       after_records.jsonl  after_summary.json  comparison.json
       adapter/  export.json  report.html
 ```
 
 Public: the file-name constants, `records_file`, `summary_file`, `train_fingerprint`, `export_fingerprint`,
-`rewards_fingerprint`, `read_holdout`, `is_prepared`, `eval_done`, `is_trained`, `is_exported`, `best_checkpoint`.
+`rewards_fingerprint`, `checkpoint_fingerprint`, `read_holdout`, `is_prepared`, `eval_done`, `is_trained`,
+`is_exported`, `best_checkpoint`, `set_aside_name`.
 A fingerprint leaves out where the run lives (its name and folder), so a moved run folder resumes.
 """
 
@@ -21,11 +23,12 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+from collections.abc import Container
 from pathlib import Path
 from typing import Any
 
 from vlmrl.common.io import read_json, read_jsonl
-from vlmrl.config.schema import Config, RewardSpec
+from vlmrl.config.schema import OBSERVATION_FIELDS, Config, RewardSpec
 
 CONFIG = "config.yaml"
 ENV = "env.json"
@@ -39,7 +42,10 @@ TRAIN_SUMMARY = "train/summary.json"
 CHECKPOINTS = "train/checkpoints"
 FINAL = "train/final"  # the trained adapter
 BEST = "train/best"  # the kept best validation step's adapter
-BEST_RECORD = "vlmrl_best.json"  # inside BEST: which step, metric and value
+BEST_RECORD = "vlmrl_best.json"  # inside BEST: which step, metric and value, and the checkpoint fingerprint
+CHECKPOINT_STAMP = "vlmrl_checkpoint.json"  # inside each checkpoint-N: {"fingerprint", "step"} of its training
+LEGACY_STAMP = "vlmrl_fingerprint.json"  # inside CHECKPOINTS, before CHECKPOINT_STAMP: one for the whole folder
+SET_ASIDE = "train.replaced-"  # + UTC time: the train/ of an earlier training, moved aside by a fresh start
 METRICS = "train/metrics.jsonl"
 ROLLOUTS = "train/rollouts.jsonl"
 HEALTH = "train/health.jsonl"
@@ -103,6 +109,32 @@ def train_fingerprint(config: Config) -> str:
             + rewards_fingerprint(config)[:4] + str(config.run.seed))
 
 
+# Fields a resumed run may change: how long to train, how often to log, save or validate, and where to report.
+RESUMABLE_CHANGES = ("max_steps", "num_train_epochs", "save_steps", "save_total_limit", "logging_steps",
+                     *OBSERVATION_FIELDS["train"], "eval_every_steps", "eval_subset")
+
+
+def checkpoint_fingerprint(config: Config) -> str:
+    """What a checkpoint (and the kept best step) belongs to: the training config without RESUMABLE_CHANGES,
+    so a run given more steps resumes its checkpoints while one with another learning rate does not."""
+    train = {k: v for k, v in config.flat_train().items() if k not in RESUMABLE_CHANGES}
+    data = {"train": train, "model": config.model.model_dump(mode="json"), "lora": config.lora.model_dump(mode="json"),
+            "data": config.data_fingerprint(), "seed": config.run.seed, "rewards": rewards_fingerprint(config)}
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def set_aside_name(stamp: str, taken: Container[str] = ()) -> str:
+    """The folder an earlier train/ moves to: `train.replaced-<stamp>`, numbered when that name is taken.
+
+    >>> set_aside_name("20260101-120000"), set_aside_name("20260101-120000", {"train.replaced-20260101-120000"})
+    ('train.replaced-20260101-120000', 'train.replaced-20260101-120000-2')
+    """
+    name, number = f"{SET_ASIDE}{stamp}", 2
+    while name in taken:
+        name, number = f"{SET_ASIDE}{stamp}-{number}", number + 1
+    return name
+
+
 def export_fingerprint(config: Config) -> str:
     return train_fingerprint(config) + config.fingerprint("export")[:8]
 
@@ -159,13 +191,19 @@ def is_exported(config: Config, run_dir: Path) -> bool:
     return bool(report.get("all_passed")) and report.get("fingerprint") == export_fingerprint(config)
 
 
-def best_checkpoint(run_dir: Path) -> dict | None:
-    """The kept best validation step (`train/best/vlmrl_best.json`), or None."""
+def best_checkpoint(run_dir: Path, config: Config | None = None) -> dict | None:
+    """The kept best validation step (`train/best/vlmrl_best.json`), or None; with `config`, None also when
+    it was kept by another training (its `fingerprint` is not this config's `checkpoint_fingerprint`)."""
     best = run_dir / BEST
     try:
-        return read_json(best / BEST_RECORD) if (best / ADAPTER_CONFIG).is_file() else None
+        record = read_json(best / BEST_RECORD) if (best / ADAPTER_CONFIG).is_file() else None
     except (OSError, ValueError):
         return None
+    if not isinstance(record, dict):
+        return None
+    if config is not None and record.get("fingerprint") != checkpoint_fingerprint(config):
+        return None
+    return record
 
 
 def _sha256(path: Path) -> str | None:

@@ -28,7 +28,7 @@ it afterwards; the H200 runs measure each phase's peak apart), so the peak is th
 In the rollout phase the prompt pass runs on a dynamic cache in both paths (vlmrl moves it into the static
 cache afterwards, `vlmrl.engine.rollout.fast`), so its temporaries meet a prompt-sized cache; the full cache is reached
 only while decoding. Host RAM: the model is loaded through host memory once, so about the weights' size plus
-4 GiB, plus the pinned copy of the adapted weights when the adapter is merged for rollouts (`vlmrl.engine.rollout.merge`).
+4 GiB.
 
 `train.auto_batch` (`choose_batch`) uses the same prediction the other way round: the largest per-device batch
 (a multiple of num_generations) whose predicted peak fits the card, so a user with a bigger card need not search.
@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
 
-from vlmrl.config.schema import Config
+from vlmrl.config.schema import PRESETS, Config
 
 GIB = 2**30
 GPU_MARGIN = 0.92  # the share of a card a prediction may fill: the allocator's fragmentation and CUDA's context
@@ -146,11 +146,17 @@ def estimate_memory(config: Config, shapes: dict, *, prompt_tokens: int, fast_ge
     )
 
 
+SMALL_CARD_GIB = 17.0  # a 16 GB card reports about 15 GiB
+
+
 def advice(estimate: MemoryEstimate, gpu_gib: float | None, config: Config) -> list[str]:
     """What to change when the prediction does not fit (empty when it fits or there is no GPU to compare)."""
     if gpu_gib is None or estimate.peak_gib <= GPU_MARGIN * gpu_gib:
         return []
     tips = []
+    if gpu_gib <= SMALL_CARD_GIB and f"{config.run.name}-16gb" in PRESETS:
+        tips.append(f"the {config.run.name}-16gb preset (vlmrl run {config.run.name}-16gb): the same recipe cut to "
+                    "fit a 16 GB card")
     if not config.model.load_in_4bit:
         tips.append("model.load_in_4bit=true (weights to about a quarter)")
     if estimate.kv_cache_gib > 0.2 * estimate.peak_gib:

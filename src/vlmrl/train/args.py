@@ -52,12 +52,20 @@ def training_problems(config: Config) -> list[str]:
 
 
 def validation_problems(config: Config) -> list[str]:
-    """training_problems for `vlmrl config validate`: a checker that breaks is one more problem line, never a
-    traceback (the command must answer in one line per problem)."""
+    """training_problems for `vlmrl config validate`, plus the rewards (each user function imported and its
+    signature checked, as training would: vlmrl.grading.user_rewards); a checker that breaks is one more problem
+    line, never a traceback (the command must answer in one line per problem)."""
+    from vlmrl.grading.user_rewards import RewardError, load_rewards
+
     try:
-        return training_problems(config)
+        problems = training_problems(config)
     except Exception as exc:  # noqa: BLE001  a checker that breaks must still answer in one line
-        return [f"could not check the training settings: {type(exc).__name__}: {exc}".splitlines()[0]]
+        problems = [f"could not check the training settings: {type(exc).__name__}: {exc}".splitlines()[0]]
+    try:
+        load_rewards(config)
+    except RewardError as exc:
+        problems.append(str(exc))
+    return problems
 
 
 def override_problems(overrides: dict) -> list[str]:

@@ -4,7 +4,8 @@
 - `RolloutRecorder` -> `train/rollouts.jsonl`: every completion of every generation batch (item id, text, each
   reward, advantage, length, truncated), so an item's learning history can be followed.
 - `HealthMonitor`   -> `train/health.jsonl`: per-step gibberish / format / truncation / zero-variance rates and
-  NaN checks, against the thresholds in `config.health`; crossing one warns, NaN/Inf saves and stops.
+  NaN checks, against the thresholds in `config.health`; crossing one warns, NaN/Inf saves and stops; and the
+  rollout engine's mismatch with the loss pass (`vlmrl.engine.rollout.mismatch.MismatchWatch`: a jump or drift warns).
 
 Rollouts are read from TRL's own per-batch log (`trainer._logs`, filled for every generation batch whether or
 not completions are printed) plus three columns our wrapped format reward adds through TRL's `log_extra`
@@ -28,6 +29,7 @@ from vlmrl.common.io import append_jsonl, read_jsonl, write_jsonl_atomic
 from vlmrl.common.progress import Say, step_line
 from vlmrl.common.stats import finite
 from vlmrl.contract import completion_text
+from vlmrl.engine.rollout.mismatch import MismatchWatch
 from vlmrl.grading.rewards import format_reward, is_degenerate
 
 log = logging.getLogger(__name__)
@@ -103,8 +105,9 @@ class _RecordingReward:
 
 
 class RolloutRecorder(TrainerCallback):
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, contract: str = "seed"):
         self.path = path
+        self.contract = contract  # the format its rows are checked against (when format_reward is not a reward)
         self.trainer: Any = None
         self.stop_ids: set[int] = set()
         self.max_length = 0
@@ -167,6 +170,7 @@ class HealthMonitor(TrainerCallback):
         self.halted: str | None = None
         self.warning_count = 0
         self._gibberish_streak = 0
+        self._mismatch = MismatchWatch()  # the rollout engine against the loss pass (vlmrl.engine.rollout.mismatch)
 
     def attach(self, recorder: RolloutRecorder) -> None:
         self.recorder = recorder
@@ -177,11 +181,12 @@ class HealthMonitor(TrainerCallback):
             return control
         row: dict[str, Any] = {"step": state.global_step}
         batch = self.recorder.last_batch if self.recorder else []
-        row.update(batch_health(batch, group_size=args.num_generations, weights=args.reward_weights))
+        row.update(batch_health(batch, group_size=args.num_generations, weights=args.reward_weights,
+                                contract=self.recorder.contract if self.recorder else "seed"))
         for key in ("loss", "grad_norm"):
             if key in logs:
                 row[key] = logs[key]
-        warnings = self._check(row)
+        warnings = self._check(row) + self._mismatch.check(logs)
         row["warnings"] = warnings
         if any(w.startswith("non-finite") for w in warnings):
             self.halted = (warnings[0] + "; lower train.learning_rate, or clip harder with a smaller "
@@ -226,8 +231,10 @@ class HealthMonitor(TrainerCallback):
         return warnings
 
 
-def batch_health(rows: list[dict], *, group_size: int, weights: list[float] | None = None) -> dict:
-    """Rates over one generation batch of rollout rows (consecutive `group_size` rows share a prompt)."""
+def batch_health(rows: list[dict], *, group_size: int, weights: list[float] | None = None,
+                 contract: str = "seed") -> dict:
+    """Rates over one generation batch of rollout rows (consecutive `group_size` rows share a prompt); the
+    format rate is the share of completions well-formed under `contract`."""
     if not rows:
         return {"n": 0}
     n = len(rows)
@@ -236,7 +243,7 @@ def batch_health(rows: list[dict], *, group_size: int, weights: list[float] | No
     totals = [sum(w * v for w, v in zip(weights, r["rewards"].values()) if finite(v)) for r in rows]
     # the format rate is about the completions, whether or not format_reward is one of the configured rewards
     formats = [r["rewards"]["format_reward"] if "format_reward" in r["rewards"]
-               else format_reward([r.get("completion") or ""])[0] for r in rows]
+               else format_reward([r.get("completion") or ""], contract=contract)[0] for r in rows]
     groups = [totals[i : i + group_size] for i in range(0, n, group_size)]
     lengths = [r["length"] for r in rows if r.get("length") is not None]
     mean_total = sum(totals) / n
@@ -294,4 +301,5 @@ class TrainProgress(TrainerCallback):
 
     def _format_rate(self, args) -> float | None:
         rows = getattr(self.recorder, "last_batch", None)
-        return batch_health(rows, group_size=args.num_generations).get("format_rate") if rows else None
+        contract = getattr(self.recorder, "contract", "seed")
+        return batch_health(rows, group_size=args.num_generations, contract=contract).get("format_rate") if rows else None

@@ -21,7 +21,6 @@ Launched as several processes (`vlmrl train --gpus N`, on one host or `--nodes M
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -41,10 +40,10 @@ from vlmrl.common.io import (
     write_json_atomic,
 )
 from vlmrl.common.provenance import package_version
-from vlmrl.config.schema import OBSERVATION_FIELDS, TRL_DEFAULTS, Config
+from vlmrl.config.schema import TRL_DEFAULTS, Config
 from vlmrl.grading.user_rewards import check_run_rewards
 from vlmrl.run import layout
-from vlmrl.run.layout import rewards_fingerprint, train_fingerprint
+from vlmrl.run.layout import train_fingerprint
 from vlmrl.run.preflight import BatchChoice, auto_batch
 
 log = logging.getLogger(__name__)
@@ -84,6 +83,7 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
     from vlmrl.engine.rollout.compile_cache import use_compile_cache
     from vlmrl.engine.rollout.fast import FastGeneration, enable_fast_generation
     from vlmrl.engine.rollout.fast import wanted as fast_wanted
+    from vlmrl.engine.rollout.mismatch import enable_rollout_mismatch
     from vlmrl.models.loading import BASE_RECORD, base_identity, load_model
     from vlmrl.models.lora import apply_lora
     from vlmrl.train.args import gspo_loss_note, quiet_trl_gspo_warning
@@ -92,10 +92,9 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
         MetricsRecorder,
         RolloutRecorder,
         TrainProgress,
-        last_complete_checkpoint,
-        trim_records_after,
     )
-    from vlmrl.train.trackers import TrackerError, build_tracker_callbacks
+    from vlmrl.train.resume import CheckpointStamp, ResumeError, set_aside
+    from vlmrl.train.trackers import TrackerError, build_tracker_callbacks, resume_trackers
     from vlmrl.train.validation import ValidationCallback
 
     train_dir = run_dir / "train"
@@ -111,6 +110,8 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
     dataset = build_train_dataset(run_dir)
     _check_trainable(config, run_dir, len(dataset))
     rewards = check_run_rewards(config, run_dir)  # a broken reward fails here, not mid-run
+    if not resume and distributed.is_main_process() and (moved := set_aside(run_dir)) is not None:
+        (console_callback or log.warning)(f"train: starting over; the earlier training was moved aside to {moved}")
     choice = _auto_batch(config, train_dir, len(dataset), console_callback)
     args, notes = build_grpo_config(config, checkpoints, suppress_tokens=_multimodal_ids(config, run_dir),
                                     batch=choice.per_device_train_batch_size if choice else None)
@@ -118,7 +119,7 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
     if problem := trl_device_problem(args.device.type, package_version("trl") or "0"):
         raise TrainError(problem)
     _same_file_on_every_rank(run_dir / "data" / "train.jsonl")
-    _claim_checkpoints(config, checkpoints, resume=resume)
+    last = _start_point(config, run_dir, resume=resume)  # the checkpoint to resume, or None
     try:
         trackers = build_tracker_callbacks(config.train.report_to, train_dir)
     except TrackerError as exc:
@@ -136,7 +137,7 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
     except DiskSpaceError as exc:
         raise TrainError(str(exc)) from None
     # step 3: trainer
-    recorder = RolloutRecorder(train_dir / "rollouts.jsonl")
+    recorder = RolloutRecorder(train_dir / "rollouts.jsonl", contract=config.contract)
     health = HealthMonitor(config.health, train_dir / "health.jsonl", console=console_callback)
     watchers: list[Any] = [*trackers]
     if console_callback or progress:  # the progress display replaces MetricsRecorder's own line
@@ -151,7 +152,7 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
         train_dataset=dataset,
         processing_class=loaded.processor,
         callbacks=[MetricsRecorder(train_dir / "metrics.jsonl"), recorder, health, *watchers,
-                   *([validation] if validation else [])],
+                   *([validation] if validation else []), CheckpointStamp(layout.checkpoint_fingerprint(config))],
     )
     trainer.remove_callback(PrinterCallback)  # TrainProgress prints one readable line per step instead
     fast = (
@@ -160,17 +161,20 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
         else FastGeneration(False, f"train.rollout.fast={config.train.rollout.fast}")
     )
     loss_pass = enable_loss_pass(trainer, kernels=config.train.rollout.kernels)
+    # last: it wraps the fast path's and the loss pass's wrappers (the sampler's log-probs, the mismatch, TIS)
+    mismatch = enable_rollout_mismatch(trainer, correction=config.train.rollout_correction, fast=fast.enabled)
     recorder.attach(trainer)
     health.attach(recorder)
-    # step 4: train, resuming from the last complete checkpoint if there is one
-    last = last_complete_checkpoint(checkpoints) if resume else None
+    # step 4: train, from the checkpoint chosen in step 1 if there is one
     start_step = int(last.name.split("-")[-1]) if last else 0
+    resume_trackers(trackers, start_step)  # TensorBoard hides what it plotted past that step
     if isinstance(progress, TrainProgress):
         progress.recorder = recorder
-    if distributed.is_main_process():
-        trim_records_after(train_dir, start_step)
     started = time.perf_counter()
-    output = trainer.train(resume_from_checkpoint=str(last) if last else None)
+    try:
+        output = trainer.train(resume_from_checkpoint=str(last) if last else None)
+    except ResumeError as exc:  # a resumed step past the last one (an epoch count, not max_steps)
+        raise TrainError(str(exc)) from None
     seconds = time.perf_counter() - started
     if health.halted:
         raise TrainError(f"training stopped at step {trainer.state.global_step}: {health.halted} "
@@ -199,6 +203,7 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
         "health_warnings": health.warning_count,
         "fast_generation": fast.as_dict(),
         "loss_pass": loss_pass.as_dict(),  # this process's log-prob passes and how its micro-batches were formed
+        "rollout_correction": mismatch.as_dict(),  # the sampler's log-probs, what they are compared with, TIS
         "compile_cache": compile_cache.as_dict(),
         "auto_batch": choice.as_dict() if choice else None,
         "report_to": list(config.train.report_to),
@@ -215,34 +220,23 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
     return TrainResult(final_dir, summary)
 
 
-def _claim_checkpoints(config: Config, checkpoints: Path, *, resume: bool) -> None:
-    """Refuse to resume checkpoints written under another training config (a changed learning rate after a NaN
-    halt, say): their optimizer state and step count belong to that config."""
-    stamp = checkpoints / "vlmrl_fingerprint.json"
-    current = _checkpoint_fingerprint(config)
-    if resume and stamp.exists() and any(checkpoints.glob("checkpoint-*")):
-        recorded = json.loads(stamp.read_text()).get("fingerprint")
-        if recorded != current:
-            raise TrainError(
-                f"{checkpoints}: checkpoints were written with another training config (fingerprint {recorded}, "
-                f"now {current}); restore that config to resume, or pass --no-resume to start over."
-            )
+def _start_point(config: Config, run_dir: Path, *, resume: bool) -> Path | None:
+    """The checkpoint training resumes (None: step 0), with everything past its step removed: later
+    checkpoints, record rows, a kept best step (vlmrl.train.resume)."""
+    from vlmrl.train.callbacks import trim_records_after
+    from vlmrl.train.resume import ResumeError, discard_after, resume_point
+
+    fingerprint = layout.checkpoint_fingerprint(config)
+    try:
+        last = resume_point(run_dir / layout.CHECKPOINTS, fingerprint, config.train.max_steps) if resume else None
+    except ResumeError as exc:  # another training's checkpoint: refused before anything is touched
+        raise TrainError(str(exc)) from None
     if distributed.is_main_process():
-        write_json_atomic(stamp, {"fingerprint": current})
-
-
-# Fields a resumed run may change: how long to train, how often to log, save or validate, and where to report.
-_RESUMABLE_CHANGES = ("max_steps", "num_train_epochs", "save_steps", "save_total_limit", "logging_steps",
-                      *OBSERVATION_FIELDS["train"], "eval_every_steps", "eval_subset")
-
-
-def _checkpoint_fingerprint(config: Config) -> str:
-    import hashlib
-
-    train = {k: v for k, v in config.flat_train().items() if k not in _RESUMABLE_CHANGES}
-    data = {"train": train, "model": config.model.model_dump(mode="json"), "lora": config.lora.model_dump(mode="json"),
-            "data": config.data_fingerprint(), "seed": config.run.seed, "rewards": rewards_fingerprint(config)}
-    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+        step = int(last.name.removeprefix("checkpoint-")) if last else 0
+        discard_after(run_dir, step, fingerprint)
+        trim_records_after(run_dir / layout.TRAIN, step)
+    distributed.barrier()  # no rank reads train/ before rank 0 has cleared it
+    return last
 
 
 def build_train_dataset(run_dir: Path):
@@ -318,7 +312,7 @@ def total_train_loss(metrics_path: Path, steps: int) -> float | None:
     own `training_loss` covers only the steps it ran.
     """
     by_step = {r["step"]: r["loss"] for r in read_jsonl(metrics_path) if "loss" in r and "step" in r}
-    if not by_step or max(by_step) != steps:
+    if not by_step or max(by_step) != steps or None in by_step.values():  # null: a non-finite loss was logged
         return None
     total, previous = 0.0, 0
     for step in sorted(by_step):

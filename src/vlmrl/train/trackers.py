@@ -5,6 +5,8 @@ Building them ourselves lets us choose where TensorBoard writes (`train/tensorbo
 not a dated folder under the checkpoints), run W&B offline unless the user configured it, and hand the same
 callbacks the validation rows (`vlmrl.train.validation`) so trackers show held-out numbers next to the rewards.
 A tracker whose package is missing is a one-line error naming what to pip install, found before any model loads.
+A resumed run tells TensorBoard to drop what it logged past the checkpoint it resumes from (`resume_trackers`),
+so the re-done steps are not plotted twice.
 
 Left out: tracker-specific options (projects, entities, tags); set them through each tool's environment
 variables (WANDB_PROJECT, TRACKIO_SPACE_ID, ...), which these callbacks read.
@@ -94,6 +96,16 @@ def build_tracker_callbacks(report_to: list[str], train_dir: Path) -> list[Any]:
     return callbacks
 
 
+def resume_trackers(callbacks: list[Any], step: int) -> None:
+    """Training continues after optimizer step `step`: TensorBoard hides the points an earlier process logged
+    past it (`SummaryWriter(purge_step=...)`), as `trim_records_after` drops those rows from the records.
+    W&B and trackio start a new run of their own on each process, so they have nothing to drop."""
+    for callback in callbacks:
+        writer = getattr(callback, "tb_writer", None)
+        if isinstance(writer, _LazyWriter):
+            writer.purge_step = step + 1
+
+
 class _LazyWriter:
     """A SummaryWriter opened on first use, so ranks other than 0 (which never log) create no event file."""
 
@@ -101,10 +113,11 @@ class _LazyWriter:
         self._factory = factory
         self._log_dir = log_dir
         self._writer: Any = None
+        self.purge_step: int | None = None  # set before training by resume_trackers
 
     def __getattr__(self, name: str) -> Any:
         if self._writer is None:
-            self._writer = self._factory(log_dir=str(self._log_dir))
+            self._writer = self._factory(log_dir=str(self._log_dir), purge_step=self.purge_step)
         return getattr(self._writer, name)
 
 

@@ -3,8 +3,10 @@ held-out items are decoded greedily and scored with evaluation's own record and 
 
 Each validation appends one row to `train/validation.jsonl`: the step, the item count and, for each metric,
 its mean and 95% bootstrap interval (a 32-item subset has wide intervals, and the row says how wide). The same
-means go to the trackers (`eval/<metric>`, transformers' name for held-out numbers). With `export.checkpoint: best` the adapter of the best step so
-far (by `export.checkpoint_metric`) is kept in `train/best/` with `vlmrl_best.json` naming step and value.
+means go to the trackers (`eval/<metric>`, transformers' name for held-out numbers), and each configured reward,
+the user's own included, goes to both (`rewards` in the row, `eval/rewards/<name>/mean` in the trackers). With `export.checkpoint: best` the adapter of the best step so
+far (by `export.checkpoint_metric`) is kept in `train/best/` with `vlmrl_best.json` naming step, value and the
+training's checkpoint fingerprint (a best/ of another training is ignored).
 
 Greedy and a fixed subset, so two rows differ only by the weights. Left out: sampled validation and pass@k
 (`vlmrl eval` does those on the whole held-out set), and compiled decoding (its warm-up would cost more than a
@@ -49,9 +51,23 @@ def validation_row(step: int, summary: dict, seconds: float) -> dict:
     """
     row: dict[str, Any] = {"step": step, "n": summary["n"]}
     row.update({m: summary[m] for m in METRICS})
+    row["rewards"] = summary.get("rewards") or {}  # every configured reward alone, the user's too
     row["truncation_rate"] = summary["truncation_rate"]
     row["seconds"] = round(seconds, 2)
     return row
+
+
+def tracker_scalars(row: dict) -> dict[str, float]:
+    """A validation row's means under transformers' held-out names: `eval_<metric>`, and each configured
+    reward as `eval_rewards/<name>/mean` (shown as `eval/rewards/<name>/mean`, beside TRL's `rewards/<name>/mean`).
+
+    >>> tracker_scalars({"rewards": {"brevity": {"mean": 0.5}}, **{m: {"mean": 1.0} for m in METRICS}})["eval_rewards/brevity/mean"]
+    0.5
+    """
+    scalars = {f"eval_{m}": row[m]["mean"] for m in METRICS}
+    scalars.update({f"eval_rewards/{name}/mean": stat["mean"] for name, stat in (row.get("rewards") or {}).items()
+                    if stat.get("mean") is not None})
+    return scalars
 
 
 class ValidationCallback(TrainerCallback):
@@ -69,7 +85,8 @@ class ValidationCallback(TrainerCallback):
         self.best_dir = run_dir / layout.BEST
         self.keep_best = config.export.checkpoint == "best"
         self.metric = config.export.checkpoint_metric
-        self.best = layout.best_checkpoint(run_dir) if self.keep_best else None
+        self.best_key = layout.checkpoint_fingerprint(config)  # best/ is this training's only with this stamp
+        self.best = layout.best_checkpoint(run_dir, config) if self.keep_best else None
         self.rows = 0
         # scored with the run's configured rewards, as evaluation is (not the defaults make_record falls back on)
         self.rewards, self.rewards_key = load_rewards(config), rewards_fingerprint(config)
@@ -85,8 +102,7 @@ class ValidationCallback(TrainerCallback):
         self.rows += 1
         if state.is_world_process_zero:
             append_jsonl(self.path, [row])
-            log_to_trackers(self.trackers, args, state, control,
-                            {f"eval_{m}": row[m]["mean"] for m in METRICS})
+            log_to_trackers(self.trackers, args, state, control, tracker_scalars(row))
             if self.say:
                 self.say(_describe(row))
             if self.keep_best:
@@ -110,7 +126,7 @@ class ValidationCallback(TrainerCallback):
                     )
                     seconds = (time.perf_counter() - t0) / len(batch)
                     records += [make_record(item, gens, self.settings, seconds, "validation", rewards=self.rewards,
-                                            image=imgs, rewards_key=self.rewards_key)
+                                            image=imgs, rewards_key=self.rewards_key, contract=self.config.contract)
                                 for item, gens, imgs in zip(batch, generations, images)]
         finally:
             model.train(was_training)
@@ -120,11 +136,13 @@ class ValidationCallback(TrainerCallback):
         value = row[self.metric]["mean"]
         if self.best is not None and value <= self.best["value"]:
             return  # ties keep the earlier step: fewer updates for the same score
+        (self.best_dir / BEST_RECORD).unlink(missing_ok=True)  # a kill mid-save leaves no record, not a wrong one
         model.save_pretrained(str(self.best_dir))
         if self.base_record:
             write_json_atomic(self.best_dir / "vlmrl_base.json", self.base_record)
-        self.best = {"step": row["step"], "metric": self.metric, "value": value, "ci95": row[self.metric]["ci95"]}
-        write_json_atomic(self.best_dir / BEST_RECORD, self.best)
+        self.best = {"step": row["step"], "metric": self.metric, "value": value, "ci95": row[self.metric]["ci95"],
+                     "fingerprint": self.best_key}
+        write_json_atomic(self.best_dir / BEST_RECORD, self.best)  # last: its presence means best/ is whole
 
     def summary(self) -> dict:
         return {"every_steps": self.every, "items": len(self.items), "rows": self.rows,

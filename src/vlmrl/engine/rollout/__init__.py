@@ -16,6 +16,11 @@ The pieces, and where each is switched on:
   second_factors the stacked groups' second step as one Triton kernel at token steps (`train.rollout.kernels`).
   adapter_cast   bf16 copies of the float32 LoRA weights, made for each rollout where stacking does not apply.
   offload        the optimizer state in host memory while a rollout runs, which pays for those copies.
+  sampling       the sampler's log-prob of every sampled token, returned to TRL as vLLM's are
+                 (`sampling_per_token_logps`), fast path or plain.
+  mismatch       those against the loss pass's, per optimizer step (metrics, health), and truncated importance
+                 sampling when `train.rollout_correction` resolves to `tis`; `vlmrl train` and `vlmrl bench`
+                 install it after the fast path and the loss pass.
   generation     batched image+question `generate` for evaluation, validation, the SFT check and the demo
                  policy (and the prompt encoding export checks use); compiled (static cache + `attention` +
                  deferred stop check) when `eval.compile` says so.
@@ -23,6 +28,6 @@ The pieces, and where each is switched on:
                  train, compiled eval and bench (`vlmrl bench --compile-cache DIR`) before anything compiles.
 
 Nothing is imported here: each piece pulls in torch/transformers itself, when it is imported. Left out: vLLM,
-anything that changes TRL's loss pass, and the experiments (`vlmrl.engine.experimental`: the adapter merge, the
+anything that changes TRL's loss pass (the TIS factor goes through TRL's own multiplication), and the experiments (`vlmrl.engine.experimental`: the adapter merge, the
 filled-cache window, guards checked once). What each piece is worth: docs/benchmarks.md.
 """

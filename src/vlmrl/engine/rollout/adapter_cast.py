@@ -57,7 +57,7 @@ class LowPrecisionAdapters:
         stale = [m for m, w in self.entries if m._parameters.get("weight") is not w]
         if stale:  # something (a wrapper sharding the model, a reload) replaced the weights after the entries were taken
             raise RuntimeError(f"{len(stale)} LoRA weights were replaced after their rollout copies were planned; "
-                               "the copies would be stale (set train.rollout_adapter_copies=false)")
+                               "the copies would be stale")
         try:
             with torch.no_grad():
                 for module, weight in self.entries:

@@ -353,9 +353,9 @@ def compile_over_4bit(model: Any) -> Iterator[None]:
 
     transformers refuses to compile `generate` for any quantizer whose `is_compileable` is False, which the
     bitsandbytes 4-bit quantizer inherits; it then decodes eagerly over the static cache, one kernel launch per
-    projection and the host waiting on each (several times slower: docs/benchmarks.md). bitsandbytes >= 0.50 runs inference matmuls through registered torch ops
-    (`bitsandbytes::gemm_4bit`, with fake implementations), which dynamo traces, so the refusal is lifted when
-    that op exists. Without gradients bitsandbytes takes the same op eagerly, so the rollout's numerics are
+    projection and the host waiting on each (several times slower: docs/benchmarks.md). bitsandbytes >= 0.50
+    runs inference matmuls through registered torch ops (`bitsandbytes::gemm_4bit`, with fake implementations),
+    which dynamo traces, so the refusal is lifted when that op exists. Without gradients bitsandbytes takes the same op eagerly, so the rollout's numerics are
     those of bitsandbytes' own inference path either way (benchmarks/decode_4bit.py compares the rollout's
     log-probs with the loss pass's).
     """

@@ -1,6 +1,6 @@
 """The optimizer's state waits in host memory while a rollout runs.
 
-Adam keeps two float32 moments per trainable parameter on the GPU (0.33 GiB for Qwen3-VL-8B's LoRA at r=16), and
+Adam keeps two float32 moments per trainable parameter on the GPU (8 bytes per adapter parameter), and
 nothing reads them between one optimizer step and the next: a rollout never does. `OptimizerStateOffload` copies
 every GPU tensor of the optimizer's state into pinned host buffers when a rollout starts, drops the GPU tensors
 (their memory goes back to the allocator for the rollout's KV cache), and copies them back when it ends, raising
@@ -8,8 +8,7 @@ or not. The values come back bit for bit; the host buffers are allocated once an
 
 Why: the rollout's bf16 adapter copies (`vlmrl.engine.rollout.adapter_cast`) cost 2 bytes per adapter parameter while a
 rollout runs; the state frees 8. The step's peak, which plain TRL's loss pass sets, stays where it was.
-Cost: two copies of the state per step over PCIe (about 30 ms for 0.33 GiB each way at 25 GB/s, against a
-step of about 20 s). Not used under FSDP / DeepSpeed (sharded state) or for state that is not plain device
+Cost: two copies of the state per step over PCIe, small against a step (docs/benchmarks.md). Not used under FSDP / DeepSpeed (sharded state) or for state that is not plain device
 memory (bitsandbytes' paged optimizers).
 """
 

@@ -2,11 +2,11 @@
 
 A stacked group's first matmul gives, per row, the base outputs and then the adapters' rank-space inputs side by
 side. What follows is `base + scale * (first @ secondᵀ)`, `second` the group's block-diagonal second factors. At a
-token step (32 rows) cuBLAS runs that small matmul (K = the group's summed ranks, 16-48) in about 9 µs on an H200,
-latency rather than bandwidth, and the scaled sum after it is another kernel: 144 small matmuls per token step of
-Qwen3-VL-8B took about 1.3 ms (`docs/benchmarks.md`). Here one kernel reads the stacked output once, multiplies
-the rank-space inputs by a tile of the second factors on the tensor cores, scales, adds the base outputs and
-writes the group's outputs; one program per block of output columns (and of rows).
+token step (a few dozen rows) cuBLAS runs that small matmul (K = the group's summed ranks) bound by latency rather
+than bandwidth, and the scaled sum after it is another kernel, for every group of every layer (what that costs:
+docs/benchmarks.md). Here one kernel reads the stacked output once, multiplies the rank-space inputs by a tile of
+the second factors on the tensor cores, scales, adds the base outputs and writes the group's outputs; one program
+per block of output columns (and of rows). On with `train.rollout.kernels`.
 
 Rounded as the unfused path rounds, in bf16 (fp16 stays on the unfused step): the product is rounded, then scaled
 (a float, or one value per output column in bf16) and rounded, then added to the base outputs and rounded. Only the dot's

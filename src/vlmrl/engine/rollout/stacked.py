@@ -2,11 +2,8 @@
 and the adapters' first factors stacked in one, the second factors in the other.
 
 A rollout token step with the adapter not merged runs, per adapted projection, the base matmul, the adapter's
-first factor (input x A, rank 16), the second (x B) and their sum. At batch 32 each of those is a launch-bound
-kernel: in an H200 profile of a token step (Qwen3-VL-8B shapes, `h200_decode_variants_kernel.md`) the 252 first
-factors took 1.07 ms plus 0.4 ms of split-K reductions, the second factors about 0.6 ms, where the 36 layers'
-base weights, read once, take about 4.5 ms. Merging the adapter into the weights removes them (8.2 against 11.1 ms
-per token step outside TRL) but rounds small adapter deltas away (`vlmrl.engine.rollout.merge`).
+first factor (input x A), the second (x B) and their sum. At a rollout's batch each of those is a launch-bound
+kernel, and together they cost a token step a good share of what reading the base weights does.
 
 Projections that read the same input (q/k/v of an attention block; gate/up of an MLP; o and down alone) are
 stacked instead:
@@ -24,8 +21,8 @@ which a matmul kernel sums its products.
 
 Applies to plain LoRA (no DoRA or other variant, no dropout, no bias of its own, one active adapter) over
 unquantized float base weights that are not sharded (FSDP / ZeRO-3); elsewhere the adapter copies apply
-(`vlmrl.engine.rollout.adapter_cast`). On by default: `train.rollout_stacked`. Measured on an H200 in TRL (Qwen3-VL-8B
-shapes, seed recipe): 18.1 -> 11.6 ms per token step beside the copies (docs/benchmarks.md).
+(`vlmrl.engine.rollout.adapter_cast`); `enable_fast_generation` picks one and records which. What it is
+worth beside the copies: docs/benchmarks.md ("stacked projections").
 """
 
 from __future__ import annotations

@@ -1,0 +1,303 @@
+"""A 4-bit token step's projections at Qwen3-VL-8B's language shapes: bitsandbytes' `Linear4bit` forward, its
+dequantize + matmul, and vlmrl's nf4 kernel (`vlmrl.engine.rollout.nf4`), beside the weight-read floor.
+
+For each batch of rows (1, 8, 32: token rows of a decode step) and dtype, one token step is the 36 layers x 7
+projections (q, k, v, o, gate, up, down) over random nf4 weights (double quantisation, blocksize 64), each call
+reading its own weights from memory. Timed with CUDA events after warm-up, eagerly (host launch overhead
+included) and replayed as one CUDA graph (GPU time, as a compiled decode step runs), with the dense bf16 matmul
+for scale. The floor: the packed weights and their absmax codes over the measured device copy bandwidth.
+Numerics: each projection's kernel output against dequantize + matmul, in units of the last place (ulps).
+The sweep times the kernel's tile settings per distinct shape (CUDA graph of 36 calls over the 36 layers'
+weights), to choose `nf4._config`'s defaults; its compiles are bounded by `--sweep-seconds`.
+
+    python benchmarks/nf4_matmul.py OUTDIR     (one CUDA GPU, bitsandbytes installed; ~5 minutes)
+    TRITON_INTERPRET=1 python benchmarks/nf4_matmul.py OUTDIR --hidden 128 --intermediate 256 --layers 2 \\
+        --heads 2 --kv-heads 1 --head-dim 64 --rows 1,4 --no-dense --sweep-seconds 20     (the code paths, CPU)
+
+Writes OUTDIR/nf4_matmul.json and OUTDIR/nf4_matmul.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = json.loads((ROOT / "src/vlmrl/run/shapes/qwen3_vl_8b.json").read_text())["text_config"]
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("out", type=Path, help="output folder (nf4_matmul.json, nf4_matmul.md)")
+    p.add_argument("--rows", default="1,8,32", help="token rows per step, comma-separated")
+    p.add_argument("--dtypes", default="bfloat16,float16", help="activation dtypes, comma-separated")
+    p.add_argument("--layers", type=int, default=SHAPES["num_hidden_layers"])
+    p.add_argument("--hidden", type=int, default=SHAPES["hidden_size"])
+    p.add_argument("--intermediate", type=int, default=SHAPES["intermediate_size"])
+    p.add_argument("--heads", type=int, default=SHAPES["num_attention_heads"])
+    p.add_argument("--kv-heads", type=int, default=SHAPES["num_key_value_heads"])
+    p.add_argument("--head-dim", type=int, default=SHAPES["head_dim"])
+    p.add_argument("--replays", type=int, default=10, help="timed repeats of a token step")
+    p.add_argument("--no-dense", action="store_true", help="skip the dense bf16 matmul (saves 2 bytes per weight)")
+    p.add_argument("--sweep-seconds", type=float, default=240.0, help="time for the tile sweep (0: none)")
+    return p.parse_args(argv)
+
+
+def projections(a: argparse.Namespace) -> list[tuple[str, int, int]]:
+    """(name, out, in) of one layer's projections."""
+    q, kv = a.heads * a.head_dim, a.kv_heads * a.head_dim
+    return [("q", q, a.hidden), ("k", kv, a.hidden), ("v", kv, a.hidden), ("o", a.hidden, q),
+            ("gate", a.intermediate, a.hidden), ("up", a.intermediate, a.hidden), ("down", a.hidden, a.intermediate)]
+
+
+def timed_ms(step: Callable[[], object], replays: int, graph: bool) -> float:
+    """ms per call of `step`: after warm-up, `replays` calls (or replays of one CUDA graph of it) between events."""
+    if not torch.cuda.is_available():
+        step()
+        start = time.perf_counter()
+        for _ in range(replays):
+            step()
+        return (time.perf_counter() - start) * 1e3 / replays
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    run = step
+    if graph:
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph):
+            step()
+        run = cuda_graph.replay
+        run()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        run()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes per second a device-to-device copy moves (read + write)."""
+    n = (1 << 30) if device.type == "cuda" else (1 << 26)
+    src, dst = torch.empty(n, dtype=torch.uint8, device=device), torch.empty(n, dtype=torch.uint8, device=device)
+    ms = timed_ms(lambda: dst.copy_(src), 10, graph=False)
+    return 2 * n / (ms / 1e3)
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Largest distance between a and b in representable values of their 16-bit dtype."""
+    def ordered(t: torch.Tensor) -> torch.Tensor:
+        bits = t.contiguous().view(torch.int16).to(torch.int32)
+        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+
+    return int((ordered(a) - ordered(b)).abs().max())
+
+
+def build(a: argparse.Namespace, device: torch.device, bnb: object) -> list[tuple[str, torch.nn.Module]]:
+    """The layers' nf4 `Linear4bit`s, quantized from random bf16 weights on the device (as the loader does)."""
+    layers = []
+    for layer in range(a.layers):
+        for name, n, k in projections(a):
+            torch.manual_seed(1000 * layer + len(layers))
+            module = bnb.nn.Linear4bit(k, n, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4",
+                                       compress_statistics=True)
+            weight = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
+            module.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4",
+                                              compress_statistics=True, blocksize=64)
+            module = module.to(device)
+            module.support_avx512bf16_for_cpu = False  # keep bitsandbytes' layout on a CPU
+            layers.append((name, module.eval()))
+    return layers
+
+
+def weight_bytes(module: torch.nn.Module) -> int:
+    qs = module.weight.quant_state
+    return (module.weight.numel() * module.weight.element_size() + qs.absmax.numel() * qs.absmax.element_size()
+            + qs.state2.absmax.numel() * 4)
+
+
+def step_methods(layers: list, inputs: dict[int, torch.Tensor], dense: list | None, bnb: object,
+                 nf4: object) -> dict[str, Callable[[], object]]:
+    """One token step (every projection once) per method."""
+    def deq(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        w = bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state)
+        return F.linear(x, w.to(x.dtype))
+
+    methods = {
+        "Linear4bit forward": lambda: [m(inputs[m.in_features]) for _, m in layers],
+        "dequantize + matmul": lambda: [deq(m, inputs[m.in_features]) for _, m in layers],
+        "nf4 kernel": lambda: [nf4.nf4_matmul(inputs[m.in_features], m.weight) for _, m in layers],
+    }
+    if dense is not None:
+        methods["dense bf16 matmul"] = lambda: [F.linear(inputs[w.shape[1]].to(w.dtype), w) for w in dense]
+    return methods
+
+
+def sweep(a: argparse.Namespace, layers: list, rows_list: list[int], dtype: torch.dtype, bandwidth: float,
+          nf4: object, device: torch.device) -> list[dict]:
+    """Per distinct (out, in) and rows: the kernel's time for each tile setting, 36 calls over distinct weights."""
+    if a.sweep_seconds <= 0:
+        return []
+    deadline = time.monotonic() + a.sweep_seconds
+    by_shape: dict[tuple[int, int], list] = {}
+    for _, m in layers:
+        by_shape.setdefault((m.out_features, m.in_features), []).append(m)
+    results = []
+    for (n, k), modules in by_shape.items():
+        modules = modules[: a.layers]
+        bytes_ = sum(weight_bytes(m) for m in modules)
+        for rows in rows_list:
+            x = torch.randn(rows, k, device=device).to(dtype)
+            default = nf4._config(rows, n, k, 64, device)
+            tried = []
+            splits = sorted({max(1, default[4] // 2), default[4], default[4] * 2})
+            for block_n in (32, 64, 128):
+                for tile in (64, 128):
+                    for warps in (4, 8):
+                        for stages in (2, 3):
+                            for split in splits:
+                                if time.monotonic() > deadline:
+                                    break
+                                config = [block_n, tile, warps, stages, split]
+                                tried.append(_time_config(modules, x, config, a.replays, nf4) | {"config": config})
+            timed = [t for t in tried if "ms" in t]
+            default_ms = _time_config(modules, x, default, a.replays, nf4).get("ms")
+            best = min(timed, key=lambda t: t["ms"]) if timed else None
+            calls = len(modules)
+            results.append({
+                "out": n, "in": k, "rows": rows, "calls": calls, "default": default,
+                "default_us": None if default_ms is None else 1e3 * default_ms / calls,
+                "best": best and best["config"], "best_us": best and 1e3 * best["ms"] / calls,
+                "floor_us": 1e6 * bytes_ / len(modules) / bandwidth, "tried": len(tried),
+                "failed": [t for t in tried if "error" in t][:3]})
+    return results
+
+
+def _time_config(modules: list, x: torch.Tensor, config: list[int], replays: int, nf4: object) -> dict:
+    nf4._failed.clear()
+    try:
+        ms = timed_ms(lambda: [nf4.nf4_matmul(x, m.weight, config=config) for m in modules], replays,
+                      graph=x.is_cuda)
+    except Exception as error:  # noqa: BLE001 (a setting Triton cannot build: recorded, the sweep goes on)
+        return {"error": f"{type(error).__name__}: {str(error)[:200]}"}
+    if nf4._failed:  # the op fell back to torch: not the kernel's time
+        return {"error": next(iter(nf4._failed.values()))[:200]}
+    return {"ms": ms}
+
+
+def main(argv: list[str]) -> int:
+    a = parse(argv)
+    import bitsandbytes as bnb
+
+    from vlmrl.engine.rollout import nf4
+
+    a.out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rows_list = [int(r) for r in a.rows.split(",")]
+    dtypes = [getattr(torch, d) for d in a.dtypes.split(",")]
+    import triton
+
+    result: dict = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+        "interpreted": nf4.interpreted(), "torch": torch.__version__, "triton": triton.__version__,
+        "bitsandbytes": bnb.__version__, "layers": a.layers, "projections": [p[0] for p in projections(a)],
+        "unsupported": None, "steps": [], "numerics": []}
+    bandwidth = copy_bandwidth(device)
+    result["copy_tb_per_s"] = bandwidth / 1e12
+    layers = build(a, device, bnb)
+    weight_total = sum(weight_bytes(m) for _, m in layers)
+    result["nf4_bytes"] = weight_total
+    result["floor_ms"] = 1e3 * weight_total / bandwidth
+    result["unsupported"] = nf4.unsupported_reason(torch.nn.ModuleList([m for _, m in layers]))
+    dense = None
+    if not a.no_dense:
+        dense = [torch.randn(m.out_features, m.in_features, device=device, dtype=torch.bfloat16) for _, m in layers]
+        result["bf16_floor_ms"] = 1e3 * sum(w.numel() * 2 for w in dense) / bandwidth
+    with torch.no_grad():
+        for dtype in dtypes:
+            for _, m in layers:  # the weights as if loaded in this dtype: bitsandbytes dequantizes to it
+                m.weight.quant_state.dtype = m.compute_dtype = dtype
+            for rows in rows_list:
+                inputs = {k: torch.randn(rows, k, device=device).to(dtype) for k in {a.hidden, a.intermediate,
+                                                                                     a.heads * a.head_dim}}
+                for method, step in step_methods(layers, inputs, dense, bnb, nf4).items():
+                    entry = {"dtype": str(dtype).removeprefix("torch."), "rows": rows, "method": method}
+                    for mode in ("eager", "graph"):
+                        try:
+                            entry[f"{mode}_ms"] = timed_ms(step, a.replays, graph=mode == "graph")
+                        except Exception as error:  # noqa: BLE001 (recorded: a method a CUDA graph cannot hold)
+                            entry[f"{mode}_error"] = f"{type(error).__name__}: {str(error)[:200]}"
+                    result["steps"].append(entry)
+                    print(json.dumps(entry), flush=True)
+                result["numerics"].append(numerics(layers[:7], inputs, dtype, rows, bnb, nf4))
+            result["fallbacks"] = dict(nf4._failed)
+        result["sweep"] = sweep(a, layers, rows_list, dtypes[0], bandwidth, nf4, device)
+    (a.out / "nf4_matmul.json").write_text(json.dumps(result, indent=1, default=str))
+    (a.out / "nf4_matmul.md").write_text(markdown(result))
+    print(markdown(result))
+    worst = max((n["kernel_ulps"] for n in result["numerics"]), default=0)
+    return 0 if worst <= 1 and not result["fallbacks"] else 1
+
+
+def numerics(layers: list, inputs: dict, dtype: torch.dtype, rows: int, bnb: object, nf4: object) -> dict:
+    """Largest ulps over one layer's projections: the kernel, and `Linear4bit` itself, against dequantize + matmul."""
+    kernel = forward = 0
+    for _, m in layers:
+        x = inputs[m.in_features]
+        expected = F.linear(x, bnb.functional.dequantize_4bit(m.weight.data, m.weight.quant_state).to(dtype))
+        kernel = max(kernel, ulps(nf4.nf4_matmul(x, m.weight), expected))
+        forward = max(forward, ulps(m(x), expected))
+    return {"dtype": str(dtype).removeprefix("torch."), "rows": rows, "kernel_ulps": kernel,
+            "linear4bit_ulps": forward}
+
+
+def _num(value: float | None, digits: int = 2) -> str:
+    return "" if value is None else f"{value:.{digits}f}"
+
+
+def markdown(r: dict) -> str:
+    floor = r["floor_ms"]
+    bf16 = f" (bf16: {r['bf16_floor_ms']:.2f} ms)" if "bf16_floor_ms" in r else ""
+    setup = (f"{r['device']}; torch {r['torch']}, triton {r['triton']}, bitsandbytes {r['bitsandbytes']}"
+             f"{' (Triton interpreter)' if r['interpreted'] else ''}. Copy bandwidth {r['copy_tb_per_s']:.2f} TB/s; "
+             f"nf4 weights {r['nf4_bytes'] / 2**30:.2f} GiB, floor **{floor:.2f} ms** per token step{bf16}.")
+    lines = [f"# nf4 token step: {r['layers']} layers x {len(r['projections'])} projections", "", setup, "",
+             "| dtype | rows | method | graph ms | eager ms | x floor (graph) |", "|---|---|---|---|---|---|"]
+    for s in r["steps"]:
+        graph = s.get("graph_ms")
+        shown = _num(graph) if graph is not None else s.get("graph_error", "")[:60]
+        lines.append(f"| {s['dtype']} | {s['rows']} | {s['method']} | {shown} | {_num(s.get('eager_ms'))} | "
+                     f"{_num(graph and graph / floor, 1)} |")
+    lines += ["", "Numerics, largest ulps against dequantize + matmul over one layer's projections:", "",
+              "| dtype | rows | nf4 kernel | Linear4bit forward |", "|---|---|---|---|"]
+    lines += [f"| {n['dtype']} | {n['rows']} | {n['kernel_ulps']} | {n['linear4bit_ulps']} |" for n in r["numerics"]]
+    if r.get("fallbacks"):
+        lines += ["", f"Kernel fallbacks: {r['fallbacks']}"]
+    if r.get("unsupported"):
+        lines += ["", f"`unsupported_reason`: {r['unsupported']}"]
+    if r.get("sweep"):
+        lines += ["", "Tile sweep ([block_n, tile_pairs, warps, stages, split]; us per call over distinct weights):",
+                  "", "| out x in | rows | default | us | best | us | floor us | tried |",
+                  "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {s['out']} x {s['in']} | {s['rows']} | {s['default']} | {_num(s['default_us'], 1)} | "
+                  f"{s['best']} | {_num(s['best_us'], 1)} | {s['floor_us']:.1f} | {s['tried']} |" for s in r["sweep"]]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main(sys.argv[1:]))

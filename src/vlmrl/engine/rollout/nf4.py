@@ -1,0 +1,319 @@
+"""A token step over bitsandbytes nf4 weights: one Triton kernel that reads the packed 4-bit weights once.
+
+At a decode step `Linear4bit` multiplies a few dozen rows by weights bitsandbytes stores as nf4 codes, and its
+kernels take many times the weight-read floor (docs/benchmarks.md, "The nf4 token-step kernel"). Here each
+program streams a tile of packed bytes, looks each code up in the 16-value table, scales it by its block's absmax
+(decoded from its 8-bit code when double-quantised), rounds it as `dequantize_4bit` rounds, and multiplies on the
+tensor cores with fp32 accumulation; few output columns split K, summed by a second, deterministic pass. The
+result is `dequantize_4bit` then `x @ W.T` (+ bias) up to summation order: within one bf16/fp16 unit per output.
+
+Public: `nf4_matmul`; `nf4_decode(model)`, which routes `Linear4bit` forwards of at most `MAX_ROWS` rows without
+gradients through the kernel while active (prompt passes, training and unsupported layers stay on bitsandbytes,
+the fallback); `unsupported_reason(model)`, for the caller to record why it stays there. Limits: nf4 (not fp4),
+blocksizes 32-256 dividing in_features, bf16/fp16 activations, CUDA (Triton's interpreter on a CPU, for tests).
+No maintained library fits (package index, 2026-12): FLUTE ships a C++ extension built for torch 2.5 / CUDA 12.1
+over its own repacked layout, and gemlite's kernels take affine (scale, zero) codes, not a 16-value table.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import logging
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from vlmrl.engine.rollout.decode_attention import HAS_TRITON, interpreted, kernel_or_fallback
+
+log = logging.getLogger(__name__)
+_failed: dict[tuple, str] = {}  # (device, dtype) -> why the kernel could not run there
+
+MAX_ROWS = 64  # rows of a token step (the rollout batch); a prompt pass's many rows stay on bitsandbytes
+BLOCKSIZES = (32, 64, 128, 256)
+TILE_PAIRS = 128  # packed bytes per weight row per loop step on a GPU (256 weights)
+PROGRAMS_PER_SM = 2  # split K until the grid has about this many programs per SM
+_DTYPES = (torch.bfloat16, torch.float16)
+_ROUNDING = {torch.bfloat16: 1, torch.float16: 2}  # the dequantized weight's dtype -> the kernel's code (0: fp32)
+
+
+def nf4_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+               quant_state: Any = None, config: list[int] | None = None) -> torch.Tensor:
+    """`x @ W.T (+ bias)` in x's dtype (bf16/fp16), fp32 accumulation, for W the nf4 weight `weight` (a bitsandbytes
+    `Params4bit`, or its packed bytes with their `quant_state`): bitsandbytes' `dequantize_4bit(weight).to(x.dtype)`
+    then `F.linear`, up to summation order. `config` = [block_n, tile_pairs, warps, stages, split] (benchmarks);
+    left out, it is chosen by shape."""
+    qs = quant_state if quant_state is not None else weight.quant_state
+    n, k = qs.shape
+    packed = weight.data.view(torch.uint8).reshape(n, k // 2)
+    if qs.nested:
+        offset = qs.offset if isinstance(qs.offset, torch.Tensor) else torch.tensor(float(qs.offset))
+        nested = (qs.state2.code, qs.state2.absmax, offset.to(packed.device, torch.float32), qs.state2.blocksize)
+    else:
+        nested = (None, None, None, 1)
+    code2, absmax2, offset, blocksize2 = nested
+    if bias is not None:
+        bias = bias.to(x.dtype)
+    out = _nf4_matmul(x.reshape(-1, k), packed, qs.absmax, code2, absmax2, offset, qs.code, bias, qs.blocksize,
+                      blocksize2, _ROUNDING.get(qs.dtype, 0), list(config or []))
+    return out.view(*x.shape[:-1], n)
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why `nf4_decode(model)` would leave every token step on bitsandbytes, or None when it routes some layer
+    (each layer it cannot take stays on bitsandbytes: a vision tower's odd widths, say)."""
+    if not HAS_TRITON:
+        return "Triton is not installed"
+    layers = _linear4bit_layers(model)
+    if not layers:
+        return "the model has no bitsandbytes Linear4bit layer"
+    reasons = [reason for layer in layers if (reason := _layer_reason(layer)) is not None]
+    if len(reasons) < len(layers):
+        return None
+    reason, count = collections.Counter(reasons).most_common(1)[0]
+    return f"no Linear4bit layer fits the nf4 kernel ({count} of {len(layers)}: {reason})"
+
+
+@contextlib.contextmanager
+def nf4_decode(model: torch.nn.Module, max_rows: int = MAX_ROWS) -> Iterator[str | None]:
+    """While active, forwards of the model's `Linear4bit` layers with at most `max_rows` rows and no gradient run
+    `nf4_matmul`; the rest (prompt passes, the loss pass) run bitsandbytes' own forward. Yields
+    `unsupported_reason(model)`: None when some layer is routed, else why none is (then nothing changes)."""
+    reason = unsupported_reason(model)
+    patched: list[tuple[torch.nn.Module, Any]] = []
+    if reason is None:
+        for layer in _linear4bit_layers(model):
+            if _layer_reason(layer) is None:
+                patched.append((layer, layer.__dict__.get("forward")))  # an accelerate hook's forward, say
+                layer.forward = _routed(layer, layer.forward, max_rows)
+        log.info("nf4 token-step kernel on for %d of %d Linear4bit layers", len(patched),
+                 len(_linear4bit_layers(model)))
+    try:
+        yield reason
+    finally:
+        for layer, before in patched:
+            if before is None:
+                del layer.forward
+            else:
+                layer.forward = before
+
+
+def dequantize(packed: torch.Tensor, absmax: torch.Tensor, code2: torch.Tensor | None, absmax2: torch.Tensor | None,
+               offset: torch.Tensor | None, lut: torch.Tensor, blocksize: int, blocksize2: int) -> torch.Tensor:
+    """bitsandbytes' `dequantize_4bit` in torch, in float32 ([N, K] from packed [N, K/2]): the kernel's fallback."""
+    n = packed.shape[0]
+    codes = torch.stack([packed >> 4, packed & 15], dim=-1).reshape(n, -1).long()
+    if code2 is not None:  # double quantisation: 8-bit codes of (absmax - offset) in blocks of blocksize2
+        scale = code2[absmax.long()] * absmax2.repeat_interleave(blocksize2)[:absmax.numel()]
+        scale = scale + offset  # rounded apart from the product, as bitsandbytes does
+    else:
+        scale = absmax.float()
+    return (lut[codes].view(-1, blocksize) * scale.view(-1, 1)).view(n, -1)
+
+
+def _linear4bit_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    # bitsandbytes is only imported by a model that has its layers: nothing to find when it is not
+    cls = getattr(sys.modules.get("bitsandbytes.nn"), "Linear4bit", None)
+    return [] if cls is None else [m for m in model.modules() if isinstance(m, cls)]
+
+
+def _layer_reason(layer: torch.nn.Module) -> str | None:
+    weight = layer.weight
+    qs = getattr(weight, "quant_state", None) or getattr(layer, "quant_state", None)
+    if qs is None:
+        return "weights not quantized yet"
+    if qs.quant_type != "nf4":
+        return f"quant_type {qs.quant_type} (the kernel reads nf4)"
+    if qs.blocksize not in BLOCKSIZES:
+        return f"blocksize {qs.blocksize} (the kernel takes {', '.join(map(str, BLOCKSIZES))})"
+    if len(qs.shape) != 2 or qs.shape[1] % qs.blocksize:
+        return f"weight shape {tuple(qs.shape)} (in_features must be a multiple of the blocksize)"
+    if getattr(qs, "packing_format_for_cpu", False):
+        return "weights repacked for bitsandbytes' CPU kernel"
+    if not (weight.is_cuda or interpreted()):
+        return f"weights on {weight.device}, not a CUDA device"
+    if not weight.data.is_contiguous() or weight.data.numel() * weight.data.element_size() * 2 != qs.shape.numel():
+        return "packed weights not contiguous bytes"
+    if getattr(layer, "compute_dtype", None) not in (None, *_DTYPES):
+        return f"compute dtype {layer.compute_dtype} (the kernel computes in bf16/fp16)"
+    return None
+
+
+def _routed(layer: torch.nn.Module, fallback: Callable[..., torch.Tensor], max_rows: int) -> Callable[..., Any]:
+    def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        dtype = layer.compute_dtype if layer.compute_dtype is not None else x.dtype  # as bitsandbytes computes
+        bias = layer.bias
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if (args or kwargs or not 0 < rows <= max_rows or dtype not in _DTYPES or x.device != layer.weight.device
+                or (torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)))):
+            return fallback(x, *args, **kwargs)
+        return nf4_matmul(x.to(dtype), layer.weight, bias).to(x.dtype)
+
+    return forward
+
+
+@torch.library.custom_op("vlmrl::nf4_matmul", mutates_args=())
+def _nf4_matmul(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: torch.Tensor | None,
+                absmax2: torch.Tensor | None, offset: torch.Tensor | None, lut: torch.Tensor, bias: torch.Tensor | None,
+                blocksize: int, blocksize2: int, rounding: int, config: list[int]) -> torch.Tensor:
+    args = (x, packed, absmax, code2, absmax2, offset, lut, bias, blocksize, blocksize2, rounding, config)
+    return kernel_or_fallback(_failed, (str(x.device), x.dtype), lambda: _launch(*args), lambda: _reference(*args),
+                              what="nf4 matmul kernel", instead="dequantize + matmul", logger=log)
+
+
+@_nf4_matmul.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, *args: Any) -> torch.Tensor:
+    return x.new_empty((x.shape[0], packed.shape[0]))
+
+
+def _reference(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: torch.Tensor | None,
+               absmax2: torch.Tensor | None, offset: torch.Tensor | None, lut: torch.Tensor, bias: torch.Tensor | None,
+               blocksize: int, blocksize2: int, rounding: int, config: list[int]) -> torch.Tensor:
+    weight = dequantize(packed, absmax, code2, absmax2, offset, lut, blocksize, blocksize2)
+    if rounding:  # bitsandbytes dequantizes to the weight's dtype, then casts to the activations'
+        weight = weight.to(torch.bfloat16 if rounding == 1 else torch.float16)
+    return F.linear(x, weight.to(x.dtype), bias)
+
+
+def _config(rows: int, n: int, k: int, blocksize: int, device: torch.device) -> list[int]:
+    """[block_n, tile_pairs, warps, stages, split]: enough programs to keep every SM streaming (split K when
+    the output has few columns); small tiles in the interpreter."""
+    half = blocksize // 2
+    if device.type != "cuda":
+        return [32, half, 4, 1, min(2, k // blocksize)]
+    block_n, tile = 64, max(half, TILE_PAIRS)
+    programs = -(-n // block_n) * -(-rows // _block_m(rows))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    split = max(1, min(-(-k // (2 * tile)), round(PROGRAMS_PER_SM * sms / programs)))
+    return [block_n, tile, 4, 3, split]
+
+
+def _block_m(rows: int) -> int:
+    return min(64, max(16, 1 << (rows - 1).bit_length()))  # tl.dot takes 16 rows at least
+
+
+def _launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: torch.Tensor | None,
+            absmax2: torch.Tensor | None, offset: torch.Tensor | None, lut: torch.Tensor, bias: torch.Tensor | None,
+            blocksize: int, blocksize2: int, rounding: int, config: list[int]) -> torch.Tensor:
+    rows, k = x.shape
+    n = packed.shape[0]
+    if x.dtype not in _DTYPES:
+        raise TypeError(f"activations in {x.dtype}: the kernel takes bf16/fp16")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    block_n, tile, warps, stages, split = config or _config(rows, n, k, blocksize, x.device)
+    half = blocksize // 2
+    if tile % half:
+        raise ValueError(f"tile of {tile} packed bytes is not a whole number of {blocksize}-weight blocks")
+    tiles = -(-k // (2 * tile))
+    per_split = -(-tiles // max(1, min(split, tiles))) * tile  # packed bytes per split, whole tiles
+    split = -(-(k // 2) // per_split)
+    block_m = _block_m(rows)
+    out = torch.empty(rows, n, device=x.device, dtype=x.dtype)
+    interpret = interpreted()
+    main, reduce = _kernels(interpret)
+    nested = code2 is not None
+    target = torch.empty(split, rows, n, device=x.device, dtype=torch.float32) if split > 1 else out
+    xq = 1 if x.dtype == torch.bfloat16 else 2
+    grid = (-(-n // block_n), split, -(-rows // block_m))
+    main[grid](x, packed, absmax, code2 if nested else absmax, absmax2 if nested else absmax,
+               offset if nested else absmax, lut, bias if bias is not None else out, target,
+               rows, n, k, x.stride(0), per_split, BLOCKSIZE2=blocksize2, HALF=half, NB=tile // half,
+               BLOCK_N=block_n, BLOCK_M=block_m, NESTED=nested, HAS_BIAS=bias is not None and split == 1, PARTIAL=split > 1, WQ=rounding, XQ=xq, EXACT=interpret,
+               num_warps=warps, num_stages=stages, enable_fp_fusion=False)  # round a*b and +c apart, as bnb does
+    if split > 1:
+        size = rows * n
+        block = 1024
+        reduce[(-(-size // block),)](target, bias if bias is not None else out, out, size, n, split,
+                                     HAS_BIAS=bias is not None, XQ=xq, EXACT=interpret, BLOCK=block)
+    return out
+
+
+@functools.cache
+def _kernels(interpret: bool) -> tuple[Any, Any]:
+    """The Triton kernels, built on first use (importing vlmrl needs no Triton)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def rounded(x, CODE: tl.constexpr, EXACT: tl.constexpr):
+        # float32 -> the nearest bf16 (CODE 1) or fp16 (CODE 2) value, ties to even, kept in float32 (CODE 0: x).
+        # On the bits for bf16 in the interpreter, which truncates where compiled kernels round.
+        if CODE == 1:
+            if EXACT:
+                bits = x.to(tl.uint32, bitcast=True)
+                bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+                x = tl.where(x == x, bits.to(tl.float32, bitcast=True), x)  # noqa: PLR0124 (False for NaN only)
+            else:
+                x = x.to(tl.bfloat16).to(tl.float32)
+        elif CODE == 2:
+            x = x.to(tl.float16).to(tl.float32)
+        return x
+
+    globals()["rounded"] = rounded  # a kernel finds the functions it calls among its module's globals
+
+    @triton.jit
+    def nf4_tiles(X, Packed, Absmax, Code2, Absmax2, Offset, Lut, Bias, Out, M, N, K, stride_x, per_split,
+                  BLOCKSIZE2: tl.constexpr, HALF: tl.constexpr, NB: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_M: tl.constexpr, NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, WQ: tl.constexpr,
+                  XQ: tl.constexpr, EXACT: tl.constexpr):
+        # out[m, n] (or split s's share, fp32) = sum over this split's k of x[m, k] * W[n, k]; W[n, k] is the
+        # nibble k % 2 (high first) of byte n * K/2 + k // 2, times absmax[(n * K + k) // blocksize].
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+        n_ok, m_ok = n < N, m < M
+        blocks = K // (2 * HALF)  # per weight row
+        b, p, e = tl.arange(0, NB), tl.arange(0, HALF), tl.arange(0, 2 * NB * HALF)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # out transposed: the weight is the dot's left side
+        start = tl.program_id(1) * per_split
+        for kh in range(start, tl.minimum(start + per_split, K // 2), NB * HALF):
+            block = n[:, None] * blocks + (kh // HALF + b)[None, :]  # [BLOCK_N, NB] absmax index
+            ok = n_ok[:, None] & ((kh // HALF + b) < blocks)[None, :]
+            q = tl.load(Packed + block[:, :, None] * HALF + p[None, None, :], mask=ok[:, :, None], other=0)
+            if NESTED:
+                code = tl.load(Absmax + block, mask=ok, other=0).to(tl.int32)
+                scale = tl.load(Code2 + code) * tl.load(Absmax2 + block // BLOCKSIZE2, mask=ok, other=0.0)
+                scale = scale + tl.load(Offset)
+            else:
+                scale = tl.load(Absmax + block, mask=ok, other=0.0)
+            q = q.to(tl.int32)
+            high = tl.load(Lut + (q >> 4)) * scale[:, :, None]
+            low = tl.load(Lut + (q & 15)) * scale[:, :, None]
+            w = tl.reshape(tl.join(high, low), (BLOCK_N, 2 * NB * HALF))  # [BLOCK_N, tile's k] in k order
+            k = 2 * kh + e
+            xt = tl.load(X + m[None, :] * stride_x + k[:, None], mask=m_ok[None, :] & (k < K)[:, None], other=0.0)
+            if EXACT:  # the interpreter's tl.dot reads bf16 as integers: exact float32 copies instead
+                acc = tl.dot(rounded(rounded(w, WQ, True), XQ, True), xt.to(tl.float32), acc)
+            else:
+                if WQ == 1:
+                    w = w.to(tl.bfloat16)
+                elif WQ == 2:
+                    w = w.to(tl.float16)
+                acc = tl.dot(w.to(X.dtype.element_ty), xt, acc)
+        where = m[None, :] * N + n[:, None]
+        mask = m_ok[None, :] & n_ok[:, None]
+        if PARTIAL:
+            tl.store(Out + tl.program_id(1) * M * N + where, acc, mask=mask)
+        else:
+            if HAS_BIAS:
+                acc = acc + tl.load(Bias + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+            tl.store(Out + where, rounded(acc, XQ, EXACT).to(Out.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def nf4_splits(Partial, Bias, Out, size, N, splits, HAS_BIAS: tl.constexpr, XQ: tl.constexpr,
+                   EXACT: tl.constexpr, BLOCK: tl.constexpr):
+        # the splits' shares summed in order, the bias added, rounded once
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = i < size
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s in range(splits):
+            acc += tl.load(Partial + s * size + i, mask=ok, other=0.0)
+        if HAS_BIAS:
+            acc += tl.load(Bias + i % N, mask=ok, other=0.0).to(tl.float32)
+        tl.store(Out + i, rounded(acc, XQ, EXACT).to(Out.dtype.element_ty), mask=ok)
+
+    return nf4_tiles, nf4_splits

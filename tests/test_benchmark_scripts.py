@@ -1,0 +1,104 @@
+"""The scripts in benchmarks/, on the CPU: each imports (so a module that moved is found where it went), the ones
+with a command line answer `--help`, and engine_variants.py turns the engine's A/B variants into bench paths that
+plain `vlmrl bench` does not offer. What they measure needs a GPU; that is their own business."""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from typer.testing import CliRunner
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = sorted((ROOT / "benchmarks").glob("*.py"))
+
+
+def _load(script: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """The script as a module (not run as __main__), its folder importable as when it runs."""
+    monkeypatch.syspath_prepend(str(script.parent))
+    spec = importlib.util.spec_from_file_location(f"benchmarks_{script.stem}", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def variants():
+    """The bench's variant registry, restored after the test: the product has none."""
+    from vlmrl.bench import run
+
+    saved = dict(run.VARIANTS)
+    yield run.VARIANTS
+    run.VARIANTS.clear()
+    run.VARIANTS.update(saved)
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_each_script_imports_without_a_gpu(script, monkeypatch):
+    module = _load(script, monkeypatch)
+    assert module.__doc__, f"{script.name}: say what it measures"
+
+
+@pytest.mark.parametrize("script", [s for s in SCRIPTS if "argparse" in s.read_text()], ids=lambda p: p.name)
+def test_scripts_with_a_command_line_parse_their_arguments(script, monkeypatch, capsys):
+    module = _load(script, monkeypatch)
+    monkeypatch.setattr(sys, "argv", [script.name, "--help"])
+    takes_argv = bool(inspect.signature(module.main).parameters)  # main(argv) or main() reading sys.argv
+    with pytest.raises(SystemExit) as done:
+        module.main(["--help"]) if takes_argv else module.main()
+    assert done.value.code == 0 and "usage:" in capsys.readouterr().out
+
+
+def test_engine_variants_parses_the_bench_command_line(variants, monkeypatch, capsys):
+    module = _load(ROOT / "benchmarks" / "engine_variants.py", monkeypatch)
+    with pytest.raises(SystemExit) as done:
+        module.main(["bench", "--help"])
+    assert done.value.code == 0 and "--paths" in capsys.readouterr().out
+    assert "vlmrl-merged" in variants  # registered before the command ran
+
+
+def test_variant_paths_run_through_the_script_only(variants, monkeypatch):
+    from vlmrl.bench import PATHS, path_names
+    from vlmrl.cli.app import app
+
+    assert PATHS == ("plain", "vlmrl", "unsloth") and path_names() == PATHS  # the product's bench
+    runner = CliRunner()
+    refused = runner.invoke(app, ["bench", "--paths", "vlmrl,vlmrl-merged"], terminal_width=200)
+    assert refused.exit_code != 0 and "unknown bench path(s) vlmrl-merged" in refused.output
+    assert "benchmarks/engine_variants.py" in refused.output
+    _load(ROOT / "benchmarks" / "engine_variants.py", monkeypatch).register()
+    result = runner.invoke(app, ["bench", "--paths", "vlmrl,vlmrl-merged,vlmrl-nope"], terminal_width=200)
+    assert result.exit_code != 0 and "unknown bench path(s) vlmrl-nope;" in result.output  # the variant is known
+
+
+def test_each_variant_changes_only_its_own_setting(variants, monkeypatch):
+    """What the bench paths of the config switches that went away run now (their names stay in committed plans)."""
+    from functools import partial
+
+    from vlmrl.bench import Variant
+
+    module = _load(ROOT / "benchmarks" / "engine_variants.py", monkeypatch)
+    table = module.engine_variants()
+
+    def experiment(name: str) -> dict:
+        after = table[name].after
+        assert isinstance(after, partial) and after.func.__module__ == "vlmrl.engine.experimental.rollout"
+        inspect.signature(after.func).bind("trainer", "fast", **after.keywords)  # apply takes these keywords
+        return after.keywords
+
+    assert table["vlmrl-stacked"] == table["vlmrl-stacked-kernel"] == Variant()  # the defaults now: vlmrl's path
+    assert table["vlmrl-copies"] == Variant(fast={"stacked": False})
+    assert table["vlmrl-merged"].fast == {"stacked": False, "adapter_copies": False}
+    assert experiment("vlmrl-merged") == {"merge": True}
+    assert experiment("vlmrl-filled") == {"filled_window": module.FILLED_WINDOW} == {"filled_window": 128}
+    assert table["vlmrl-filled-copies"].fast == {"stacked": False}
+    assert experiment("vlmrl-filled-copies") == {"filled_window": 128}
+    assert experiment("vlmrl-sdpa-decode") == {"sdpa_decode": True}
+    assert experiment("vlmrl-second-cublas") == {"second_cublas": True}
+    assert experiment("vlmrl-guards-once") == {"guards_once": True}
+    assert table["vlmrl-input-cast"] == Variant(loss_pass={"adapter_input_cast": True})
+    assert table["vlmrl-own-kernels"] == Variant(loss_pass={"kernels": False})

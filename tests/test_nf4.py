@@ -1,0 +1,209 @@
+"""The nf4 token-step kernel (`vlmrl.engine.rollout.nf4`) against bitsandbytes' dequantize-then-matmul: within one
+bf16/fp16 unit per output, in Triton's CPU interpreter (tests/conftest.py turns it on) on small shapes, and on a
+CUDA GPU at Qwen3-VL-8B's shapes; `nf4_decode` routing token steps only, and the recorded fallbacks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vlmrl.engine.rollout import nf4
+
+bnb = pytest.importorskip("bitsandbytes")
+BF = bnb.functional
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(not nf4.HAS_TRITON or not (DEVICE == "cuda" or nf4.interpreted()),
+                                reason="needs Triton on CUDA or its interpreter (tests/conftest.py)")
+
+
+@pytest.fixture(autouse=True)
+def launches(monkeypatch):
+    """Each kernel launch, recorded; a fallback fails the test unless the test expects one."""
+    monkeypatch.setattr(nf4, "_failed", {})
+    calls = []
+    real = nf4._launch
+    monkeypatch.setattr(nf4, "_launch", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    return calls
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many representable values of their 16-bit dtype apart: 0 equal, 1 neighbours."""
+    def ordered(t):
+        bits = t.contiguous().view(torch.int16).to(torch.int32)
+        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+
+    assert a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16)
+    return (ordered(a) - ordered(b)).abs()
+
+
+def _quantized(n, k, weight_dtype=torch.bfloat16, nested=True, blocksize=64, seed=0):
+    torch.manual_seed(seed)
+    weight = (torch.randn(n, k) * 0.05).to(weight_dtype).to(DEVICE)
+    return BF.quantize_4bit(weight, blocksize=blocksize, compress_statistics=nested, quant_type="nf4")
+
+
+def _bitsandbytes(x, packed, qs, bias=None):
+    """bitsandbytes' dequantize-then-matmul, as `MatMul4Bit` computes it with gradients on."""
+    return F.linear(x, BF.dequantize_4bit(packed, qs).to(x.dtype), bias)
+
+
+def _check(got, expected, min_equal=0.95):
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    ulps = _ulps(got, expected)
+    assert ulps.max() <= 1, f"{int(ulps.max())} units apart"
+    assert (ulps == 0).float().mean() >= min_equal  # rounded where bitsandbytes rounds: off by summation order only
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 5, 32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_it_is_bitsandbytes_dequantize_then_matmul(dtype, rows, bias, launches):
+    packed, qs = _quantized(192, 256, weight_dtype=dtype)  # double quantisation, blocksize 64: the loader's
+    x = torch.randn(rows, 256).to(DEVICE, dtype)
+    b = torch.randn(192).to(DEVICE, dtype) if bias else None
+    got = nf4.nf4_matmul(x, packed, b, quant_state=qs)
+    _check(got, _bitsandbytes(x, packed, qs, b))
+    assert launches == [rows] and not nf4._failed
+
+
+def _exact_weights(n, k, dtype, weight_dtype=torch.bfloat16, config=None):
+    # x = the identity: row j of the output is column j of W, one product per sum, so nothing but the
+    # dequantization can differ from bitsandbytes'
+    packed, qs = _quantized(n, k, weight_dtype=weight_dtype, seed=4)
+    got = nf4.nf4_matmul(torch.eye(k, device=DEVICE, dtype=dtype), packed, quant_state=qs, config=config)
+    assert torch.equal(got, BF.dequantize_4bit(packed, qs).to(dtype).T)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_each_weight_is_dequantized_exactly_as_bitsandbytes_does(dtype):
+    _exact_weights(64, 256, dtype, config=[64, 128, 4, 1, 1])
+
+
+@pytest.mark.parametrize(("rows", "config"), [
+    (3, [32, 32, 4, 1, 1]),  # no split: bias and rounding in the tile kernel
+    (3, [64, 64, 4, 1, 3]),  # 2 blocks per tile, more splits than tiles asked for
+    (70, [16, 32, 4, 1, 4]),  # two blocks of rows (a prompt pass called directly)
+])
+def test_tiles_and_splits_give_the_same_values(rows, config):
+    packed, qs = _quantized(96, 256, seed=1)
+    x = torch.randn(2, rows, 256).to(DEVICE, torch.bfloat16)  # leading dims kept
+    bias = torch.randn(96).to(DEVICE, torch.bfloat16)
+    got = nf4.nf4_matmul(x, packed, bias, quant_state=qs, config=config)
+    assert got.shape == (2, rows, 96)
+    _check(got, _bitsandbytes(x, packed, qs, bias))
+
+
+@pytest.mark.parametrize(("weight_dtype", "dtype", "nested", "blocksize"), [
+    (torch.float32, torch.bfloat16, True, 64),  # weights quantized from fp32: rounded once, to bf16
+    (torch.bfloat16, torch.float16, True, 64),  # bf16 weights, fp16 activations: rounded to bf16, then fp16
+    (torch.float16, torch.bfloat16, False, 128),  # no double quantisation, another blocksize
+    (torch.bfloat16, torch.bfloat16, True, 32),
+])
+def test_other_quant_states(weight_dtype, dtype, nested, blocksize):
+    packed, qs = _quantized(64, 256, weight_dtype=weight_dtype, nested=nested, blocksize=blocksize, seed=2)
+    x = torch.randn(4, 256).to(DEVICE, dtype)
+    _check(nf4.nf4_matmul(x, packed, quant_state=qs), _bitsandbytes(x, packed, qs))
+
+
+@pytest.mark.parametrize("nested", [True, False])
+def test_the_torch_fallback_dequantizes_as_bitsandbytes(nested):
+    packed, qs = _quantized(64, 256, weight_dtype=torch.float32, nested=nested, seed=3)
+    parts = ((qs.state2.code, qs.state2.absmax, qs.offset, qs.state2.blocksize) if nested
+             else (None, None, None, 1))
+    code2, absmax2, offset, blocksize2 = parts
+    ours = nf4.dequantize(packed.view(64, 128), qs.absmax, code2, absmax2, offset, qs.code, 64, blocksize2)
+    assert torch.equal(ours, BF.dequantize_4bit(packed, qs))
+
+
+def test_a_kernel_that_cannot_run_falls_back_once_with_the_reason(monkeypatch, caplog):
+    monkeypatch.setattr(nf4, "_launch", lambda *a: (_ for _ in ()).throw(RuntimeError("no PTX for this GPU")))
+    packed, qs = _quantized(64, 256)
+    x = torch.randn(2, 256).to(DEVICE, torch.bfloat16)
+    for _ in range(2):
+        got = nf4.nf4_matmul(x, packed, quant_state=qs)
+    assert torch.equal(got, _bitsandbytes(x, packed, qs))
+    assert list(nf4._failed.values()) == ["RuntimeError: no PTX for this GPU"]
+    assert sum("nf4 matmul kernel cannot run" in r.message for r in caplog.records) == 1
+
+
+def _layer(k, n, bias=True, quant_type="nf4", dtype=torch.bfloat16, seed=0):
+    torch.manual_seed(seed)
+    layer = bnb.nn.Linear4bit(k, n, bias=bias, compute_dtype=dtype, quant_type=quant_type)
+    layer.weight = bnb.nn.Params4bit((torch.randn(n, k) * 0.05).to(dtype), requires_grad=False,
+                                     quant_type=quant_type, blocksize=64)
+    if bias:
+        layer.bias = torch.nn.Parameter(torch.randn(n).to(dtype), requires_grad=False)
+    # on a CPU with AVX512-BF16 bitsandbytes repacks the weights for its own kernel at the first eval forward
+    layer.support_avx512bf16_for_cpu = False
+    return layer.to(DEVICE)
+
+
+def _model(*layers):
+    return torch.nn.Sequential(*layers).eval()
+
+
+def test_nf4_decode_routes_token_steps_and_leaves_the_rest_to_bitsandbytes(launches):
+    model = _model(_layer(256, 192), torch.nn.ReLU(), _layer(192, 128, bias=False))
+    step, prompt = (torch.randn(4, 1, 256).to(DEVICE, torch.bfloat16), torch.randn(2, 40, 256).to(DEVICE, torch.bfloat16))
+    with torch.no_grad():
+        expected = model(step)
+        with nf4.nf4_decode(model) as reason:
+            got = model(step)  # 4 rows: a token step
+            assert launches == [4, 4]
+            model(prompt)  # 80 rows: a prompt pass
+            assert launches == [4, 4]
+    with nf4.nf4_decode(model):
+        model(step.requires_grad_())  # the loss pass: gradients
+    assert reason is None and launches == [4, 4]
+    assert all("forward" not in layer.__dict__ for layer in model)  # bitsandbytes' own forward again
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-3)  # two layers, each within a unit
+
+
+def test_an_unsupported_model_is_left_alone_with_the_reason(monkeypatch, launches):
+    assert nf4.unsupported_reason(torch.nn.Linear(4, 4)) == "the model has no bitsandbytes Linear4bit layer"
+    fp4 = _model(_layer(256, 64, quant_type="fp4"))
+    assert "quant_type fp4" in nf4.unsupported_reason(fp4)
+    with torch.no_grad(), nf4.nf4_decode(fp4) as reason:
+        fp4(torch.randn(2, 256).to(DEVICE, torch.bfloat16))
+    assert "fp4" in reason and launches == []
+    odd = _model(_layer(256, 64), _layer(64, 96), _layer(96, 64))  # 96 inputs: not a whole number of blocks
+    assert nf4.unsupported_reason(odd) is None
+    with torch.no_grad(), nf4.nf4_decode(odd):
+        odd(torch.randn(2, 256).to(DEVICE, torch.bfloat16))
+    assert launches == [2, 2]
+    if DEVICE == "cpu":
+        monkeypatch.setattr(nf4, "interpreted", lambda: False)
+        assert "not a CUDA device" in nf4.unsupported_reason(odd)
+
+
+def test_a_compiled_token_step_calls_it_as_one_node():
+    layer = _layer(256, 64)
+    x = torch.randn(3, 256).to(DEVICE, torch.bfloat16)
+    nodes = []
+
+    def backend(gm, example_inputs):
+        nodes.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad(), nf4.nf4_decode(layer):
+        got = torch.compile(layer, backend=backend, fullgraph=True)(x)
+    assert nodes.count("vlmrl.nf4_matmul.default") == 1
+    with torch.no_grad():
+        _check(got, layer(x))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_qwen3_vl_8b_shapes_on_the_gpu(dtype):
+    # (out, in) of q/o, k/v, gate/up and down
+    for n, k in [(4096, 4096), (1024, 4096), (12288, 4096), (4096, 12288)]:
+        packed, qs = _quantized(n, k, weight_dtype=torch.bfloat16, seed=n + k)
+        for rows in (1, 8, 32, 64):
+            x = torch.randn(rows, k, device="cuda").to(dtype)
+            bias = torch.randn(n, device="cuda").to(dtype)
+            _check(nf4.nf4_matmul(x, packed, bias, quant_state=qs), _bitsandbytes(x, packed, qs, bias),
+                   min_equal=0.9)
+    assert not nf4._failed
