@@ -116,28 +116,30 @@ def test_a_failed_path_is_reported_not_hidden():
 # (generation batches of 32 to 256), bf16 + adamw_torch and 4-bit + 8-bit Adam, 1024 tokens, two steps.
 BF16 = ["model.load_in_4bit=false", "train.optim=adamw_torch"]
 SHORT = [*BF16, "train.max_completion_length=256"]
-# bf16 peaks measured before the adapter copies and the kept adapter inputs were defaults, and with what they ran
-BEFORE_COPIES = ["train.rollout_adapter_copies=false", "train.rollout_stacked=false", "train.adapter_input_cast=true"]
+# bf16 peaks measured before the adapter copies and the stacked projections existed: rollouts read the float32
+# adapters as stored (the engine variant "as stored" of the preflight)
+BEFORE_COPIES = "as stored"
 # h200_throughput_bf16.json and _4bit.json (4-bit runs have neither float32 adapters nor copies)
-BATCH_TABLE = [([*BF16, f"train.per_device_train_batch_size={b}", *BEFORE_COPIES], True, peak)
+BATCH_TABLE = [([*BF16, f"train.per_device_train_batch_size={b}"], BEFORE_COPIES, True, peak)
                for b, peak in [(8, 23.86), (16, 30.83), (32, 44.84), (64, 72.85)]] + [
-               ([f"train.per_device_train_batch_size={b}"], True, peak)
+               ([f"train.per_device_train_batch_size={b}"], None, True, peak)
                for b, peak in [(8, 13.98), (16, 22.10), (32, 37.25), (64, 62.93)]]
 
 
-@pytest.mark.parametrize("overrides, fast, measured", [
-    (BF16, False, 23.87), ([*BF16, *BEFORE_COPIES], True, 23.87), ([*BF16, "train.rollout_merge=true"], True, 23.87),
-    ([*BF16, "train.rollout_stacked=false"], True, 23.62),  # h200_adapter_inputs.json (rollouts 23.62, rest 22.96)
-    (BF16, True, 23.66),  # the defaults since: the stacked projections (h200_record_stacked.json)
-    ([], True, 13.23),
-    (SHORT, False, 20.63), (SHORT, True, 20.02), *BATCH_TABLE,
+@pytest.mark.parametrize("overrides, adapters, fast, measured", [
+    (BF16, None, False, 23.87), (BF16, BEFORE_COPIES, True, 23.87),
+    (BF16, None, True, 23.87),  # the merged-adapter variant (h200_merged_kernel): the preflight counts the default
+    (BF16, "copies", True, 23.62),  # h200_adapter_inputs.json (rollouts 23.62, rest 22.96)
+    (BF16, None, True, 23.66),  # the default since: the stacked projections (h200_record_stacked.json)
+    ([], None, True, 13.23),
+    (SHORT, None, False, 20.63), (SHORT, None, True, 20.02), *BATCH_TABLE,
 ])
-def test_preflight_is_within_8_percent_of_the_measured_peaks(overrides, fast, measured):
+def test_preflight_is_within_8_percent_of_the_measured_peaks(overrides, adapters, fast, measured):
     """Before the batch tables the backward of a checkpointed layer was counted as its activations alone and the
     compiled decode phase as weights + static cache: the prediction was 19.5% under the peak at 32 completions
     per device in 4-bit, enough for train.auto_batch to choose a batch that does not fit."""
     config = load_config("seed", overrides)
-    estimate = estimate_memory(config, SHAPES, prompt_tokens=310, fast_generation=fast)
+    estimate = estimate_memory(config, SHAPES, prompt_tokens=310, fast_generation=fast, adapters=adapters)
     assert abs(estimate.peak_gib - measured) / measured < 0.08, estimate
 
 
@@ -228,24 +230,18 @@ def test_adapter_copies_cost_the_rollout_two_bytes_per_adapter_parameter_and_fre
     from vlmrl.run.preflight import count_params
 
     lora = count_params(SHAPES)[2] * 16
-    # a large generation batch: the rollout phase sets the peak; the stacked projections (the default) apart
-    batch = ["train.gradient_accumulation_steps=32", "train.rollout_stacked=false"]
-    off = "train.rollout_adapter_copies=false"
-    base = estimate_memory(load_config("seed", [*BF16, *batch, off]), SHAPES, prompt_tokens=310, fast_generation=True)
-    copies = estimate_memory(load_config("seed", [*BF16, *batch, "train.rollout_adapter_copies=true"]), SHAPES,
-                             prompt_tokens=310, fast_generation=True)
+    # a large generation batch: the rollout phase sets the peak
+    big = load_config("seed", [*BF16, "train.gradient_accumulation_steps=32"])
+    base = estimate_memory(big, SHAPES, prompt_tokens=310, fast_generation=True, adapters="as stored")
+    copies = estimate_memory(big, SHAPES, prompt_tokens=310, fast_generation=True, adapters="copies")
     assert base.kv_cache_gib > base.training_gib  # the rollout phase is the peak here
     assert base.peak_gib - copies.peak_gib == pytest.approx(lora * (8 - 2) / 2**30)
-    seed = estimate_memory(load_config("seed", [*BF16, off, "train.rollout_stacked=false"]), SHAPES, prompt_tokens=310,
-                           fast_generation=True)
-    seed_copies = estimate_memory(load_config("seed", [*BF16, "train.rollout_adapter_copies=true",
-                                                       "train.rollout_stacked=false"]), SHAPES,
-                                  prompt_tokens=310, fast_generation=True)
-    assert seed_copies.peak_gib <= seed.peak_gib  # the step's peak never grows with the copies
-    # the stacked projections: as much as the copies in rollouts, plus the first factors' rows (1 byte per LoRA
-    # parameter: A is about half of them) everywhere
-    stacked = estimate_memory(load_config("seed", [*BF16, *batch, off, "train.rollout_stacked=true"]), SHAPES,
-                              prompt_tokens=310, fast_generation=True)
+    seed = load_config("seed", BF16)
+    assert (estimate_memory(seed, SHAPES, prompt_tokens=310, fast_generation=True, adapters="copies").peak_gib
+            <= estimate_memory(seed, SHAPES, prompt_tokens=310, fast_generation=True, adapters="as stored").peak_gib)
+    # the stacked projections (the default): as much as the copies in rollouts, plus the first factors' rows
+    # (1 byte per LoRA parameter: A is about half of them) everywhere
+    stacked = estimate_memory(big, SHAPES, prompt_tokens=310, fast_generation=True)
     assert stacked.peak_gib - copies.peak_gib == pytest.approx(lora / 2**30)
 
 

@@ -196,7 +196,7 @@ def test_a_huge_image_file_is_refused_by_its_size_before_it_is_read(tmp_path, mo
     monkeypatch.setattr(Path, "read_bytes", lambda self: pytest.fail(f"{self} was read whole"))
     with pytest.raises(ImageError, match="too_large: .*68,719,476,736 bytes"):
         open_row_image("2.png", base_dir=tmp_path)
-    result, items, dropped = prepared(tmp_path, path, MAPPING)
+    result, items, _dropped = prepared(tmp_path, path, MAPPING)
     assert set(items) == {"r0", "r1", "r3"} and result.dropped_by_reason == {"too_large": 1}
 
 

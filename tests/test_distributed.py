@@ -104,7 +104,7 @@ def test_every_strategy_ships_a_valid_accelerate_config():
 def test_launch_command_runs_the_same_vlmrl_command_through_accelerate():
     command = distributed.launch_command(["train", "c.yaml", "--set", "a.b=1"], gpus=4, strategy="fsdp")
     assert command[:3] == [sys.executable, "-m", "accelerate.commands.launch"]
-    assert command[command.index("--config_file") + 1].endswith("vlmrl/accelerate/fsdp.yaml")
+    assert command[command.index("--config_file") + 1].endswith("vlmrl/config/accelerate/fsdp.yaml")
     assert command[command.index("--num_processes") + 1] == "4"
     assert command[-6:] == ["--module", "vlmrl.cli", "train", "c.yaml", "--set", "a.b=1"]
 

@@ -40,7 +40,7 @@ FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.DOTALL | re.MULTILINE)
 INLINE = re.compile(r"`((?:[^`\n]|\n(?!\n))+)`")  # a span may wrap onto the next line
 COMMAND = re.compile(r"(?:^|[\s/(])vlmrl((?:\s+--[\w-]+)*)\s+([a-z][a-z-]*(?:\|[a-z][a-z-]*)*)(?=\s|$)")
 # `train.jsonl`, `export.json`, `data.md`: file names, not `section.field`.
-FILE_SUFFIXES = {"json", "jsonl", "md", "py", "yaml", "html"}
+FILE_SUFFIXES = {"json", "jsonl", "md", "py", "yaml", "html", "parquet", "csv"}
 
 
 def _docs() -> list[tuple[Path, str]]:

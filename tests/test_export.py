@@ -228,3 +228,38 @@ def test_export_without_a_trained_adapter_loads_no_model(tmp_path: Path, monkeyp
     with pytest.raises(EvalError, match=str(config.run_dir / "train" / "final")):
         export_adapter(config, config.run_dir)
     assert not (config.run_dir / "export.json").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# issue 37: every path in export.json is relative to the run folder
+
+
+def all_strings(value) -> list[str]:
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in all_strings(v)]
+    if isinstance(value, list):
+        return [s for v in value for s in all_strings(v)]
+    return [value] if isinstance(value, str) else []
+
+
+def test_export_json_names_no_path_of_this_machine(exported) -> None:
+    _, run_dir, report = exported
+    assert not [s for s in all_strings(report) if str(run_dir) in s or str(run_dir.resolve()) in s]
+
+
+def test_gguf_files_are_stored_relative_to_the_run_folder(tmp_path: Path, monkeypatch) -> None:
+    """Before: the GGUF paths were relative to the working directory, so a moved run pointed elsewhere."""
+    from vlmrl.export import gguf
+    from vlmrl.export.stage import _gguf_check
+
+    monkeypatch.chdir(tmp_path)
+    run_dir = Path("runs") / "r"  # as `--set run.output_dir=runs` gives it: relative to where vlmrl was started
+    files = {"model": str(run_dir / "gguf" / "model-f16.gguf"), "mmproj": str(run_dir / "gguf" / "mmproj-f16.gguf")}
+    monkeypatch.setattr(gguf, "missing_requirements", list)
+    monkeypatch.setattr(gguf, "find_converter", lambda configured: Path("tools/llama.cpp"))
+    monkeypatch.setattr(gguf, "convert", lambda *args: {"files": dict(files), "outtype": "f16"})
+    monkeypatch.setattr(gguf, "read_back", lambda found, merged: {"problems": []})
+    monkeypatch.setattr(gguf, "try_generate", lambda model: {"generated": None, "detail": "skipped"})
+    check = _gguf_check(quick_config(tmp_path, "export.gguf=true"), run_dir)
+    assert check.value["files"] == {"model": "gguf/model-f16.gguf", "mmproj": "gguf/mmproj-f16.gguf"}
+    assert check.value["converter"] == str(tmp_path.resolve() / "tools" / "llama.cpp")  # outside the run: absolute

@@ -49,7 +49,7 @@ def test_no_resume_moves_the_old_training_aside_and_a_resume_continues_only_the_
     assert [line for line in said if "moved aside" in line] == [
         f"train: starting over; the earlier training was moved aside to {aside}"]
     assert (aside / "checkpoints" / "checkpoint-2").is_dir() and steps(aside / "metrics.jsonl") == [1, 2]
-    assert sorted(p.name for p in (run_dir / layout.CHECKPOINTS).iterdir()) == ["checkpoint-1"]
+    assert sorted(p.name for p in (run_dir / layout.CHECKPOINTS).glob("checkpoint-*")) == ["checkpoint-1"]
     best = layout.best_checkpoint(run_dir, one)
     assert best["step"] == 1 and best["fingerprint"] == layout.checkpoint_fingerprint(one)
 

@@ -128,8 +128,17 @@ def test_issue21_plan_names_scripts_and_modes_that_exist() -> None:
 
 def test_every_plan_runs_committed_scripts_with_variants_and_paths_they_know() -> None:
     """Each job of each plan runs a script that is committed, and the decode variants and bench paths it names exist
-    (a typo would only show on the GPU, after minutes of device time)."""
+    (a typo would only show on the GPU, after minutes of device time). A path may be an engine variant: the record
+    script then runs the bench through benchmarks/engine_variants.py."""
+    import importlib.util
+
     from vlmrl.bench import PATHS
+
+    spec = importlib.util.spec_from_file_location("engine_variants", ROOT / "benchmarks" / "engine_variants.py")
+    engine_variants = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(engine_variants)
+    paths = {*PATHS, *engine_variants.engine_variants()}
+    assert "engine_variants.py" in (ROOT / "benchmarks" / "gpu_record_bf16.sh").read_text()
 
     plans = sorted((ROOT / "benchmarks").glob("*.plan"))
     assert any(p.name == "gpu_stacked.plan" for p in plans)
@@ -149,4 +158,4 @@ def test_every_plan_runs_committed_scripts_with_variants_and_paths_they_know() -
                 for variant in [*settings.get("VARIANTS", "").split(","), settings.get("PROFILE", "")]:
                     assert variant in variants | {"", "none"}, f"{plan.name}: no decode variant {variant}"
             for path in settings.get("PATHS", "").split(","):
-                assert path in (*PATHS, ""), f"{plan.name}: no bench path {path}"
+                assert path in paths | {""}, f"{plan.name}: no bench path {path}"

@@ -277,3 +277,27 @@ def test_gibberish_streak_stops_a_real_train_run(prepared, monkeypatch):
     assert [r["gibberish_rate"] for r in rows] == [1.0, 1.0] and "halted" in rows[-1]
     assert (train_dir / "checkpoints" / "checkpoint-2" / "trainer_state.json").is_file()
     assert {r["step"] for r in read_jsonl(train_dir / "rollouts.jsonl")} == {1, 2}
+
+
+def test_an_fp16_overflow_is_a_skipped_step_not_a_halt(tmp_path):
+    """Under fp16 accelerate's loss scaler skips a step whose gradients overflowed (grad_norm inf, loss finite)
+    and lowers its scale: the monitor records it, and halts only when it does not recover."""
+    from vlmrl.train.callbacks import MAX_FP16_OVERFLOWS
+
+    mon, console = monitor(tmp_path, HEALTHY)
+    fp16 = SimpleNamespace(**{**vars(ARGS), "fp16": True})
+    state = SimpleNamespace(global_step=1, is_world_process_zero=True)
+    control = mon.on_log(fp16, state, TrainerControl(), logs={"loss": 0.1, "grad_norm": float("inf")})
+    assert not control.should_training_stop and mon.halted is None
+    (row,) = read_jsonl(tmp_path / "health.jsonl")
+    assert row["fp16_overflow"] is True and row["warnings"] == ["fp16 overflow: the loss scaler skipped this step's "
+                                                                "update (1 in a row)"]
+    mon.on_log(fp16, state, TrainerControl(), logs={"loss": 0.1, "grad_norm": 0.5})  # recovered: the streak resets
+    for step in range(MAX_FP16_OVERFLOWS):
+        control = mon.on_log(fp16, SimpleNamespace(global_step=3 + step, is_world_process_zero=True),
+                             TrainerControl(), logs={"loss": 0.1, "grad_norm": float("nan")})
+    assert control.should_training_stop and "cannot recover" in mon.halted
+    # bf16 / fp32: the same log is a non-finite gradient, which stops at once
+    bf16, _ = monitor(tmp_path / "b", HEALTHY)
+    (tmp_path / "b").mkdir()
+    assert log_step(bf16, 1, {"loss": 0.1, "grad_norm": float("inf")}).should_training_stop

@@ -171,8 +171,8 @@ def test_sys_exit_in_a_reward_is_exit_2_not_a_silent_exit_0(tmp_path, monkeypatc
     result = CliRunner().invoke(app, ["train", str(tmp_path / "config.yaml")], terminal_width=300)
     assert result.exit_code == 2, result.output
     lines = [line for line in result.output.splitlines() if line.startswith("error:")]
-    assert lines == ["error: rewards[0] (function: r.py:leave): leave called sys.exit(0); a reward must return its "
-                     "values, not end the run."]
+    assert lines == [("error: rewards[0] (function: r.py:leave): leave called sys.exit(0); a reward must return its "
+                      "values, not end the run.")]
 
 
 def test_check_values_keeps_none_and_real_numbers() -> None:

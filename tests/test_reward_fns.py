@@ -326,7 +326,7 @@ def test_trl_accuracy_reward_gets_its_solution_column_and_a_seed_run_is_told_it_
     entry = "  - {function: 'trl.rewards:accuracy_reward', columns: {solution: answer}}\n"
     config = load_config(str(write_config(tmp_path, entry, tmp_path)))
     with caplog.at_level("WARNING", logger="vlmrl.grading.user_rewards"):
-        loaded, checked = reward_check(config, prepared)
+        _, checked = reward_check(config, prepared)
     # a seed answer has no \boxed{}: TRL's reward gives it what it gives an empty completion, and says so once
     assert checked["accuracy_reward"] == {"well_formed": 0.0, "empty": 0.0, "untagged": 0.0, "other_contract": 1.0}
     (warning,) = [r.getMessage() for r in caplog.records]

@@ -92,11 +92,17 @@ def test_rollout_logprobs_equal_the_loss_pass_in_float32(arch, folders):
     with torch.no_grad():
         loss_pass, _, _ = logps_of(model, sequences, torch.cat([prompt["attention_mask"], completion_mask], 1),
                                    width, num_images=[1, 1, 1], **kwargs)
+        # The sampler drew from the model's distribution less the tokens generate suppresses (the image tokens,
+        # in the tiny models' generation config as in vlmrl's training): their share of the mass, here ~0.2%
+        # (random weights), is the one difference. The loss pass knows no suppression.
+        logits = model(input_ids=sequences, attention_mask=torch.cat([prompt["attention_mask"], completion_mask], 1),
+                       **kwargs).logits[:, -width - 1:-1].float() / TEMPERATURE
+    suppressed = torch.logsumexp(torch.log_softmax(logits, -1)[..., model.generation_config.suppress_tokens], -1)
     real = completion_mask.bool()
-    assert real.sum() >= 3
-    torch.testing.assert_close(sampled[real], loss_pass[real], atol=2e-5, rtol=0)
-    factor = tis_factor(loss_pass, sampled, completion_mask, level="token", cap=3.0)
-    torch.testing.assert_close(factor, torch.ones_like(factor), atol=1e-4, rtol=0)
+    assert real.sum() >= 3 and model.generation_config.suppress_tokens
+    torch.testing.assert_close(sampled[real], (loss_pass - torch.log1p(-suppressed.exp()))[real], atol=2e-5, rtol=0)
+    factor = tis_factor(loss_pass, sampled, completion_mask, level="token", cap=3.0)  # (1 - suppressed mass)
+    torch.testing.assert_close(factor[real], (1 - suppressed.exp())[real], atol=1e-4, rtol=0)
 
 
 def test_the_recorder_drops_a_step_generate_undid():
@@ -239,7 +245,7 @@ def test_without_the_correction_the_loss_is_trls_and_the_mismatch_is_still_measu
     loss = fake._compute_loss(None, inputs)
     assert "importance_sampling_ratio" not in inputs
     assert loss.item() == pytest.approx((-3 + 2) / (2 * MAX_LENGTH))
-    assert set(fake._metrics["train"]) == set(COLUMNS)
+    assert set(COLUMNS) <= set(fake._metrics["train"])
 
 
 def test_where_trl_computed_old_log_probs_they_are_the_reference():
@@ -277,15 +283,16 @@ def test_a_training_run_logs_the_mismatch_every_step(tmp_path, monkeypatch):
     rows = step_rows(config.run_dir / "train" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:
-        # float32 on the CPU: the rollout's numbers are the loss pass's, but for the multimodal tokens the sampler
-        # may not draw (`suppress_tokens`): their share of the mass, on a random-weight model
-        assert 0 <= row[LOGP_DIFF_MEAN] <= row[LOGP_DIFF_MAX] < 1e-3
+        # float32 on the CPU: the rollout's numbers are the loss pass's but for the 4 multimodal tokens the sampler
+        # may not draw (`suppress_tokens`), whose share of a random-weight model's mass over the tiny vocabulary
+        # (about 850 tokens) is about 0.5% (a trained model puts next to nothing there)
+        assert 0 < row[LOGP_DIFF_MEAN] <= row[LOGP_DIFF_MAX] < 0.02
         assert 0 <= row[SEQUENCE_KL] < 1e-3 and row[OUTSIDE_CAP] == 0
     record = read_json(config.run_dir / "train" / "summary.json")["rollout_correction"]
     assert record["correction"] == "tis" and record["level"] == "token" and record["cap"] == 3.0
     assert record["sampler"].startswith("the sampler's") and "no extra forward" in record["reference"]
     assert record["measured_micro_batches"] == 4 and record["steps_logged"] == 2  # 2 micro-batches per step
-    assert all(r["warnings"] == [] for r in read_jsonl(config.run_dir / "train" / "health.jsonl"))
+    assert not [w for r in read_jsonl(config.run_dir / "train" / "health.jsonl") for w in r["warnings"] if "mismatch" in w]
 
 
 def test_the_watch_warns_on_a_jump_a_drift_and_truncation():
@@ -297,8 +304,8 @@ def test_the_watch_warns_on_a_jump_a_drift_and_truncation():
     assert steady == [[]] * 10
     (jump,) = watch.check({LOGP_DIFF_MEAN: 0.1})
     assert jump.startswith("rollout mismatch jumped") and "5.0x" in jump
-    drift = [watch.check({LOGP_DIFF_MEAN: 0.05}) for _ in range(10)]
-    assert sum(drift, []) == [w for w in sum(drift, []) if "drifts" in w] and len(sum(drift, [])) == 1  # once
+    drift = [w for _ in range(10) for w in watch.check({LOGP_DIFF_MEAN: 0.05})]
+    assert len(drift) == 1 and "drifts" in drift[0]  # once, when the last 10 steps' median passes 2x the first's
     (cut,) = watch.check({LOGP_DIFF_MEAN: 0.05, OUTSIDE_CAP: 0.03})
     assert "outside the TIS cap" in cut and watch.check({LOGP_DIFF_MEAN: 0.05, OUTSIDE_CAP: 0.03}) == []
     assert "not finite" in watch.check({LOGP_DIFF_MEAN: float("nan")})[0]
@@ -330,4 +337,5 @@ def test_the_report_plots_the_mismatch(tmp_path):
         for s in (1, 2)])
     html = training_section(RunFiles(tmp_path))
     assert "rollout vs loss pass: |Δ log p| per token" in html and "KL per completion (k3)" in html
-    assert LOGP_DIFF_MAX in html and "tokens outside the TIS cap" in html
+    for key in ("mismatch/logp_diff_*", SEQUENCE_KL, OUTSIDE_CAP):  # mean and max share the first plot
+        assert f'data-key="{key}"' in html

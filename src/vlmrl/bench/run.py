@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from vlmrl.bench.comm import CommProfile
 from vlmrl.bench.floors import measure_ceilings
 from vlmrl.bench.shaped import (
     GIB,
@@ -80,6 +81,11 @@ class _StepClock:
         clock = self
 
         class Clock(TrainerCallback):
+            def on_train_begin(self, args, state, control, **kwargs):
+                # the model as the strategy holds it from here (FSDP / DeepSpeed shard or wrap it just before),
+                # not the whole model each rank built first
+                clock.take_peak()
+
             def on_step_begin(self, args, state, control, **kwargs):
                 _sync()
                 clock._start, clock._gen = time.perf_counter(), 0.0
@@ -125,7 +131,8 @@ def run_path(path: str, settings: BenchSettings, shapes: dict, processor_dir: Pa
     from transformers import AutoProcessor
 
     free_memory()
-    model = build_shaped_model(shapes, processor_dir, load_in_4bit=settings.load_in_4bit, work=work)
+    model = build_shaped_model(shapes, processor_dir, load_in_4bit=settings.load_in_4bit, work=work,
+                               dtype=getattr(torch, settings.dtype))
     processor = AutoProcessor.from_pretrained(str(processor_dir))
     peft_config = LoraConfig(r=settings.lora_r, lora_alpha=settings.lora_r, task_type="CAUSAL_LM",
                              target_modules=LORA_TARGETS)
@@ -153,8 +160,9 @@ def train_and_measure(path: str, settings: BenchSettings, model: Any, processor:
     processor.tokenizer.padding_side = "left"
     args = GRPOConfig(
         output_dir=str(work / f"out-{path}"),
-        per_device_train_batch_size=settings.prompts,
-        gradient_accumulation_steps=settings.generations,
+        per_device_train_batch_size=settings.micro_batch or settings.prompts,
+        gradient_accumulation_steps=settings.prompts * settings.generations // (settings.micro_batch or settings.prompts),
+        steps_per_generation=settings.steps_per_generation,
         num_generations=settings.generations,
         max_completion_length=settings.completion,
         # Full-length completions; and no image/video delimiter tokens, which a random-weight model samples
@@ -165,9 +173,10 @@ def train_and_measure(path: str, settings: BenchSettings, model: Any, processor:
         loss_type="dr_grpo",
         learning_rate=5e-6,
         max_grad_norm=0.1,
-        max_steps=path_steps(settings, path),
+        max_steps=path_steps(settings, path) + (1 if settings.comm_profile else 0),  # the profiled step
         gradient_checkpointing=True,
-        bf16=torch.cuda.is_available(),
+        bf16=torch.cuda.is_available() and settings.dtype == "bfloat16",
+        fp16=torch.cuda.is_available() and settings.dtype == "float16",  # accelerate's loss scaling
         use_cpu=not torch.cuda.is_available(),
         optim="adamw_8bit" if settings.load_in_4bit else "adamw_torch",
         reward_weights=[0.3, 1.0],
@@ -177,9 +186,10 @@ def train_and_measure(path: str, settings: BenchSettings, model: Any, processor:
         disable_tqdm=True,
     )
     clock = _StepClock()
+    comm = CommProfile(path_steps(settings, path)) if settings.comm_profile else None
     trainer = GRPOTrainer(model=model, reward_funcs=[format_reward, correctness_reward], args=args,
                           train_dataset=dataset, processing_class=processor, peft_config=peft_config,
-                          callbacks=[clock.callback()])
+                          callbacks=[clock.callback(), *([comm.callback()] if comm else [])])
     fast = loss_pass = None  # plain: TRL as a user writes it
     if path == "vlmrl" or path in VARIANTS:
         variant = VARIANTS.get(path, Variant())
@@ -197,6 +207,8 @@ def train_and_measure(path: str, settings: BenchSettings, model: Any, processor:
     except Exception as exc:  # one path failing must not hide the other's numbers
         error = f"{type(exc).__name__}: {exc}"[:2000]
         log.exception("bench path %s failed", path)
+    if comm and len(clock.steps) > comm.step:
+        clock.steps[comm.step]["profiled"] = True  # left out of the step times (vlmrl.bench.summary)
     other_peak = max(clock.other_peak, clock.take_peak())
     generation_peak = max(clock.generation_peaks, default=0)
     peak = max(generation_peak, other_peak) / GIB
@@ -214,6 +226,7 @@ def train_and_measure(path: str, settings: BenchSettings, model: Any, processor:
         "peak_reserved_gib": clock.reserved_peak / GIB,
         "world_size": distributed.world_size(),
         "peak_memory_gib_per_rank": _gather(peak),
+        "communication_per_rank": _gather(comm.figures) if comm else None,  # vlmrl.bench.comm, one per rank
         "log": [row for row in trainer.state.log_history if "loss" in row],
         # LoRA layers trained: the unsloth path names its targets its own way, so the table shows they match
         "lora_modules": sum(1 for name, _ in trainer.model.named_modules() if name.endswith(".lora_A")),

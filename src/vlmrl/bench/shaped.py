@@ -43,12 +43,20 @@ class BenchSettings:
     lora_r: int = 16
     algorithm: str = "gspo"
     load_in_4bit: bool = False
+    dtype: str = "bfloat16"  # or float16: the base (4-bit: its compute dtype) and the trainer's mixed precision
+    # per_device_train_batch_size (None = `prompts`); the accumulation keeps prompts x generations completions per
+    # optimizer step. steps_per_generation None = TRL's default (the accumulation: one rollout per optimizer step).
+    micro_batch: int | None = None
+    steps_per_generation: int | None = None
     memory_cap_gib: float | None = None
     image_size: int = 512
     prompt_bucket: int = 64
     # torch.compile's cache folder (`vlmrl.engine.rollout.compile_cache`); None = vlmrl's default. Two processes given the same
     # empty folder measure the first step cold, then warm.
     compile_cache: str | None = None
+    # One more optimizer step after the measured ones, profiled for its NCCL kernel time (`vlmrl.bench.comm`) and
+    # left out of the step times: the communication share on several GPUs.
+    comm_profile: bool = False
 
 
 def build_processor(work: Path, image_size: int) -> Path:
@@ -61,7 +69,8 @@ def build_processor(work: Path, image_size: int) -> Path:
     return folder
 
 
-def build_shaped_model(shapes: dict, processor_dir: Path, *, load_in_4bit: bool, work: Path) -> Any:
+def build_shaped_model(shapes: dict, processor_dir: Path, *, load_in_4bit: bool, work: Path,
+                       dtype: torch.dtype = torch.bfloat16) -> Any:
     """Random weights with the real shapes; token ids from the small tokenizer (all inside the real vocab)."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
@@ -74,10 +83,10 @@ def build_shaped_model(shapes: dict, processor_dir: Path, *, load_in_4bit: bool,
     if load_in_4bit:
         # bitsandbytes quantizes while loading: the random weights are saved once (every path reuses them) and
         # reloaded in 4-bit.
-        return _load_4bit(save_weights_once(shapes, processor_dir, work), processor_dir)
+        return _load_4bit(save_weights_once(shapes, processor_dir, work), processor_dir, dtype)
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16)
+        model = AutoModelForImageTextToText.from_config(config, dtype=dtype)
     model.generation_config = _generation_config(processor_dir)
     return model
 
@@ -99,13 +108,13 @@ def save_weights_once(shapes: dict, processor_dir: Path, work: Path) -> Path:
     return saved
 
 
-def _load_4bit(saved: Path, processor_dir: Path) -> Any:
+def _load_4bit(saved: Path, processor_dir: Path, dtype: torch.dtype = torch.bfloat16) -> Any:
     from transformers import AutoModelForImageTextToText
 
     from vlmrl.models.loading import nf4_config
 
-    model = AutoModelForImageTextToText.from_pretrained(str(saved), quantization_config=nf4_config(torch.bfloat16),
-                                                        dtype=torch.bfloat16,
+    model = AutoModelForImageTextToText.from_pretrained(str(saved), quantization_config=nf4_config(dtype),
+                                                        dtype=dtype,
                                                         device_map={"": torch.cuda.current_device()})
     model.generation_config = _generation_config(processor_dir)
     return model

@@ -56,7 +56,8 @@ def summarize(settings: BenchSettings, shapes: dict, ceilings: dict, results: li
     floors["step_seconds"] = floors["decode_ms_per_step"] * settings.completion / 1e3 + floors["train_seconds_per_step"]
     paths = {}
     for r in results:
-        steps = steady_steps(r["steps"], settings.warmup_steps)
+        unprofiled = [s for s in r["steps"] if not s.get("profiled")]  # a profiled step is slower (vlmrl.bench.comm)
+        steps = steady_steps(unprofiled, settings.warmup_steps)
         if not steps:
             paths[r["path"]] = {"error": r["error"] or "no step completed"}
             continue
@@ -79,7 +80,8 @@ def summarize(settings: BenchSettings, shapes: dict, ceilings: dict, results: li
             "peak_memory_gib_per_rank": r.get("peak_memory_gib_per_rank", [r["peak_memory_gib"]]),
             "peak_reserved_gib": r["peak_reserved_gib"],
             "steps_measured": len(steps),
-            "steps_set_apart": len(r["steps"]) - len(steps),
+            "steps_set_apart": len(unprofiled) - len(steps),
+            "communication_per_rank": r.get("communication_per_rank"),
             # plain compiles nothing; when it ran a single step that step is its steady one, compilation-free
             "first_step_excluded": len(r["steps"]) > 1,
             "fast_generation": r["fast_generation"],
@@ -129,7 +131,9 @@ def markdown_table(summary: dict) -> str:
     lines = [
         f"Device: {summary['device']}; shapes {s['shapes']}; {s['prompts']} prompts x {s['generations']} generations, "
         f"completion {s['completion']} tokens (forced), prompt {summary['prompt_tokens']} tokens, LoRA r={s['lora_r']}, "
-        f"{s['algorithm'].upper()}, {'4-bit' if s['load_in_4bit'] else 'bf16'}"
+        f"{s['algorithm'].upper()}, {'4-bit, ' if s['load_in_4bit'] else ''}{s.get('dtype', 'bfloat16')}"
+        + (f", {s['micro_batch']} completions per micro-step" if s.get("micro_batch") else "")
+        + (f", {s['steps_per_generation']} micro-steps per rollout" if s.get("steps_per_generation") else "")
         + (f", memory capped at {s['memory_cap_gib']} GiB" if s["memory_cap_gib"] else ""),
         "",
         ("| path | step s | first step s | generate s | decode ms/step | decode tok/s | train tok/s | peak GiB "

@@ -105,6 +105,11 @@ def doctor(
     config_source: Annotated[str | None, typer.Option("--config", help="Also predict this config's GPU memory.")] = None,
     set_: SetOpt = None,
     prompt_tokens: Annotated[int, typer.Option(help="Prompt length (image tokens included) for the prediction.")] = 384,
+    gpus: Annotated[int, typer.Option("--gpus", min=1, help="With --config: predict each GPU's peak in a run of N "
+                                      "GPUs (vlmrl train --gpus N).")] = 1,
+    strategy: Annotated[Strategy, typer.Option("--strategy", help="With --gpus N: what the run shards (ddp: "
+                                               "nothing; fsdp / zero3: the weights; zero2: LoRA optimizer state).")
+                        ] = Strategy.ddp,
 ) -> None:
     """Stage 1: versions, GPU, optional backends, free disk (exit 0 on a CPU-only machine); with --config, a
     memory preflight."""
@@ -114,7 +119,7 @@ def doctor(
     env = collect_environment(run_dir or ".")
     show.show_environment(env)
     if config_source is not None:
-        show.show_preflight(_config(config_source, set_), env, prompt_tokens)
+        show.show_preflight(_config(config_source, set_), env, prompt_tokens, gpus=gpus, strategy=str(strategy))
     if run_dir is not None:
         with _claimed(Path(run_dir)):  # a folder vlmrl did not make is refused, never written into
             write_json_atomic(Path(run_dir) / layout.ENV, env)
@@ -243,7 +248,7 @@ def train(
 
     config = _config(source, set_, run_dir)  # a bad config fails here, before any process is launched
     where = _nodes(nodes, node_rank, main_address, main_port)
-    check_needs(config)
+    check_needs(config, gpus=gpus * where.count, strategy=str(strategy))  # the memory check is per GPU
     from vlmrl.train.callbacks import TrainProgress
 
     with _claimed_on_host_0(config.run_dir, where):  # held by this process for the ranks it launches
@@ -314,7 +319,8 @@ def report(run_dir: Annotated[Path, typer.Argument(help="Run directory.")] = Pat
 
 @app.command()
 def bench(
-    shapes: Annotated[str, typer.Option(help="Shapes file in vlmrl/shapes/ (no weights are downloaded).")] = "qwen3_vl_8b",
+    shapes: Annotated[str, typer.Option(help="Shapes file in vlmrl/run/shapes/: qwen3_vl_8b, qwen3_vl_32b (no "
+                                        "weights are downloaded).")] = "qwen3_vl_8b",
     steps: Annotated[int, typer.Option(help="Optimizer steps per path (the first is reported apart).")] = 2,
     steps_plain: Annotated[int | None, typer.Option(
         help="Steps for plain TRL alone (it compiles nothing, so one step is already steady; default: --steps).")] = None,
@@ -328,6 +334,13 @@ def bench(
     ] = "plain,vlmrl",
     load_in_4bit: Annotated[bool, typer.Option("--load-in-4bit", help="bitsandbytes 4-bit base weights.")] = False,
     memory_cap_gib: Annotated[float | None, typer.Option(help="Cap this process's GPU memory.")] = None,
+    dtype: Annotated[str, typer.Option(help="bfloat16 | float16: the base's (compute) dtype and the mixed "
+                                             "precision (float16: a card without bfloat16, e.g. a T4).")] = "bfloat16",
+    micro_batch: Annotated[int | None, typer.Option(
+        help="Completions per micro-step (default: the prompts per step); the accumulation keeps the step's "
+             "completions.")] = None,
+    steps_per_generation: Annotated[int | None, typer.Option(
+        help="Micro-steps per rollout (default: one rollout per optimizer step).")] = None,
     out: Annotated[Path, typer.Option(help="Where bench.json and bench.md go.")] = Path("bench-out"),
     save_model: Annotated[Path | None, typer.Option(
         help="Only write a loadable random-weight model of these shapes to this folder, then stop.")] = None,
@@ -337,6 +350,9 @@ def bench(
     generation_batches: Annotated[str | None, typer.Option(
         help="Comma-separated generation batches (completions per rollout, multiples of 4), e.g. 32,64,128,256: "
              "measure samples/s and peak memory at each for the paths named, instead of the side-by-side table.")] = None,
+    comm_profile: Annotated[bool, typer.Option(
+        "--comm-profile", help="Run one more step, profiled, for its NCCL kernel time (the communication share on "
+        "several GPUs); that step is left out of the step times.")] = False,
 ) -> None:
     """Side-by-side GPU benchmark: plain TRL GRPOTrainer vs vlmrl's path, same model shapes, one process.
 
@@ -347,11 +363,21 @@ def bench(
     from vlmrl.bench import BenchSettings, path_names, run_bench, save_shaped_model
     from vlmrl.bench.throughput import parse_batches
     from vlmrl.common.distributed import is_main_process, world_size
+    from vlmrl.run.preflight import shape_names
 
+    if shapes not in shape_names():
+        fail(f"--shapes {shapes}: choose one of {', '.join(shape_names())} (files in vlmrl/run/shapes/).")
     unknown = [p for p in paths.split(",") if p not in path_names()]
     if unknown:
         fail(f"unknown bench path(s) {', '.join(unknown)}; choose from {', '.join(path_names())} (engine variants: "
              "python3 benchmarks/engine_variants.py bench --paths ...)")
+    if dtype not in ("bfloat16", "float16"):
+        fail(f"--dtype {dtype}: choose bfloat16 or float16.")
+    completions = BenchSettings.prompts * BenchSettings.generations
+    if micro_batch is not None and (micro_batch < 1 or completions % micro_batch
+                                    or micro_batch % BenchSettings.generations):
+        fail(f"--micro-batch {micro_batch}: a multiple of {BenchSettings.generations} generations that divides "
+             f"the {completions} completions of a step.")
     if "unsloth" in paths.split(","):
         _unsloth_bench_checks(generation_batches is not None)
     try:
@@ -364,8 +390,9 @@ def bench(
         return
     settings = BenchSettings(shapes=shapes, steps=steps, steps_plain=steps_plain, warmup_steps=warmup_steps,
                              completion=completion, paths=paths.split(","),
-                             load_in_4bit=load_in_4bit, memory_cap_gib=memory_cap_gib,
-                             compile_cache=str(compile_cache) if compile_cache else None)
+                             load_in_4bit=load_in_4bit, memory_cap_gib=memory_cap_gib, dtype=dtype,
+                             micro_batch=micro_batch, steps_per_generation=steps_per_generation,
+                             compile_cache=str(compile_cache) if compile_cache else None, comm_profile=comm_profile)
     if batches is not None:
         _bench_throughput(settings, batches, out)
         return

@@ -55,13 +55,16 @@ def describe(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
-# errno values that say "the disk", not "the program": the run resumes once the user has made room
-_DISK_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EDQUOT)
+# errno values that say "the disk", not "the program" (full, read-only, over quota, a file over the file
+# system's or the process's size limit): the run resumes once the user has made room
+_DISK_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EFBIG)
 # The same failures as libraries report them in their own exceptions: safetensors (`... (os error 28)`) and
-# PyTorch's zip writer (`inline_container.cc`: `unexpected pos`, `file write failed`, `open file failed`).
-_DISK_TEXT = re.compile(r"No space left on device|Read-only file system|Disk quota exceeded|os error (?:28|30|122)\b"
-                        r"|inline_container\.cc")
-RESUME = "re-run the same command once that is fixed: it resumes where it stopped"
+# PyTorch's zip writer, which names no errno (`[enforce fail at inline_container.cc:672] . unexpected pos 576 vs
+# 534` on a full disk, measured on a full tmpfs; its reader's errors, a damaged file, are not matched).
+_DISK_TEXT = re.compile(r"No space left on device|Read-only file system|Disk quota exceeded|File too large"
+                        r"|os error (?:27|28|30|122)\b|PytorchStreamWriter failed"
+                        r"|inline_container\.cc:\d+\] \. (?:unexpected pos|file write failed|open file failed)")
+RESUME = "free some space or make the folder writable, then re-run the same command: it resumes where it stopped"
 
 
 def disk_failure(exc: BaseException) -> str | None:
@@ -69,7 +72,7 @@ def disk_failure(exc: BaseException) -> str | None:
     raised from), however a library wrapped it; None for anything else.
 
     >>> disk_failure(RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)"))
-    'writing failed: Error while serializing: I/O error: No space left on device (os error 28); free some space or make the folder writable, then re-run the same command once that is fixed: it resumes where it stopped'
+    'writing failed: Error while serializing: I/O error: No space left on device (os error 28); free some space or make the folder writable, then re-run the same command: it resumes where it stopped'
     >>> disk_failure(KeyError("x")) is None
     True
     """
@@ -80,7 +83,7 @@ def disk_failure(exc: BaseException) -> str | None:
             return f"{describe(exc)}; {RESUME}"
         if not isinstance(exc, OSError) and _DISK_TEXT.search(str(exc)):
             text = " ".join(str(exc).split())[:300]
-            return f"writing failed: {text}; free some space or make the folder writable, then {RESUME}"
+            return f"writing failed: {text}; {RESUME}"
         exc = exc.__cause__ or exc.__context__
     return None
 
@@ -147,18 +150,21 @@ def claimed(run_dir: Path, *, create: bool = True) -> Iterator[None]:
         fail(str(exc), 2)
 
 
-def check_needs(config, *, gpu: bool = True) -> None:
-    """The model, the data and the GPU `config` needs, before any stage starts (vlmrl.run.needs); exit 2 if not."""
+def check_needs(config, *, gpu: bool = True, gpus: int = 1, strategy: str = "ddp") -> None:
+    """The model, the data and the GPU `config` needs, before any stage starts (vlmrl.run.needs); exit 2 if not.
+    `gpus` / `strategy`: the training run's processes in all and how they shard (the memory check is per GPU)."""
     import os
 
-    from vlmrl.common.distributed import LAUNCHED_ENV, world_size
+    from vlmrl.common.distributed import LAUNCHED_ENV, launched_strategy, world_size
     from vlmrl.run.needs import RequirementError, check_requirements
 
     if world_size() > 1 and os.environ.get(LAUNCHED_ENV):
         # a rank started by `--gpus N` / `--nodes M`: the launching process on its host checked (the hub probes
         # would repeat once per rank)
         return
+    if world_size() > 1 and gpus == 1:  # launched by hand: the launcher chose
+        gpus, strategy = world_size(), launched_strategy()
     try:
-        check_requirements(config, gpu=gpu)
+        check_requirements(config, gpu=gpu, gpus=gpus, strategy=strategy)
     except RequirementError as exc:
         fail(str(exc), 2)

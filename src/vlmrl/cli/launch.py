@@ -42,7 +42,7 @@ GpusOpt = Annotated[int, typer.Option(
 StrategyOpt = Annotated[Strategy, typer.Option(
     "--strategy",
     help="With --gpus N: ddp (default, LoRA), fsdp, or DeepSpeed zero2 / zero3; a shipped accelerate config in "
-    "vlmrl/accelerate/.")]
+    "vlmrl/config/accelerate/.")]
 NodesOpt = Annotated[int, typer.Option("--nodes", min=1, help="Hosts in the run; each runs this command with "
                                        "its own --node-rank and --gpus processes (docs/multi_gpu.md).")]
 NodeRankOpt = Annotated[int | None, typer.Option("--node-rank", help="With --nodes N: this host, 0..N-1 "

@@ -62,8 +62,9 @@ def show_environment(env: dict) -> None:
     console.print(table)
 
 
-def show_preflight(config: Config, env: dict, prompt_tokens: int) -> None:
-    """`vlmrl doctor --config`: the predicted GPU memory of `config` and advice against the first GPU of `env`."""
+def show_preflight(config: Config, env: dict, prompt_tokens: int, *, gpus: int = 1, strategy: str = "ddp") -> None:
+    """`vlmrl doctor --config`: the predicted GPU memory of `config` (each GPU's, with `gpus` > 1) and advice
+    against the first GPU of `env`."""
     from vlmrl.run.preflight import advice, estimate_memory, shapes_for
 
     shapes = shapes_for(config.model.name)
@@ -73,8 +74,10 @@ def show_preflight(config: Config, env: dict, prompt_tokens: int) -> None:
         return
     # The prediction is for the GPU the config is meant for, where `auto` turns fast generation on.
     estimate = estimate_memory(config, shapes, prompt_tokens=prompt_tokens,
-                               fast_generation=config.train.rollout.fast != "never")
-    table = Table(title=f"memory preflight: {config.model.name} (prompt {prompt_tokens} tokens)", show_header=False)
+                               fast_generation=config.train.rollout.fast != "never", gpus=gpus, strategy=strategy)
+    where = "" if gpus == 1 else f", each of {gpus} GPUs, {strategy}"
+    table = Table(title=f"memory preflight: {config.model.name} (prompt {prompt_tokens} tokens{where})",
+                  show_header=False)
     for key, value in estimate.as_dict().items():
         table.add_row(key.removesuffix("_gib").replace("_", " "), f"{value:.1f} GiB")
     console.print(table)
@@ -102,15 +105,10 @@ def show_prepared(run_dir: Path) -> None:
     summary may carry."""
     summary = json.loads((run_dir / layout.DATA_SUMMARY).read_text())
     console.print_json(json.dumps({k: v for k, v in summary.items() if k not in ("by_category", "drops")}))
-    if drops := summary.get("drops"):
-        table = Table(title=f"dropped {summary['counts']['dropped']} of {summary['counts']['input_rows']} rows "
-                      "(every one in data/dropped.jsonl)")
-        for column in ("reason", "count", "example", "fix"):
-            table.add_column(column, justify="right" if column == "count" else "left", overflow="fold")
-        for row in drops:
-            table.add_row(row["reason"], str(row["count"]), escape(f"{row['example_id']}: {row['example']}"),
-                          escape(row["fix"]))
-        console.print(table)
+    from vlmrl.data.drops import drop_lines
+
+    for line in drop_lines(summary.get("drops") or [], summary["counts"]["input_rows"]):  # one line per reason
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
     if summary.get("comparable_to_published") is False:
         console.print(f"[yellow]warning:[/yellow] {escape(str(summary.get('message')))}")
     console.print(f"wrote {run_dir / 'data'}", markup=False)

@@ -1,7 +1,7 @@
 """Several processes, one run: who writes, how evaluation is split, and how `--gpus N` relaunches.
 
 The same config runs on 1..N GPUs of one host, or of several hosts (`--nodes`), through `accelerate launch`
-(DDP, FSDP or DeepSpeed, one shipped config file each in `vlmrl/accelerate/`); there is no home-made
+(DDP, FSDP or DeepSpeed, one shipped config file each in `vlmrl/config/accelerate/`); there is no home-made
 distribution. Training is TRL's: its trainer
 shards prompts and gathers rewards. What this module adds:
 
@@ -60,6 +60,20 @@ def rank() -> int:
 def is_main_process() -> bool:
     """The process that writes shared artifacts (records, summaries, data, the final adapter)."""
     return rank() == 0
+
+
+def launched_strategy() -> str:
+    """The `--strategy` this process was launched with, read from what `accelerate launch` sets for its ranks
+    (a launch by hand included); ddp when not launched or launched without FSDP / DeepSpeed.
+
+    >>> launched_strategy()  # one process
+    'ddp'
+    """
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+        return "fsdp"
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        return "zero3" if os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3" else "zero2"
+    return "ddp"
 
 
 def ensure_process_group() -> Any | None:

@@ -117,7 +117,8 @@ class DataConfig(_Section):
     )
     choices_separator: str | None = Field(
         None,
-        description="A choices cell that is neither a JSON nor a Python list is split at this text (`|`, `;`); "
+        min_length=1,  # YAML reads a bare | as an empty block: quote it, "|"
+        description="A choices cell that is neither a JSON nor a Python list is split at this text (\"|\", \";\"); "
         "None: such a cell drops its row (bad_choices).",
     )
     # 28: one merged vision patch of Qwen-VL; 4096: a 4096^2 RGB image is 48 MiB before the processor copies it

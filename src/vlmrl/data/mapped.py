@@ -25,7 +25,14 @@ from typing import Any
 
 from vlmrl.config.schema import DataConfig
 from vlmrl.data.items import ANSWER_TYPES, Candidate, DataError, Dropped
-from vlmrl.data.values import decimals_of, integer_text, is_integer_text, json_safe, looks_like_expression, number_text
+from vlmrl.data.values import (
+    decimals_of,
+    integer_text,
+    is_integer_text,
+    json_safe,
+    looks_like_expression,
+    number_text,
+)
 
 COLUMN_KEYS = ("id", "question", "answer", "image", "images", "choices", "answer_type", "precision", "unit",
                "category")

@@ -50,8 +50,8 @@ def write_model_card(folder: Path, config: Config, run_dir: Path, *, kind: str, 
     sections = [
         _front_matter(base_name, kind, config),
         f"# {config.run.name}: {config.train.algorithm.upper()} LoRA on {base_name} ({kind})\n",
-        f"Trained with vlmrl (GRPO/GSPO through TRL) from {_base_model(config, base_name)} on "
-        f"{_data_source(config.data.source)}.\n",
+        (f"Trained with vlmrl (GRPO/GSPO through TRL) from {_base_model(config, base_name)} on "
+         f"{_data_source(config.data.source)}.\n"),
         _recipe(config, base_name),
         _results(run_dir),
         _dataset(run_dir),

@@ -152,6 +152,8 @@ def check_base_model(adapter_dir: Path, model_name: str, run_dir: Path | None = 
     """The exported adapter belongs on the configured base (`vlmrl.models.loading.adapter_base_problem`)."""
     problem = adapter_base_problem(adapter_dir, model_name, run_dir)
     recorded = json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if recorded and run_dir is not None:  # a base inside the run (a tiny model): relative, as every path stored
+        recorded = relative_to_run(recorded, run_dir)
     return Check("base_model_matches", problem is None, recorded, problem or "the adapter's recorded base is this config's")
 
 

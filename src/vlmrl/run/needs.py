@@ -28,15 +28,16 @@ class RequirementError(RuntimeError):
     """Something the config needs is missing; the message names each piece and how to supply it."""
 
 
-def check_requirements(config: Config, *, gpu: bool = True) -> None:
-    """Raise RequirementError naming everything `config` needs that is not here (see the module docstring)."""
+def check_requirements(config: Config, *, gpu: bool = True, gpus: int = 1, strategy: str = "ddp") -> None:
+    """Raise RequirementError naming everything `config` needs that is not here (see the module docstring);
+    the memory check is per GPU of a run of `gpus` processes sharded by `strategy` (vlmrl.run.preflight)."""
     problems = [p for p in (_model_problem(config.model.name), _data_problem(config.data.source)) if p]
     fetch_advice = (
         " Supply them: run once with network (or set HF_HUB_OFFLINE=1 with a filled hub cache), or use "
         "model.name=/local/folder and data.source=/local/file."
     )
     if gpu:
-        problems += _gpu_problems(config)
+        problems += _gpu_problems(config, gpus, strategy)
     if problems:
         fetchable = any("fetched" in p for p in problems)
         raise RequirementError("cannot start: " + "; ".join(problems) + "." + (fetch_advice if fetchable else ""))
@@ -106,7 +107,7 @@ def _probe(repo_id: str, kind: str) -> str | None:
     return None
 
 
-def _gpu_problems(config: Config) -> list[str]:
+def _gpu_problems(config: Config, gpus: int = 1, strategy: str = "ddp") -> list[str]:
     """What the model needs of this machine: a bitsandbytes that loads 4-bit here (CUDA, or its CPU backend), and a
     CUDA GPU for a model whose shapes vlmrl knows (the 8B-class presets) that fits it."""
     import torch
@@ -131,11 +132,13 @@ def _gpu_problems(config: Config) -> list[str]:
         return []
     try:
         estimate = estimate_memory(config, shapes, prompt_tokens=384,
-                                   fast_generation=config.train.rollout.fast != "never")
+                                   fast_generation=config.train.rollout.fast != "never", gpus=gpus, strategy=strategy)
     except (KeyError, TypeError, ValueError):  # a config.json without the fields the arithmetic needs
         return []
     total = torch.cuda.get_device_properties(0).total_memory / 2**30
     if estimate.peak_gib > GPU_MARGIN * total:
-        return [(f"model {name!r} is predicted to need {estimate.peak_gib:.0f} GiB of GPU memory and cuda:0 has "
-                 f"{total:.0f} GiB (`vlmrl doctor --config ...` shows the prediction and what to lower)")]
+        sharing = "" if gpus == 1 else f" on each of {gpus} GPUs ({strategy})"
+        hint = "; --strategy fsdp shards the weights over the GPUs" if gpus > 1 and strategy == "ddp" else ""
+        return [(f"model {name!r} is predicted to need {estimate.peak_gib:.0f} GiB of GPU memory{sharing} and cuda:0 "
+                 f"has {total:.0f} GiB (`vlmrl doctor --config ...` shows the prediction and what to lower{hint})")]
     return []

@@ -30,6 +30,15 @@ cache afterwards, `vlmrl.engine.rollout.fast`), so its temporaries meet a prompt
 only while decoding. Host RAM: the model is loaded through host memory once, so about the weights' size plus
 4 GiB.
 
+Several GPUs (`gpus`, `strategy`): DDP and ZeRO-2 keep a whole model per GPU (ZeRO-2 shards the LoRA
+gradients and Adam's moments 1/N); FSDP2 and ZeRO-3 shard the weights and the LoRA state 1/N and gather, at a time,
+the block in use and the next one plus the LM head (accelerate's tail unit stays gathered); bitsandbytes' 4-bit
+storage is left out of FSDP2's sharding by accelerate, so it stays whole. In rollouts FSDP2 gathers block by block
+(TRL's summon_full_params does nothing for FSDP2) while ZeRO-3 gathers the whole model (TRL's
+ds3_gather_for_generation). Sharded runs make no stacked projections or adapter copies. The KV cache, the prompt
+pass and the loss pass's activations are per GPU and are not divided. Not yet checked against GPU measurements:
+`benchmarks/gpu_scaling.sh` records each configuration's prediction beside its measured peak.
+
 `train.auto_batch` (`choose_batch`) uses the same prediction the other way round: the largest per-device batch
 (a multiple of num_generations) whose predicted peak fits the card, so a user with a bigger card need not search.
 
@@ -50,7 +59,7 @@ from vlmrl.config.schema import PRESETS, Config
 
 GIB = 2**30
 GPU_MARGIN = 0.92  # the share of a card a prediction may fill: the allocator's fragmentation and CUDA's context
-SHAPES_BY_NAME = {"qwen3-vl-8b": "qwen3_vl_8b"}
+SHAPES_BY_NAME = {"qwen3-vl-8b": "qwen3_vl_8b", "qwen3-vl-32b": "qwen3_vl_32b"}
 
 
 @dataclass(frozen=True)
@@ -96,16 +105,22 @@ def count_params(shapes: dict) -> tuple[int, int, int]:
     return language, vision, lora_unit
 
 
-def estimate_memory(config: Config, shapes: dict, *, prompt_tokens: int, fast_generation: bool) -> MemoryEstimate:
+def estimate_memory(config: Config, shapes: dict, *, prompt_tokens: int, fast_generation: bool, gpus: int = 1,
+                    strategy: str = "ddp", adapters: str | None = None) -> MemoryEstimate:
+    """The peak of one GPU; `gpus` and `strategy` (ddp | fsdp | zero2 | zero3, as `--strategy`): what is sharded
+    over the N processes of the run (the module docstring, "Several GPUs"). `adapters`: how fast rollouts read
+    the LoRA weights, `stacked` | `copies` | `as stored`; None = what vlmrl runs (the others are its fallbacks and
+    the engine variants of benchmarks/engine_variants.py, whose measured peaks calibrate this)."""
     t = shapes["text_config"]
     language, vision, lora_unit = count_params(shapes)
     head = t["vocab_size"] * t["hidden_size"]
-    if config.model.load_in_4bit:
-        weights = (language - head) * 0.5625 + (head + vision) * 2  # nf4 + double-quantized scales
-    else:
-        weights = (language + vision) * 2
+    # nf4 + double-quantized scales for the decoder's linear layers; the vision tower, embeddings and head stay 16-bit
+    quantized = (language - head) * 0.5625 if config.model.load_in_4bit else 0
+    weights = quantized + ((head + vision) * 2 if config.model.load_in_4bit else (language + vision) * 2)
     lora = lora_unit * config.lora.r
     optimizer_bytes = 10 if "8bit" in config.train.optim else 16
+    resident, rollout_weights, lora_state = _per_gpu(t, weights, quantized, lora * optimizer_bytes, optimizer_bytes,
+                                                     gpus, strategy)
     tr = config.train
     generation_batch = tr.per_device_train_batch_size * (tr.steps_per_generation or tr.gradient_accumulation_steps)
     kv_per_token = kv_bytes_per_token(t)
@@ -120,15 +135,18 @@ def estimate_memory(config: Config, shapes: dict, *, prompt_tokens: int, fast_ge
     # the backward of one checkpointed layer: its recomputed activations, their gradients and the backward's own
     # temporaries; 3x one layer's activations is the factor the H200 peaks give (docs/benchmarks.md)
     training = (checkpoints if tr.gradient_checkpointing else checkpoints * 8) + 3 * one_layer + logprob_pass
-    fixed = weights + lora * optimizer_bytes
+    fixed = resident + lora_state
     # bf16 adapter copies for rollouts (vlmrl.engine.rollout.adapter_cast): only over an unquantized base (QLoRA's adapters are
     # bf16 already), made for each rollout while the optimizer's moments wait on the host (vlmrl.engine.rollout.offload);
     # the stacked projections (vlmrl.engine.rollout.stacked) take about as much in rollouts, and their first
     # factors' rows always.
-    stacked = fast_generation and not config.model.load_in_4bit
-    copies = stacked
+    # Neither under FSDP / DeepSpeed on several GPUs (vlmrl.engine.rollout.fast.sharded).
+    unsharded = gpus == 1 or strategy == "ddp"
+    adapters = adapters or ("stacked" if not config.model.load_in_4bit and unsharded else "as stored")
+    stacked = fast_generation and adapters == "stacked"
+    copies = fast_generation and adapters in ("stacked", "copies")
     fixed += lora * 1 if stacked else 0  # the first factors' rows (A is about half of LoRA's parameters)
-    rollout_fixed = fixed - lora * (optimizer_bytes - 8) + lora * 2 if copies else fixed
+    rollout_fixed = fixed - lora * (optimizer_bytes - 8) + lora * 2 if copies else fixed + rollout_weights - resident
     prompt_cache = generation_batch * prompt_tokens * kv_per_token
     # a measured excess of the compiled decode phase, about one prompt-sized cache (see the docstring)
     decode = kv + prompt_cache if fast_generation else kv
@@ -136,14 +154,32 @@ def estimate_memory(config: Config, shapes: dict, *, prompt_tokens: int, fast_ge
     training_phase = fixed + training
     peak = max(generation_phase, training_phase)
     return MemoryEstimate(
-        weights_gib=weights / GIB,
-        lora_and_optimizer_gib=lora * optimizer_bytes / GIB,
+        weights_gib=resident / GIB,
+        lora_and_optimizer_gib=lora_state / GIB,
         kv_cache_gib=kv / GIB,
         prefill_gib=prefill / GIB,
         training_gib=training / GIB,
         peak_gib=peak / GIB,
         host_ram_gib=(language + vision) * 2 / GIB + 4,
     )
+
+
+def _per_gpu(text: dict, weights: float, quantized: float, lora_state: float, optimizer_bytes: int, gpus: int,
+             strategy: str) -> tuple[float, float, float]:
+    """Bytes on each GPU: (weights outside rollouts, weights in rollouts, LoRA weights + optimizer state)."""
+    if gpus > 1 and strategy in ("fsdp", "zero3"):
+        # 1/N of the weights (bitsandbytes' uint8 4-bit storage stays whole: accelerate leaves it out of FSDP2),
+        # plus what is gathered at a time: the block in use and the next one, prefetched, and the LM head, which
+        # accelerate's tail unit keeps gathered through the step
+        head = text["vocab_size"] * text["hidden_size"]
+        block = 0 if quantized else (language_param_count(text) - head) / text["num_hidden_layers"] * 2
+        resident = quantized + (weights - quantized) / gpus + 2 * block + head * 2
+        # ZeRO-3: TRL gathers the whole model for generation (ds3_gather_for_generation); FSDP2 gathers block by
+        # block at every forward, token steps included
+        return resident, resident + weights if strategy == "zero3" else resident, lora_state / gpus
+    if gpus > 1 and strategy == "zero2":  # gradients and Adam's moments 1/N; the fp32 LoRA weights whole
+        return weights, weights, lora_state * (4 + (optimizer_bytes - 4) / gpus) / optimizer_bytes
+    return weights, weights, lora_state
 
 
 SMALL_CARD_GIB = 17.0  # a 16 GB card reports about 15 GiB
@@ -236,6 +272,13 @@ def auto_batch(config: Config, max_batch: int) -> BatchChoice | None:
     device = int(os.environ.get("LOCAL_RANK", "0"))  # the process group is not set up yet
     gpu_gib = torch.cuda.get_device_properties(device).total_memory / GIB
     return choose_batch(config, shapes, gpu_gib=gpu_gib, max_batch=max_batch)
+
+
+def shape_names() -> list[str]:
+    """The shipped shapes files (`vlmrl/run/shapes/*.json`), by the name `load_shapes` and `vlmrl bench --shapes`
+    take."""
+    return sorted(f.name.removesuffix(".json") for f in resources.files("vlmrl.run.shapes").iterdir()
+                  if f.name.endswith(".json"))
 
 
 def load_shapes(name: str) -> dict:

@@ -159,6 +159,16 @@ class RolloutRecorder(TrainerCallback):
             append_jsonl(self.path, rows)
 
 
+MAX_FP16_OVERFLOWS = 8  # skipped fp16 steps in a row before a halt: each halves the scale, 2^8 in all
+
+
+def _finite_value(value: Any) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except (TypeError, ValueError):
+        return True
+
+
 class HealthMonitor(TrainerCallback):
     """Per-step health of the policy: warns on thresholds, stops on NaN/Inf or persistent gibberish."""
 
@@ -170,6 +180,7 @@ class HealthMonitor(TrainerCallback):
         self.halted: str | None = None
         self.warning_count = 0
         self._gibberish_streak = 0
+        self._overflow_streak = 0  # fp16 steps in a row whose gradients overflowed (the loss scaler skipped them)
         self._mismatch = MismatchWatch()  # the rollout engine against the loss pass (vlmrl.engine.rollout.mismatch)
 
     def attach(self, recorder: RolloutRecorder) -> None:
@@ -186,11 +197,11 @@ class HealthMonitor(TrainerCallback):
         for key in ("loss", "grad_norm"):
             if key in logs:
                 row[key] = logs[key]
-        warnings = self._check(row) + self._mismatch.check(logs)
+        warnings = self._check(row, fp16=bool(getattr(args, "fp16", False))) + self._mismatch.check(logs)
         row["warnings"] = warnings
-        if any(w.startswith("non-finite") for w in warnings):
-            self.halted = (warnings[0] + "; lower train.learning_rate, or clip harder with a smaller "
-                           "train.max_grad_norm")
+        if fatal := [w for w in warnings if w.startswith("non-finite")]:
+            self.halted = (fatal[0] + ("" if "cannot recover" in fatal[0] else "; lower train.learning_rate, or "
+                                       "clip harder with a smaller train.max_grad_norm"))
             control.should_save = True
             control.should_training_stop = True
         if self.config.stop_on_gibberish_steps and self._gibberish_streak >= self.config.stop_on_gibberish_steps:
@@ -210,12 +221,20 @@ class HealthMonitor(TrainerCallback):
                     log.warning("step %d: %s", state.global_step, warning)
         return control
 
-    def _check(self, row: dict) -> list[str]:
+    def _check(self, row: dict, *, fp16: bool = False) -> list[str]:
         c = self.config
         warnings = []
+        overflow = fp16 and not _finite_value(row.get("grad_norm", 0.0)) and _finite_value(row.get("loss", 0.0))
+        self._overflow_streak = self._overflow_streak + 1 if overflow else 0
+        if overflow:  # fp16: accelerate's loss scaler skipped the update and lowers its scale; weights unchanged
+            row["fp16_overflow"] = True
+            warnings.append(f"fp16 overflow: the loss scaler skipped this step's update ({self._overflow_streak} in a row)")
         for key in ("loss", "grad_norm"):
-            if key in row and not math.isfinite(float(row[key])):
+            if key in row and not _finite_value(row[key]) and not (overflow and key == "grad_norm"):
                 warnings.append(f"non-finite {key} ({row[key]})")
+        if self._overflow_streak >= MAX_FP16_OVERFLOWS:
+            warnings.append(f"non-finite grad_norm in {self._overflow_streak} fp16 steps in a row: the loss scaler "
+                            "cannot recover (try model.dtype=bfloat16 on a card that has it)")
         if row.get("n"):
             if row["gibberish_rate"] > c.max_gibberish_rate:
                 warnings.append(f"gibberish rate {row['gibberish_rate']:.2f} > {c.max_gibberish_rate}")

@@ -42,7 +42,8 @@ def apply(trainer: Any, fast: FastGeneration, *, merge: bool = False, filled_win
     `fast`) and return `fast` with what was done. `merge`: the adapter merged for each rollout; `filled_window` > 0:
     attention over the filled cache positions in windows of that many; `guards_once`: dynamo's guards checked until
     the token steps are steady; `sdpa_decode`: token steps attend through SDPA instead of vlmrl's decode kernel;
-    `second_cublas`: the stacked projections' second step as a cuBLAS matmul and a sum instead of one kernel."""
+    `second_cublas`: the stacked projections' second step as a cuBLAS matmul and a sum instead of one kernel.
+    Call it right after `enable_fast_generation`, before anything else wraps the trainer's rollout call."""
     if not fast.enabled:
         return fast
     contexts = list(trainer.vlmrl_rollout_contexts)

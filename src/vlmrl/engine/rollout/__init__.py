@@ -14,6 +14,8 @@ The pieces, and where each is switched on:
                  adapters' first factors, one for the second; the base weights moved once into stacked tensors.
                  Wherever it applies.
   second_factors the stacked groups' second step as one Triton kernel at token steps (`train.rollout.kernels`).
+  nf4            a Triton kernel for token steps over bitsandbytes nf4 weights (`nf4_decode(model)` routes the
+                 `Linear4bit` forwards of few rows through it; bitsandbytes otherwise). Not wired in yet.
   adapter_cast   bf16 copies of the float32 LoRA weights, made for each rollout where stacking does not apply.
   offload        the optimizer state in host memory while a rollout runs, which pays for those copies.
   sampling       the sampler's log-prob of every sampled token, returned to TRL as vLLM's are

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 # What the record adds when token steps run vlmrl's kernels (experiments that turn one off remove it).
 KERNEL_READ = "; token steps skip the blocks nothing attends to (vlmrl.engine.rollout.decode_attention)"
 SECOND_KERNEL = "; token steps: each group's second step one Triton kernel (vlmrl.engine.rollout.second_factors)"
+SECOND_KERNEL_FALLBACK = "; token steps: each group's second step on cuBLAS (the Triton kernel is bfloat16 only)"
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,7 @@ def enable_fast_generation(
     if stack_note:
         adapters = stack_note if stack is not None else f"{stack_note}; {adapters}"
     if stack is not None and kernels:
-        adapters += SECOND_KERNEL
+        adapters += SECOND_KERNEL if _base_dtype(trainer, dtype) == torch.bfloat16 else SECOND_KERNEL_FALLBACK
     offload = None
     if copies is not None or stack is not None:
         from vlmrl.engine.rollout.offload import OptimizerStateOffload
@@ -182,6 +183,13 @@ def _decode_kernel_note(*, wanted: bool, attention: bool) -> tuple[bool, str]:
     if not HAS_TRITON:
         return False, " (the decode kernel needs Triton)"
     return True, KERNEL_READ
+
+
+def _base_dtype(trainer: Any, autocast: torch.dtype | None) -> torch.dtype | None:
+    """The dtype rollouts compute the stacked projections in: the autocast's, else the frozen base's."""
+    if autocast is not None:
+        return autocast
+    return next((p.dtype for p in trainer.model.parameters() if not p.requires_grad and p.is_floating_point()), None)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

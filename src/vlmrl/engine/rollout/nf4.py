@@ -5,7 +5,8 @@ kernels take many times the weight-read floor (docs/benchmarks.md, "The nf4 toke
 program streams a tile of packed bytes, looks each code up in the 16-value table, scales it by its block's absmax
 (decoded from its 8-bit code when double-quantised), rounds it as `dequantize_4bit` rounds, and multiplies on the
 tensor cores with fp32 accumulation; few output columns split K, summed by a second, deterministic pass. The
-result is `dequantize_4bit` then `x @ W.T` (+ bias) up to summation order: within one bf16/fp16 unit per output.
+result is `dequantize_4bit` then `x @ W.T` (+ bias) up to summation order: each weight bit-equal, each output
+within one bf16/fp16 unit in the last place (tests/test_nf4.py says how outputs near zero are counted).
 
 Public: `nf4_matmul`; `nf4_decode(model)`, which routes `Linear4bit` forwards of at most `MAX_ROWS` rows without
 gradients through the kernel while active (prompt passes, training and unsupported layers stay on bitsandbytes,
@@ -35,8 +36,8 @@ _failed: dict[tuple, str] = {}  # (device, dtype) -> why the kernel could not ru
 
 MAX_ROWS = 64  # rows of a token step (the rollout batch); a prompt pass's many rows stay on bitsandbytes
 BLOCKSIZES = (32, 64, 128, 256)
-TILE_PAIRS = 128  # packed bytes per weight row per loop step on a GPU (256 weights)
-PROGRAMS_PER_SM = 2  # split K until the grid has about this many programs per SM
+TILE_PAIRS = 64  # packed bytes per weight row per loop step on a GPU (128 weights)
+PROGRAMS_PER_SM = 4  # split K until the grid has about this many programs per SM
 _DTYPES = (torch.bfloat16, torch.float16)
 _ROUNDING = {torch.bfloat16: 1, torch.float16: 2}  # the dequantized weight's dtype -> the kernel's code (0: fp32)
 
@@ -151,7 +152,8 @@ def _routed(layer: torch.nn.Module, fallback: Callable[..., torch.Tensor], max_r
         if (args or kwargs or not 0 < rows <= max_rows or dtype not in _DTYPES or x.device != layer.weight.device
                 or (torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)))):
             return fallback(x, *args, **kwargs)
-        return nf4_matmul(x.to(dtype), layer.weight, bias).to(x.dtype)
+        qs = getattr(layer.weight, "quant_state", None) or layer.quant_state  # as bitsandbytes finds it
+        return nf4_matmul(x.to(dtype), layer.weight, bias, quant_state=qs).to(x.dtype)
 
     return forward
 
@@ -181,15 +183,21 @@ def _reference(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code
 
 def _config(rows: int, n: int, k: int, blocksize: int, device: torch.device) -> list[int]:
     """[block_n, tile_pairs, warps, stages, split]: enough programs to keep every SM streaming (split K when
-    the output has few columns); small tiles in the interpreter."""
+    the output has few columns), wider tiles of outputs past 16 rows (each program reads its rows of x from L2:
+    4 * rows / block_n bytes per weight byte); small tiles in the interpreter."""
     half = blocksize // 2
     if device.type != "cuda":
         return [32, half, 4, 1, min(2, k // blocksize)]
-    block_n, tile = 64, max(half, TILE_PAIRS)
+    block_n, warps = (64, 4) if rows <= 16 else (128, 8)
+    tile = max(half, TILE_PAIRS)
     programs = -(-n // block_n) * -(-rows // _block_m(rows))
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    split = max(1, min(-(-k // (2 * tile)), round(PROGRAMS_PER_SM * sms / programs)))
-    return [block_n, tile, 4, 3, split]
+    split = max(1, min(-(-k // (2 * tile)), round(PROGRAMS_PER_SM * _sms(device) / programs)))
+    return [block_n, tile, warps, 3, split]
+
+
+@functools.cache
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _block_m(rows: int) -> int:
@@ -201,6 +209,8 @@ def _launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: 
             blocksize: int, blocksize2: int, rounding: int, config: list[int]) -> torch.Tensor:
     rows, k = x.shape
     n = packed.shape[0]
+    if rows == 0:
+        return x.new_empty((0, n))
     if x.dtype not in _DTYPES:
         raise TypeError(f"activations in {x.dtype}: the kernel takes bf16/fp16")
     if x.stride(-1) != 1:
