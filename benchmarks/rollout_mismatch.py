@@ -217,8 +217,8 @@ def markdown(result: dict) -> str:
 
     lines = [f"# Rollout correction on demo-gpu ({result['gpu'] or 'no GPU: smoke run'})", "",
              f"Command: `{result['command']}` (commit {result['git_commit']})", "",
-             "| correction | accuracy before | after | delta | 95% CI | visual gain | 95% CI | mean abs dlogp (median step) "
-             "| largest abs dlogp | KL per completion (median) | outside cap (median) |",
+             ("| correction | accuracy before | after | delta | 95% CI | visual gain | 95% CI | mean abs dlogp "
+              "(median step) | largest abs dlogp | KL per completion (median) | outside cap (median) |"),
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, block in result["runs"].items():
         if not block:

@@ -80,6 +80,17 @@ def test_prepare_prints_the_drop_table_and_keeps_latex_answers_as_expressions(tm
         assert text in result.output, text
 
 
+def test_vlmrl_run_says_the_same_drop_table(tmp_path: Path, monkeypatch) -> None:
+    from vlmrl import pipeline
+
+    monkeypatch.setattr(pipeline, "prompt_token_counter", lambda config, run_dir: None)  # no model needed here
+    config = load_config("demo", [f"data.source={_quiz(tmp_path)}", *SMALL, *QUIZ_SETTINGS])
+    said: list[str] = []
+    pipeline._prepare_and_show_drops(config, tmp_path / "run", said.append)
+    assert said[0] == "dropped 3 of 9 rows (data/dropped.jsonl):"
+    assert said[1].startswith("  bad_choices: 2, e.g. q7: column 'options': 'red|green'") and "-> fix:" in said[1]
+
+
 def test_a_choices_separator_splits_text_cells(tmp_path: Path) -> None:
     path = _quiz(tmp_path)
     config = load_config("demo", [f"data.source={path}", *SMALL, *QUIZ_SETTINGS, 'data.choices_separator="|"'])

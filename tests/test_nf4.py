@@ -221,3 +221,17 @@ def test_qwen3_vl_8b_shapes_on_the_gpu(dtype):
             _check(nf4.nf4_matmul(x, packed, bias, quant_state=qs), x, packed, qs, bias, min_equal=0.9)
     _exact_weights(1024, 4096, dtype)  # 4M weights, each as bitsandbytes dequantizes it (and rounds it)
     assert not nf4._failed
+
+
+def test_the_fast_path_records_how_token_steps_read_4bit_weights(monkeypatch):
+    """`enable_fast_generation`'s record: nothing for a 16-bit base; the kernel where it applies; otherwise
+    bitsandbytes and why (train.rollout.kernels off, or the kernel's own reason)."""
+    from vlmrl.engine.rollout.fast import _nf4_note
+
+    assert _nf4_note(torch.nn.Linear(4, 4), wanted=True) == (False, None)
+    model = _model(_layer(256, 64))
+    assert _nf4_note(model, wanted=False) == (False, "bitsandbytes (train.rollout.kernels is off)")
+    used, note = _nf4_note(model, wanted=True)
+    assert used and "vlmrl.engine.rollout.nf4" in note  # the interpreter counts as a device here
+    monkeypatch.setattr(nf4, "unsupported_reason", lambda m: "Triton is not installed")
+    assert _nf4_note(model, wanted=True) == (False, "bitsandbytes (Triton is not installed)")

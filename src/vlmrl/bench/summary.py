@@ -123,7 +123,7 @@ def summarize(settings: BenchSettings, shapes: dict, ceilings: dict, results: li
 # What each fast path ran, as the markdown table names it (fields of `FastGeneration`; absent in older records).
 SETTING_LABELS = (("attention ", "attention"), ("autocast ", "autocast"), ("prompt pass: ", "prefill"),
                   ("adapter: ", "merge"), ("adapter weights: ", "adapters"), ("stop check: ", "stop_check"),
-                  ("attention reads ", "cache_read"), ("guards checked: ", "guards"))
+                  ("attention reads ", "cache_read"), ("guards checked: ", "guards"), ("4-bit weights: ", "weights"))
 
 
 def markdown_table(summary: dict) -> str:

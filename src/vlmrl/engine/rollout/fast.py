@@ -55,12 +55,13 @@ class FastGeneration:
     adapters: str | None = None  # how the rollout reads the LoRA weights
     cache_read: str | None = None  # which static-cache positions a token step's attention reads
     guards: str | None = None  # set by vlmrl.engine.experimental only
+    weights: str | None = None  # how token steps read 4-bit base weights (None: not a 4-bit base)
 
     def as_dict(self) -> dict:
         return {"enabled": self.enabled, "reason": self.reason, "bucket": self.bucket, "mode": self.mode,
                 "attention": self.attention, "autocast": self.autocast, "merge": self.merge, "prefill": self.prefill,
                 "stop_check": self.stop_check, "adapters": self.adapters, "cache_read": self.cache_read,
-                "guards": self.guards}
+                "guards": self.guards, "weights": self.weights}
 
 
 def wanted(setting: str) -> bool:
@@ -108,6 +109,7 @@ def enable_fast_generation(
     stop_check = stop_check_note()
     kernel, kernel_note = _decode_kernel_note(wanted=kernels, attention=attention is not None)
     cache_read = "the whole static cache" + kernel_note
+    nf4, weights = _nf4_note(trainer.model, wanted=kernels)
     contexts = [
         ("attention", (lambda: packed_gqa(trainer.model)) if attention else None),
         ("decode_kernel", decode_kernel_context if kernel else None),
@@ -119,15 +121,39 @@ def enable_fast_generation(
         ("autocast", (lambda: torch.autocast(device_type=_device_type(), dtype=dtype, cache_enabled=False))
          if dtype is not None else None),
         ("stop_check", deferred_stop_check),
+        ("nf4", (lambda: _nf4_decode(trainer.model)) if nf4 else None),
         ("compile_over_4bit", lambda: compile_over_4bit(trainer.model)),
     ]
     wrap_rollouts(trainer, [(name, factory) for name, factory in contexts if factory is not None])
     log.info("fast generation: static KV cache + torch.compile(mode=%s), cache bucketed to %d, attention %s, "
-             "autocast %s, adapter weights %s, prefill %s, stop check %s, attention reads %s", mode, bucket,
-             attention or "unchanged", dtype, adapters, prefill, stop_check, cache_read)
+             "autocast %s, adapter weights %s, prefill %s, stop check %s, attention reads %s, 4-bit weights %s",
+             mode, bucket, attention or "unchanged", dtype, adapters, prefill, stop_check, cache_read, weights)
     return FastGeneration(True, "static KV cache + torch.compile", bucket, mode, attention,
                           _dtype_name(dtype) if dtype is not None else None, None, prefill, stop_check, adapters,
-                          cache_read)
+                          cache_read, weights=weights)
+
+
+@contextlib.contextmanager
+def _nf4_decode(model: Any) -> Iterator[None]:
+    from vlmrl.engine.rollout.nf4 import nf4_decode
+
+    with nf4_decode(model):
+        yield
+
+
+def _nf4_note(model: Any, *, wanted: bool) -> tuple[bool, str | None]:
+    """Whether token steps read nf4 weights through vlmrl's kernel (`nf4`), and the record's note: None without
+    a bitsandbytes 4-bit layer; else the kernel, or bitsandbytes and why."""
+    from vlmrl.engine.rollout.nf4 import NO_4BIT, unsupported_reason
+
+    reason = unsupported_reason(model)
+    if reason == NO_4BIT:
+        return False, None
+    if not wanted:
+        return False, "bitsandbytes (train.rollout.kernels is off)"
+    if reason is not None:
+        return False, f"bitsandbytes ({reason})"
+    return True, "token steps: vlmrl's nf4 Triton kernel (vlmrl.engine.rollout.nf4); prompt passes: bitsandbytes"
 
 
 def _adapter_copies(trainer: Any, dtype: torch.dtype | None, *, wanted: bool) -> tuple[Any, str]:

@@ -64,6 +64,9 @@ def nf4_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return out.view(*x.shape[:-1], n)
 
 
+NO_4BIT = "the model has no bitsandbytes Linear4bit layer"
+
+
 def unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why `nf4_decode(model)` would leave every token step on bitsandbytes, or None when it routes some layer
     (each layer it cannot take stays on bitsandbytes: a vision tower's odd widths, say)."""
@@ -71,7 +74,7 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
         return "Triton is not installed"
     layers = _linear4bit_layers(model)
     if not layers:
-        return "the model has no bitsandbytes Linear4bit layer"
+        return NO_4BIT
     reasons = [reason for layer in layers if (reason := _layer_reason(layer)) is not None]
     if len(reasons) < len(layers):
         return None
