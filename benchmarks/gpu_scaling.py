@@ -306,7 +306,7 @@ def table(state: Path) -> tuple[str, bool]:
         pending |= r["status"] in ("queued", "running")
         end = r.get("ended") or time.time()
         minutes = f"{(end - r['started']) / 60:.1f}" if r.get("started") else "-"
-        rows.append(f"{r['job']:<24} {r['gpus']:<5} {r['status']:<9} {str(r.get('rc', '-')):<5} {minutes:<8} "
+        rows.append(f"{r['job']:<24} {r['gpus']:<5} {r['status']:<9} {r.get('rc', '-')!s:<5} {minutes:<8} "
                     f"{r.get('error') or ''}")
     return "\n".join(rows), not pending
 
@@ -351,7 +351,14 @@ def pack(state: Path, target: Path) -> None:
 
 def combine(folders: list[Path], prefix: Path) -> dict:
     """The record from unpacked packs: one row per bench job, the evaluation check, what did not run."""
-    from vlmrl.bench.scaling import add_efficiency, add_prediction, beside, compare_records, configuration_row, markdown
+    from vlmrl.bench.scaling import (
+        add_efficiency,
+        add_prediction,
+        beside,
+        compare_records,
+        configuration_row,
+        markdown,
+    )
     from vlmrl.common.io import read_jsonl
 
     jobs: dict[str, tuple[dict, Path]] = {}
@@ -371,6 +378,8 @@ def combine(folders: list[Path], prefix: Path) -> dict:
         record["beside"] = beside(record, records)
         bench = json.loads((out / "bench.json").read_text()) if (out / "bench.json").exists() else None
         rows.append(configuration_row(record, bench))
+    strategies = ("ddp", "fsdp", "zero2", "zero3")
+    rows.sort(key=lambda r: (r["shapes"], bool(r["load_in_4bit"]), strategies.index(r["strategy"]), r["gpus"]))
     rows = add_prediction(add_efficiency(rows))
     evaluation = None
     evals = sorted((r for r in records if r.get("kind") == "eval" and r.get("rc") == 0), key=lambda r: r["gpus"])

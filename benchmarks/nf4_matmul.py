@@ -1,5 +1,5 @@
 """A 4-bit token step's projections at Qwen3-VL-8B's language shapes: bitsandbytes' `Linear4bit` forward, its
-dequantize + matmul, and vlmrl's nf4 kernel (`vlmrl.engine.rollout.nf4`), beside the weight-read floor.
+dequantize + matmul, and vlmrl's nf4 kernel (`vlmrl.engine.experimental.nf4`), beside the weight-read floor.
 
 For each batch of rows (1, 8, 32: token rows of a decode step) and dtype, one token step is the 36 layers x 7
 projections (q, k, v, o, gate, up, down) over random nf4 weights (double quantisation, blocksize 64), each call
@@ -214,7 +214,7 @@ def main(argv: list[str]) -> int:
     a = parse(argv)
     import bitsandbytes as bnb
 
-    from vlmrl.engine.rollout import nf4
+    from vlmrl.engine.experimental import nf4
 
     a.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

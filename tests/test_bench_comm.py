@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from vlmrl.bench import BenchSettings, load_shapes, summarize
-from vlmrl.bench.comm import CommProfile, comm_figures, comm_share, covered, union, uncovered
+from vlmrl.bench.comm import CommProfile, comm_figures, comm_share, covered, uncovered, union
 from vlmrl.cli.app import app
 
 # A made-up GPU timeline, in seconds:

@@ -121,6 +121,15 @@ def test_a_bug_exits_1_with_its_traceback(tmp_path, monkeypatch):
     assert result.exit_code == 1 and isinstance(result.exception, ZeroDivisionError)
 
 
+def test_ctrl_c_exits_130_in_one_line(tmp_path, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("vlmrl.compare.stage.compare_runs", interrupted)
+    result = invoke("compare", str(tmp_path))
+    assert result.exit_code == 130 and "re-run the same command" in one_error_line(result.output)
+
+
 def test_the_libraries_real_write_failures_are_recognised():
     """safetensors and torch.save, writing past a size limit (RLIMIT_FSIZE: EFBIG, which goes the same way
     through both as the ENOSPC of a full disk), in a child process."""

@@ -19,7 +19,8 @@ from vlmrl.config.schema import Config, ConfigError, RewardSpec, dump_config, lo
 EXAMPLES = 300
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
-SECTIONS = {name: info.annotation for name, info in Config.model_fields.items() if name != "rewards"}
+SECTIONS = {name: info.annotation for name, info in Config.model_fields.items()  # not rewards:, nor contract:
+            if isinstance(info.annotation, type) and hasattr(info.annotation, "model_fields")}
 FIELD_NAMES = sorted({f for model in SECTIONS.values() for f in model.model_fields} | set(RewardSpec.model_fields))
 DOTTED = sorted(f"{s}.{f}" for s, model in SECTIONS.items() for f in model.model_fields)
 

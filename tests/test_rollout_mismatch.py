@@ -285,7 +285,7 @@ def test_a_training_run_logs_the_mismatch_every_step(tmp_path, monkeypatch):
     for row in rows:
         # float32 on the CPU: the rollout's numbers are the loss pass's but for the 4 multimodal tokens the sampler
         # may not draw (`suppress_tokens`), whose share of a random-weight model's mass over the tiny vocabulary
-        # (about 850 tokens) is about 0.5% (a trained model puts next to nothing there)
+        # (1,024 entries) is about 0.4% (a trained model puts next to nothing there)
         assert 0 < row[LOGP_DIFF_MEAN] <= row[LOGP_DIFF_MAX] < 0.02
         assert 0 <= row[SEQUENCE_KL] < 1e-3 and row[OUTSIDE_CAP] == 0
     record = read_json(config.run_dir / "train" / "summary.json")["rollout_correction"]

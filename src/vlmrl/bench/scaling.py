@@ -115,15 +115,15 @@ def compare_records(one: list[dict], many: list[dict]) -> dict:
     a, b = {r["id"]: r for r in one}, {r["id"]: r for r in many}
     same = [i for i in a if i in b and all(a[i].get(k) == b[i].get(k) for k in EVAL_KEYS)]
     return {"records_one_gpu": len(a), "records_n_gpus": len(b), "ids_equal": sorted(a) == sorted(b),
-            "identical": len(same), "differing_ids": sorted(set(a) ^ set(b) | {i for i in a if i in b} - set(same))}
+            "identical": len(same), "differing_ids": sorted((set(a) ^ set(b)) | (set(a) & set(b)) - set(same))}
 
 
 def markdown(rows: list[dict], evaluation: dict | None, meta: dict) -> str:
     """The record's table: one line per configuration, then the evaluation check and what did not run."""
-    lines = [f"Measured at commit {meta.get('commit')} (source digest {meta.get('source_digest')}) on "
-             f"{meta.get('device')}; versions {meta.get('versions')}.", "",
-             "| configuration | GPUs | samples/s | efficiency | step s | generate s | peak GiB per GPU | predicted GiB "
-             "| comm share (exposed) | ran beside |",
+    lines = [(f"Measured at commit {meta.get('commit')} (source digest {meta.get('source_digest')}) on "
+              f"{meta.get('device')}; versions {meta.get('versions')}."), "",
+             ("| configuration | GPUs | samples/s | efficiency | step s | generate s | peak GiB per GPU "
+              "| predicted GiB (measured / predicted) | comm share (exposed) | ran beside |"),
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         label = (f"{r['strategy']} {r['shapes']} {'4-bit' if r['load_in_4bit'] else 'bf16'} {r['completion']} tok"
@@ -133,13 +133,15 @@ def markdown(rows: list[dict], evaluation: dict | None, meta: dict) -> str:
             continue
         peaks = ", ".join(f"{p:.1f}" for p in r["peak_gib_per_gpu"])
         comm = (f"{r['comm_share']:.1%} ({r['exposed_share']:.1%})" if r.get("comm_share") is not None else "")
+        predicted = (f"{r['predicted_peak_gib']:.1f} ({r['measured_over_predicted']:.2f}x)"
+                     if r.get("predicted_peak_gib") else "")
         lines.append(
             f"| {label} | {r['gpus']} | {r['samples_per_second']:.2f} | {_fmt(r.get('efficiency'), '.2f')} | "
-            f"{r['step_seconds']:.1f} | {r['generate_seconds']:.1f} | {peaks} | {_fmt(r.get('predicted_peak_gib'), '.1f')} "
-            f"| {comm} | {', '.join(r.get('beside') or []) or 'alone'} |")
-    lines += ["", "Efficiency: samples/s over N x the one-GPU DDP row of the same shapes, precision and completion. "
-              "Comm share: NCCL kernel time of the profiled step over the steady step (largest rank); in brackets the "
-              "part no other kernel overlapped."]
+            f"{r['step_seconds']:.1f} | {r['generate_seconds']:.1f} | {peaks} | {predicted} | {comm} | "
+            f"{', '.join(r.get('beside') or []) or 'alone'} |")
+    lines += ["", ("Efficiency: samples/s over N x the one-GPU DDP row of the same shapes, precision and completion. "
+                   "Comm share: NCCL kernel time of the profiled step over the steady step (largest rank); in brackets "
+                   "the part no other kernel overlapped.")]
     if evaluation:
         lines.append(f"Evaluation: {evaluation['records_one_gpu']} records on 1 GPU, {evaluation['records_n_gpus']} on "
                      f"{evaluation.get('gpus', 'N')} GPUs, ids equal: {evaluation['ids_equal']}, identical "

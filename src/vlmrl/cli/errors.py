@@ -3,8 +3,8 @@ can fix; `--debug` shows the traceback instead.
 
 Exit codes: 0 done; 2 anything the user can fix (a config, the data, a reward function, a folder in use or not
 vlmrl's, a missing model, a stage that refuses, a full disk or a read-only folder, even when a library reports it
-wrapped in its own exception); 1 only a bug in vlmrl, with its traceback. A stage stopped by the disk or by a
-reward resumes when the same command is re-run.
+wrapped in its own exception); 130 Ctrl-C; 1 only a bug in vlmrl, with its traceback. A stage stopped by the
+disk, a reward or Ctrl-C resumes when the same command is re-run.
 
 Kept apart from `app.py`, which holds the commands. Left out: catching programming errors (anything not named
 here still ends in a traceback, which is what a bug report needs).
@@ -107,6 +107,10 @@ class Commands(TyperGroup):
             if line is None or debug():
                 raise
             fail(f"{line} (--debug shows the traceback)", 2)
+        except KeyboardInterrupt:  # Ctrl-C: not a bug (click would say "Aborted!" and exit 1)
+            if debug():
+                raise
+            fail("interrupted; re-run the same command: it resumes where it stopped", 130)
 
 
 def guarded(action: Callable[[], T]) -> T:

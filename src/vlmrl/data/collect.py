@@ -2,9 +2,10 @@
 
 A kept row has passed its source's field checks, each of its images (in order) has been normalised and
 stored once under `run_dir/data/images/<sha256[:16]>.png`, and its prompt (asking for the config's
-`contract`) fits `data.max_prompt_tokens` (when a token counter is given). With `data.holdout_split`, that
-split's rows follow the training split's, each item's `metadata["split"]` saying which it came from. A dropped row carries a reason code. Cheap checks run first, so a filtered
-row never costs a decode; a row is kept only when all of its images are usable.
+`contract`) fits `data.max_prompt_tokens` (when a token counter is given). A dropped row carries a reason
+code. Cheap checks run first, so a filtered row never costs a decode; a row is kept only when all of its
+images are usable. With `data.holdout_split`, that split's rows follow the training split's, each item's
+`metadata["split"]` saying which split it came from.
 """
 
 from __future__ import annotations

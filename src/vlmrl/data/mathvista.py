@@ -5,7 +5,8 @@ answer_type, metadata) are kept when their free-form answer is numeric (`integer
 `data.answer_types`), and multiple-choice items when `data.include_multi_choice` is set: those become answer
 type `choice`, the gold being the text of the right choice ("145°") and the choices kept in order, so the
 grader accepts the text or its letter. On testmini that keeps 418 + 40 = 458 free-form items, plus 540
-multiple-choice ones when asked.
+multiple-choice ones when asked. A `metadata` cell may be the mapping or its JSON text (a CSV or JSONL copy);
+rows without a pid are named by file and row.
 
 Other datasets (e.g. hiyouga/geometry3k) go through `data.columns` (mapped.py).
 

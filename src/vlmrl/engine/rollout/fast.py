@@ -109,7 +109,7 @@ def enable_fast_generation(
     stop_check = stop_check_note()
     kernel, kernel_note = _decode_kernel_note(wanted=kernels, attention=attention is not None)
     cache_read = "the whole static cache" + kernel_note
-    nf4, weights = _nf4_note(trainer.model, wanted=kernels)
+    weights = _four_bit_note(trainer.model)
     contexts = [
         ("attention", (lambda: packed_gqa(trainer.model)) if attention else None),
         ("decode_kernel", decode_kernel_context if kernel else None),
@@ -121,7 +121,6 @@ def enable_fast_generation(
         ("autocast", (lambda: torch.autocast(device_type=_device_type(), dtype=dtype, cache_enabled=False))
          if dtype is not None else None),
         ("stop_check", deferred_stop_check),
-        ("nf4", (lambda: _nf4_decode(trainer.model)) if nf4 else None),
         ("compile_over_4bit", lambda: compile_over_4bit(trainer.model)),
     ]
     wrap_rollouts(trainer, [(name, factory) for name, factory in contexts if factory is not None])
@@ -133,27 +132,11 @@ def enable_fast_generation(
                           cache_read, weights=weights)
 
 
-@contextlib.contextmanager
-def _nf4_decode(model: Any) -> Iterator[None]:
-    from vlmrl.engine.rollout.nf4 import nf4_decode
-
-    with nf4_decode(model):
-        yield
-
-
-def _nf4_note(model: Any, *, wanted: bool) -> tuple[bool, str | None]:
-    """Whether token steps read nf4 weights through vlmrl's kernel (`nf4`), and the record's note: None without
-    a bitsandbytes 4-bit layer; else the kernel, or bitsandbytes and why."""
-    from vlmrl.engine.rollout.nf4 import NO_4BIT, unsupported_reason
-
-    reason = unsupported_reason(model)
-    if reason == NO_4BIT:
-        return False, None
-    if not wanted:
-        return False, "bitsandbytes (train.rollout.kernels is off)"
-    if reason is not None:
-        return False, f"bitsandbytes ({reason})"
-    return True, "token steps: vlmrl's nf4 Triton kernel (vlmrl.engine.rollout.nf4); prompt passes: bitsandbytes"
+def _four_bit_note(model: Any) -> str | None:
+    """How token steps read 4-bit base weights, for the record: None without a bitsandbytes 4-bit layer."""
+    if not any(type(module).__name__ == "Linear4bit" for module in model.modules()):
+        return None
+    return "bitsandbytes Linear4bit (vlmrl's nf4 kernel is an experiment: docs/benchmarks.md)"
 
 
 def _adapter_copies(trainer: Any, dtype: torch.dtype | None, *, wanted: bool) -> tuple[Any, str]:
