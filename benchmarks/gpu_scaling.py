@@ -17,55 +17,37 @@ Entry point: benchmarks/gpu_scaling.sh (its header has the device calls). Subcom
 What each configuration measures is `vlmrl bench --paths vlmrl` (the seed recipe: 8 prompts x 4 generations per
 GPU, LoRA r=16, GSPO) under `accelerate launch` with the shipped config of its strategy; with several GPUs one more
 step is profiled for the NCCL kernel time (`--comm-profile`, vlmrl.bench.comm). The figures and the record:
-vlmrl.bench.scaling. State lives in $VLMRL_SCALING_STATE (default /tmp/vlmrl-scaling).
+vlmrl.bench.scaling. State lives in $VLMRL_SCALING_STATE (default /tmp/vlmrl-scaling); the scheduler: gpu_jobs.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fnmatch
 import hashlib
-import io
 import json
 import os
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tarfile
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_jobs beside it, also when imported by a test
+from gpu_jobs import ROOT, Job, alive, order, pack, schedule, select, state_dir, table, tail, write_json
+
 COUNTS = (1, 2, 4, 8)
-# Multicast over NVLink stays off on the lent hosts (it can take the host's GPUs out of service); kept in every
-# job's environment, also where a launcher builds its own.
-SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 # Steps per configuration (the first compiles and is set apart; with several GPUs one more is profiled) and the
 # completion length: the seed's 1024 tokens; the 32B rows 256, since FSDP gathers every block at every token step.
 STEPS = {"ddp": 3, "fsdp": 2, "zero2": 2}
 COMPLETION, COMPLETION_32B = 1024, 256
 CAP_32B = 80  # GiB: an 80 GB card (H100 / A100 80GB), which the 32B's bf16 LoRA recipe does not fit alone
 EVAL = ("--set model.backend=transformers --set model.dtype=auto --set model.max_seq_length=2048 "
-        "--set data.image_size=512 --set data.num_synthetic=80 --set data.holdout_size=16 --set eval.batch_size=4 "
+        "--set data.image_size=512 --set data.num_synthetic=96 --set data.holdout_size=32 --set eval.batch_size=4 "
         "--set eval.max_new_tokens=64 --set eval.do_sample=false")
-
-
-@dataclass
-class Job:
-    name: str
-    gpus: int
-    tier: int  # 1: what issue 41's "done when" needs; 2: 4-bit; 3: the counts in between
-    command: str  # bash, from the repository root; $JOB_OUT is the job's result folder
-    minutes: float  # estimated, for the plan's schedule (no measurement yet)
-    after: list[str] = field(default_factory=list)  # jobs that must have ended with exit 0 first
-    meta: dict = field(default_factory=dict)  # what vlmrl.bench.scaling reads: strategy, shapes, precision, ...
-    needs: str | None = None  # a module that must import here (deepspeed)
-    timeout_minutes: float = 20.0
 
 
 def bench_job(strategy: str, gpus: int, tier: int, *, shapes: str = "qwen3_vl_8b", four_bit: bool = False,
@@ -74,7 +56,7 @@ def bench_job(strategy: str, gpus: int, tier: int, *, shapes: str = "qwen3_vl_8b
 
     big = shapes != "qwen3_vl_8b"
     completion = COMPLETION_32B if big else COMPLETION
-    steps = STEPS[strategy]
+    steps = 2 if big else STEPS[strategy]  # the 32B's steps are long; one steady step each
     args = ["bench", "--shapes", shapes, "--paths", "vlmrl", "--steps", str(steps), "--warmup-steps", "1",
             "--completion", str(completion), *(["--load-in-4bit"] if four_bit else []),
             *(["--memory-cap-gib", str(cap)] if cap else []), *(["--comm-profile"] if gpus > 1 else [])]
@@ -113,94 +95,6 @@ def plan(total: int, python: str = "python3") -> list[Job]:
     return order(jobs, total)
 
 
-def order(jobs: list[Job], total: int) -> list[Job]:
-    """Tier by tier, waves that fill the host: each wave takes, in list order, the jobs that fit the GPUs left and
-    whose dependencies ran in an earlier wave. The scheduler then starts jobs strictly in this order."""
-    out: list[Job] = []
-    for tier in sorted({j.tier for j in jobs}):
-        left = [j for j in jobs if j.tier == tier]
-        while left:
-            free, wave = total, []
-            for job in list(left):
-                if job.gpus <= free and set(job.after) <= {j.name for j in out}:
-                    wave.append(job)
-                    free -= job.gpus
-                    left.remove(job)
-            if not wave:
-                raise ValueError(f"cannot schedule {[j.name for j in left]} on {total} GPUs")
-            out += wave
-    return out
-
-
-def matches(name: str, patterns: str | None) -> bool:
-    return any(fnmatch.fnmatch(name, p) for p in (patterns or "").split(",") if p)
-
-
-# --- the scheduler (detached) --------------------------------------------------------------------------------------
-
-def state_dir() -> Path:
-    return Path(os.environ.get("VLMRL_SCALING_STATE", "/tmp/vlmrl-scaling"))
-
-
-def write_json(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
-    tmp.replace(path)
-
-
-def schedule(state: Path, total: int) -> None:
-    """Run plan.json's jobs: each as soon as the GPUs it needs are free and every job before it has started."""
-    queue = [Job(**j) for j in json.loads((state / "plan.json").read_text())]
-    free, running = list(range(total)), {}
-    while queue or running:
-        for name, (proc, ids, record, deadline) in list(running.items()):
-            if proc.poll() is None and time.time() > deadline and "error" not in record:
-                record["error"] = f"timed out after {(deadline - record['started']) / 60:.0f} minutes"
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-            if proc.poll() is not None:
-                record.update(status="ended", rc=proc.returncode, ended=time.time())
-                write_json(state / "jobs" / f"{name}.json", record)
-                free = sorted(free + ids)
-                del running[name]
-        while queue:
-            job = queue[0]
-            record = {"job": job.name, **job.meta, "gpus": job.gpus, "status": "queued"}
-            # a dependency is earlier in the queue, so it has started by now, or it ran in an earlier start
-            deps = {n: _record(state, n) for n in job.after}
-            failed = [n for n, r in deps.items()
-                      if r.get("status") != "running" and not (r.get("status") == "ended" and r.get("rc") == 0)]
-            missing = job.needs and not _importable(job.needs)
-            if failed or missing:
-                why = f"needs {', '.join(failed)}, which did not end well" if failed else f"{job.needs} is not installed"
-                write_json(state / "jobs" / f"{job.name}.json", record | {"status": "skipped", "error": why})
-                queue.pop(0)
-                continue
-            if len(free) < job.gpus or any(r.get("status") == "running" for r in deps.values()):
-                break
-            ids, free = free[:job.gpus], free[job.gpus:]
-            out = state / "out" / job.name
-            shutil.rmtree(out, ignore_errors=True)
-            out.mkdir(parents=True)
-            env = {**os.environ, **SAFE_ENV, "CUDA_VISIBLE_DEVICES": ",".join(map(str, ids)), "JOB_OUT": str(out),
-                   "VLMRL_SCALING_STATE": str(state), "PYTHONUNBUFFERED": "1"}
-            with open(state / "logs" / f"{job.name}.log", "w") as log:
-                proc = subprocess.Popen(["bash", "-c", job.command], cwd=ROOT, env=env, stdout=log,
-                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-            record.update(status="running", started=time.time(), gpu_ids=ids, command=job.command)
-            write_json(state / "jobs" / f"{job.name}.json", record)
-            running[job.name] = (proc, ids, record, time.time() + 60 * job.timeout_minutes)
-            queue.pop(0)
-        time.sleep(1)
-
-
-def _importable(module: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(module) is not None
-
-
 def source_digest() -> str:
     """A short hash of src/vlmrl's files: names the code a record ran, also where no git is (the device)."""
     digest = hashlib.sha256()
@@ -229,14 +123,12 @@ def gpu_count() -> int:
 def start(total: int, only: str | None, skip: str | None, *, detach: bool = True) -> int:
     state = state_dir()
     pid = state / "scheduler.pid"
-    if pid.exists() and _alive(int(pid.read_text())):
+    if pid.exists() and alive(int(pid.read_text())):
         print(f"a scheduler is already running (pid {pid.read_text()}, state {state})", file=sys.stderr)
         return 2
-    jobs = [j for j in plan(total) if (not only or matches(j.name, only)) and not matches(j.name, skip)]
-    done = {j.name for j in jobs if _record(state, j.name).get("rc") == 0}
-    jobs = [j for j in jobs if j.name not in done]
+    jobs = select(plan(total), state, only, skip)
     if not jobs:
-        print("nothing to start" + (f" ({len(done)} ended already)" if done else ""), file=sys.stderr)
+        print(f"nothing to start (state {state})", file=sys.stderr)
         return 2
     for sub in ("jobs", "logs", "out"):
         (state / sub).mkdir(parents=True, exist_ok=True)
@@ -258,19 +150,6 @@ def start(total: int, only: str | None, skip: str | None, *, detach: bool = True
                                 env={**os.environ, "VLMRL_SCALING_STATE": str(state)})
     pid.write_text(str(proc.pid))
     return 0
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        return False
-    return True
-
-
-def _record(state: Path, name: str) -> dict:
-    path = state / "jobs" / f"{name}.json"
-    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def _device() -> str | None:
@@ -297,24 +176,17 @@ def _version(name: str) -> str | None:
         return None
 
 
-# --- wait, pack, combine --------------------------------------------------------------------------------------------
-
-def table(state: Path) -> tuple[str, bool]:
-    rows, pending = ["job                      gpus  state     rc    minutes  error"], False
-    for path in sorted((state / "jobs").glob("*.json"), key=lambda p: p.stat().st_mtime):
-        r = json.loads(path.read_text())
-        pending |= r["status"] in ("queued", "running")
-        end = r.get("ended") or time.time()
-        minutes = f"{(end - r['started']) / 60:.1f}" if r.get("started") else "-"
-        rows.append(f"{r['job']:<24} {r['gpus']:<5} {r['status']:<9} {r.get('rc', '-')!s:<5} {minutes:<8} "
-                    f"{r.get('error') or ''}")
-    return "\n".join(rows), not pending
-
+# --- wait and combine ------------------------------------------------------------------------------------------------
 
 def wait(seconds: float, out: Path) -> int:
+    """Until every job ended, SECONDS passed or the scheduler is gone; then the table, the pack, the record so far."""
     state = state_dir()
+    pid = state / "scheduler.pid"
     end = time.time() + seconds
     while not table(state)[1] and time.time() < end:
+        if pid.exists() and not alive(int(pid.read_text())):
+            print(f"the scheduler (pid {pid.read_text()}) is gone: {state / 'scheduler.log'} says why")
+            break
         time.sleep(5)
     text, finished = table(state)
     print(text)
@@ -322,31 +194,17 @@ def wait(seconds: float, out: Path) -> int:
         r = json.loads(path.read_text())
         if r["status"] == "ended" and r.get("rc") != 0:
             log = state / "logs" / f"{r['job']}.log"
-            print(f"--- {r['job']} (rc {r['rc']}), last lines:\n" + "\n".join(_tail(log, 15)))
+            print(f"--- {r['job']} (rc {r['rc']}), last lines:\n" + "\n".join(tail(log, 15)))
     out.mkdir(parents=True, exist_ok=True)
     pack(state, out / "scaling.tar.gz")
     with tempfile.TemporaryDirectory() as tmp:
         with tarfile.open(out / "scaling.tar.gz") as tar:
             tar.extractall(tmp, filter="data")
-        combine([Path(tmp)], out / "h200_multi_gpu")
+        try:  # the pack above comes back whatever happens here
+            combine([Path(tmp)], out / "h200_multi_gpu")
+        except Exception as exc:  # noqa: BLE001
+            print(f"combine failed ({type(exc).__name__}: {exc}); the pack holds every job's files")
     return 0 if finished else 1
-
-
-def _tail(path: Path, lines: int) -> list[str]:
-    return path.read_text(errors="replace").splitlines()[-lines:] if path.exists() else []
-
-
-def pack(state: Path, target: Path) -> None:
-    """Every job's record, its result files under 4 MB, its log's last 400 lines, and meta.json."""
-    with tarfile.open(target, "w:gz") as tar:
-        for path in [state / "meta.json", *sorted((state / "jobs").glob("*.json")), *sorted((state / "out").rglob("*"))]:
-            if path.is_file() and path.stat().st_size < 4 << 20:
-                tar.add(path, arcname=str(path.relative_to(state)))
-        for log in sorted((state / "logs").glob("*.log")):
-            data = "\n".join(_tail(log, 400)).encode()
-            info = tarfile.TarInfo(f"logs/{log.name}")
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
 
 
 def combine(folders: list[Path], prefix: Path) -> dict:

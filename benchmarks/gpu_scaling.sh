@@ -19,20 +19,22 @@
 #   python3 -m pip download --no-deps --only-binary=:all: -d .whl-deepspeed hjson==3.1.0
 #
 # The device tool allows 10 minutes a command, 8 files back, 30 minutes of device time a session and 30 minutes
-# held per machine, so the jobs run detached (setsid) and each call waits on them. Estimated (nothing measured yet):
-# tier 1 about 37 minutes of wall time on 2 GPUs (two sessions), about 30 on 8; `plan` prints each job's estimate.
+# held per machine, so the jobs run detached (setsid) and each call waits on them. `plan` prints each job's minutes,
+# guessed (nothing measured yet): by them tier 1 alone needs more than one session on 2 GPUs, about one on 8.
 # Device calls, kind nvidia-h200-x2, -x4 or -x8 (whichever `status` lends), back to back while the machine is warm;
 # COMMIT is `git rev-parse HEAD` here (the device has no .git), pasted into the command:
 #   1. carry [".whl", ".whl-deepspeed"], timeout_s 600:
-#        VLMRL_COMMIT=COMMIT bash benchmarks/gpu_scaling.sh install && VLMRL_COMMIT=COMMIT bash benchmarks/gpu_scaling.sh start &&
+#        bash benchmarks/gpu_scaling.sh install && VLMRL_COMMIT=COMMIT bash benchmarks/gpu_scaling.sh start &&
 #        bash benchmarks/gpu_scaling.sh wait 530 $OUT
 #   2. carry [".whl", ".whl-deepspeed"]:  bash benchmarks/gpu_scaling.sh install && bash benchmarks/gpu_scaling.sh wait 560 $OUT
 #   3. the same as 2, while device time lasts (leave 2 minutes: the last call's pack is what comes back).
-# Each call brings back OUT/scaling.tar.gz and the record so far (OUT/h200_multi_gpu.{json,md}). Here, after the last:
+# Each call brings back OUT/scaling.tar.gz, everything the machine ran so far, and the record so far
+# (OUT/h200_multi_gpu.{json,md}). Here, with the last pack of each machine:
 #   mkdir -p /tmp/s1 && tar xzf <files_at>/scaling.tar.gz -C /tmp/s1
 #   python3 benchmarks/gpu_scaling.py combine /tmp/s1 [/tmp/s2 ...] --out benchmarks/results/h200_multi_gpu
 # A later session runs what the record lists under "Not run": `bash benchmarks/gpu_scaling.sh start --only NAME,...`
-# (the same calls otherwise), and combines its pack after the earlier ones (a job's later successful run wins).
+# (patterns too; a job's dependencies, eval_prep, come with it), the same calls otherwise, and combines its pack
+# after the earlier ones (a job's later successful run wins).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=/tmp/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}

@@ -54,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--only", choices=CORRECTIONS, help="run one of the two (the other's folder is read if there)")
     parser.add_argument("--preset", default="demo", help="cost: the preset whose policy and batch are measured")
     parser.add_argument("--repeats", type=int, default=3, help="cost: alternating measurements of each")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # overrides may follow the options
 
 
 def main(argv: list[str] | None = None) -> int:

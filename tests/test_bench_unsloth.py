@@ -123,7 +123,7 @@ def test_the_cli_refuses_the_unsloth_path_in_one_line_without_unsloth(tmp_path):
     done = subprocess.run([sys.executable, "-m", "vlmrl.cli", "bench", "--paths", "vlmrl,unsloth", "--out",
                            str(tmp_path / "out")], env=env, capture_output=True, text=True, timeout=120, check=False)
     lines = (done.stdout + done.stderr).strip().splitlines()
-    assert done.returncode == 1 and len(lines) == 1 and "bench path unsloth needs the unsloth package" in lines[0]
+    assert done.returncode == 2 and len(lines) == 1 and "bench path unsloth needs the unsloth package" in lines[0]
     assert not (tmp_path / "out").exists()
 
 

@@ -96,6 +96,7 @@ RECORD_SCHEMA: dict[str, tuple[type, ...]] = {
     "gold": (str,),
     "answer_type": (str,),
     "precision": (int, type(None)),
+    "contract": (str,),  # the answer form the completion was read under (seed | think)
     "completion": (str,),
     "pred": (str, type(None)),
     "format_ok": (bool,),
@@ -230,8 +231,10 @@ def test_summary_file_is_recomputed_from_the_records(arch: str, baseline) -> Non
     assert summary["tokens_per_second"] == pytest.approx(tokens / seconds, rel=1e-6)
     # and the whole file is exactly what `summarize` gives for these records
     recomputed = json.loads(json.dumps(summarize(records, stage="baseline", seed=config.run.seed)))
-    provenance = summary.pop("provenance")  # who wrote it and when: the one part not computed from the records
+    # who wrote it and when, and what the reward check before it measured: the parts not computed from the records
+    provenance, check = summary.pop("provenance"), summary.pop("reward_check")
     assert recomputed == summary
+    assert set(check) == {"format_reward", "correctness_reward"} and check["format_reward"]["well_formed"] == 2.0
     assert provenance["vlmrl_version"] and provenance["started_at"] <= provenance["finished_at"]
     assert "pass_at_k" not in summary  # greedy: one sample per item
 
@@ -274,7 +277,7 @@ def test_resume_after_a_kill_gives_exactly_one_record_per_id(baseline, tmp_path:
         # greedy decoding over the same batches: the regenerated records say what the lost ones said
         assert [r["completion"] for r in records] == [json.loads(line)["completion"] for line in full], damage
         written = read_json(run_dir / "baseline_summary.json")
-        written.pop("provenance")
+        written.pop("provenance"), written.pop("reward_check")  # not computed from the records
         assert json.loads(json.dumps(summarize(records, stage="baseline"))) == written
 
 

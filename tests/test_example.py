@@ -88,7 +88,8 @@ def test_the_easyr1_example_runs_with_trl_rewards_under_the_think_contract(tmp_p
     _make_data(task / "data", THINK_EXAMPLE)
     monkeypatch.chdir(tmp_path)
     result = CliRunner().invoke(app, ["run", str(task / "config.yaml"), "--set", f"run.output_dir={tmp_path / 'runs'}",
-                                      "--set", "train.max_steps=2"], terminal_width=200)
+                                      "--set", "train.max_steps=1", "--set", "eval.max_new_tokens=16"],
+                             terminal_width=200)
     assert result.exit_code == 0, result.output
     run = tmp_path / "runs" / "count-think"
 

@@ -134,7 +134,7 @@ def test_non_finite_loss_or_grad_norm_saves_and_stops(tmp_path, key, value):
     assert control.should_save and control.should_training_stop
     assert mon.halted.startswith(f"non-finite {key} ({value})")
     assert "train.learning_rate" in mon.halted  # says what to change
-    (row,) = read_jsonl(tmp_path / "health.jsonl")  # NaN / Infinity are written as JSON's extensions
+    (row,) = read_jsonl(tmp_path / "health.jsonl")  # the value itself is written null (strict JSON); the text names it
     assert row["halted"] == mon.halted and row["warnings"][0] == f"non-finite {key} ({value})"
     assert console[0] == f"[health] step 5: non-finite {key} ({value})"
 
@@ -236,9 +236,10 @@ def test_nan_loss_in_a_real_train_run_saves_a_checkpoint_and_raises_train_error(
     assert (train_dir / "checkpoints" / "checkpoint-1" / "trainer_state.json").is_file()  # saved for inspection
     assert not (train_dir / "final").exists() and not (train_dir / "summary.json").exists()
     (row,) = read_jsonl(train_dir / "health.jsonl")
-    assert row["step"] == 1 and math.isnan(row["loss"]) and row["halted"].startswith("non-finite loss")
+    # strict JSON: a NaN is written null (issue 37); the row's warning and `halted` say which value it was
+    assert row["step"] == 1 and row["loss"] is None and row["halted"].startswith("non-finite loss (nan)")
     metrics = [r for r in read_jsonl(train_dir / "metrics.jsonl") if "loss" in r]
-    assert len(metrics) == 1 and math.isnan(metrics[0]["loss"])  # logged as NaN, not hidden (logging_nan_inf_filter)
+    assert len(metrics) == 1 and metrics[0]["loss"] is None  # logged, not hidden (logging_nan_inf_filter)
     assert any("[health] step 1: non-finite loss (nan)" in line for line in console)
 
 

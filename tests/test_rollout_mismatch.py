@@ -265,6 +265,10 @@ def test_auto_corrects_where_the_numerics_differ():
     fake = _stand_in("sequence", LOSS_PASS)
     record = enable_rollout_mismatch(fake, correction="auto", fast=True)
     assert record.correction == "tis" and "fast rollout engine" in record.reason
+    fake = _stand_in("token", LOSS_PASS)
+    fake.use_vllm = True  # TRL's vLLM path: vLLM's log-probs, TRL's own correction, vlmrl measures
+    record = enable_rollout_mismatch(fake, correction="tis")
+    assert record.correction == "trl" and record.sampler.startswith("vLLM") and "old_per_token" in record.reference
 
 
 # --- a real run, and the health monitor ---------------------------------------------------------------------
@@ -293,6 +297,31 @@ def test_a_training_run_logs_the_mismatch_every_step(tmp_path, monkeypatch):
     assert record["sampler"].startswith("the sampler's") and "no extra forward" in record["reference"]
     assert record["measured_micro_batches"] == 4 and record["steps_logged"] == 2  # 2 micro-batches per step
     assert not [w for r in read_jsonl(config.run_dir / "train" / "health.jsonl") for w in r["warnings"] if "mismatch" in w]
+
+
+def test_measuring_alone_changes_no_weight(tmp_path, monkeypatch):
+    """`none` (auto on the CPU): the recorder draws no random numbers and the loss is TRL's, so the adapter is the
+    one a run without any of it trains, byte for byte."""
+    import hashlib
+
+    from tests.test_train import quick_config, varied_reward
+    from vlmrl.engine.rollout import mismatch
+    from vlmrl.pipeline import prepare_with_budget
+    from vlmrl.train.stage import train
+
+    monkeypatch.setattr("vlmrl.grading.rewards.correctness_reward", varied_reward)
+    adapters = []
+    for measured in (True, False):
+        config = quick_config(tmp_path / str(measured), "train.max_steps=1", "train.per_device_train_batch_size=4")
+        prepare_with_budget(config, config.run_dir)
+        with monkeypatch.context() as patch:
+            if not measured:
+                patch.setattr(mismatch, "enable_rollout_mismatch",
+                              lambda trainer, **kwargs: mismatch.RolloutMismatch("-", "none", "-", "-", None, "-"))
+            train(config, config.run_dir)
+        adapters.append(hashlib.sha256((config.run_dir / "train/final/adapter_model.safetensors").read_bytes()).digest())
+        assert (LOGP_DIFF_MEAN in read_jsonl(config.run_dir / "train" / "metrics.jsonl")[0]) is measured
+    assert adapters[0] == adapters[1]
 
 
 def test_the_watch_warns_on_a_jump_a_drift_and_truncation():
@@ -339,3 +368,58 @@ def test_the_report_plots_the_mismatch(tmp_path):
     assert "rollout vs loss pass: |Δ log p| per token" in html and "KL per completion (k3)" in html
     for key in ("mismatch/logp_diff_*", SEQUENCE_KL, OUTSIDE_CAP):  # mean and max share the first plot
         assert f'data-key="{key}"' in html
+
+
+def test_the_gpu_script_reads_two_runs_and_a_bench_record(tmp_path):
+    """benchmarks/rollout_mismatch.py's bookkeeping on the CPU: run folders as `vlmrl run` leaves them, and a
+    bench.json, in; the results JSON (per run, tis minus none paired per item, per-step bench mismatch) out."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from vlmrl.common.io import append_jsonl, write_json_atomic
+
+    spec = importlib.util.spec_from_file_location(
+        "rollout_mismatch_script", Path(__file__).resolve().parents[1] / "benchmarks" / "rollout_mismatch.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"device": "H200", "raw": [
+        {"path": "plain", "rollout_mismatch": [{"step": 1, LOGP_DIFF_MEAN: 0.01, LOGP_DIFF_MAX: 0.2}]},
+        {"path": "vlmrl", "rollout_mismatch": [{"step": 1, LOGP_DIFF_MEAN: 0.02, LOGP_DIFF_MAX: 0.3},
+                                                {"step": 2, LOGP_DIFF_MEAN: 0.04, LOGP_DIFF_MAX: 0.5}]}]}))
+    args = script.parse_args([str(tmp_path / "out"), "--bench-4bit", str(bench), "train.max_steps=3"])
+    assert args.overrides == ["train.max_steps=3"] and args.bench_bf16 is None
+    runs = tmp_path / "runs"
+    for correction, after in (("tis", [1, 1, 0, 1]), ("none", [1, 0, 0, 1])):  # item b: right with tis only
+        run = runs / f"demo-gpu-{correction}"
+        for name, correct in (("baseline", [0, 0, 0, 1]), ("after", after), ("after_swapped", [0, 0, 0, 0])):
+            append_jsonl(run / f"{name}_records.jsonl", [{"id": i, "correct": bool(c)} for i, c in zip("abcd", correct)])
+        write_json_atomic(run / "comparison.json", {
+            "metrics": {"accuracy": {"before": 0.25, "after": sum(after) / 4, "delta": sum(after) / 4 - 0.25,
+                                     "delta_ci95": [0.1, 0.6]}},
+            "visual_control": {"overall": {"visual_gain": 0.5, "visual_gain_ci95": [-0.1, 0.9]}}})
+        write_json_atomic(run / "train" / "summary.json", {"rollout_correction": {"correction": correction}})
+        append_jsonl(run / "train" / "metrics.jsonl", [{"step": s, "loss": 0.1, LOGP_DIFF_MEAN: 0.01 * s,
+                                                        LOGP_DIFF_MAX: 0.1 * s} for s in (1, 2, 3)])
+    out = Path(args.out)
+    out.mkdir()
+    result = script.write_result(out, args, args.overrides, False, runs, {"tis": 0, "none": 0})
+    assert json.loads((out / "h200_rollout_mismatch.json").read_text()) == json.loads(json.dumps(result))
+    tis = result["runs"]["tis"]
+    assert tis["accuracy"]["delta"] == 0.5 and tis["visual_gain_ci95"] == [-0.1, 0.9]
+    assert tis["rollout_correction"] == {"correction": "tis"} and len(tis["mismatch_per_step"]) == 3
+    assert tis["mismatch_summary"][f"{LOGP_DIFF_MEAN} median"] == pytest.approx(0.02)
+    assert tis["mismatch_summary"][f"{LOGP_DIFF_MAX} largest"] == pytest.approx(0.3)
+    difference = result["tis_minus_none"]
+    assert difference["same_baseline"] is True
+    assert difference["after_accuracy"]["tis_minus_none"] == pytest.approx(0.25)  # item b, of 4
+    assert difference["after_visual_gap"]["tis_minus_none"] == pytest.approx(0.25)  # nothing right when swapped
+    lo, hi = difference["after_accuracy"]["ci95"]
+    assert 0 <= lo <= 0.25 <= hi
+    assert result["criteria"] == {"tis_accuracy_ci_above_zero": True, "tis_visual_gain_ci_above_zero": False,
+                                  "none_accuracy_ci_above_zero": True, "none_visual_gain_ci_above_zero": False,
+                                  "tis_costs_no_accuracy": True}
+    vlmrl = result["bench"]["4bit"]["paths"]["vlmrl"]["summary"]
+    assert vlmrl["steps"] == 2 and vlmrl[f"{LOGP_DIFF_MAX} largest"] == 0.5 and result["bench"]["bf16"] is None
+    assert "| tis |" in (out / "h200_rollout_mismatch.md").read_text()

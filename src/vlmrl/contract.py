@@ -26,10 +26,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Literal
 
-ContractName = Literal["seed", "think"]
-CONTRACTS: tuple[str, ...] = ("seed", "think")
+CONTRACTS: tuple[str, ...] = ("seed", "think")  # `contract:` in the config (vlmrl.config.schema.Config)
 
 REASONING_START = "<REASONING>"
 REASONING_END = "</REASONING>"

@@ -147,8 +147,10 @@ def train_and_measure(path: str, settings: BenchSettings, model: Any, processor:
     from trl import GRPOConfig, GRPOTrainer
 
     from vlmrl.engine.loss_pass import enable_loss_pass
+    from vlmrl.engine.precision import float32_adapters_for_fp16
     from vlmrl.engine.rollout.fast import enable_fast_generation
     from vlmrl.engine.rollout.mismatch import enable_rollout_mismatch, step_rows
+    from vlmrl.engine.rollout.sharded import gather_root_in_rollouts
     from vlmrl.grading.rewards import correctness_reward, format_reward
     from vlmrl.models.loading import multimodal_token_ids
 
@@ -190,6 +192,8 @@ def train_and_measure(path: str, settings: BenchSettings, model: Any, processor:
     trainer = GRPOTrainer(model=model, reward_funcs=[format_reward, correctness_reward], args=args,
                           train_dataset=dataset, processing_class=processor, peft_config=peft_config,
                           callbacks=[clock.callback(), *([comm.callback()] if comm else [])])
+    gather_root_in_rollouts(trainer)  # FSDP: TRL's rollouts bypass the root unit (vlmrl.engine.rollout.sharded)
+    float32_adapters_for_fp16(trainer)  # fp16: TRL's bf16 QLoRA adapters would stop the loss scaler (every path)
     fast = loss_pass = None  # plain: TRL as a user writes it
     if path == "vlmrl" or path in VARIANTS:
         variant = VARIANTS.get(path, Variant())
@@ -255,10 +259,13 @@ def _gather(value: float) -> list[float]:
 
 def run_bench(settings: BenchSettings, out_dir: Path, work: Path) -> dict:
     """Run each path; under `accelerate launch` every rank runs it on its own GPU and rank 0 writes."""
-    compile_cache, work = prepare_device(settings, work)
+    compile_cache, work = prepare_device(settings, work, cap=False)
     shapes = load_shapes(settings.shapes)
     ceilings = measure_ceilings()
     processor_dir = build_processor(work, settings.image_size)
+    if settings.load_in_4bit:  # the random 16-bit weights, made and saved before the cap (a small card's cap
+        save_weights_once(shapes, processor_dir, work)  # is below their size); every 4-bit path reloads them
+    cap_memory(settings)
     dataset = bench_dataset(settings)
     results = []
     for path in settings.paths:
@@ -279,8 +286,9 @@ def run_bench(settings: BenchSettings, out_dir: Path, work: Path) -> dict:
     return summary
 
 
-def prepare_device(settings: BenchSettings, work: Path) -> tuple[Any, Path]:
-    """This rank's GPU, its memory cap and the compile cache, before anything is built; and its work folder."""
+def prepare_device(settings: BenchSettings, work: Path, *, cap: bool = True) -> tuple[Any, Path]:
+    """This rank's GPU, its memory cap (`cap`; else `cap_memory` later) and the compile cache, before anything
+    is built; and its work folder."""
     import os
 
     if not torch.cuda.is_available():
@@ -290,10 +298,17 @@ def prepare_device(settings: BenchSettings, work: Path) -> tuple[Any, Path]:
     torch.cuda.set_device(local_rank)
     if distributed.world_size() > 1:
         work = work / f"rank{distributed.rank()}"  # no two ranks write the same processor or weight files
-    if settings.memory_cap_gib:
-        total = torch.cuda.get_device_properties(local_rank).total_memory / GIB
-        torch.cuda.set_per_process_memory_fraction(min(1.0, settings.memory_cap_gib / total), local_rank)
+    if cap:
+        cap_memory(settings)
     return compile_cache, work
+
+
+def cap_memory(settings: BenchSettings) -> None:
+    """This process's GPU memory cap (`--memory-cap-gib`), if any."""
+    if settings.memory_cap_gib:
+        device = torch.cuda.current_device()
+        total = torch.cuda.get_device_properties(device).total_memory / GIB
+        torch.cuda.set_per_process_memory_fraction(min(1.0, settings.memory_cap_gib / total), device)
 
 
 def prompt_tokens_of(processor_dir: Path, dataset: Any) -> int:

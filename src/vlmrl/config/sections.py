@@ -306,10 +306,11 @@ class RewardSpec(_Section):
     weight: float = Field(1.0, description="Weight of this reward in the total (GRPOConfig.reward_weights).")
     timeout_s: float | None = Field(
         60.0, gt=0, le=86400,
-        description="Seconds one call may take (one call scores a whole batch of completions); over it, the run "
-        "stops with one line naming the reward and resumes when re-run. A minute is far above what a Python "
-        "reward needs for a batch and short enough that a hung one is noticed. null: no limit, and the call runs "
-        "in the caller's thread (for code that needs the main thread, e.g. signal.alarm). Not in any fingerprint.",
+        description="For a `function:` reward: seconds one call may take (one call scores a whole batch of "
+        "completions); over it, the run stops with one line naming the reward and resumes when re-run. A minute "
+        "is far above what a Python reward needs for a batch and short enough that a hung one is noticed. null: "
+        "no limit, and the call runs in the caller's thread (for code that needs the main thread, e.g. "
+        "signal.alarm). The built-ins bound their own work and ignore it. Not in any fingerprint.",
     )
     columns: dict[str, str] = Field(
         default_factory=dict,

@@ -172,7 +172,7 @@ def evaluate(
         if progress and not live and todo:
             progress(len(records), len(items), sum(r["generated_tokens"] for r in records if r["id"] not in done))
         summary = summarize(records, stage=name, seed=config.run.seed)
-        summary["contract"], summary["reward_check"] = config.contract, checked  # the check's means per reward
+        summary["reward_check"] = checked  # the means of the check before it, per reward and fake completion
         summary["provenance"] = provenance(started_at=started_at, finished_at=utc_now())
         write_json_atomic(summary_path, summary)
     distributed.barrier()  # the summary exists before any rank reads it
@@ -362,6 +362,8 @@ def summarize(records: list[dict], *, stage: str, seed: int = 0) -> dict:
                                         if (r.get("rewards") or {}).get(name) is not None]) for name in names}
     keys = {r.get("rewards_fingerprint") for r in records}
     summary["rewards_fingerprint"] = keys.pop() if len(keys) == 1 else None  # which rewards scored them
+    contracts = {r.get("contract", "seed") for r in records}  # records made before contracts are seed
+    summary["contract"] = contracts.pop() if len(contracts) == 1 else None
     if records and "pass_at_k" in records[0]:
         summary["pass_at_k"] = metric([float(r["pass_at_k"]) for r in records])
         summary["majority_accuracy"] = metric([float(r["majority_correct"]) for r in records])

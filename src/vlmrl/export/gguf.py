@@ -21,6 +21,7 @@ import json
 import os
 import runpy
 import shutil
+import subprocess
 import sys
 import tarfile
 import tempfile
@@ -60,8 +61,10 @@ def fetch_converter(target: Path | None = None) -> Path:
     """Download llama-cpp-python's sdist with pip and extract llama.cpp's converter into the cache."""
     target = target or cached_converter_dir()
     with tempfile.TemporaryDirectory() as tmp:
-        done = children.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                             f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", tmp])
+        # plain subprocess: pip writes into a temporary folder only, never into a run
+        done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                               f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", tmp],
+                              check=False, capture_output=True, text=True)
         archives = list(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
         if not archives:
             raise GgufError(f"pip could not download llama-cpp-python=={LLAMA_CPP_PYTHON}'s source distribution: "

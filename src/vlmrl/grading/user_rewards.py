@@ -68,7 +68,10 @@ def load_rewards(config: Config) -> list[Reward]:
         if spec.columns or _is_async(raw):
             raw = _Adapted(raw, spec.columns, name, label)
         needs = tuple(spec.columns.get(arg, arg) for arg in needs)  # what the columns must provide
-        loaded.append(Reward(name, spec.weight, _Guarded(raw, name, label, spec.timeout_s), label, needs))
+        # a user function gets its time limit; a built-in bounds its own work (linear in the text, each expression
+        # comparison in a killable worker), so a large batch of hard expressions cannot trip a limit meant for hangs
+        timeout_s = spec.timeout_s if spec.function else None
+        loaded.append(Reward(name, spec.weight, _Guarded(raw, name, label, timeout_s), label, needs))
     return loaded
 
 

@@ -54,8 +54,6 @@ def resume_point(checkpoints: Path, fingerprint: str, max_steps: int) -> Path | 
     `max_steps` (when positive). None: start from step 0. Raises ResumeError for one of another training."""
     legacy = _legacy_fingerprint(checkpoints)
     for step, folder in reversed(_numbered(checkpoints)):
-        if max_steps > 0 and step > max_steps:
-            continue  # past the end of this training: never resumed (discard_after removes it)
         if not _complete(folder):
             continue
         stamp = _stamp(folder)
@@ -64,11 +62,13 @@ def resume_point(checkpoints: Path, fingerprint: str, max_steps: int) -> Path | 
             continue
         recorded = stamp.get("fingerprint") if stamp is not None else legacy
         if recorded != fingerprint or (stamp is not None and stamp.get("step") != step):
-            raise ResumeError(
+            raise ResumeError(  # refused, never deleted: it is another training's
                 f"{folder}: written by another training config (fingerprint {recorded}, this config's "
                 f"{fingerprint}); restore that config to resume it, or pass --no-resume to start over (the earlier "
                 "training is then moved aside, not deleted)."
             )
+        if max_steps > 0 and step > max_steps:
+            continue  # this training's, but past its end: never resumed (discard_after removes it)
         return folder
     return None
 

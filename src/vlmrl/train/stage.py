@@ -41,6 +41,7 @@ from vlmrl.common.io import (
 )
 from vlmrl.common.provenance import package_version
 from vlmrl.config.schema import TRL_DEFAULTS, Config
+from vlmrl.engine.precision import float32_adapters_for_fp16
 from vlmrl.grading.user_rewards import check_run_rewards
 from vlmrl.run import layout
 from vlmrl.run.layout import train_fingerprint
@@ -84,6 +85,7 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
     from vlmrl.engine.rollout.fast import FastGeneration, enable_fast_generation
     from vlmrl.engine.rollout.fast import wanted as fast_wanted
     from vlmrl.engine.rollout.mismatch import enable_rollout_mismatch
+    from vlmrl.engine.rollout.sharded import gather_root_in_rollouts
     from vlmrl.models.loading import BASE_RECORD, base_identity, load_model
     from vlmrl.models.lora import apply_lora
     from vlmrl.train.args import gspo_loss_note, quiet_trl_gspo_warning
@@ -155,6 +157,8 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
                    *([validation] if validation else []), CheckpointStamp(layout.checkpoint_fingerprint(config))],
     )
     trainer.remove_callback(PrinterCallback)  # TrainProgress prints one readable line per step instead
+    float32_adapters_for_fp16(trainer)  # TRL casts QLoRA adapters to bf16, which fp16's loss scaler refuses
+    gather_root_in_rollouts(trainer)  # FSDP: TRL's rollouts bypass the root unit (vlmrl.engine.rollout.sharded)
     fast = (
         enable_fast_generation(trainer, bucket=config.train.rollout.prompt_bucket, kernels=config.train.rollout.kernels)
         if fast_wanted(config.train.rollout.fast)

@@ -26,6 +26,8 @@ The pieces, and where each is switched on:
   generation     batched image+question `generate` for evaluation, validation, the SFT check and the demo
                  policy (and the prompt encoding export checks use); compiled (static cache + `attention` +
                  deferred stop check) when `eval.compile` says so.
+  sharded        under FSDP2, the root unit gathered around each of TRL's rollouts (TRL generates past the root's
+                 forward): `sharded.gather_root_in_rollouts(trainer)`, called by train and bench before `fast`.
   compile_cache  torch.compile's on-disk caches under vlmrl's cache folder: `use_compile_cache()`, called by
                  train, compiled eval and bench (`vlmrl bench --compile-cache DIR`) before anything compiles.
 

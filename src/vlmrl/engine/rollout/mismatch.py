@@ -88,7 +88,7 @@ class RolloutMismatch:
     """What one trainer measures and corrects, and how (train/summary.json's `rollout_correction`)."""
 
     sampler: str  # where the rollout's log-probs come from
-    correction: str  # "tis" or "none"
+    correction: str  # "tis", "none", or "trl" (vLLM: TRL's own)
     reason: str  # why that correction
     level: str  # "token" (grpo) or "sequence" (gspo)
     cap: float | None
@@ -103,9 +103,10 @@ class RolloutMismatch:
 def resolve_correction(setting: str, trainer: Any, *, fast: bool) -> tuple[str, str]:
     """`train.rollout_correction` as a decision and its reason: `auto` is tis where the rollout's numerics differ
     from the loss pass's, none where they are the same computation (float32, no fast path)."""
-    if getattr(trainer, "use_vllm", False):
-        return "none", ("vLLM: TRL's own correction applies (vllm_importance_sampling_correction="
-                        f"{getattr(trainer, 'vllm_importance_sampling_correction', None)})")
+    if getattr(trainer, "use_vllm", False):  # TRL corrects vLLM's rollouts itself; vlmrl measures only
+        return "trl", ("vLLM: TRL's own correction (vllm_importance_sampling_correction="
+                       f"{getattr(trainer, 'vllm_importance_sampling_correction', None)}, mode "
+                       f"{getattr(trainer, 'vllm_importance_sampling_mode', None)})")
     if setting != "auto":
         return setting, f"train.rollout_correction={setting}"
     differs = numerics_differ(trainer, fast=fast)
