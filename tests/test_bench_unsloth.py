@@ -184,7 +184,7 @@ def test_run_bench_sends_the_unsloth_path_to_its_own_process_and_writes_its_row(
 
     saved = []
     cache = CompileCache("/c/inductor", "/c/triton", "explicit", cold=True, files_at_start=0)
-    monkeypatch.setattr(run, "prepare_device", lambda settings, work: (cache, work))
+    monkeypatch.setattr(run, "prepare_device", lambda settings, work, cap=True: (cache, work))
     monkeypatch.setattr(run, "measure_ceilings", lambda: {"matmul_tflops": 800, "copy_bandwidth_tbs": 4.0})
     # the tiny processor folder is a complete model: it stands in for the 8B-shaped weights saved once
     monkeypatch.setattr(run, "save_weights_once", lambda shapes, processor_dir, work: saved.append(1) or processor_dir)

@@ -22,6 +22,7 @@ def _load(script: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     monkeypatch.syspath_prepend(str(script.parent))
     spec = importlib.util.spec_from_file_location(f"benchmarks_{script.stem}", script)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # as `python script.py` has it: a dataclass looks its module up there
     spec.loader.exec_module(module)
     return module
 

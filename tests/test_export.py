@@ -20,7 +20,6 @@ from vlmrl.common.io import read_json, read_jsonl
 from vlmrl.config.schema import Config
 from vlmrl.contract import completion_text
 from vlmrl.engine.rollout.generation import encode_batch
-from vlmrl.evaluate.stage import EvalError
 from vlmrl.export.stage import ExportError, check_base_model, export_adapter, verify_adapter_weights
 from vlmrl.models.loading import load_model
 from vlmrl.pipeline import prepare_with_budget
@@ -225,7 +224,7 @@ def test_export_without_a_trained_adapter_loads_no_model(tmp_path: Path, monkeyp
 
     monkeypatch.setattr("vlmrl.models.loading.load_model", refuse)
     config = quick_config(tmp_path)
-    with pytest.raises(EvalError, match=str(config.run_dir / "train" / "final")):
+    with pytest.raises(ExportError, match=str(config.run_dir / "train" / "final")):
         export_adapter(config, config.run_dir)
     assert not (config.run_dir / "export.json").exists()
 

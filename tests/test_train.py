@@ -344,7 +344,8 @@ def test_trl_without_a_cpu_path_is_refused_on_a_cpu_only(prepared, tmp_path: Pat
     assert train_module.trl_device_problem("cpu", "1.16.0") is None
     assert train_module.trl_device_problem("cpu", "1.17.0.dev0") is None
     assert "trl>=1.16" in train_module.trl_device_problem("cpu", "1.15.0")
-    monkeypatch.setattr(train_module, "_trl_version", lambda: "1.15.0")
+    real = train_module.package_version
+    monkeypatch.setattr(train_module, "package_version", lambda name: "1.15.0" if name == "trl" else real(name))
     config = quick_config(tmp_path)
     run_dir = copy_run(prepared, tmp_path)
     with pytest.raises(TrainError, match=r"trl 1\.15\.0 computes GRPO's log-probs with Triton kernels only"):
