@@ -300,6 +300,6 @@ def test_a_16gb_card_is_offered_the_seed_16gb_preset_which_fits_it():
     assert "seed-16gb preset" in advice(predicted["seed"], 15.0, seed)[0]
     assert predicted["small"].peak_gib <= GPU_MARGIN * 15.0 and advice(predicted["small"], 15.0, small) == []
     assert advice(predicted["seed"], 80.0, seed) == []  # a large card: the seed fits, nothing to propose
-    same = lambda c: (c.model.name, c.lora, c.data, c.rewards, c.train.learning_rate, c.train.num_generations,  # noqa: E731
+    same = lambda c: (c.model.name, c.lora, c.data, c.rewards, c.train.learning_rate, c.train.num_generations,
                       c.train.per_device_train_batch_size * c.train.gradient_accumulation_steps)
     assert same(seed) == same(small) and small.model.dtype == "float16"

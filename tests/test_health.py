@@ -285,14 +285,14 @@ def test_an_fp16_overflow_is_a_skipped_step_not_a_halt(tmp_path):
     and lowers its scale: the monitor records it, and halts only when it does not recover."""
     from vlmrl.train.callbacks import MAX_FP16_OVERFLOWS
 
-    mon, console = monitor(tmp_path, HEALTHY)
+    mon, _ = monitor(tmp_path, HEALTHY)
     fp16 = SimpleNamespace(**{**vars(ARGS), "fp16": True})
     state = SimpleNamespace(global_step=1, is_world_process_zero=True)
     control = mon.on_log(fp16, state, TrainerControl(), logs={"loss": 0.1, "grad_norm": float("inf")})
     assert not control.should_training_stop and mon.halted is None
     (row,) = read_jsonl(tmp_path / "health.jsonl")
-    assert row["fp16_overflow"] is True and row["warnings"] == ["fp16 overflow: the loss scaler skipped this step's "
-                                                                "update (1 in a row)"]
+    overflow = "fp16 overflow: the loss scaler skipped this step's update (1 in a row)"
+    assert row["fp16_overflow"] is True and row["warnings"] == [overflow]
     mon.on_log(fp16, state, TrainerControl(), logs={"loss": 0.1, "grad_norm": 0.5})  # recovered: the streak resets
     for step in range(MAX_FP16_OVERFLOWS):
         control = mon.on_log(fp16, SimpleNamespace(global_step=3 + step, is_world_process_zero=True),
