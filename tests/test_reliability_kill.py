@@ -42,7 +42,8 @@ from vlmrl.cli.app import app
 from vlmrl.common.io import read_jsonl, write_jsonl_atomic
 from vlmrl.config.schema import ConfigError, load_config
 from vlmrl.pipeline import claim_run_dir
-from vlmrl.train.callbacks import last_complete_checkpoint, trim_records_after
+from vlmrl.train.callbacks import trim_records_after
+from vlmrl.train.resume import last_complete_checkpoint
 
 MAX_STEPS, SAVE_STEPS, HOLDOUT, GENERATIONS, BATCH = 6, 2, 16, 4, 8
 OVERRIDES = [

@@ -131,13 +131,10 @@ class Config(_Section):
         were produced by this config."""
         data = self.model_dump(mode="json")
         data["train"] = self.flat_train()
+        data["rewards"] = [spec.fingerprinted() for spec in self.rewards]
         data["data"] = _fingerprinted_data(data["data"])
         if data["contract"] == "seed":  # added later: a seed run keeps its fingerprint
             del data["contract"]
-        for spec in data["rewards"]:
-            if not spec["columns"]:
-                del spec["columns"]
-            spec.pop("timeout_s", None)  # a bound on call time: raising it after a timeout must resume the run
         for section, fields in OBSERVATION_FIELDS.items():
             for name in fields:
                 data[section].pop(name, None)

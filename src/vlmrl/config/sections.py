@@ -346,4 +346,13 @@ class RewardSpec(_Section):
         where = (self.function or "").rpartition(":")[0]
         return where if where.endswith(".py") else None
 
+    def fingerprinted(self) -> dict:
+        """This entry as fingerprints read it: without `timeout_s` (a bound on call time: raising it after a
+        timeout must resume the run), and without `columns` when empty (added later: earlier runs keep theirs).
+
+        >>> RewardSpec(name="format", weight=0.3).fingerprinted()
+        {'name': 'format', 'function': None, 'weight': 0.3, 'resolved': None}
+        """
+        return self.model_dump(mode="json", exclude={"timeout_s"} if self.columns else {"columns", "timeout_s"})
+
 

@@ -76,10 +76,7 @@ def summary_file(stage: str) -> str:
 def rewards_fingerprint(config: Config) -> str:
     """The `rewards:` entries plus the bytes of every user file behind them: a changed reward file means the
     trained adapter is stale."""
-    # a reward's `columns`, added later, is left out when empty: earlier runs keep their fingerprint; its
-    # `timeout_s` always (raising it after a timeout must resume the run)
-    parts: list[Any] = [spec.model_dump(mode="json", exclude={"timeout_s"} if spec.columns else {"columns", "timeout_s"})
-                        for spec in config.rewards]
+    parts: list[Any] = [spec.fingerprinted() for spec in config.rewards]
     for spec in config.rewards:
         path = reward_source_file(spec)
         parts.append(_sha256(path) if path else None)

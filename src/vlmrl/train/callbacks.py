@@ -14,10 +14,8 @@ hook: the item id, the completion length and whether it was truncated. Only the 
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,30 +31,6 @@ from vlmrl.engine.rollout.mismatch import MismatchWatch
 from vlmrl.grading.rewards import format_reward, is_degenerate
 
 log = logging.getLogger(__name__)
-
-
-def last_complete_checkpoint(checkpoints: Path) -> Path | None:
-    """The newest `checkpoint-N` whose trainer_state.json (written last by transformers) parses, or None.
-
-    transformers writes a checkpoint in place, so a kill mid-save leaves a folder that looks like the newest
-    checkpoint but cannot be resumed from. Such folders are removed, so neither this resume nor the trainer's
-    checkpoint rotation trusts them.
-    """
-    if not checkpoints.is_dir():
-        return None
-    found = sorted(
-        (int(p.name.removeprefix("checkpoint-")), p)
-        for p in checkpoints.iterdir()
-        if p.is_dir() and p.name.removeprefix("checkpoint-").isdigit()
-    )
-    for _, folder in reversed(found):
-        try:
-            json.loads((folder / "trainer_state.json").read_text(encoding="utf-8"))
-            return folder
-        except (OSError, ValueError):
-            log.warning("%s: incomplete checkpoint (interrupted while saving); removing it", folder)
-            shutil.rmtree(folder, ignore_errors=True)
-    return None
 
 
 def trim_records_after(train_dir: Path, step: int) -> None:

@@ -73,6 +73,21 @@ def resume_point(checkpoints: Path, fingerprint: str, max_steps: int) -> Path | 
     return None
 
 
+def last_complete_checkpoint(checkpoints: Path) -> Path | None:
+    """The newest `checkpoint-N` whose trainer_state.json (written last by transformers) parses, or None.
+
+    transformers writes a checkpoint in place, so a kill mid-save leaves a folder that looks like the newest
+    checkpoint but cannot be resumed from. Such folders are removed, so neither this resume nor the trainer's
+    checkpoint rotation trusts them.
+    """
+    for _, folder in reversed(_numbered(checkpoints)):
+        if _complete(folder):
+            return folder
+        log.warning("%s: incomplete checkpoint (interrupted while saving); removing it", folder)
+        shutil.rmtree(folder, ignore_errors=True)
+    return None
+
+
 def discard_after(run_dir: Path, step: int, fingerprint: str) -> None:
     """Remove what belongs to steps past `step`, which training is about to redo: later checkpoints, and a kept
     best step after it or kept by another training."""

@@ -99,14 +99,14 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
     from vlmrl.train.trackers import TrackerError, build_tracker_callbacks, resume_trackers
     from vlmrl.train.validation import ValidationCallback
 
-    train_dir = run_dir / "train"
-    checkpoints = train_dir / "checkpoints"
+    train_dir = run_dir / layout.TRAIN
+    checkpoints = run_dir / layout.CHECKPOINTS
     if resume and is_finished(config, run_dir):
-        summary = read_json(train_dir / "summary.json")
+        summary = read_json(run_dir / layout.TRAIN_SUMMARY)
         if console_callback:
             console_callback(f"train: {run_dir} already finished {summary.get('steps')} steps with this config; "
                              "nothing to do (pass --no-resume to train again).")
-        return TrainResult(train_dir / "final", summary, already_done=True)
+        return TrainResult(run_dir / layout.FINAL, summary, already_done=True)
     started_at = utc_now()
     # step 1: data, and the trainer's arguments (a bad trl_overrides key fails here, before any model loads)
     dataset = build_train_dataset(run_dir)
@@ -139,8 +139,8 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
     except DiskSpaceError as exc:
         raise TrainError(str(exc)) from None
     # step 3: trainer
-    recorder = RolloutRecorder(train_dir / "rollouts.jsonl", contract=config.contract)
-    health = HealthMonitor(config.health, train_dir / "health.jsonl", console=console_callback)
+    recorder = RolloutRecorder(run_dir / layout.ROLLOUTS, contract=config.contract)
+    health = HealthMonitor(config.health, run_dir / layout.HEALTH, console=console_callback)
     watchers: list[Any] = [*trackers]
     if console_callback or progress:  # the progress display replaces MetricsRecorder's own line
         watchers.append(progress or TrainProgress(None, console_callback, recorder))
@@ -153,7 +153,7 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
         args=args,
         train_dataset=dataset,
         processing_class=loaded.processor,
-        callbacks=[MetricsRecorder(train_dir / "metrics.jsonl"), recorder, health, *watchers,
+        callbacks=[MetricsRecorder(run_dir / layout.METRICS), recorder, health, *watchers,
                    *([validation] if validation else []), CheckpointStamp(layout.checkpoint_fingerprint(config))],
     )
     trainer.remove_callback(PrinterCallback)  # TrainProgress prints one readable line per step instead
@@ -182,11 +182,11 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
     seconds = time.perf_counter() - started
     if health.halted:
         raise TrainError(f"training stopped at step {trainer.state.global_step}: {health.halted} "
-                         f"(checkpoint saved under {checkpoints}; see {train_dir / 'health.jsonl'}).")
+                         f"(checkpoint saved under {checkpoints}; see {run_dir / layout.HEALTH}).")
     # step 5: save
-    final_dir = train_dir / "final"
+    final_dir = run_dir / layout.FINAL
     # resumed: TRL's figure covers only this process's steps; metrics.jsonl holds them all
-    resumed_loss = total_train_loss(train_dir / "metrics.jsonl", trainer.state.global_step) if start_step else None
+    resumed_loss = total_train_loss(run_dir / layout.METRICS, trainer.state.global_step) if start_step else None
     trainer.save_model(str(final_dir))  # every rank: FSDP/ZeRO-3 gather the weights; rank 0 writes them
     summary = {
         "fingerprint": train_fingerprint(config),
@@ -215,11 +215,11 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
         "provenance": provenance(started_at=started_at, finished_at=utc_now()),
     }
     if distributed.is_main_process():
-        for folder in (final_dir, checkpoints, train_dir / "best"):
+        for folder in (final_dir, checkpoints, run_dir / layout.BEST):
             if folder.is_dir():
                 match_umask(folder)  # the adapter weights arrive 0600 from safetensors
         write_json_atomic(final_dir / BASE_RECORD, base_identity(config.model.name, loaded.source))
-        write_json_atomic(train_dir / "summary.json", summary)
+        write_json_atomic(run_dir / layout.TRAIN_SUMMARY, summary)
     distributed.barrier()  # no rank returns (and maybe starts evaluating) before the adapter is complete
     return TrainResult(final_dir, summary)
 
@@ -401,10 +401,10 @@ def _multimodal_ids(config: Config, run_dir: Path) -> list[int]:
 def is_finished(config: Config, run_dir: Path) -> bool:
     """Trained with this config, and no checkpoint is missing the last step (a kill after the summary was written
     but mid-save would leave the last checkpoint behind the summary's step count: then training resumes)."""
-    from vlmrl.train.callbacks import last_complete_checkpoint
+    from vlmrl.train.resume import last_complete_checkpoint
 
     if not layout.is_trained(config, run_dir):
         return False
-    last = last_complete_checkpoint(run_dir / "train" / "checkpoints")
+    last = last_complete_checkpoint(run_dir / layout.CHECKPOINTS)
     steps = read_json(run_dir / layout.TRAIN_SUMMARY).get("steps") or 0
     return last is None or int(last.name.split("-")[-1]) >= steps

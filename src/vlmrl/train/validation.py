@@ -81,7 +81,7 @@ class ValidationCallback(TrainerCallback):
         self.base_record = base_record
         self.every = config.train.eval_every_steps or 0
         self.items = read_holdout(config, run_dir)[: config.train.eval_subset]
-        self.path = run_dir / "train" / "validation.jsonl"
+        self.path = run_dir / layout.VALIDATION
         self.best_dir = run_dir / layout.BEST
         self.keep_best = config.export.checkpoint == "best"
         self.metric = config.export.checkpoint_metric

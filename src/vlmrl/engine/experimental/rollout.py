@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from vlmrl.engine.patch import replaced
 from vlmrl.engine.rollout.fast import (
     KERNEL_READ,
     SECOND_KERNEL,
@@ -121,7 +122,7 @@ def attend_filled(model: Any, window: int) -> Iterator[None]:
         inputs[FILLED] = view
         return inputs
 
-    with _replaced(base, "prepare_inputs_for_generation", prepare):
+    with replaced(base, "prepare_inputs_for_generation", prepare):
         yield
 
 
@@ -182,23 +183,8 @@ def guards_once(model: Any) -> Iterator[None]:
 
         return call
 
-    with _replaced(base, "get_compiled_call", get_compiled_call):
+    with replaced(base, "get_compiled_call", get_compiled_call):
         yield
 
 
 _guards_once = guards_once  # `apply`'s keyword of the same name hides the function inside it
-
-
-@contextlib.contextmanager
-def _replaced(obj: Any, name: str, value: Any) -> Iterator[None]:
-    """`obj.name` is `value` inside the block; afterwards the instance's own attribute again, or none (the class's)."""
-    own = name in vars(obj)
-    original = getattr(obj, name)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        if own:
-            setattr(obj, name, original)
-        else:
-            delattr(obj, name)

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from vlmrl.engine.patch import replaced
+
 
 class SamplerLogprobs:
     """A logits processor recording log p(sampled token) at every step of one `generate` call.
@@ -105,7 +107,6 @@ def _with_processor(model: Any, recorder: SamplerLogprobs) -> Iterator[list[torc
     from transformers import LogitsProcessorList
 
     seen: list[torch.Tensor] = []
-    own = "generate" in vars(model)  # an instance attribute (someone's wrapper) is put back as it was
     original = model.generate
 
     def generate(*args: Any, **kwargs: Any) -> Any:
@@ -116,11 +117,5 @@ def _with_processor(model: Any, recorder: SamplerLogprobs) -> Iterator[list[torc
         seen.append(recorder.finish(sequences))
         return out
 
-    model.generate = generate
-    try:
+    with replaced(model, "generate", generate):  # someone's own wrapper on the instance is put back as it was
         yield seen
-    finally:
-        if own:
-            model.generate = original
-        else:
-            del model.generate
