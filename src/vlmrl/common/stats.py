@@ -7,6 +7,7 @@ shows the same intervals.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 
 import numpy as np
@@ -59,9 +60,15 @@ def mean(values: Sequence[float]) -> float:
 
 
 def finite(value: object) -> bool:
-    """A real number that is neither NaN nor infinite (a bool is not a number here).
+    """A real number that is a finite float: neither NaN nor infinite, nor too large for a float (a bool is
+    not a number here).
 
-    >>> finite(0.5), finite(float("nan")), finite(True), finite("1")
-    (True, False, False, False)
+    >>> finite(0.5), finite(float("nan")), finite(True), finite("1"), finite(10**400)
+    (True, False, False, False, False)
     """
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond the float range
+        return False

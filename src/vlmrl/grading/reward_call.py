@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import contextvars
 import copy
-import math
-import numbers
 import signal
 import threading
 import traceback
 from collections.abc import Callable
 from typing import Any
 
+from vlmrl.common.stats import finite
 from vlmrl.config.schema import ConfigError
 
 
@@ -88,13 +87,7 @@ def _as_finite_float(value: Any) -> float | None:
     >>> _as_finite_float(3), _as_finite_float(10**400), _as_finite_float(float("inf")), _as_finite_float(True)
     (3.0, None, None, None)
     """
-    if not isinstance(value, numbers.Real) or isinstance(value, bool):
-        return None
-    try:
-        number = float(value)
-    except (OverflowError, TypeError, ValueError):
-        return None
-    return number if math.isfinite(number) else None
+    return float(value) if finite(value) else None
 
 
 def _own_copies(prompts: Any, completions: list, kwargs: dict[str, Any]) -> tuple[Any, list, dict[str, Any]]:

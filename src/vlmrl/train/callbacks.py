@@ -136,13 +136,6 @@ class RolloutRecorder(TrainerCallback):
 MAX_FP16_OVERFLOWS = 8  # skipped fp16 steps in a row before a halt: each halves the scale, 2^8 in all
 
 
-def _finite_value(value: Any) -> bool:
-    try:
-        return math.isfinite(float(value))
-    except (TypeError, ValueError):
-        return True
-
-
 class HealthMonitor(TrainerCallback):
     """Per-step health of the policy: warns on thresholds, stops on NaN/Inf or persistent gibberish."""
 
@@ -198,13 +191,13 @@ class HealthMonitor(TrainerCallback):
     def _check(self, row: dict, *, fp16: bool = False) -> list[str]:
         c = self.config
         warnings = []
-        overflow = fp16 and not _finite_value(row.get("grad_norm", 0.0)) and _finite_value(row.get("loss", 0.0))
+        overflow = fp16 and not finite(row.get("grad_norm", 0.0)) and finite(row.get("loss", 0.0))
         self._overflow_streak = self._overflow_streak + 1 if overflow else 0
         if overflow:  # fp16: accelerate's loss scaler skipped the update and lowers its scale; weights unchanged
             row["fp16_overflow"] = True
             warnings.append(f"fp16 overflow: the loss scaler skipped this step's update ({self._overflow_streak} in a row)")
         for key in ("loss", "grad_norm"):
-            if key in row and not _finite_value(row[key]) and not (overflow and key == "grad_norm"):
+            if key in row and not finite(row[key]) and not (overflow and key == "grad_norm"):
                 warnings.append(f"non-finite {key} ({row[key]})")
         if self._overflow_streak >= MAX_FP16_OVERFLOWS:
             warnings.append(f"non-finite grad_norm in {self._overflow_streak} fp16 steps in a row: the loss scaler "

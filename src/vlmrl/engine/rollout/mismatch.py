@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import statistics
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -283,6 +284,4 @@ class MismatchWatch:
 
 
 def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    n = len(ordered)
-    return 0.0 if not n else (ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2)
+    return statistics.median(values) if values else 0.0
