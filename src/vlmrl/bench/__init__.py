@@ -1,7 +1,7 @@
 """`vlmrl bench`: plain TRL `GRPOTrainer` and vlmrl's path, side by side, in one process, on one GPU.
 
 Both paths train the same random-weight model with the real shapes of a named model (shipped in
-`vlmrl/shapes/*.json`, no download), the same LoRA (r=16 on language attention + MLP), the same GRPOConfig
+`vlmrl/run/shapes/*.json`, no download), the same LoRA (r=16 on language attention + MLP), the same GRPOConfig
 (the seed recipe: 8 prompts x 4 generations per step, GSPO) and completions forced to the full length
 (`min_new_tokens`), so only the generation path differs:
 

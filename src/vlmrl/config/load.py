@@ -1,7 +1,7 @@
 """The loading side of the config: from a preset name or YAML file and `key.path=value` overrides to the raw
 mapping that `vlmrl.config.schema` validates, and from pydantic's errors back to one readable message.
 
-What lives here: the preset names and their files (``vlmrl/presets/``), YAML parsing that turns every parser
+What lives here: the preset names and their files (``vlmrl/config/presets/``), YAML parsing that turns every parser
 failure into a `ConfigError`, overrides, the refusal of fields that were replaced (with the form that replaces
 them), and the error text (unknown keys named with the closest valid key). `load_config`, `validate_config`
 and `dump_config` stay in `vlmrl.config.schema`, which imports this module (never the other way round), so the

@@ -1,11 +1,11 @@
 """Typed configuration: one YAML file, one section per stage, every field documented once, here.
 
-A config is loaded from a preset shipped in ``vlmrl/presets/`` (``demo``, ``seed``, ``gspo-paper``) or a
-YAML file, then command-line overrides (``--set train.learning_rate=1e-5``) are applied, then the whole
-thing is validated. Validation happens before any model loads: unknown keys are named with the closest
-valid key, and cross-field contradictions say how to fix them. The top-level `rewards:` list names the
-rewards and their weights; a user function's file is resolved against the config file's folder here, at load
-time (importing and checking it is `vlmrl.grading.user_rewards`).
+A config is loaded from a preset shipped in ``vlmrl/config/presets/`` (``demo``, ``demo-gpu``, ``seed``,
+``seed-16gb``, ``gspo-paper``) or a YAML file, then command-line overrides
+(``--set train.learning_rate=1e-5``) are applied, then the whole thing is validated. Validation happens before
+any model loads: unknown keys are named with the closest valid key, and cross-field contradictions say how to
+fix them. The top-level `rewards:` list names the rewards and their weights; a user function's file is resolved
+against the config file's folder here, at load time (importing and checking it is `vlmrl.grading.user_rewards`).
 
 This module holds `Config` (the sections of `vlmrl.config.sections`, composed, their cross-field checks and
 the fingerprints) and the entry points `load_config`, `validate_config`, `dump_config`; reading presets and
