@@ -303,3 +303,20 @@ def test_a_16gb_card_is_offered_the_seed_16gb_preset_which_fits_it():
     same = lambda c: (c.model.name, c.lora, c.data, c.rewards, c.train.learning_rate, c.train.num_generations,
                       c.train.per_device_train_batch_size * c.train.gradient_accumulation_steps)
     assert same(seed) == same(small) and small.model.dtype == "float16"
+
+
+def test_the_varied_reward_differs_between_completions_and_is_repeatable():
+    """`--varied-reward`: a random-weight model's completions get rewards that differ (so GRPO's advantages and
+    gradients are not zero), in [0, 1), the same for the same text, for plain and conversational completions."""
+    from vlmrl.bench.run import varied_reward
+
+    texts = [f"completion {i}" for i in range(64)]
+    values = varied_reward(texts)
+    assert len(values) == 64 and all(0.0 <= v < 1.0 for v in values)
+    assert len(set(values)) == 64 and values == varied_reward(list(texts))
+    conversational = [[{"role": "assistant", "content": t}] for t in texts[:2]]
+    assert len(set(varied_reward(conversational))) == 2
+    assert 0.3 < sum(values) / len(values) < 0.7  # spread over the interval, not one corner
+    assert "a third reward that varies" in markdown_table(
+        summarize(BenchSettings(varied_reward=True), SHAPES, {"matmul_tflops": 800, "copy_bandwidth_tbs": 4.0},
+                  [_raw("vlmrl", [(120, 110), (30, 22)], 9.0)], prompt_tokens=300))

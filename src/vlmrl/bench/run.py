@@ -13,6 +13,7 @@ settings changed, then runs the same CLI. Left out: the model and data (`shaped`
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -139,6 +140,14 @@ def run_path(path: str, settings: BenchSettings, shapes: dict, processor_dir: Pa
     return train_and_measure(path, settings, model, processor, dataset, work, peft_config=peft_config)
 
 
+def varied_reward(completions: list, **_: Any) -> list[float]:
+    """A reward that differs between completions and means nothing: the first 32 bits of each completion text's
+    SHA-256 as a fraction of 2**32 (deterministic, in [0, 1)). `vlmrl bench --varied-reward` adds it so that a
+    random-weight model's groups have non-zero advantages, hence real gradients."""
+    texts = [c if isinstance(c, str) else json.dumps(c, sort_keys=True) for c in completions]
+    return [int(hashlib.sha256(t.encode()).hexdigest()[:8], 16) / 2**32 for t in texts]
+
+
 def train_and_measure(path: str, settings: BenchSettings, model: Any, processor: Any, dataset: Any, work: Path, *,
                       peft_config: Any) -> dict:
     """Train `model` with TRL's GRPOTrainer under the step clock (the seed recipe's GRPOConfig) and return the
@@ -181,7 +190,7 @@ def train_and_measure(path: str, settings: BenchSettings, model: Any, processor:
         fp16=torch.cuda.is_available() and settings.dtype == "float16",  # accelerate's loss scaling
         use_cpu=not torch.cuda.is_available(),
         optim="adamw_8bit" if settings.load_in_4bit else "adamw_torch",
-        reward_weights=[0.3, 1.0],
+        reward_weights=[0.3, 1.0, 1.0] if settings.varied_reward else [0.3, 1.0],
         logging_steps=1,
         save_strategy="no",
         report_to="none",
@@ -189,7 +198,8 @@ def train_and_measure(path: str, settings: BenchSettings, model: Any, processor:
     )
     clock = _StepClock()
     comm = CommProfile(path_steps(settings, path)) if settings.comm_profile else None
-    trainer = GRPOTrainer(model=model, reward_funcs=[format_reward, correctness_reward], args=args,
+    rewards = [format_reward, correctness_reward, *([varied_reward] if settings.varied_reward else [])]
+    trainer = GRPOTrainer(model=model, reward_funcs=rewards, args=args,
                           train_dataset=dataset, processing_class=processor, peft_config=peft_config,
                           callbacks=[clock.callback(), *([comm.callback()] if comm else [])])
     gather_root_in_rollouts(trainer)  # FSDP: TRL's rollouts bypass the root unit (vlmrl.engine.rollout.sharded)

@@ -57,6 +57,10 @@ class BenchSettings:
     # One more optimizer step after the measured ones, profiled for its NCCL kernel time (`vlmrl.bench.comm`) and
     # left out of the step times: the communication share on several GPUs.
     comm_profile: bool = False
+    # A third reward, a hash of each completion's text in [0, 1) (`vlmrl.bench.run.varied_reward`): a random-weight
+    # model earns nothing from the seed's two rewards, so its advantages and gradients are zero; with this one every
+    # group's rewards differ and the optimizer step moves the adapter (e.g. to see fp16's loss scaler at work).
+    varied_reward: bool = False
 
 
 def build_processor(work: Path, image_size: int) -> Path:

@@ -134,7 +134,8 @@ def markdown_table(summary: dict) -> str:
         f"{s['algorithm'].upper()}, {'4-bit, ' if s['load_in_4bit'] else ''}{s.get('dtype', 'bfloat16')}"
         + (f", {s['micro_batch']} completions per micro-step" if s.get("micro_batch") else "")
         + (f", {s['steps_per_generation']} micro-steps per rollout" if s.get("steps_per_generation") else "")
-        + (f", memory capped at {s['memory_cap_gib']} GiB" if s["memory_cap_gib"] else ""),
+        + (f", memory capped at {s['memory_cap_gib']} GiB" if s["memory_cap_gib"] else "")
+        + (", a third reward that varies (--varied-reward)" if s.get("varied_reward") else ""),
         "",
         ("| path | step s | first step s | generate s | decode ms/step | decode tok/s | train tok/s | peak GiB "
          "| peak in rollouts / rest GiB | GPUs | samples/s |"),

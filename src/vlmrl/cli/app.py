@@ -353,6 +353,9 @@ def bench(
     comm_profile: Annotated[bool, typer.Option(
         "--comm-profile", help="Run one more step, profiled, for its NCCL kernel time (the communication share on "
         "several GPUs); that step is left out of the step times.")] = False,
+    varied_reward: Annotated[bool, typer.Option(
+        "--varied-reward", help="Add a third reward that differs between completions (a hash of the text): "
+        "the random-weight model then gets non-zero advantages and real gradients.")] = False,
 ) -> None:
     """Side-by-side GPU benchmark: plain TRL GRPOTrainer vs vlmrl's path, same model shapes, one process.
 
@@ -392,7 +395,8 @@ def bench(
                              completion=completion, paths=paths.split(","),
                              load_in_4bit=load_in_4bit, memory_cap_gib=memory_cap_gib, dtype=dtype,
                              micro_batch=micro_batch, steps_per_generation=steps_per_generation,
-                             compile_cache=str(compile_cache) if compile_cache else None, comm_profile=comm_profile)
+                             compile_cache=str(compile_cache) if compile_cache else None, comm_profile=comm_profile,
+                             varied_reward=varied_reward)
     if batches is not None:
         _bench_throughput(settings, batches, out)
         return
