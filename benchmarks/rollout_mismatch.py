@@ -1,6 +1,6 @@
 """Issue 40's GPU evidence: does correcting the rollout/loss-pass mismatch cost learning, and how large is it?
 
-    python benchmarks/rollout_mismatch.py OUTDIR [--bench-bf16 FILE] [--bench-4bit FILE] [--only tis|none]
+    python benchmarks/rollout_mismatch.py OUTDIR [--bench-bf16 FILE] [--bench-4bit FILE] [--only tis|none|--record-only]
                                           [section.field=value ...]
     python benchmarks/rollout_mismatch.py cost [--preset demo] [--repeats 3]
 
@@ -16,6 +16,7 @@ OUTDIR mode, from the repository root on one CUDA GPU:
      item (after-training accuracy, and the true-minus-swapped gap, 95% paired bootstrap); and, for each bench
      record given (`vlmrl bench`'s bench.json, e.g. from gpu_record_bf16.sh / gpu_record_4bit.sh), every
      path's per-step mismatch (`raw[*].rollout_mismatch`).
+`--record-only` starts nothing and writes the record from what there is (a missing run shows as not run).
 VLMRL_MISMATCH_SMOKE=1 runs the same code on the CPU with demo-gpu's CPU twin and toy sizes (minutes).
 
 `cost`: what measuring costs, on the preset's policy (demo: the CPU demo): ms per `generate` call with and
@@ -52,6 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--bench-bf16", type=Path, help="a bf16 bench.json (benchmarks/gpu_record_bf16.sh)")
     parser.add_argument("--bench-4bit", type=Path, help="a 4-bit bench.json (benchmarks/gpu_record_4bit.sh)")
     parser.add_argument("--only", choices=CORRECTIONS, help="run one of the two (the other's folder is read if there)")
+    parser.add_argument("--record-only", action="store_true",
+                        help="start nothing: write the record from the run folders and bench files there are")
     parser.add_argument("--preset", default="demo", help="cost: the preset whose policy and batch are measured")
     parser.add_argument("--repeats", type=int, default=3, help="cost: alternating measurements of each")
     return parser.parse_intermixed_args(argv)  # overrides may follow the options
@@ -70,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLMRL_CACHE", str(work / "cache"))
     smoke = os.environ.get("VLMRL_MISMATCH_SMOKE", "") not in ("", "0")
     overrides = (SMOKE if smoke else []) + list(args.overrides)
+    if args.record_only:
+        print(markdown(write_result(out, args, overrides, smoke, work / "runs", {})))
+        return 0
     model = next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("model.name=")), "demo-policy-gpu")
     policy = build_policy(model)
     say(f"policy ready ({policy['seconds']} s); runs in {work / 'runs'}")
@@ -187,17 +193,19 @@ def write_result(out: Path, args: argparse.Namespace, overrides: list[str], smok
     env_path = next((runs_dir / f"demo-gpu-{c}" / "env.json" for c in CORRECTIONS
                      if (runs_dir / f"demo-gpu-{c}" / "env.json").is_file()), None)
     env = json.loads(env_path.read_text()) if env_path else {}
+    bench = {"bf16": bench_mismatch(args.bench_bf16), "4bit": bench_mismatch(args.bench_4bit)}
     result = {
         "what": "vlmrl run demo-gpu with train.rollout_correction=tis beside none (same seed), and the bench records' "
                 "per-step rollout/loss-pass mismatch (issue 40)",
         "command": "python benchmarks/rollout_mismatch.py " + " ".join(sys.argv[1:]),
         "smoke": smoke, "overrides": overrides, "git_commit": _commit(), "exit_status": status,
-        "gpu": ((env.get("cuda") or {}).get("devices") or [{}])[0].get("name"),
+        "gpu": ((env.get("cuda") or {}).get("devices") or [{}])[0].get("name")
+               or next((b.get("device") for b in bench.values() if b and b.get("device")), None),
         "environment": {"python": env.get("python"), "platform": platform.platform(),
                         "packages": env.get("packages")},
         "runs": runs,
         "tis_minus_none": difference,
-        "bench": {"bf16": bench_mismatch(args.bench_bf16), "4bit": bench_mismatch(args.bench_4bit)},
+        "bench": bench,
     }
     result["criteria"] = criteria(runs, difference)
     (out / "h200_rollout_mismatch.json").write_text(json.dumps(result, indent=1) + "\n")

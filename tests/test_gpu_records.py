@@ -1,0 +1,61 @@
+"""The committed GPU records of issues 39 and 40 are what their scripts compute from the committed raw bench files
+(every number traceable to a record), and their criteria are read off those numbers."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _script(name: str):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def test_the_small_card_record_is_recomputed_from_its_bench_files(tmp_path):
+    committed = json.loads((RESULTS / "h200_small_card.json").read_text())
+    small_card = _script("small_card")
+    small_card.main([str(tmp_path), "--fp16", str(RESULTS / "h200_small_card_fp16.json"),
+                     "--bf16", str(RESULTS / "h200_small_card_bf16.json"),
+                     "--varied", str(RESULTS / "h200_small_card_fp16_varied.json"),
+                     "--record", str(RESULTS / "h200_record_4bit.json")])
+    again = json.loads((tmp_path / "h200_small_card.json").read_text())
+    for name in ("fp16", "bf16", "fp16_varied_reward"):
+        for key in ("steps_completed", "peak_gib", "step_seconds", "per_step", "predicted_peak_gib"):
+            assert again["runs"][name][key] == committed["runs"][name][key], (name, key)
+    assert again["criteria"] == committed["criteria"]
+    fp16 = again["runs"]["fp16"]
+    assert fp16["settings"]["dtype"] == "float16" and fp16["settings"]["memory_cap_gib"] == 15.0
+    assert fp16["steps_completed"] == 3 and fp16["peak_gib"] <= 15.0
+    assert again["runs"]["fp16_varied_reward"]["nonzero_gradients"]
+
+
+def test_a_zero_gradient_run_does_not_count_as_nonzero_and_a_missing_step_fails():
+    small_card = _script("small_card")
+    block = {"steps_completed": 2, "error": None, "all_finite": True, "nonzero_gradients": False, "peak_gib": 16.0,
+             "measured_over_predicted": 1.4}
+    verdict = small_card.criteria(block, dict(block))
+    assert verdict == {"three_fp16_steps_complete": False, "fp16_loss_rewards_gradients_finite": True,
+                       "fp16_nonzero_gradients_finite": False, "fp16_peak_within_15_gib": False,
+                       "preflight_within_25_percent": False}
+
+
+def test_the_rollout_mismatch_record_carries_both_bench_records_per_step():
+    committed = json.loads((RESULTS / "h200_rollout_mismatch.json").read_text())
+    for precision, name in (("bf16", "h200_rollout_mismatch_bench_bf16.json"),
+                            ("4bit", "h200_rollout_mismatch_bench_4bit.json")):
+        raw = json.loads((RESULTS / name).read_text())["raw"]
+        rows = next(r for r in raw if r["path"] == "vlmrl")["rollout_mismatch"]
+        assert committed["bench"][precision]["paths"]["vlmrl"]["per_step"] == rows
+        assert len(rows) >= 2 and all(0 < row["mismatch/logp_diff_mean"] < row["mismatch/logp_diff_max"] for row in rows)
