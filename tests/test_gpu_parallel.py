@@ -152,6 +152,9 @@ def test_every_plan_runs_committed_scripts_with_variants_and_paths_they_know() -
             _, name, command = line.split(maxsplit=2)
             words = shlex.split(command)
             settings = dict(w.split("=", 1) for w in words if "=" in w.split("/")[0])
+            if "-m" in words:  # python3 -m vlmrl.cli COMMAND OPTIONS: the options parse as the CLI takes them
+                _parses_as_cli(words[words.index("-m") + 1:], f"{plan.name}: {name}")
+                continue
             script = next(w for w in words if w.endswith((".py", ".sh")))
             assert (ROOT / script).is_file(), f"{plan.name}: {name} runs {script}"
             if script.endswith("decode_variants.py"):
@@ -159,3 +162,23 @@ def test_every_plan_runs_committed_scripts_with_variants_and_paths_they_know() -
                     assert variant in variants | {"", "none"}, f"{plan.name}: no decode variant {variant}"
             for path in settings.get("PATHS", "").split(","):
                 assert path in paths | {""}, f"{plan.name}: no bench path {path}"
+
+
+def _parses_as_cli(words: list[str], where: str) -> None:
+    from typer.main import get_command
+
+    from vlmrl.cli.app import app
+
+    assert words[0] == "vlmrl.cli", f"{where} runs python3 -m {words[0]}"
+    group = get_command(app)
+    command = group.commands[words[1]]
+    try:
+        command.make_context(words[1], list(words[2:]))
+    except Exception as exc:  # noqa: BLE001  click's usage errors (typer may carry its own click)
+        raise AssertionError(f"{where}: {type(exc).__name__}: {exc}") from None
+
+
+def test_a_plan_line_with_an_unknown_cli_option_is_caught() -> None:
+    with pytest.raises(AssertionError, match="No such option"):
+        _parses_as_cli(["vlmrl.cli", "bench", "--paths", "vlmrl", "--no-such-option"], "here")
+    _parses_as_cli(["vlmrl.cli", "bench", "--paths", "vlmrl", "--varied-reward", "--out", "$JOB_OUT"], "here")
