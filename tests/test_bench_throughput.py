@@ -75,3 +75,10 @@ def test_the_bench_table_says_whether_the_compile_cache_was_cold():
 def test_bad_batches_are_one_line_errors(text, error):
     with pytest.raises(ValueError, match=error):
         throughput.parse_batches(text, 4)
+
+
+def test_bench_files_are_strict_json(tmp_path):
+    """A measurement that is not a number (a failed batch's rate, say) is written as null, never as NaN."""
+    throughput._write(tmp_path, "t.json", {"samples_per_second": float("nan"), "peaks": [1.5, float("inf")]})
+    assert json.loads((tmp_path / "t.json").read_text(), parse_constant=pytest.fail) == {
+        "samples_per_second": None, "peaks": [1.5, None]}

@@ -41,6 +41,7 @@ from vlmrl.bench.shaped import (
 from vlmrl.bench.summary import markdown_table, summarize
 from vlmrl.bench.unsloth_path import UNSLOTH_PATHS, run_unsloth
 from vlmrl.common import distributed
+from vlmrl.common.io import strict_json
 from vlmrl.engine.rollout.compile_cache import use_compile_cache
 
 log = logging.getLogger(__name__)
@@ -285,13 +286,13 @@ def run_bench(settings: BenchSettings, out_dir: Path, work: Path) -> dict:
             results.append(run_path(path, settings, shapes, processor_dir, dataset, work))
         if distributed.is_main_process():  # a run stopped by a time limit still leaves the paths it finished
             out_dir.mkdir(parents=True, exist_ok=True)
-            (out_dir / "bench.partial.json").write_text(json.dumps(results, indent=2, default=str))
+            (out_dir / "bench.partial.json").write_text(strict_json(results, indent=2))
     prompt_tokens = prompt_tokens_of(processor_dir, dataset)
     summary = summarize(settings, shapes, ceilings, results, prompt_tokens)
     summary["compile_cache"] = compile_cache.as_dict()  # was the first step's compile served from disk?
     if distributed.is_main_process():
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "bench.json").write_text(json.dumps(summary, indent=2, default=str))
+        (out_dir / "bench.json").write_text(strict_json(summary, indent=2))
         (out_dir / "bench.md").write_text(markdown_table(summary))
     return summary
 

@@ -19,7 +19,6 @@ attempted. Every path named in `--paths` gets its rows; the table of record is `
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ import torch
 from vlmrl.bench.run import prepare_device, prompt_tokens_of, run_path
 from vlmrl.bench.shaped import BenchSettings, bench_dataset, build_processor, load_shapes
 from vlmrl.common import distributed
+from vlmrl.common.io import strict_json
 
 
 def parse_batches(text: str, generations: int) -> list[int]:
@@ -92,7 +92,7 @@ def run_throughput(settings: BenchSettings, batches: list[int], out_dir: Path, w
 def _write(out_dir: Path, name: str, data: Any) -> None:
     if distributed.is_main_process():
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / name).write_text(json.dumps(data, indent=2, default=str))
+        (out_dir / name).write_text(strict_json(data, indent=2))
 
 
 def throughput_rows(settings: BenchSettings, measured: list[tuple[str, int, dict | None]]) -> list[dict]:

@@ -13,6 +13,7 @@ from vlmrl.bench.run import prepare_device, train_and_measure
 from vlmrl.bench.shaped import BenchSettings, bench_dataset
 from vlmrl.bench.summary import versions
 from vlmrl.bench.unsloth_path import load_unsloth_model
+from vlmrl.common.io import strict_json
 from vlmrl.common.provenance import package_version
 
 
@@ -28,4 +29,4 @@ def child_main(imported_before: list[str]) -> None:
     result = train_and_measure("unsloth", settings, model, processor, dataset, work, peft_config=None)
     result["imported_before_unsloth"] = imported_before
     result["versions"] = {**versions(), **{name: package_version(name) for name in ("unsloth", "unsloth_zoo", "datasets")}}
-    out_file.write_text(json.dumps(result, indent=2, default=str))
+    out_file.write_text(strict_json(result, indent=2))
