@@ -95,3 +95,18 @@ def test_bench_results_print_as_written_and_a_failed_path_exits_2(tmp_path, caps
     with pytest.raises(typer.Exit):
         show_throughput(tmp_path, {"rows": [{"path": "vlmrl", "generation_batch": 64, "error": "skipped"}]})
     assert "generation batch(es) failed or skipped: vlmrl at 64" in capsys.readouterr().out
+
+
+def test_a_plain_folder_named_like_a_preset_does_not_hide_the_preset(tmp_path, monkeypatch):
+    """`vlmrl config show demo` in a folder that holds a plain `demo/` folder shows the preset; a folder without
+    config.yaml under another name is still refused in one line, and a run folder named `demo` is that run."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "demo").mkdir()
+    shown = runner.invoke(app, ["config", "show", "demo", "--all"])
+    assert shown.exit_code == 0 and "name: demo" in shown.output, shown.output
+    (tmp_path / "other").mkdir()
+    refused = runner.invoke(app, ["config", "show", "other"])
+    assert refused.exit_code == 2 and "a folder without config.yaml" in refused.output
+    (tmp_path / "demo" / "config.yaml").write_text("run: {name: mine, seed: 7}\n")
+    run_folder = runner.invoke(app, ["config", "show", "demo", "--all"])
+    assert run_folder.exit_code == 0 and "seed: 7" in run_folder.output, run_folder.output

@@ -53,8 +53,10 @@ RunDirOpt = Annotated[Path | None, typer.Option("--run-dir", help="Run directory
 
 
 def _config(source: str | None, overrides: list[str] | None, run_dir: Path | None = None) -> Config:
-    """A preset, a YAML file, or a run folder (its config.yaml; the run then lives in that folder)."""
-    if source is not None and Path(source).is_dir():
+    """A preset, a YAML file, or a run folder (its config.yaml; the run then lives in that folder). A preset's
+    name is the preset unless a run folder of that name is here (a plain folder `demo` does not hide `demo`)."""
+    if source is not None and Path(source).is_dir() and not (source in PRESETS
+                                                            and not (Path(source) / layout.CONFIG).is_file()):
         if not (Path(source) / layout.CONFIG).is_file():
             fail(f"{source}: a folder without config.yaml; give a preset, a YAML file or a run folder.", 2)
         run_dir = run_dir or Path(source)
