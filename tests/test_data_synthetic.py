@@ -206,7 +206,7 @@ def test_bar_tallest_is_the_position_of_a_bar_that_stands_out():
     for difficulty in (1, 2, 3):
         for item in items_of("bar_tallest", 15, difficulty=difficulty, size=256):
             heights = list(item.spec["bars"].values())
-            top, second = sorted(heights)[-1], sorted(heights)[-2]
+            top, second = max(heights), sorted(heights)[-2]
             assert int(item.answer) == heights.index(top) + 1 and item.precision is None
             assert list(item.spec["bars"])[int(item.answer) - 1] == item.spec["tallest"]
             assert top - second >= top / 10 - 1e-9  # visible without reading a label

@@ -40,7 +40,7 @@ def _bar_chart(c: Canvas, difficulty: int, *, separated: bool = False) -> tuple[
     labels = [chr(ord("A") + first + i) for i in range(n)]
     decimals = difficulty == 3 and rng.random() < 0.5
     values = _tenths(rng, n, 1, {1: 10, 2: 30, 3: 60}[difficulty], decimals)
-    while separated and sorted(values)[-1] - sorted(values)[-2] < max(values) / 10:
+    while separated and max(values) - sorted(values)[-2] < max(values) / 10:
         values = _tenths(rng, n, 1, {1: 10, 2: 30, 3: 60}[difficulty], decimals)
     top = max(values) / 10
     step = nice_step(top * 1.2, 4)
