@@ -21,19 +21,21 @@ def test_seed_preset_is_the_write_up_recipe_field_for_field():
     assert c.model.name == "unsloth/Qwen3-VL-8B-Instruct-unsloth-bnb-4bit" and c.model.load_in_4bit
     assert (c.lora.r, c.lora.alpha, c.lora.attention, c.lora.mlp, c.lora.vision) == (16, 16, True, True, False)
     t = c.train
-    assert (t.learning_rate, t.lr_scheduler_type, t.optim) == (5e-6, "cosine", "adamw_8bit")
+    assert (t.learning_rate, t.trl_value("lr_scheduler_type"), t.optim) == (5e-6, "cosine", "adamw_8bit")
     assert (t.per_device_train_batch_size, t.gradient_accumulation_steps, t.num_generations) == (8, 4, 4)
     assert (t.max_completion_length, t.num_train_epochs, t.max_grad_norm) == (1024, 1.0, 0.1)
     assert (t.algorithm, t.loss_type) == ("gspo", "dr_grpo")
     assert [(r.name, r.weight) for r in c.rewards] == [("format", 0.3), ("correctness", 1.0)]
-    assert t.trl_overrides == {"mask_truncated_completions": False}  # the write-up's, passed to TRL as is
+    # the write-up's, passed to TRL as they are
+    assert t.trl_overrides == {"lr_scheduler_type": "cosine", "mask_truncated_completions": False}
     d = c.data
     assert (d.source, d.split, d.holdout_size, d.image_size, d.resize) == ("AI4Math/MathVista", "testmini", 100, 512, "squash")
 
 
 def test_gspo_paper_preset():
     t = load_config("gspo-paper").train
-    assert (t.loss_type, t.epsilon, t.epsilon_high, t.beta) == ("grpo", 3e-4, 4e-4, 0.0)
+    assert (t.loss_type, t.trl_value("epsilon"), t.trl_value("epsilon_high"), t.trl_value("beta")) == (
+        "grpo", 3e-4, 4e-4, 0.0)
     # four optimizer steps per generation batch
     assert t.steps_per_generation // t.gradient_accumulation_steps == 4
 
@@ -162,7 +164,10 @@ def test_a_run_folder_written_before_keeps_its_fingerprints():
         load_config(str(old))  # as a config file of one's own: the removed fields are named
     config = load_config(str(old), migrate=True)
     assert config.train.rollout.fast == "never" and config.train.rollout.kernels is False
-    assert config.train.trl_overrides == {"logging_steps": 3, "save_total_limit": 2, "mask_truncated_completions": False}
+    assert config.train.trl_overrides == {"logging_steps": 3, "save_total_limit": 2, "mask_truncated_completions": False,
+                                          "lr_scheduler_type": "constant", "warmup_ratio": 0.0, "num_iterations": 1,
+                                          "epsilon": 0.2, "epsilon_high": None, "beta": 0.0}
+    assert config.export.gguf == "off" and "logits_atol" not in config.export.model_dump()
     assert config.fingerprint() == "7ecbb038f25a08d0"
     assert train_fingerprint(config) == "6bfdf509b637c6116ddabed10"
     assert export_fingerprint(config) == "6bfdf509b637c6116ddabed10e6d5b64a"
@@ -170,3 +175,65 @@ def test_a_run_folder_written_before_keeps_its_fingerprints():
     assert config.data_fingerprint() == "6dda366e21ceafff"
     for preset, expected in (("demo", "eec369f58bb3ffae6ddabed10"), ("seed", "724298fc143a3bad0f17bed13407")):
         assert train_fingerprint(load_config(preset)) == expected  # the presets' runs resume too
+
+
+def test_train_fields_that_were_trl_names_move_to_trl_overrides_with_their_ranges(tmp_path):
+    """train.beta, epsilon, epsilon_high, num_iterations, warmup_ratio and lr_scheduler_type of earlier releases
+    land in train.trl_overrides (same run, same fingerprint), where their ranges still hold, named by entry."""
+    from vlmrl.config.schema import dump_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  beta: 0.04\n  epsilon: 3.0e-4\n")
+    config = load_config(str(path))
+    assert config.train.trl_overrides == {"beta": 0.04, "epsilon": 3e-4}
+    assert (config.train.trl_value("beta"), config.train.trl_value("epsilon_high")) == (0.04, None)
+    old = load_config("demo", ["train.beta=0.04", "train.epsilon=3e-4"])
+    assert old.fingerprint() == "90ae550e0a7bfff4"  # computed by the code of commit 2d22fd8
+    assert load_config("demo", ["train.trl_overrides.beta=0.04", "train.trl_overrides.epsilon=3e-4"]).fingerprint() \
+        == "90ae550e0a7bfff4"
+    shown = yaml.safe_load(dump_config(config, changed_only=True))  # what `vlmrl config show` prints
+    assert shown["train"] == {"trl_overrides": {"beta": 0.04, "epsilon": 3e-4}}
+    assert load_config("demo", ["train.epsilon=1"]).train.trl_overrides["epsilon"] == 1.0  # a float, as the field was
+    # a --set mapping adds to the preset's entries: gspo-paper keeps its clip range, as when it was train.epsilon
+    assert load_config("gspo-paper", ["train.trl_overrides={top_p: 0.9}"]).train.trl_overrides == {
+        "epsilon": 3e-4, "epsilon_high": 4e-4, "beta": 0.0, "lr_scheduler_type": "cosine", "top_p": 0.9}
+    for override, named in (("train.epsilon=0", "train.trl_overrides.epsilon: Input should be greater than 0"),
+                            ("train.trl_overrides.beta=-1", "train.trl_overrides.beta: Input should be greater than"),
+                            ("train.num_iterations=0", "train.trl_overrides.num_iterations"),
+                            ("train.warmup_ratio=1.0", "train.trl_overrides.warmup_ratio: Input should be less than 1"),
+                            ("train.epsilon_high=0.1", "train.trl_overrides.epsilon_high=0.1 must be >= epsilon=0.2")):
+        with pytest.raises(ConfigError) as info:
+            load_config("demo", [override])
+        assert [line for line in str(info.value).splitlines() if named in line], str(info.value)
+
+
+def test_gguf_and_its_quantization_are_one_field(tmp_path):
+    """`export.gguf: true` + `gguf_quantization` of earlier releases become `export.gguf: <weights>` (`none` wrote
+    f16), in a config file, a --set and a run folder; the export fingerprints are those the earlier code recorded
+    (computed by the code of commit 2d22fd8)."""
+    from vlmrl.run.layout import export_fingerprint
+
+    def gguf(export: dict, *overrides: str, migrate: bool = False) -> str:
+        path = tmp_path / "c.yaml"
+        path.write_text(yaml.safe_dump({"export": export}))
+        return load_config(str(path), list(overrides), migrate=migrate).export.gguf
+
+    assert gguf({"gguf": True, "gguf_quantization": "q8_0"}) == "q8_0"
+    assert gguf({"gguf": True, "gguf_quantization": "none"}) == "f16"
+    assert gguf({"gguf": True}) == "q8_0" and gguf({"gguf": False, "gguf_quantization": "q4_k_m"}) == "off"
+    assert gguf({"gguf": True, "gguf_quantization": "q4_k_m", "logits_atol": 1e-3}, migrate=True) == "q4_k_m"
+    assert gguf({}, "export.gguf=off") == "off" and gguf({"gguf": "f16"}, "export.gguf=false") == "off"
+    for old, expected in ((["export.gguf=true", "export.gguf_quantization=none"], "bb184e0e"),
+                          (["export.gguf=true", "export.gguf_quantization=q4_k_m"], "1937f995"),
+                          (["export.gguf=true"], "223a550d"), ([], "e6d5b64a")):
+        assert export_fingerprint(load_config("demo", old)) == "eec369f58bb3ffae6ddabed10" + expected
+
+
+def test_export_logits_atol_is_refused_in_a_config_file_and_dropped_in_a_run_folder(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("export:\n  logits_atol: 0.001\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path))
+    assert str(info.value) == (f"{path}: export.logits_atol was removed: the adapter reload check's tolerance is "
+                               "fixed (vlmrl.export.merge.LOGITS_ATOL); delete the line.")
+    assert "logits_atol" not in load_config(str(path), migrate=True).export.model_dump()  # a run folder's

@@ -259,6 +259,6 @@ def test_gguf_files_are_stored_relative_to_the_run_folder(tmp_path: Path, monkey
     monkeypatch.setattr(gguf, "convert", lambda *args: {"files": dict(files), "outtype": "f16"})
     monkeypatch.setattr(gguf, "read_back", lambda found, merged: {"problems": []})
     monkeypatch.setattr(gguf, "try_generate", lambda model: {"generated": None, "detail": "skipped"})
-    check = _gguf_check(quick_config(tmp_path, "export.gguf=true"), run_dir)
+    check = _gguf_check(quick_config(tmp_path, "export.gguf=f16"), run_dir)
     assert check.value["files"] == {"model": "gguf/model-f16.gguf", "mmproj": "gguf/mmproj-f16.gguf"}
     assert check.value["converter"] == str(tmp_path.resolve() / "tools" / "llama.cpp")  # outside the run: absolute

@@ -130,10 +130,12 @@ def test_an_override_that_validates_is_applied_exactly(field, value):
 def test_an_integer_a_float_field_cannot_hold_exactly_is_refused():
     """Found by the fuzzer above: 2**53 + 1 in a float field was stored as 2**53."""
     with pytest.raises(ConfigError, match="9007199254740993 has no exact floating-point value"):
-        load_config("demo", ["export.logits_atol=9007199254740993"])
+        load_config("demo", ["train.max_grad_norm=9007199254740993"])
     with pytest.raises(ConfigError, match="no exact floating-point value"):
         load_config("demo", [f"train.learning_rate={10**400}"])
-    assert load_config("demo", ["export.logits_atol=9007199254740992"]).export.logits_atol == 2.0**53
+    with pytest.raises(ConfigError, match="train.trl_overrides.epsilon: 9007199254740993 has no exact"):
+        load_config("demo", ["train.epsilon=9007199254740993"])  # a former train field, now a trl_overrides entry
+    assert load_config("demo", ["train.max_grad_norm=9007199254740992"]).train.max_grad_norm == 2.0**53
     assert load_config("demo", ["train.num_train_epochs=2"]).train.num_train_epochs == 2.0
     assert load_config("demo", ["train.max_steps=9007199254740993"]).train.max_steps == 2**53 + 1  # an int field
 

@@ -204,17 +204,19 @@ def test_last_complete_checkpoint_none(tmp_path):
 
 
 def test_trim_records_after_drops_rows_past_the_checkpoint_and_the_end_summary(tmp_path):
-    write_jsonl_atomic(tmp_path / "metrics.jsonl", [{"step": s, "loss": 0.1} for s in (1, 2, 3)]
+    train = tmp_path / "train"
+    train.mkdir()
+    write_jsonl_atomic(train / "metrics.jsonl", [{"step": s, "loss": 0.1} for s in (1, 2, 3)]
                        + [{"step": 3, "train_runtime": 9.0}])
-    write_jsonl_atomic(tmp_path / "rollouts.jsonl", [{"step": s, "id": "a"} for s in (1, 2, 2, 3)])
-    with open(tmp_path / "health.jsonl", "w") as handle:
+    write_jsonl_atomic(train / "rollouts.jsonl", [{"step": s, "id": "a"} for s in (1, 2, 2, 3)])
+    with open(train / "health.jsonl", "w") as handle:
         handle.write('{"step": 1}\n{"step": 2}\n{"step": 3, "war')  # torn by the kill
     trim_records_after(tmp_path, 2)
-    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2]
-    assert [r["step"] for r in read_jsonl(tmp_path / "rollouts.jsonl")] == [1, 2, 2]
-    assert (tmp_path / "health.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
+    assert [r["step"] for r in read_jsonl(train / "metrics.jsonl")] == [1, 2]
+    assert [r["step"] for r in read_jsonl(train / "rollouts.jsonl")] == [1, 2, 2]
+    assert (train / "health.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
     trim_records_after(tmp_path, 0)  # no checkpoint: the restarted run owns every row
-    assert read_jsonl(tmp_path / "metrics.jsonl") == []
+    assert read_jsonl(train / "metrics.jsonl") == []
 
 
 # --- refusals ----------------------------------------------------------------------------------------------

@@ -200,7 +200,7 @@ def test_a_tiny_qwen3_vl_converts_to_gguf_and_reads_back(tmp_path: Path) -> None
         pytest.skip(f"the converter needs {missing_requirements()} (pip install 'vlmrl[gguf]')")
     model_dir = tmp_path / "tiny"
     build_tiny_model("qwen3_vl", model_dir, seed=0)
-    result = convert(model_dir, tmp_path / "gguf", "none", llama_cpp)
+    result = convert(model_dir, tmp_path / "gguf", "f16", llama_cpp)
     assert result["mmproj"] == "converted", result["mmproj"]
     back = read_back(result["files"], model_dir)
     config = json.loads((model_dir / "config.json").read_text())["text_config"]

@@ -125,6 +125,22 @@ def test_trl_overrides_pass_known_fields_through(tmp_path: Path) -> None:
     assert args.top_k == 3 and args.scale_rewards == "batch"
 
 
+def test_former_train_fields_reach_grpoconfig_as_before(tmp_path: Path) -> None:
+    """train.beta and train.epsilon of an earlier release's config land in trl_overrides and give GRPOConfig the
+    values that release gave it (checked against commit 2d22fd8's build_grpo_config); unset, TRL gets vlmrl's."""
+    path = tmp_path / "old.yaml"
+    path.write_text("train:\n  beta: 0.04\n  epsilon: 3.0e-4\n")
+    config = load_config(str(path), [f"run.output_dir={tmp_path}", "train.optim=adamw_torch"])
+    assert config.train.trl_overrides == {"beta": 0.04, "epsilon": 3e-4}
+    args, _ = build_grpo_config(config, tmp_path / "checkpoints")
+    assert (args.beta, args.epsilon, args.epsilon_high, args.num_iterations) == (0.04, 3e-4, None, 1)
+    assert (str(args.lr_scheduler_type.value), args.warmup_steps) == ("cosine", 0.0)
+    moved = quick_config(tmp_path, "train.trl_overrides={warmup_ratio: 0.1, num_iterations: 2, epsilon_high: 0.3}")
+    args, _ = build_grpo_config(moved, tmp_path / "checkpoints")
+    assert (args.warmup_steps, args.num_iterations, args.epsilon, args.epsilon_high) == (0.1, 2, 0.2, 0.3)
+    assert str(args.lr_scheduler_type.value) == "constant"  # the demo preset's
+
+
 def test_unknown_trl_override_is_named_before_any_model_loads(
     prepared, tmp_path: Path, no_model_load
 ) -> None:

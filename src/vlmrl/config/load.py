@@ -31,7 +31,8 @@ class ConfigError(ValueError):
 # where they went; in a run folder's own config.yaml (`migrate`), where every field was written out, they are
 # dropped (a kernel switch that was off turns train.rollout.kernels off).
 RENAMED_TRAIN = {"fast_generation": "fast", "prompt_bucket": "prompt_bucket"}  # -> train.rollout.<new>
-TO_TRL = ("logging_steps", "save_total_limit", "mask_truncated_completions")  # -> train.trl_overrides.<same>
+TO_TRL = ("logging_steps", "save_total_limit", "mask_truncated_completions", "lr_scheduler_type", "warmup_ratio",
+          "epsilon", "epsilon_high", "beta", "num_iterations")  # -> train.trl_overrides.<same>
 _AUTOMATIC = "the stacked LoRA projections run wherever they apply and the adapter copies where they do not, automatically"
 _EXPERIMENT = "an experiment that did not pay, now a script in benchmarks/ (vlmrl.engine.experimental)"
 REMOVED_TRAIN = {
@@ -48,6 +49,9 @@ REMOVED_TRAIN = {
     "adapter_input_cast": _EXPERIMENT,
 }
 _KERNEL_SWITCHES = ("rollout_stacked_kernel", "rollout_decode_kernel", "loss_kernels")
+# Export fields of earlier releases: `gguf: true` with `gguf_quantization: none | q8_0 | q4_k_m` is now one
+# `gguf:` naming the weights (`none` wrote f16, the converter's output type); removed ones as in REMOVED_TRAIN.
+REMOVED_EXPORT = {"logits_atol": "the adapter reload check's tolerance is fixed (vlmrl.export.merge.LOGITS_ATOL)"}
 
 
 def upgrade_train_fields(raw: dict, origin: str, *, migrate: bool = False) -> None:
@@ -79,6 +83,24 @@ def upgrade_train_fields(raw: dict, origin: str, *, migrate: bool = False) -> No
             if not migrate:
                 raise ConfigError(f"{origin}: train.{name} was removed: {where}; delete the line.")
             del train[name]
+
+
+def upgrade_export_fields(raw: dict, origin: str, *, migrate: bool = False) -> None:
+    """Fold `gguf: true` and `gguf_quantization` into `gguf: <weights>`, refuse removed export fields naming
+    why (or, with `migrate`, drop them)."""
+    export = raw.get("export")
+    if not isinstance(export, dict):
+        return
+    quantization = export.pop("gguf_quantization", None)
+    gguf = export.get("gguf")
+    if gguf is True or (quantization is not None and gguf not in (None, False, "off")):
+        quantization = "q8_0" if quantization is None else quantization  # the default it had
+        export["gguf"] = "f16" if quantization == "none" else quantization
+    for name, why in REMOVED_EXPORT.items():
+        if name in export:
+            if not migrate:
+                raise ConfigError(f"{origin}: export.{name} was removed: {why}; delete the line.")
+            del export[name]
 
 
 def refuse_reward_weights(raw: dict, origin: str) -> None:
@@ -118,7 +140,9 @@ def read_source(source: str) -> tuple[dict, str]:
 
 
 def apply_override(raw: dict, item: str) -> None:
-    """Set `section.field=value` in the raw mapping; the value is YAML when it parses, else the text as typed."""
+    """Set `section.field=value` in the raw mapping; the value is YAML when it parses, else the text as typed.
+    A mapping given to `train.trl_overrides` adds to the entries already there (a preset's scheduler or clip
+    range lives there too), key by key."""
     key, sep, value = item.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"override {item!r}: expected section.field=value, e.g. train.learning_rate=1e-5.")
@@ -129,10 +153,13 @@ def apply_override(raw: dict, item: str) -> None:
         if not isinstance(child, dict):
             raise ConfigError(f"override {item!r}: {part} is not a section.")
         node = child
+    before = node.get(parts[-1])
     try:
         node[parts[-1]] = _parse_yaml(value)
     except Exception:  # noqa: BLE001  not YAML: keep the text as typed, and let validation judge it
         node[parts[-1]] = value
+    if parts == ["train", "trl_overrides"] and isinstance(before, dict) and isinstance(node[parts[-1]], dict):
+        node[parts[-1]] = {**before, **node[parts[-1]]}
 
 
 def _parse_yaml(text: str) -> Any:
@@ -148,6 +175,8 @@ def describe_errors(exc: ValidationError, origin: str, root: type[BaseModel]) ->
     lines = [f"{origin}: invalid configuration"]
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"])
+        if "entry" in err.get("ctx", {}):  # about one entry of a mapping field (train.trl_overrides.beta)
+            loc, err = f"{loc}.{err['ctx']['entry']}", {**err, "input": err["ctx"]["value"]}
         if err["type"] == "extra_forbidden":
             lines.append(f"  unknown key {loc!r}{_suggest(err['loc'], root)}")
         else:

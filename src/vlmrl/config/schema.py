@@ -33,10 +33,13 @@ from vlmrl.config.load import (
     describe_errors,
     read_source,
     refuse_reward_weights,
+    upgrade_export_fields,
     upgrade_train_fields,
 )
 from vlmrl.config.sections import (  # noqa: F401 (re-exported: every stage imports its section from here)
     TRACKERS,
+    TRL_DEFAULTS,
+    TRL_NAMES,
     DataConfig,
     EvalConfig,
     ExportConfig,
@@ -64,8 +67,10 @@ _FIXED_TRAIN = {"rollout_merge": False, "rollout_adapter_copies": True, "rollout
 # Fields added after runs existed, left out of fingerprints at these values so those runs keep theirs. A `split`
 # of None (follow the source) reads as "testmini", the default it replaced (both mean testmini for MathVista).
 _LATER_DATA = {"holdout_split": None, "choices_separator": None}
-# Train fields now passed through train.trl_overrides, with the value vlmrl gives them when not overridden.
-TRL_DEFAULTS = {"logging_steps": 1, "save_total_limit": 2, "mask_truncated_completions": False}
+# Export fields of earlier releases as fingerprints see them: the removed one at the value it had, and
+# `gguf: off` as gguf false with the default quantization (any other value as gguf true with its quantization).
+_FIXED_EXPORT = {"logits_atol": 1e-3}
+_GGUF_BEFORE = {"off": (False, "q8_0"), "f16": (True, "none"), "q8_0": (True, "q8_0"), "q4_k_m": (True, "q4_k_m")}
 
 
 def _default_rewards() -> list[RewardSpec]:
@@ -111,8 +116,10 @@ class Config(_Section):
                 "train.trl_overrides.use_vllm with lora.vision=true: vLLM cannot serve LoRA on vision layers. "
                 "Set lora.vision=false or drop use_vllm."
             )
-        if t.epsilon_high is not None and t.epsilon_high < t.epsilon:
-            raise ValueError("train.epsilon_high must be >= train.epsilon (it is the upper clip range).")
+        epsilon, epsilon_high = t.trl_value("epsilon"), t.trl_value("epsilon_high")
+        if epsilon_high is not None and epsilon_high < epsilon:
+            raise ValueError(f"train.trl_overrides.epsilon_high={epsilon_high} must be >= epsilon={epsilon} "
+                             "(it is the upper clip range).")
         if not (self.lora.attention or self.lora.mlp or self.lora.vision):
             raise ValueError("lora: attention, mlp and vision are all false; nothing would train.")
         if self.export.checkpoint == "best" and not t.eval_every_steps:
@@ -133,6 +140,8 @@ class Config(_Section):
         data["train"] = self.flat_train()
         data["rewards"] = [spec.fingerprinted() for spec in self.rewards]
         data["data"] = _fingerprinted_data(data["data"])
+        gguf, quantization = _GGUF_BEFORE[data["export"]["gguf"]]
+        data["export"].update(gguf=gguf, gguf_quantization=quantization, **_FIXED_EXPORT)
         if data["contract"] == "seed":  # added later: a seed run keeps its fingerprint
             del data["contract"]
         for section, fields in OBSERVATION_FIELDS.items():
@@ -188,9 +197,11 @@ def load_config(source: str | Path | None = None, overrides: list[str] | None = 
     raw, origin = read_source(str(source))
     written = (raw.get("data") or {}).get("source") if isinstance(raw.get("data"), dict) else None
     upgrade_train_fields(raw, origin, migrate=migrate)
+    upgrade_export_fields(raw, origin, migrate=migrate)
     for item in overrides or []:
         apply_override(raw, item)
     upgrade_train_fields(raw, f"{origin} (--set)")
+    upgrade_export_fields(raw, f"{origin} (--set)")
     config = validate_config(raw, origin)
     base = Path(origin).parent if Path(origin).is_file() else Path.cwd()
     _resolve_data_source(config, written, base)

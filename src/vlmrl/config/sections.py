@@ -1,17 +1,38 @@
 """The config's sections, one per stage, each field documented once, here: `RunConfig`, `ModelConfig`,
 `LoraConfig`, `DataConfig`, `EvalConfig`, `TrainConfig` (with `RolloutConfig`), `HealthConfig`, `ExportConfig`,
 and `RewardSpec` (an entry of the top-level `rewards:` list). `vlmrl.config.schema.Config` composes them.
+`TRL_DEFAULTS` names the GRPOConfig fields vlmrl gives a value of its own but leaves to `train.trl_overrides`;
+`TrainConfig.trl_value` is the one way to read one.
 
 Every section refuses unknown keys and non-finite numbers; cross-field checks live on `Config`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
+from pydantic_core import PydanticCustomError, ValidationError
 
 TRACKERS = ("tensorboard", "wandb", "trackio", "none")
+# GRPOConfig fields vlmrl gives a value of its own (TRL's default differs for some: lr_scheduler_type is linear
+# there) but leaves to `train.trl_overrides`, under these names; read one with `TrainConfig.trl_value`.
+TRL_DEFAULTS = {"logging_steps": 1, "save_total_limit": 2, "mask_truncated_completions": False,
+                "lr_scheduler_type": "cosine", "warmup_ratio": 0.0, "epsilon": 0.2, "epsilon_high": None, "beta": 0.0,
+                "num_iterations": 1}
+# Names TRL knows by another: transformers 5 has no warmup_ratio; its warmup_steps reads a float below 1 as a ratio.
+TRL_NAMES = {"warmup_ratio": "warmup_steps"}
+# The type and range of those that were train fields of earlier releases, checked in trl_overrides as before.
+_TRL_CHECKS = {
+    "lr_scheduler_type": TypeAdapter(str),  # a transformers scheduler name (vlmrl.train.args checks which)
+    "warmup_ratio": TypeAdapter(Annotated[float, Field(ge=0.0, lt=1.0, allow_inf_nan=False)]),  # of all steps
+    "num_iterations": TypeAdapter(Annotated[int, Field(gt=0, le=1024)]),  # policy updates per generation batch
+    "epsilon": TypeAdapter(Annotated[float, Field(gt=0.0, allow_inf_nan=False)]),  # lower clip of the ratio
+    "epsilon_high": TypeAdapter(Annotated[float | None, Field(gt=0.0, allow_inf_nan=False)]),  # upper; None: epsilon
+    "beta": TypeAdapter(Annotated[float, Field(ge=0.0, allow_inf_nan=False)]),  # KL coefficient; 0: no reference model
+}
+
+
 class _Section(BaseModel):
     # inf/nan pass `gt=0` checks (a learning rate of .inf is "positive") and fail only hours later
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
@@ -21,19 +42,24 @@ class _Section(BaseModel):
     def _exact_in_float_fields(cls, value: Any, info: Any) -> Any:
         """An integer given to a float field arrives unchanged or is refused: pydantic would store 2**53 + 1 as
         2**53 (found by tests/test_fuzz_config.py)."""
-        if isinstance(value, int) and not isinstance(value, bool) and _takes_float(cls.model_fields[info.field_name]):
-            try:
-                exact = float(value) == value
-            except OverflowError:
-                exact = False
-            if not exact:
-                raise ValueError(f"{value} has no exact floating-point value; write the number you mean as a float")
+        if _takes_float(cls.model_fields[info.field_name].annotation):
+            _exact_float(value)
         return value
 
 
-def _takes_float(field: Any) -> bool:
-    """True when a field's type is float, alone or in a union (float | None)."""
-    annotation = field.annotation
+def _exact_float(value: Any) -> None:
+    """Refuse an integer a float cannot hold exactly (anything else passes to the type check)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        try:
+            exact = float(value) == value
+        except OverflowError:
+            exact = False
+        if not exact:
+            raise ValueError(f"{value} has no exact floating-point value; write the number you mean as a float")
+
+
+def _takes_float(annotation: Any) -> bool:
+    """True when a type is float, alone or in a union (float | None)."""
     return annotation is float or float in get_args(annotation)
 
 
@@ -186,8 +212,6 @@ class TrainConfig(_Section):
     )
     loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = Field("dr_grpo", description="TRL loss aggregation.")
     learning_rate: float = Field(5e-6, gt=0.0, description="Peak learning rate of the LoRA parameters.")
-    lr_scheduler_type: str = Field("cosine", description="transformers scheduler name.")
-    warmup_ratio: float = Field(0.0, ge=0.0, lt=1.0, description="Fraction of steps spent warming up.")
     optim: str = Field(
         "adamw_8bit",
         description="Optimizer; `adamw_8bit` needs bitsandbytes on CUDA and falls back to `adamw_torch` otherwise "
@@ -199,12 +223,8 @@ class TrainConfig(_Section):
     steps_per_generation: int | None = Field(
         None, gt=0, le=4096, description="Optimizer micro-steps per generation batch; None = gradient_accumulation_steps."
     )
-    num_iterations: int = Field(1, gt=0, le=1024, description="Policy updates per generation batch (mu in the papers).")
     max_completion_length: int = Field(1024, gt=0, le=131_072, description="Completion token limit during training.")
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature of rollouts.")
-    epsilon: float = Field(0.2, gt=0.0, description="Lower clip range of the importance ratio.")
-    epsilon_high: float | None = Field(None, gt=0.0, description="Upper clip range; None = epsilon.")
-    beta: float = Field(0.0, ge=0.0, description="KL coefficient (0 skips the reference model).")
     num_train_epochs: float = Field(1.0, gt=0.0, description="Passes over the training set.")
     max_steps: int = Field(-1, description="Optimizer steps (>= 1); -1 = derived from num_train_epochs.")
     max_grad_norm: float = Field(0.1, gt=0.0, description="Gradient clipping norm.")
@@ -241,8 +261,12 @@ class TrainConfig(_Section):
     eval_subset: int = Field(32, gt=0, description="Held-out items (the first N) evaluated during training.")
     trl_overrides: dict[str, Any] = Field(
         default_factory=dict,
-        description="Extra GRPOConfig fields passed through unchanged (escape hatch); a field vlmrl sets from its "
-        "own config (learning_rate, ...) is refused here: set it in its section.",
+        description="GRPOConfig fields passed to TRL as they are; a field vlmrl sets from its own config "
+        "(learning_rate, ...) is refused here: set it in its section. Where unset, vlmrl gives TRL its own values: "
+        "lr_scheduler_type cosine, warmup_ratio 0.0 (a fraction of the steps, TRL's warmup_steps), epsilon 0.2 "
+        "(lower clip of the importance ratio), epsilon_high None (= epsilon), beta 0.0 (KL coefficient; 0 skips the "
+        "reference model), num_iterations 1 (policy updates per generation batch), logging_steps 1, "
+        "save_total_limit 2, mask_truncated_completions false.",
     )
 
     @field_validator("max_steps")
@@ -258,6 +282,31 @@ class TrainConfig(_Section):
         if "none" in value and len(value) > 1:
             raise ValueError("`none` cannot be combined with a tracker")
         return value
+
+    @field_validator("trl_overrides")
+    @classmethod
+    def _former_fields(cls, value: dict[str, Any]) -> dict[str, Any]:
+        """The entries that were train fields keep their type and range; an error names the entry
+        (`vlmrl.config.load.describe_errors` reads `entry` from its context)."""
+        checked = dict(value)
+        for name in [name for name in _TRL_CHECKS if name in value]:
+            try:
+                checked[name] = _TRL_CHECKS[name].validate_python(value[name])
+                if isinstance(checked[name], float):
+                    _exact_float(value[name])
+            except ValueError as exc:  # a ValidationError is one
+                problem = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
+                raise PydanticCustomError("former_field", "{problem}",
+                                          {"problem": problem, "entry": name, "value": value[name]}) from None
+        return checked
+
+    def trl_value(self, name: str) -> Any:
+        """The value TRL gets for a field of `TRL_DEFAULTS` (or any trl_overrides key): the override, else vlmrl's.
+
+        >>> TrainConfig(trl_overrides={"beta": 0.04}).trl_value("beta"), TrainConfig().trl_value("epsilon")
+        (0.04, 0.2)
+        """
+        return self.trl_overrides[name] if name in self.trl_overrides else TRL_DEFAULTS[name]
 
 
 class HealthConfig(_Section):
@@ -275,13 +324,12 @@ class HealthConfig(_Section):
 class ExportConfig(_Section):
     merged_16bit: bool = Field(False, description="Also write `merged-16bit/` and verify it against the adapter.")
     merged_4bit: bool = Field(False, description="Also write `merged-4bit/` (nf4 through bitsandbytes, CUDA or CPU).")
-    gguf: bool = Field(False, description="Also write `gguf/` with llama.cpp's converter (see docs/export.md).")
-    gguf_quantization: Literal["none", "q8_0", "q4_k_m"] = Field(
-        "q8_0", description="GGUF weights: none (f16), q8_0 (the converter itself), q4_k_m (needs llama-quantize).")
+    gguf: Literal["off", "f16", "q8_0", "q4_k_m"] = Field(
+        "off", description="Also write `gguf/` with llama.cpp's converter (see docs/export.md), its weights in: f16 "
+        "(unquantized) or q8_0 (the converter itself), q4_k_m (needs llama-quantize); `off`: no GGUF.")
     llama_cpp_dir: str | None = Field(
         None, description="A llama.cpp folder holding convert_hf_to_gguf.py; default $VLMRL_LLAMA_CPP_DIR, then "
         "vlmrl's cache (filled by `python -m vlmrl.export.gguf fetch`).")
-    logits_atol: float = Field(1e-3, gt=0, description="Tolerance for reload-reproduces-logits checks.")
     checkpoint: Literal["last", "best"] = Field(
         "last",
         description="`last`: export the adapter of the final step; `best`: the adapter of the validation step with "
@@ -290,6 +338,12 @@ class ExportConfig(_Section):
     checkpoint_metric: Literal["accuracy", "mathvista_accuracy", "format_compliance", "total_reward"] = Field(
         "accuracy", description="Validation metric that picks the best checkpoint (higher is better)."
     )
+
+    @field_validator("gguf", mode="before")
+    @classmethod
+    def _bare_off(cls, value: Any) -> Any:
+        """YAML reads a bare `off` as false."""
+        return "off" if value is False else value
 
 
 class RewardSpec(_Section):

@@ -30,7 +30,7 @@ from pathlib import Path
 from vlmrl.common import children
 
 LLAMA_CPP_PYTHON = "0.3.36"
-QUANTIZATIONS = ("none", "q8_0", "q4_k_m")
+QUANTIZATIONS = ("f16", "q8_0", "q4_k_m")  # export.gguf's values but `off`
 # llama.cpp identifies a BPE pre-tokenizer by hashing the token ids of a fixed text, so a vocabulary it has not
 # seen (vlmrl's tiny models) is refused even when its split rule is Qwen2's. This is Qwen2's rule, verbatim.
 QWEN2_SPLIT = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
@@ -91,10 +91,10 @@ def missing_requirements() -> list[str]:
 def convert(merged: Path, out_dir: Path, quantization: str, llama_cpp: Path) -> dict:
     """Write `model-<type>.gguf` (+ `mmproj-<type>.gguf` where the converter knows the family's projector)."""
     if quantization not in QUANTIZATIONS:
-        raise GgufError(f"export.gguf_quantization={quantization!r}: choose one of {', '.join(QUANTIZATIONS)}.")
+        raise GgufError(f"export.gguf={quantization!r}: choose one of {', '.join(QUANTIZATIONS)}.")
     quantize = shutil.which("llama-quantize") if quantization == "q4_k_m" else None
     if quantization == "q4_k_m" and quantize is None:
-        raise GgufError("export.gguf_quantization=q4_k_m needs llama.cpp's llama-quantize on PATH (build llama.cpp: "
+        raise GgufError("export.gguf=q4_k_m needs llama.cpp's llama-quantize on PATH (build llama.cpp: "
                         "cmake -B build && cmake --build build --target llama-quantize); q8_0 needs nothing more.")
     out_dir.mkdir(parents=True, exist_ok=True)
     outtype = "q8_0" if quantization == "q8_0" else "f16"

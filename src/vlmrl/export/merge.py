@@ -3,7 +3,7 @@ base + adapter on held-out items (logits and greedy tokens), with the observed d
 
 Routes and why each tolerance is what it is (all recorded in `export.json`):
   - `merged-16bit/` from a 16-bit base: W + scale*BA computed once; only the summation order changes, so in
-    float32 the logits agree to `export.logits_atol` (1e-3) and the greedy tokens are identical. In bf16/fp16
+    float32 the logits agree to `LOGITS_ATOL` (1e-3) and the greedy tokens are identical. In bf16/fp16
     one rounding is allowed: 2^-7 x the largest |logit| (two bf16 units) and >= 90% greedy-token agreement.
   - `merged-16bit/` from an nf4 base: the nf4 weights are dequantized (code x absmax) and the adapter merged
     into them. The reference (bitsandbytes' nf4 forward) computes at 16-bit precision (measured on the CPU:
@@ -27,6 +27,9 @@ from vlmrl.config.schema import Config
 from vlmrl.data.items import open_record_images
 
 GREEDY_TOKENS = 16  # per held-out item: long enough to leave the prompt's influence, short enough for a CPU
+# Largest |logit| difference between two float32 computations of the same function in another summation order
+# (a reloaded adapter, a merge); the adapter reload check (vlmrl.export.stage) uses it as well.
+LOGITS_ATOL = 1e-3
 
 
 @dataclass
@@ -51,19 +54,19 @@ class Tolerance:
         return f"{gate}, argmax agreement >= {self.argmax_agreement}, greedy-token agreement >= {self.token_agreement}"
 
 
-def merged_tolerance(dtype: torch.dtype, logits_atol: float) -> Tolerance:
+def merged_tolerance(dtype: torch.dtype) -> Tolerance:
     """A merge changes only the summation order (float32) or adds one rounding of the weight (16-bit).
 
-    >>> merged_tolerance(torch.float32, 1e-3).token_agreement
+    >>> merged_tolerance(torch.float32).token_agreement
     1.0
-    >>> merged_tolerance(torch.bfloat16, 1e-3).relative == 2**-7
+    >>> merged_tolerance(torch.bfloat16).relative == 2**-7
     True
     """
     if dtype == torch.float32:
-        return Tolerance(logits_atol, 0.0, 1.0, 1.0)
+        return Tolerance(LOGITS_ATOL, 0.0, 1.0, 1.0)
     # bf16 keeps 8 significant bits: a rounding moves a value by up to 2^-8 of itself, so allow two such units of
     # the largest logit (relative, since logits of a trained model run to tens and an absolute bound misfits)
-    return Tolerance(logits_atol, 2**-7, 1.0, 0.9)
+    return Tolerance(LOGITS_ATOL, 2**-7, 1.0, 0.9)
 
 
 NF4_TOLERANCE = Tolerance(None, 0.0, 0.9, 0.9)

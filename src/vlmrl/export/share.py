@@ -79,7 +79,7 @@ def _recipe(config: Config, base_name: str) -> str:
         ("base weights", "nf4 (bitsandbytes 4-bit)" if config.model.load_in_4bit else config.model.dtype),
         ("algorithm", f"{t.algorithm} (loss {t.loss_type}), {t.num_generations} completions per prompt"),
         ("LoRA", f"r={lora.r}, alpha={lora.alpha}, attention={lora.attention}, mlp={lora.mlp}, vision={lora.vision}"),
-        ("optimizer", f"{t.optim}, learning rate {t.learning_rate}, {t.lr_scheduler_type}"),
+        ("optimizer", f"{t.optim}, learning rate {t.learning_rate}, {t.trl_value('lr_scheduler_type')}"),
         ("length", f"max_steps={t.max_steps}, max_completion_length={t.max_completion_length}"),
         ("rewards", ", ".join(f"{r.name or r.function} x {r.weight:g}" for r in config.rewards)),
     ]

@@ -73,8 +73,8 @@ def export_adapter(config: Config, run_dir: Path, *, source: Path | None = None)
     reference = em.logits(trained, run_dir, items[0])
     reloaded = load_with_adapter(config.model, run_dir, out)
     diff = (reference - em.logits(reloaded, run_dir, items[0])).abs().max().item()
-    checks.append(Check("reload_reproduces_logits", diff <= config.export.logits_atol, diff,
-                        f"max |logit difference| on item {items[0]['id']}, tolerance {config.export.logits_atol}"))
+    checks.append(Check("reload_reproduces_logits", diff <= em.LOGITS_ATOL, diff,
+                        f"max |logit difference| on item {items[0]['id']}, tolerance {em.LOGITS_ATOL}"))
     del reloaded
     base_name = shareable_base_name(config, out, expected_base)
     save_processor(trained.processor, out)
@@ -172,7 +172,7 @@ def _merged_checks(config: Config, run_dir: Path, trained: Any, items: list[dict
     from vlmrl.models.loading import four_bit_unsupported_reason
 
     e = config.export
-    if not (e.merged_16bit or e.merged_4bit or e.gguf):
+    if not (e.merged_16bit or e.merged_4bit or e.gguf != "off"):
         return [Check("merged_16bit", None, None, "not requested (export.merged_16bit=false)"),
                 Check("merged_4bit", None, None, "not requested (export.merged_4bit=false)")]
     reference = em.reference_outputs(trained, run_dir, items, first_logits)  # item 0's logits: computed once
@@ -181,7 +181,7 @@ def _merged_checks(config: Config, run_dir: Path, trained: Any, items: list[dict
     dtype = em.write_merged_16bit(config, run_dir, trained, adapter, merged16)
     save_processor(trained.processor, merged16)
     checks = [_route_check("merged_16bit", merged16, run_dir, items, reference,
-                           em.merged_tolerance(torch.bfloat16 if config.model.load_in_4bit else dtype, e.logits_atol),
+                           em.merged_tolerance(torch.bfloat16 if config.model.load_in_4bit else dtype),
                            "from the dequantized nf4 base" if config.model.load_in_4bit else "from the 16-bit base")]
     write_model_card(merged16, config, run_dir, kind="merged-16bit", base_name=base_name)
     if e.merged_4bit:
@@ -217,16 +217,16 @@ def _route_check(name: str, folder: Path, run_dir: Path, items: list[dict], refe
 def _gguf_check(config: Config, run_dir: Path) -> Check:
     from vlmrl.export import gguf as eg
 
-    if not config.export.gguf:
-        return Check("gguf", None, None, "not requested (export.gguf=false)")
+    if config.export.gguf == "off":
+        return Check("gguf", None, None, "not requested (export.gguf=off)")
     missing = eg.missing_requirements()
     if missing:
-        raise ExportError(f"export.gguf=true needs {', '.join(missing)}: pip install 'vlmrl[gguf]'.")
+        raise ExportError(f"export.gguf={config.export.gguf} needs {', '.join(missing)}: pip install 'vlmrl[gguf]'.")
     try:
         llama_cpp = eg.find_converter(config.export.llama_cpp_dir)
         if llama_cpp is None:
             llama_cpp = eg.fetch_converter()  # pip download of llama-cpp-python's sdist into the cache, once
-        result = eg.convert(run_dir / "merged-16bit", run_dir / "gguf", config.export.gguf_quantization, llama_cpp)
+        result = eg.convert(run_dir / "merged-16bit", run_dir / "gguf", config.export.gguf, llama_cpp)
     except eg.GgufError as exc:
         raise ExportError(str(exc)) from None
     result["read_back"] = eg.read_back(result["files"], run_dir / "merged-16bit")

@@ -14,14 +14,14 @@ import dataclasses
 import difflib
 
 from vlmrl.common.provenance import package_version
-from vlmrl.config.schema import Config, TrainConfig
+from vlmrl.config.schema import TRL_NAMES, Config, TrainConfig
 from vlmrl.train.trackers import missing_packages
 
 # GRPOConfig fields vlmrl sets from a field of its own config under another name (same-named fields of
 # TrainConfig are found by name). A trl_overrides key among these would silently replace the first-class value.
 RENAMED = {
     "seed": "run.seed",
-    "warmup_steps": "train.warmup_ratio",
+    "warmup_steps": "train.trl_overrides.warmup_ratio",
     "importance_sampling_level": "train.algorithm",
     "bf16": "model.dtype",
     "fp16": "model.dtype",
@@ -44,7 +44,8 @@ def training_problems(config: Config) -> list[str]:
     """Every reason `vlmrl train` would refuse this config before loading a model; [] when none."""
     t = config.train
     problems = []
-    problems += _name_problem("train.lr_scheduler_type", t.lr_scheduler_type, scheduler_names())
+    problems += _name_problem("train.trl_overrides.lr_scheduler_type", t.trl_value("lr_scheduler_type"),
+                              scheduler_names())
     problems += _name_problem("train.optim", t.optim, optimizer_names())
     problems += override_problems(t.trl_overrides)
     problems += missing_packages(t.report_to)
@@ -77,7 +78,7 @@ def override_problems(overrides: dict) -> list[str]:
     for key in sorted(overrides):
         if key in first:
             problems.append(f"train.trl_overrides.{key}: set by vlmrl from {first[key]}; set it there instead")
-        elif key not in grpo:
+        elif TRL_NAMES.get(key, key) not in grpo:
             close = difflib.get_close_matches(key, sorted(grpo), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             problems.append(f"train.trl_overrides.{key}: not a GRPOConfig field (TRL {package_version('trl')}){hint}")

@@ -29,16 +29,17 @@ from vlmrl.common.stats import finite
 from vlmrl.contract import completion_text
 from vlmrl.engine.rollout.mismatch import MismatchWatch
 from vlmrl.grading.rewards import format_reward, is_degenerate
+from vlmrl.run import layout
 
 log = logging.getLogger(__name__)
 
 
-def trim_records_after(train_dir: Path, step: int) -> None:
+def trim_records_after(run_dir: Path, step: int) -> None:
     """Drop record lines past `step` (written after the checkpoint a resume starts from), so a resumed run
     neither duplicates nor keeps rows from steps that are about to be re-done. An end-of-training summary row
     (`train_runtime`) goes too: the resumed run writes its own."""
-    for name in ("metrics.jsonl", "rollouts.jsonl", "health.jsonl", "validation.jsonl"):
-        path = train_dir / name
+    for name in (layout.METRICS, layout.ROLLOUTS, layout.HEALTH, layout.VALIDATION):
+        path = run_dir / name
         if path.exists():
             rows = read_jsonl(path)
             kept = [r for r in rows if r.get("step", 0) <= step and "train_runtime" not in r]

@@ -40,7 +40,7 @@ from vlmrl.common.io import (
     write_json_atomic,
 )
 from vlmrl.common.provenance import package_version
-from vlmrl.config.schema import TRL_DEFAULTS, Config
+from vlmrl.config.schema import TRL_DEFAULTS, TRL_NAMES, Config
 from vlmrl.engine.precision import float32_adapters_for_fp16
 from vlmrl.grading.user_rewards import check_run_rewards
 from vlmrl.run import layout
@@ -238,7 +238,7 @@ def _start_point(config: Config, run_dir: Path, *, resume: bool) -> Path | None:
     if distributed.is_main_process():
         step = int(last.name.removeprefix("checkpoint-")) if last else 0
         discard_after(run_dir, step, fingerprint)
-        trim_records_after(run_dir / layout.TRAIN, step)
+        trim_records_after(run_dir, step)
     distributed.barrier()  # no rank reads train/ before rank 0 has cleared it
     return last
 
@@ -345,19 +345,13 @@ def build_grpo_config(
         output_dir=str(output_dir),
         seed=config.run.seed,
         learning_rate=t.learning_rate,
-        lr_scheduler_type=t.lr_scheduler_type,
-        warmup_steps=t.warmup_ratio,  # transformers 5: a float in [0, 1) is a ratio of total steps
         optim=optim,
         per_device_train_batch_size=batch or t.per_device_train_batch_size,
         gradient_accumulation_steps=t.gradient_accumulation_steps,
         steps_per_generation=t.steps_per_generation,
         num_generations=t.num_generations,
-        num_iterations=t.num_iterations,
         max_completion_length=t.max_completion_length,
         temperature=t.temperature,
-        epsilon=t.epsilon,
-        epsilon_high=t.epsilon_high,
-        beta=t.beta,
         num_train_epochs=t.num_train_epochs,
         max_steps=t.max_steps,
         max_grad_norm=t.max_grad_norm,
@@ -382,8 +376,8 @@ def build_grpo_config(
     problems = training_problems(config)  # the same checks as `vlmrl config validate`
     if problems:
         raise TrainError("; ".join(problems) + ".")
-    kwargs.update(TRL_DEFAULTS)  # vlmrl's values for the GRPOConfig fields it leaves to trl_overrides
-    kwargs.update(t.trl_overrides)
+    for name in [*TRL_DEFAULTS, *t.trl_overrides]:  # vlmrl's values for the fields it leaves to trl_overrides,
+        kwargs[TRL_NAMES.get(name, name)] = t.trl_value(name)  # or the overrides (warmup_ratio as warmup_steps)
     try:  # an unknown optimizer or scheduler name, or a contradiction TRL finds: before any model loads
         return GRPOConfig(**kwargs), notes
     except (ValueError, TypeError) as exc:
