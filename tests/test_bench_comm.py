@@ -78,6 +78,10 @@ runner = CliRunner()
     (["--shapes", "qwen3_vl_99b"], "--shapes qwen3_vl_99b: choose one of qwen3_vl_32b, qwen3_vl_8b"),
     # every option is taken; the bench then stops at this machine's missing GPU
     (["--shapes", "qwen3_vl_32b", "--comm-profile", "--memory-cap-gib", "80"], "needs a CUDA GPU"),
+    (["--micro-batch", "3"], "the micro-batch must divide the 32 completions"),
+    (["--micro-batch", "2", "--steps-per-generation", "1"], "hold whole groups of 4"),
+    # a micro-batch smaller than a group is TRL's rule too: only a rollout must hold whole groups
+    (["--micro-batch", "2", "--steps-per-generation", "4", "--completion", "8192"], "needs a CUDA GPU"),
 ])
 def test_bench_takes_the_32b_shapes_and_the_comm_profile(args, message):
     result = runner.invoke(app, ["bench", "--paths", "vlmrl", *args])

@@ -320,3 +320,30 @@ def test_the_varied_reward_differs_between_completions_and_is_repeatable():
     assert "a third reward that varies" in markdown_table(
         summarize(BenchSettings(varied_reward=True), SHAPES, {"matmul_tflops": 800, "copy_bandwidth_tbs": 4.0},
                   [_raw("vlmrl", [(120, 110), (30, 22)], 9.0)], prompt_tokens=300))
+
+
+def test_long_completions_get_a_batching_that_keeps_the_step_and_fits():
+    """8192-token completions of the seed recipe do not fit 24 GiB as configured; the advice names the batching
+    that does, with the same 32 completions per optimizer step, whole groups per rollout and whole rollouts per
+    step, and its own prediction fits. Nothing fits a card too small for one completion at a time."""
+    import doctest
+
+    from vlmrl.run import preflight
+    from vlmrl.run.preflight import GPU_MARGIN, advice, fit_batching
+
+    assert doctest.testmod(preflight).failed == 0
+    seed = load_config("seed", ["train.max_completion_length=8192"])
+    configured = estimate_memory(seed, SHAPES, prompt_tokens=310, fast_generation=True)
+    assert configured.peak_gib > 24.0
+    fit = fit_batching(seed, SHAPES, 24.0, 310)
+    assert fit.per_device * fit.accumulation == 32 and fit.accumulation % fit.steps_per_generation == 0
+    assert (fit.per_device * fit.steps_per_generation) % seed.train.num_generations == 0
+    cut = load_config("seed", ["train.max_completion_length=8192", f"train.per_device_train_batch_size={fit.per_device}",
+                               f"train.gradient_accumulation_steps={fit.accumulation}",
+                               f"train.steps_per_generation={fit.steps_per_generation}"])
+    assert estimate_memory(cut, SHAPES, prompt_tokens=310, fast_generation=True).peak_gib == fit.peak_gib
+    assert fit.peak_gib <= GPU_MARGIN * 24.0
+    tip = advice(configured, 24.0, seed, shapes=SHAPES, prompt_tokens=310)[0]
+    assert f"train.per_device_train_batch_size={fit.per_device}" in tip and "32 completions" in tip
+    assert fit_batching(seed, SHAPES, 6.0, 310) is None  # the 4-bit weights alone nearly fill it
+    assert fit_batching(load_config("seed"), SHAPES, 24.0, 310).per_device == 8  # fits as it is: kept

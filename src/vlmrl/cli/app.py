@@ -379,10 +379,12 @@ def bench(
     if dtype not in ("bfloat16", "float16"):
         fail(f"--dtype {dtype}: choose bfloat16 or float16.")
     completions = BenchSettings.prompts * BenchSettings.generations
-    if micro_batch is not None and (micro_batch < 1 or completions % micro_batch
-                                    or micro_batch % BenchSettings.generations):
-        fail(f"--micro-batch {micro_batch}: a multiple of {BenchSettings.generations} generations that divides "
-             f"the {completions} completions of a step.")
+    micro = micro_batch or BenchSettings.prompts
+    rollout = micro * (steps_per_generation or completions // micro) if micro >= 1 and not completions % micro else 0
+    if micro < 1 or completions % micro or not rollout or rollout % BenchSettings.generations:
+        fail(f"--micro-batch {micro_batch} --steps-per-generation {steps_per_generation}: the micro-batch must "
+             f"divide the {completions} completions of a step, and a rollout (micro-batch x steps per generation) "
+             f"hold whole groups of {BenchSettings.generations}.")
     if "unsloth" in paths.split(","):
         _unsloth_bench_checks(generation_batches is not None)
     try:

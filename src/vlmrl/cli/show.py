@@ -82,7 +82,8 @@ def show_preflight(config: Config, env: dict, prompt_tokens: int, *, gpus: int =
         table.add_row(key.removesuffix("_gib").replace("_", " "), f"{value:.1f} GiB")
     console.print(table)
     devices = env["cuda"]["devices"]
-    for line in advice(estimate, devices[0]["memory_gib"] if devices else None, config):
+    for line in advice(estimate, devices[0]["memory_gib"] if devices else None, config, shapes=shapes,
+                       prompt_tokens=prompt_tokens):
         console.print(f"[yellow]warning:[/yellow] {escape(line)}")
 
 

@@ -185,14 +185,23 @@ def _per_gpu(text: dict, weights: float, quantized: float, lora_state: float, op
 SMALL_CARD_GIB = 17.0  # a 16 GB card reports about 15 GiB
 
 
-def advice(estimate: MemoryEstimate, gpu_gib: float | None, config: Config) -> list[str]:
-    """What to change when the prediction does not fit (empty when it fits or there is no GPU to compare)."""
+def advice(estimate: MemoryEstimate, gpu_gib: float | None, config: Config, *, shapes: dict | None = None,
+           prompt_tokens: int | None = None) -> list[str]:
+    """What to change when the prediction does not fit (empty when it fits or there is no GPU to compare). With
+    the model's `shapes` and the prompt length, the first tip is the batching that keeps the step and fits."""
     if gpu_gib is None or estimate.peak_gib <= GPU_MARGIN * gpu_gib:
         return []
     tips = []
     if gpu_gib <= SMALL_CARD_GIB and f"{config.run.name}-16gb" in PRESETS:
         tips.append(f"the {config.run.name}-16gb preset (vlmrl run {config.run.name}-16gb): the same recipe cut to "
                     "fit a 16 GB card")
+    fit = fit_batching(config, shapes, gpu_gib, prompt_tokens) if shapes and prompt_tokens else None
+    if fit is not None:
+        t = config.train
+        tips.append(f"the same {t.per_device_train_batch_size * t.gradient_accumulation_steps} completions per "
+                    f"optimizer step in smaller pieces: train.per_device_train_batch_size={fit.per_device}, "
+                    f"train.gradient_accumulation_steps={fit.accumulation}, "
+                    f"train.steps_per_generation={fit.steps_per_generation} (predicted {fit.peak_gib:.1f} GiB)")
     if not config.model.load_in_4bit:
         tips.append("model.load_in_4bit=true (weights to about a quarter)")
     if estimate.kv_cache_gib > 0.2 * estimate.peak_gib:
@@ -204,6 +213,48 @@ def advice(estimate: MemoryEstimate, gpu_gib: float | None, config: Config) -> l
     if "8bit" not in config.train.optim:
         tips.append("train.optim=adamw_8bit")
     return [f"predicted peak {estimate.peak_gib:.1f} GiB exceeds this GPU ({gpu_gib:.1f} GiB); try: " + "; ".join(tips)]
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How one optimizer step's completions are cut: per micro-step, micro-steps per step and per rollout."""
+
+    per_device: int
+    accumulation: int
+    steps_per_generation: int
+    peak_gib: float
+
+
+def fit_batching(config: Config, shapes: dict, gpu_gib: float, prompt_tokens: int, *,
+                 fast_generation: bool = True) -> Batching | None:
+    """The batching of one GPU that keeps the config's completions per optimizer step (per_device x accumulation)
+    and whose predicted peak fits GPU_MARGIN of `gpu_gib`: the largest micro-batch up to the configured one first
+    (fewer, larger matmuls in the loss pass), then the largest rollout up to the configured one (a larger rollout
+    decodes faster); each rollout holds whole groups and each step whole rollouts. The configured batching when
+    it fits. None when nothing fits, even one completion at a time (long
+    completions then need a larger card, a smaller model or a shorter limit).
+
+    >>> from vlmrl.config.schema import load_config
+    >>> seed = load_config("seed", ["train.max_completion_length=8192"])
+    >>> fit = fit_batching(seed, load_shapes("qwen3_vl_8b"), 24.0, 310)
+    >>> fit.per_device, fit.accumulation, fit.steps_per_generation, round(fit.peak_gib)
+    (2, 16, 4, 18)
+    """
+    t = config.train
+    step = t.per_device_train_batch_size * t.gradient_accumulation_steps
+    rollout = t.per_device_train_batch_size * (t.steps_per_generation or t.gradient_accumulation_steps)
+    for per_device in [d for d in range(t.per_device_train_batch_size, 0, -1) if step % d == 0]:
+        accumulation = step // per_device
+        for spg in [d for d in range(accumulation, 0, -1) if accumulation % d == 0]:
+            if (per_device * spg) % t.num_generations or per_device * spg > rollout:
+                continue
+            train = t.model_copy(update={"per_device_train_batch_size": per_device,
+                                         "gradient_accumulation_steps": accumulation, "steps_per_generation": spg})
+            peak = estimate_memory(config.model_copy(update={"train": train}), shapes, prompt_tokens=prompt_tokens,
+                                   fast_generation=fast_generation).peak_gib
+            if peak <= GPU_MARGIN * gpu_gib:
+                return Batching(per_device, accumulation, spg, peak)
+    return None
 
 
 @dataclass(frozen=True)
