@@ -1,5 +1,6 @@
 """A 4-bit token step's projections at Qwen3-VL-8B's language shapes: bitsandbytes' `Linear4bit` forward, its
-dequantize + matmul, and vlmrl's nf4 kernel (`vlmrl.engine.experimental.nf4`), beside the weight-read floor.
+dequantize + matmul, and vlmrl's nf4 kernels (`vlmrl.engine.experimental.nf4`: `nf4_matmul`, "nf4 kernel", and the
+second design `nf4_matmul_v2`, "nf4 kernel v2"), beside the weight-read floor.
 
 For each batch of rows (1, 8, 32: token rows of a decode step) and dtype, one token step is the 36 layers x 7
 projections (q, k, v, o, gate, up, down) over random nf4 weights (double quantisation, blocksize 64), each call
@@ -7,11 +8,12 @@ reading its own weights from memory. Timed with CUDA events after warm-up, eager
 included) and replayed as one CUDA graph (GPU time, as a compiled decode step runs), with the dense bf16 matmul
 for scale. The floor: the packed weights and their absmax codes over the measured device copy bandwidth.
 Numerics: each projection's kernel output against dequantize + matmul, in units of the last place; the exit
-status is 1 when one is over a unit (as tests/test_nf4.py counts them) or the kernel fell back.
-The sweep times the kernel's tile settings per distinct shape (CUDA graph of 36 calls over the 36 layers'
-weights), to choose `nf4._config`'s defaults; its compiles are bounded by `--sweep-seconds`.
+status is 1 when one is over a unit (as tests/test_nf4.py counts them) or a kernel fell back.
+The sweep times each kernel's tile settings per distinct shape (CUDA graph of 36 calls over the 36 layers'
+weights), to choose `nf4._config`'s and `nf4._config_v2`'s defaults; each kernel's compiles are bounded by
+`--sweep-seconds`. `--kernels v2` measures the second design alone.
 
-    python benchmarks/nf4_matmul.py OUTDIR     (one CUDA GPU, bitsandbytes installed; ~5 minutes)
+    python benchmarks/nf4_matmul.py OUTDIR     (one CUDA GPU, bitsandbytes installed; ~10 minutes, two sweeps)
     TRITON_INTERPRET=1 python benchmarks/nf4_matmul.py OUTDIR --hidden 128 --intermediate 256 --layers 2 \\
         --heads 2 --kv-heads 1 --head-dim 64 --rows 1,4 --no-dense --sweep-seconds 20     (the code paths, CPU)
 
@@ -49,7 +51,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=SHAPES["head_dim"])
     p.add_argument("--replays", type=int, default=10, help="timed repeats of a token step")
     p.add_argument("--no-dense", action="store_true", help="skip the dense bf16 matmul (saves 2 bytes per weight)")
-    p.add_argument("--sweep-seconds", type=float, default=240.0, help="time for the tile sweep (0: none)")
+    p.add_argument("--sweep-seconds", type=float, default=240.0, help="time for each kernel's tile sweep (0: none)")
+    p.add_argument("--kernels", default="v1,v2", help="vlmrl's nf4 kernels to measure (v1: nf4_matmul, v2: "
+                   "nf4_matmul_v2), comma-separated")
     return p.parse_args(argv)
 
 
@@ -141,28 +145,40 @@ def weight_bytes(module: torch.nn.Module) -> int:
             + qs.state2.absmax.numel() * 4)
 
 
+KERNELS = {"v1": ("nf4 kernel", "nf4_matmul", "_config"), "v2": ("nf4 kernel v2", "nf4_matmul_v2", "_config_v2")}
+# per kernel: packed bytes per weight row per step, and pipeline stages (1: Triton's pipeliner off, which
+# otherwise stages every table lookup through shared memory, 4 bytes a copy: nf4._config_v2)
+SWEEP = {"v1": {"tiles": (64, 128), "stages": (1, 2, 3)}, "v2": {"tiles": (32, 64, 128), "stages": (1, 3)}}
+
+
 def step_methods(layers: list, inputs: dict[int, torch.Tensor], dense: list | None, bnb: object,
-                 nf4: object) -> dict[str, Callable[[], object]]:
+                 nf4: object, kernels: list[str] = ("v1",)) -> dict[str, Callable[[], object]]:
     """One token step (every projection once) per method."""
     def deq(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         w = bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state)
         return F.linear(x, w.to(x.dtype))
 
+    def kernel(matmul: Callable) -> Callable[[], object]:
+        return lambda: [matmul(inputs[m.in_features], m.weight) for _, m in layers]
+
     methods = {
         "Linear4bit forward": lambda: [m(inputs[m.in_features]) for _, m in layers],
         "dequantize + matmul": lambda: [deq(m, inputs[m.in_features]) for _, m in layers],
-        "nf4 kernel": lambda: [nf4.nf4_matmul(inputs[m.in_features], m.weight) for _, m in layers],
     }
+    for name in kernels:
+        methods[KERNELS[name][0]] = kernel(getattr(nf4, KERNELS[name][1]))
     if dense is not None:
         methods["dense bf16 matmul"] = lambda: [F.linear(inputs[w.shape[1]].to(w.dtype), w) for w in dense]
     return methods
 
 
 def sweep(a: argparse.Namespace, layers: list, rows_list: list[int], dtype: torch.dtype, bandwidth: float,
-          nf4: object, device: torch.device) -> list[dict]:
+          nf4: object, device: torch.device, kernel: str = "v1") -> list[dict]:
     """Per distinct (out, in) and rows: the kernel's time for each tile setting, 36 calls over distinct weights."""
     if a.sweep_seconds <= 0:
         return []
+    _, function, chooser = KERNELS[kernel]
+    matmul = getattr(nf4, function)
     deadline = time.monotonic() + a.sweep_seconds
     by_shape: dict[tuple[int, int], list] = {}
     for _, m in layers:
@@ -173,24 +189,25 @@ def sweep(a: argparse.Namespace, layers: list, rows_list: list[int], dtype: torc
         bytes_ = sum(weight_bytes(m) for m in modules)
         for rows in rows_list:
             x = torch.randn(rows, k, device=device).to(dtype)
-            default = nf4._config(rows, n, k, 64, device)
+            default = getattr(nf4, chooser)(rows, n, k, 64, device)
             tried = []
             splits = sorted({max(1, default[4] // 2), default[4], default[4] * 2})
             for block_n in (32, 64, 128):
-                for tile in (64, 128):
+                for tile in SWEEP[kernel]["tiles"]:
                     for warps in (4, 8):
-                        for stages in (2, 3):
+                        for stages in SWEEP[kernel]["stages"]:
                             for split in splits:
                                 if time.monotonic() > deadline:
                                     break
                                 config = [block_n, tile, warps, stages, split]
-                                tried.append(_time_config(modules, x, config, a.replays, nf4) | {"config": config})
+                                tried.append(_time_config(modules, x, config, a.replays, nf4, matmul)
+                                             | {"config": config})
             timed = [t for t in tried if "ms" in t]
-            default_ms = _time_config(modules, x, default, a.replays, nf4).get("ms")
+            default_ms = _time_config(modules, x, default, a.replays, nf4, matmul).get("ms")
             best = min(timed, key=lambda t: t["ms"]) if timed else None
             calls = len(modules)
             results.append({
-                "out": n, "in": k, "rows": rows, "calls": calls, "default": default,
+                "kernel": kernel, "out": n, "in": k, "rows": rows, "calls": calls, "default": default,
                 "default_us": None if default_ms is None else 1e3 * default_ms / calls,
                 "best": best and best["config"], "best_us": best and 1e3 * best["ms"] / calls,
                 "floor_us": 1e6 * bytes_ / len(modules) / bandwidth, "tried": len(tried),
@@ -198,10 +215,12 @@ def sweep(a: argparse.Namespace, layers: list, rows_list: list[int], dtype: torc
     return results
 
 
-def _time_config(modules: list, x: torch.Tensor, config: list[int], replays: int, nf4: object) -> dict:
+def _time_config(modules: list, x: torch.Tensor, config: list[int], replays: int, nf4: object,
+                 matmul: Callable | None = None) -> dict:
+    matmul = matmul or nf4.nf4_matmul
     nf4._failed.clear()
     try:
-        ms = timed_ms(lambda: [nf4.nf4_matmul(x, m.weight, config=config) for m in modules], replays,
+        ms = timed_ms(lambda: [matmul(x, m.weight, config=config) for m in modules], replays,
                       graph=x.is_cuda)
     except Exception as error:  # noqa: BLE001 (a setting Triton cannot build: recorded, the sweep goes on)
         return {"error": f"{type(error).__name__}: {str(error)[:200]}"}
@@ -220,12 +239,16 @@ def main(argv: list[str]) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows_list = [int(r) for r in a.rows.split(",")]
     dtypes = [getattr(torch, d) for d in a.dtypes.split(",")]
+    kernels = [name for name in a.kernels.split(",") if name]
+    unknown = sorted(set(kernels) - set(KERNELS))
+    if unknown:
+        raise SystemExit(f"unknown kernel(s) {', '.join(unknown)}: choose from {', '.join(KERNELS)}")
     import triton
 
     result: dict = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
         "interpreted": nf4.interpreted(), "torch": torch.__version__, "triton": triton.__version__,
-        "bitsandbytes": bnb.__version__, "layers": a.layers, "projections": [p[0] for p in projections(a)],
+        "bitsandbytes": bnb.__version__, "kernels": kernels, "layers": a.layers, "projections": [p[0] for p in projections(a)],
         "unsupported": None, "steps": [], "numerics": []}
     bandwidth = copy_bandwidth(device)
     result["copy_tb_per_s"] = bandwidth / 1e12
@@ -245,7 +268,7 @@ def main(argv: list[str]) -> int:
             for rows in rows_list:
                 inputs = {k: torch.randn(rows, k, device=device).to(dtype) for k in {a.hidden, a.intermediate,
                                                                                      a.heads * a.head_dim}}
-                for method, step in step_methods(layers, inputs, dense, bnb, nf4).items():
+                for method, step in step_methods(layers, inputs, dense, bnb, nf4, kernels).items():
                     entry = {"dtype": str(dtype).removeprefix("torch."), "rows": rows, "method": method}
                     for mode in ("eager", "graph"):
                         try:
@@ -254,20 +277,25 @@ def main(argv: list[str]) -> int:
                             entry[f"{mode}_error"] = f"{type(error).__name__}: {str(error)[:200]}"
                     result["steps"].append(entry)
                     print(json.dumps(entry), flush=True)
-                result["numerics"].append(numerics(layers[:7], inputs, dtype, rows, bnb, nf4))
-            result["fallbacks"] = dict(nf4._failed)
-        result["sweep"] = sweep(a, layers, rows_list, dtypes[0], bandwidth, nf4, device)
+                result["numerics"].append(numerics(layers[:7], inputs, dtype, rows, bnb, nf4, kernels))
+            result["fallbacks"] = {str(where): why for where, why in nf4._failed.items()}  # JSON keys
+        result["sweep"] = [entry for kernel in kernels
+                           for entry in sweep(a, layers, rows_list, dtypes[0], bandwidth, nf4, device, kernel)]
     (a.out / "nf4_matmul.json").write_text(json.dumps(result, indent=1, default=str))
     (a.out / "nf4_matmul.md").write_text(markdown(result))
     print(markdown(result))
-    worst = max((n["kernel_units"] for n in result["numerics"]), default=0.0)
+    worst = max((value for n in result["numerics"] for key, value in n.items()
+                 if key.startswith("kernel") and key.endswith("_units")), default=0.0)
     return 0 if worst <= 1 and not result["fallbacks"] else 1
 
 
-def numerics(layers: list, inputs: dict, dtype: torch.dtype, rows: int, bnb: object, nf4: object) -> dict:
-    """Largest ulps over one layer's projections: the kernel, and `Linear4bit` itself, against dequantize + matmul
-    (summed in fp32: cuBLAS's reduced-precision split-K reductions off)."""
-    found = {"kernel_ulps": 0, "kernel_units": 0.0, "linear4bit_ulps": 0, "linear4bit_units": 0.0}
+def numerics(layers: list, inputs: dict, dtype: torch.dtype, rows: int, bnb: object, nf4: object,
+             kernels: list[str] = ("v1",)) -> dict:
+    """Largest ulps over one layer's projections: the kernels ("kernel": v1, "kernel_v2"), and `Linear4bit` itself,
+    against dequantize + matmul (summed in fp32: cuBLAS's reduced-precision split-K reductions off)."""
+    names = {"v1": "kernel", "v2": "kernel_v2"}
+    found = {f"{names[k]}_{what}": zero for k in kernels for what, zero in (("ulps", 0), ("units", 0.0))}
+    found |= {"linear4bit_ulps": 0, "linear4bit_units": 0.0}
     flags = torch.backends.cuda.matmul
     saved = flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction
     flags.allow_bf16_reduced_precision_reduction = flags.allow_fp16_reduced_precision_reduction = False
@@ -276,7 +304,8 @@ def numerics(layers: list, inputs: dict, dtype: torch.dtype, rows: int, bnb: obj
         weight = bnb.functional.dequantize_4bit(m.weight.data, m.weight.quant_state).to(dtype)
         expected = F.linear(x, weight)
         scale = x.float().abs() @ weight.float().abs().T
-        for name, got in (("kernel", nf4.nf4_matmul(x, m.weight)), ("linear4bit", m(x))):
+        outputs = [(names[k], getattr(nf4, KERNELS[k][1])(x, m.weight)) for k in kernels]
+        for name, got in [*outputs, ("linear4bit", m(x))]:
             found[f"{name}_ulps"] = max(found[f"{name}_ulps"], ulps(got, expected))
             found[f"{name}_units"] = max(found[f"{name}_units"], units(got, expected, scale))
     flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction = saved
@@ -302,20 +331,26 @@ def markdown(r: dict) -> str:
                      f"{_num(graph and graph / floor, 1)} |")
     about = ("Numerics against dequantize + matmul over one layer's projections: the largest distance in "
              "representable values (ulps), and in units at max(|output|, 2^-12 sum |x w|) (units):")
-    lines += ["", about, "", "| dtype | rows | nf4 kernel ulps | units | Linear4bit forward ulps | units |",
-              "|---|---|---|---|---|---|"]
-    lines += [f"| {n['dtype']} | {n['rows']} | {n['kernel_ulps']} | {n['kernel_units']:.2f} | "
-              f"{n['linear4bit_ulps']} | {n['linear4bit_units']:.2f} |" for n in r["numerics"]]
+    shown = [(name, label) for name, label in (("kernel", "nf4 kernel"), ("kernel_v2", "nf4 kernel v2"),
+                                               ("linear4bit", "Linear4bit forward"))
+             if any(f"{name}_ulps" in n for n in r["numerics"])]
+    lines += ["", about, "", "| dtype | rows | " + " | ".join(f"{label} ulps | units" for _, label in shown) + " |",
+              "|---|---|" + "---|---|" * len(shown)]
+    lines += [f"| {n['dtype']} | {n['rows']} | "
+              + " | ".join(f"{n.get(f'{name}_ulps', '')} | {_num(n.get(f'{name}_units'))}" for name, _ in shown)
+              + " |" for n in r["numerics"]]
     if r.get("fallbacks"):
         lines += ["", f"Kernel fallbacks: {r['fallbacks']}"]
     if r.get("unsupported"):
         lines += ["", f"`unsupported_reason`: {r['unsupported']}"]
     if r.get("sweep"):
-        lines += ["", "Tile sweep ([block_n, tile_pairs, warps, stages, split]; us per call over distinct weights):",
-                  "", "| out x in | rows | default | us | best | us | floor us | tried |",
-                  "|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {s['out']} x {s['in']} | {s['rows']} | {s['default']} | {_num(s['default_us'], 1)} | "
-                  f"{s['best']} | {_num(s['best_us'], 1)} | {s['floor_us']:.1f} | {s['tried']} |" for s in r["sweep"]]
+        about = ("Tile sweep ([block_n, packed bytes per step (v1: tile_pairs, v2: block_kh), warps, stages, split]; "
+                 "us per call over distinct weights):")
+        lines += ["", about, "", "| kernel | out x in | rows | default | us | best | us | floor us | tried |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {s.get('kernel', 'v1')} | {s['out']} x {s['in']} | {s['rows']} | {s['default']} | "
+                  f"{_num(s['default_us'], 1)} | {s['best']} | {_num(s['best_us'], 1)} | {s['floor_us']:.1f} | "
+                  f"{s['tried']} |" for s in r["sweep"]]
     return "\n".join(lines) + "\n"
 
 

@@ -1,6 +1,7 @@
-"""The nf4 token-step kernel (`vlmrl.engine.experimental.nf4`) against bitsandbytes' dequantize-then-matmul: within one
-bf16/fp16 unit per output, in Triton's CPU interpreter (tests/conftest.py turns it on) on small shapes, and on a
-CUDA GPU at Qwen3-VL-8B's shapes; `nf4_decode` routing token steps only, and the recorded fallbacks."""
+"""The nf4 token-step kernels (`vlmrl.engine.experimental.nf4`: `nf4_matmul` and the second design, `nf4_matmul_v2`,
+each numerics test running both) against bitsandbytes' dequantize-then-matmul: within one bf16/fp16 unit per output,
+in Triton's CPU interpreter (tests/conftest.py turns it on) on small shapes, and on a CUDA GPU at Qwen3-VL-8B's
+shapes; `nf4_decode` routing token steps only, and the recorded fallbacks."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ BF = bnb.functional
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(not nf4.HAS_TRITON or not (DEVICE == "cuda" or nf4.interpreted()),
                                 reason="needs Triton on CUDA or its interpreter (tests/conftest.py)")
+KERNELS = pytest.mark.parametrize("matmul", [nf4.nf4_matmul, nf4.nf4_matmul_v2], ids=["v1", "v2"])
 
 
 @pytest.fixture(autouse=True)
@@ -23,7 +25,7 @@ def launches(monkeypatch):
     monkeypatch.setattr(nf4, "_failed", {})
     calls = []
     real = nf4._launch
-    monkeypatch.setattr(nf4, "_launch", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    monkeypatch.setattr(nf4, "_launch", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
     # the reference sums in fp32 (cuBLAS may otherwise reduce split-K partial sums in bf16/fp16)
     flags = torch.backends.cuda.matmul
     saved = flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction
@@ -59,66 +61,76 @@ def _check(got, x, packed, qs, bias=None, min_equal=0.95):
     assert (got == expected).float().mean() >= min_equal  # rounded where bitsandbytes rounds: off by summation order only
 
 
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 5, 32])
+@KERNELS
+@pytest.mark.parametrize(("rows", "bias"), [(1, False), (5, True), (16, False), (16, True), (33, True)])
+@pytest.mark.parametrize("nested", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_it_is_bitsandbytes_dequantize_then_matmul(dtype, rows, bias, launches):
-    packed, qs = _quantized(192, 256, weight_dtype=dtype)  # double quantisation, blocksize 64: the loader's
+def test_it_is_bitsandbytes_dequantize_then_matmul(dtype, nested, rows, bias, matmul, launches):
+    # double quantisation, blocksize 64: the loader's; K split in two (the interpreter's default)
+    packed, qs = _quantized(192, 256, weight_dtype=dtype, nested=nested)
     x = torch.randn(rows, 256).to(DEVICE, dtype)
     b = torch.randn(192).to(DEVICE, dtype) if bias else None
-    got = nf4.nf4_matmul(x, packed, b, quant_state=qs)
+    got = matmul(x, packed, b, quant_state=qs)
     _check(got, x, packed, qs, b)
     assert launches == [rows] and not nf4._failed
 
 
-def _exact_weights(n, k, dtype, weight_dtype=torch.bfloat16, config=None):
+def _exact_weights(n, k, dtype, weight_dtype=torch.bfloat16, config=None, matmul=nf4.nf4_matmul, nested=True):
     # x = the identity: row j of the output is column j of W, one product per sum, so nothing but the
     # dequantization can differ from bitsandbytes'
-    packed, qs = _quantized(n, k, weight_dtype=weight_dtype, seed=4)
-    got = nf4.nf4_matmul(torch.eye(k, device=DEVICE, dtype=dtype), packed, quant_state=qs, config=config)
+    packed, qs = _quantized(n, k, weight_dtype=weight_dtype, nested=nested, seed=4)
+    got = matmul(torch.eye(k, device=DEVICE, dtype=dtype), packed, quant_state=qs, config=config)
     assert torch.equal(got, BF.dequantize_4bit(packed, qs).to(dtype).T)
 
 
+@KERNELS
+@pytest.mark.parametrize("nested", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_each_weight_is_dequantized_exactly_as_bitsandbytes_does(dtype):
-    _exact_weights(64, 256, dtype, config=[64, 128, 4, 1, 1])
+def test_each_weight_is_dequantized_exactly_as_bitsandbytes_does(dtype, nested, matmul):
+    _exact_weights(64, 256, dtype, config=[64, 128, 4, 1, 1], matmul=matmul, nested=nested)
 
 
+@KERNELS
 @pytest.mark.parametrize("weight_dtype", [torch.float16, torch.float32])
-def test_the_compiled_kernels_branch_in_fp16(weight_dtype, monkeypatch):
+def test_the_compiled_kernels_branch_in_fp16(weight_dtype, matmul, monkeypatch):
     # what a GPU runs (conversions in hardware, the dot in the inputs' dtype), here where the interpreter converts
     # as a GPU does: fp16 (it truncates to bf16, hence the bit-level branch the other tests run)
     monkeypatch.setattr(nf4, "interpreted", lambda: False)
-    _exact_weights(64, 256, torch.float16, weight_dtype=weight_dtype, config=[32, 64, 4, 1, 1])
+    _exact_weights(64, 256, torch.float16, weight_dtype=weight_dtype, config=[32, 64, 4, 1, 1], matmul=matmul)
     packed, qs = _quantized(64, 256, weight_dtype=weight_dtype, seed=5)
     x, bias = torch.randn(5, 256).to(DEVICE, torch.float16), torch.randn(64).to(DEVICE, torch.float16)
-    _check(nf4.nf4_matmul(x, packed, bias, quant_state=qs, config=[32, 64, 4, 1, 2]), x, packed, qs, bias)
+    _check(matmul(x, packed, bias, quant_state=qs, config=[32, 64, 4, 1, 2]), x, packed, qs, bias)
 
 
-@pytest.mark.parametrize(("rows", "config"), [
-    (3, [32, 32, 4, 1, 1]),  # no split: bias and rounding in the tile kernel
-    (3, [64, 64, 4, 1, 3]),  # 2 blocks per tile, more splits than tiles asked for
-    (70, [16, 32, 4, 1, 4]),  # two blocks of rows (a prompt pass called directly)
+@KERNELS
+@pytest.mark.parametrize(("rows", "k", "config"), [
+    (3, 256, [32, 32, 4, 1, 1]),  # no split: bias and rounding in the tile kernel
+    (3, 256, [64, 64, 4, 1, 3]),  # 2 blocks per tile, more splits than tiles asked for
+    (70, 256, [16, 32, 4, 1, 4]),  # two blocks of rows (a prompt pass called directly)
+    (3, 192, [32, 64, 4, 1, 1]),  # 96 packed bytes a row: the last tile of 64 half full
+    (5, 320, [16, 64, 4, 1, 2]),  # 160 bytes: splits of 128 and 32, the second a partial tile
 ])
-def test_tiles_and_splits_give_the_same_values(rows, config):
-    packed, qs = _quantized(96, 256, seed=1)
-    x = torch.randn(2, rows, 256).to(DEVICE, torch.bfloat16)  # leading dims kept
+def test_tiles_and_splits_give_the_same_values(rows, k, config, matmul):
+    packed, qs = _quantized(96, k, seed=1)
+    x = torch.randn(2, rows, k).to(DEVICE, torch.bfloat16)  # leading dims kept
     bias = torch.randn(96).to(DEVICE, torch.bfloat16)
-    got = nf4.nf4_matmul(x, packed, bias, quant_state=qs, config=config)
+    got = matmul(x, packed, bias, quant_state=qs, config=config)
     assert got.shape == (2, rows, 96)
     _check(got, x, packed, qs, bias)
 
 
+@KERNELS
 @pytest.mark.parametrize(("weight_dtype", "dtype", "nested", "blocksize"), [
     (torch.float32, torch.bfloat16, True, 64),  # weights quantized from fp32: rounded once, to bf16
     (torch.bfloat16, torch.float16, True, 64),  # bf16 weights, fp16 activations: rounded to bf16, then fp16
     (torch.float16, torch.bfloat16, False, 128),  # no double quantisation, another blocksize
     (torch.bfloat16, torch.bfloat16, True, 32),
+    (torch.bfloat16, torch.float16, True, 256),  # one block a tile row in the interpreter
 ])
-def test_other_quant_states(weight_dtype, dtype, nested, blocksize):
+def test_other_quant_states(weight_dtype, dtype, nested, blocksize, matmul):
     packed, qs = _quantized(64, 256, weight_dtype=weight_dtype, nested=nested, blocksize=blocksize, seed=2)
     x = torch.randn(4, 256).to(DEVICE, dtype)
-    _check(nf4.nf4_matmul(x, packed, quant_state=qs), x, packed, qs)
+    _check(matmul(x, packed, quant_state=qs), x, packed, qs)
 
 
 @pytest.mark.parametrize("nested", [True, False])
@@ -131,12 +143,13 @@ def test_the_torch_fallback_dequantizes_as_bitsandbytes(nested):
     assert torch.equal(ours, BF.dequantize_4bit(packed, qs))
 
 
-def test_a_kernel_that_cannot_run_falls_back_once_with_the_reason(monkeypatch, caplog):
-    monkeypatch.setattr(nf4, "_launch", lambda *a: (_ for _ in ()).throw(RuntimeError("no PTX for this GPU")))
+@KERNELS
+def test_a_kernel_that_cannot_run_falls_back_once_with_the_reason(matmul, monkeypatch, caplog):
+    monkeypatch.setattr(nf4, "_launch", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("no PTX for this GPU")))
     packed, qs = _quantized(64, 256)
     x = torch.randn(2, 256).to(DEVICE, torch.bfloat16)
     for _ in range(2):
-        got = nf4.nf4_matmul(x, packed, quant_state=qs)
+        got = matmul(x, packed, quant_state=qs)
     assert torch.equal(got, F.linear(x, BF.dequantize_4bit(packed, qs).to(x.dtype)))
     assert list(nf4._failed.values()) == ["RuntimeError: no PTX for this GPU"]
     assert sum("nf4 matmul kernel cannot run" in r.message for r in caplog.records) == 1
@@ -158,7 +171,11 @@ def _model(*layers):
     return torch.nn.Sequential(*layers).eval()
 
 
-def test_nf4_decode_routes_token_steps_and_leaves_the_rest_to_bitsandbytes(launches):
+@pytest.mark.parametrize("kernel", ["v1", "v2"])
+def test_nf4_decode_routes_token_steps_and_leaves_the_rest_to_bitsandbytes(kernel, launches, monkeypatch):
+    kernels = []
+    real = nf4._launch
+    monkeypatch.setattr(nf4, "_launch", lambda *a, v2=False: kernels.append(v2) or real(*a, v2=v2))
     model = _model(_layer(256, 192), torch.nn.ReLU(), _layer(192, 128, bias=False))
     step, prompt = (torch.randn(4, 1, 256).to(DEVICE, torch.bfloat16), torch.randn(2, 40, 256).to(DEVICE, torch.bfloat16))
     with torch.no_grad():
@@ -172,14 +189,14 @@ def test_nf4_decode_routes_token_steps_and_leaves_the_rest_to_bitsandbytes(launc
                 if layer.bias is not None:
                     d.bias.data = layer.bias.data.to(step.dtype)
         expected = dense.to(DEVICE, step.dtype)(step)
-        with nf4.nf4_decode(model) as reason:
+        with nf4.nf4_decode(model, kernel=kernel) as reason:
             got = model(step)  # 4 rows: a token step
             assert launches == [4, 4]
             model(prompt)  # 80 rows: a prompt pass
             assert launches == [4, 4]
     with nf4.nf4_decode(model):
         model(step.requires_grad_())  # the loss pass: gradients
-    assert reason is None and launches == [4, 4]
+    assert reason is None and launches == [4, 4] and kernels == [kernel == "v2"] * 2
     assert all("forward" not in layer.__dict__ for layer in model)  # bitsandbytes' own forward again
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-3)  # two layers, each within a unit
 
@@ -201,7 +218,8 @@ def test_an_unsupported_model_is_left_alone_with_the_reason(monkeypatch, launche
         assert "not a CUDA device" in nf4.unsupported_reason(odd)
 
 
-def test_a_compiled_token_step_calls_it_as_one_node():
+@pytest.mark.parametrize("kernel", ["v1", "v2"])
+def test_a_compiled_token_step_calls_it_as_one_node(kernel):
     layer = _layer(256, 64)
     x = torch.randn(3, 256).to(DEVICE, torch.bfloat16)
     nodes = []
@@ -211,24 +229,26 @@ def test_a_compiled_token_step_calls_it_as_one_node():
         return gm.forward
 
     torch._dynamo.reset()
-    with torch.no_grad(), nf4.nf4_decode(layer):
+    with torch.no_grad(), nf4.nf4_decode(layer, kernel=kernel):
         got = torch.compile(layer, backend=backend, fullgraph=True)(x)
-    assert nodes.count("vlmrl.nf4_matmul.default") == 1
+    op = {"v1": "vlmrl.nf4_matmul.default", "v2": "vlmrl.nf4_matmul_v2.default"}[kernel]
+    assert [n for n in nodes if "nf4" in n] == [op]
     _check(got, x, layer.weight, layer.weight.quant_state, layer.bias)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@KERNELS
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_qwen3_vl_8b_shapes_on_the_gpu(dtype):
+def test_qwen3_vl_8b_shapes_on_the_gpu(dtype, matmul):
     # (out, in) of q/o, k/v, gate/up and down
     for n, k in [(4096, 4096), (1024, 4096), (12288, 4096), (4096, 12288)]:
         packed, qs = _quantized(n, k, weight_dtype=torch.bfloat16, seed=n + k)
         for rows in (1, 8, 32, 64):
             x = torch.randn(rows, k, device="cuda").to(dtype)
             bias = torch.randn(n, device="cuda").to(dtype)
-            _check(nf4.nf4_matmul(x, packed, bias, quant_state=qs), x, packed, qs, bias, min_equal=0.9)
-    _exact_weights(1024, 4096, dtype)  # 4M weights, each as bitsandbytes dequantizes it (and rounds it)
+            _check(matmul(x, packed, bias, quant_state=qs), x, packed, qs, bias, min_equal=0.9)
+    _exact_weights(1024, 4096, dtype, matmul=matmul)  # 4M weights, each as bitsandbytes dequantizes it (and rounds it)
     assert not nf4._failed
 
 

@@ -1,4 +1,4 @@
-"""A token step over bitsandbytes nf4 weights: one Triton kernel that reads the packed 4-bit weights once.
+"""A token step over bitsandbytes nf4 weights: Triton kernels that read the packed 4-bit weights once.
 
 At a decode step `Linear4bit` multiplies a few dozen rows by weights bitsandbytes stores as nf4 codes, and its
 kernels take many times the weight-read floor (docs/benchmarks.md, "The nf4 token-step kernel"). Here each
@@ -7,13 +7,18 @@ program streams a tile of packed bytes, looks each code up in the 16-value table
 tensor cores with fp32 accumulation; few output columns split K, summed by a second, deterministic pass. The
 result is `dequantize_4bit` then `x @ W.T` (+ bias) up to summation order: each weight bit-equal, each output
 within one bf16/fp16 unit in the last place (tests/test_nf4.py says how outputs near zero are counted).
+Two designs, the same values: `nf4_matmul` (v1) joins each byte's two nibbles into k order in 3-D tiles;
+`nf4_matmul_v2` keeps 2-D tiles of packed bytes and multiplies the high nibbles by x's even columns and the low
+ones by its odd columns, with the next step's bytes loaded while one step is decoded (one pipeline stage: with
+more, Triton's pipeliner stages every table lookup through shared memory). v2 is not measured yet.
 
-Public: `nf4_matmul`; `nf4_decode(model)`, which routes `Linear4bit` forwards of at most `MAX_ROWS` rows without
-gradients through the kernel while active (prompt passes, training and unsupported layers stay on bitsandbytes,
-the fallback); `unsupported_reason(model)`, for the caller to record why it stays there. Limits: nf4 (not fp4),
-blocksizes 32-256 dividing in_features, bf16/fp16 activations, CUDA (Triton's interpreter on a CPU, for tests).
-No maintained library fits (package index, 2026-12): FLUTE ships a C++ extension built for torch 2.5 / CUDA 12.1
-over its own repacked layout, and gemlite's kernels take affine (scale, zero) codes, not a 16-value table.
+Public: `nf4_matmul`, `nf4_matmul_v2`; `nf4_decode(model, kernel="v1")`, which routes `Linear4bit` forwards of at
+most `MAX_ROWS` rows without gradients through a kernel while active (prompt passes, training and unsupported
+layers stay on bitsandbytes, the fallback); `unsupported_reason(model)`, for the caller to record why it stays
+there. Limits: nf4 (not fp4), blocksizes 32-256 dividing in_features, bf16/fp16 activations, CUDA (Triton's
+interpreter on a CPU, for tests). No maintained library fits (package index, 2026-12): FLUTE ships a C++
+extension built for torch 2.5 / CUDA 12.1 over its own repacked layout, and gemlite's kernels take affine
+(scale, zero) codes, not a 16-value table.
 """
 
 from __future__ import annotations
@@ -48,6 +53,18 @@ def nf4_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     `Params4bit`, or its packed bytes with their `quant_state`): bitsandbytes' `dequantize_4bit(weight).to(x.dtype)`
     then `F.linear`, up to summation order. `config` = [block_n, tile_pairs, warps, stages, split] (benchmarks);
     left out, it is chosen by shape."""
+    return _call(_nf4_matmul, x, weight, bias, quant_state, config)
+
+
+def nf4_matmul_v2(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  quant_state: Any = None, config: list[int] | None = None) -> torch.Tensor:
+    """`nf4_matmul` by the second design (plain 2-D tiles, nibbles never interleaved): the same arguments and
+    values, up to summation order. `config` = [block_n, block_kh, warps, stages, split], block_kh in packed bytes."""
+    return _call(_nf4_matmul_v2, x, weight, bias, quant_state, config)
+
+
+def _call(op: Callable[..., torch.Tensor], x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+          quant_state: Any, config: list[int] | None) -> torch.Tensor:
     qs = quant_state if quant_state is not None else weight.quant_state
     n, k = qs.shape
     packed = weight.data.view(torch.uint8).reshape(n, k // 2)
@@ -59,7 +76,7 @@ def nf4_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     code2, absmax2, offset, blocksize2 = nested
     if bias is not None:
         bias = bias.to(x.dtype)
-    out = _nf4_matmul(x.reshape(-1, k), packed, qs.absmax, code2, absmax2, offset, qs.code, bias, qs.blocksize,
+    out = op(x.reshape(-1, k), packed, qs.absmax, code2, absmax2, offset, qs.code, bias, qs.blocksize,
                       blocksize2, _ROUNDING.get(qs.dtype, 0), list(config or []))
     return out.view(*x.shape[:-1], n)
 
@@ -83,17 +100,19 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
 
 
 @contextlib.contextmanager
-def nf4_decode(model: torch.nn.Module, max_rows: int = MAX_ROWS) -> Iterator[str | None]:
+def nf4_decode(model: torch.nn.Module, max_rows: int = MAX_ROWS, kernel: str = "v1") -> Iterator[str | None]:
     """While active, forwards of the model's `Linear4bit` layers with at most `max_rows` rows and no gradient run
-    `nf4_matmul`; the rest (prompt passes, the loss pass) run bitsandbytes' own forward. Yields
-    `unsupported_reason(model)`: None when some layer is routed, else why none is (then nothing changes)."""
+    `nf4_matmul` (`kernel="v2"`: `nf4_matmul_v2`); the rest (prompt passes, the loss pass) run bitsandbytes' own
+    forward. Yields `unsupported_reason(model)`: None when some layer is routed, else why none is (then nothing
+    changes)."""
+    matmul = {"v1": nf4_matmul, "v2": nf4_matmul_v2}[kernel]
     reason = unsupported_reason(model)
     patched: list[tuple[torch.nn.Module, Any]] = []
     if reason is None:
         for layer in _linear4bit_layers(model):
             if _layer_reason(layer) is None:
                 patched.append((layer, layer.__dict__.get("forward")))  # an accelerate hook's forward, say
-                layer.forward = _routed(layer, layer.forward, max_rows)
+                layer.forward = _routed(layer, layer.forward, max_rows, matmul)
         log.info("nf4 token-step kernel on for %d of %d Linear4bit layers", len(patched),
                  len(_linear4bit_layers(model)))
     try:
@@ -147,7 +166,8 @@ def _layer_reason(layer: torch.nn.Module) -> str | None:
     return None
 
 
-def _routed(layer: torch.nn.Module, fallback: Callable[..., torch.Tensor], max_rows: int) -> Callable[..., Any]:
+def _routed(layer: torch.nn.Module, fallback: Callable[..., torch.Tensor], max_rows: int,
+            matmul: Callable[..., torch.Tensor]) -> Callable[..., Any]:
     def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         dtype = layer.compute_dtype if layer.compute_dtype is not None else x.dtype  # as bitsandbytes computes
         bias = layer.bias
@@ -156,7 +176,7 @@ def _routed(layer: torch.nn.Module, fallback: Callable[..., torch.Tensor], max_r
                 or (torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)))):
             return fallback(x, *args, **kwargs)
         qs = getattr(layer.weight, "quant_state", None) or layer.quant_state  # as bitsandbytes finds it
-        return nf4_matmul(x.to(dtype), layer.weight, bias, quant_state=qs).to(x.dtype)
+        return matmul(x.to(dtype), layer.weight, bias, quant_state=qs).to(x.dtype)
 
     return forward
 
@@ -170,7 +190,19 @@ def _nf4_matmul(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, cod
                               what="nf4 matmul kernel", instead="dequantize + matmul", logger=log)
 
 
+@torch.library.custom_op("vlmrl::nf4_matmul_v2", mutates_args=())
+def _nf4_matmul_v2(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: torch.Tensor | None,
+                   absmax2: torch.Tensor | None, offset: torch.Tensor | None, lut: torch.Tensor,
+                   bias: torch.Tensor | None, blocksize: int, blocksize2: int, rounding: int,
+                   config: list[int]) -> torch.Tensor:
+    args = (x, packed, absmax, code2, absmax2, offset, lut, bias, blocksize, blocksize2, rounding, config)
+    return kernel_or_fallback(_failed, (str(x.device), x.dtype, "v2"), lambda: _launch(*args, v2=True),
+                              lambda: _reference(*args), what="nf4 matmul kernel", instead="dequantize + matmul",
+                              logger=log)
+
+
 @_nf4_matmul.register_fake
+@_nf4_matmul_v2.register_fake
 def _(x: torch.Tensor, packed: torch.Tensor, *args: Any) -> torch.Tensor:
     return x.new_empty((x.shape[0], packed.shape[0]))
 
@@ -193,9 +225,27 @@ def _config(rows: int, n: int, k: int, blocksize: int, device: torch.device) -> 
         return [32, half, 4, 1, min(2, k // blocksize)]
     block_n, warps = (64, 4) if rows <= 16 else (128, 8)
     tile = max(half, TILE_PAIRS)
+    return [block_n, tile, warps, 3, _split(rows, n, k, block_n, tile, device)]
+
+
+def _config_v2(rows: int, n: int, k: int, blocksize: int, device: torch.device) -> list[int]:
+    """[block_n, block_kh, warps, stages, split] for v2, unmeasured (reasoned from sm_90 builds, Triton 3.6 and
+    3.8): steps of 64 x 64 packed bytes (32 x 128 for blocksize 256) over 4 warps, 32 bytes a thread, 80-180
+    registers without spills (8 warps for blocksize 256 past 16 rows, which spill on 4), so several programs an
+    SM, each with its next step's bytes in flight; 1 stage, since with more Triton's pipeliner stages every table
+    lookup through shared memory, 4 bytes a copy. Small tiles in the interpreter."""
+    half = blocksize // 2
+    if device.type != "cuda":
+        return [32, half, 4, 1, min(2, k // blocksize)]
+    tile = max(half, 64)
+    block_n, warps = 4096 // tile, 8 if tile > 64 and rows > 16 else 4
+    return [block_n, tile, warps, 1, _split(rows, n, k, block_n, tile, device)]
+
+
+def _split(rows: int, n: int, k: int, block_n: int, tile: int, device: torch.device) -> int:
+    """K splits that bring the grid to about PROGRAMS_PER_SM programs per SM, at most one per tile."""
     programs = -(-n // block_n) * -(-rows // _block_m(rows))
-    split = max(1, min(-(-k // (2 * tile)), round(PROGRAMS_PER_SM * _sms(device) / programs)))
-    return [block_n, tile, warps, 3, split]
+    return max(1, min(-(-k // (2 * tile)), round(PROGRAMS_PER_SM * _sms(device) / programs)))
 
 
 @functools.cache
@@ -209,7 +259,7 @@ def _block_m(rows: int) -> int:
 
 def _launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: torch.Tensor | None,
             absmax2: torch.Tensor | None, offset: torch.Tensor | None, lut: torch.Tensor, bias: torch.Tensor | None,
-            blocksize: int, blocksize2: int, rounding: int, config: list[int]) -> torch.Tensor:
+            blocksize: int, blocksize2: int, rounding: int, config: list[int], v2: bool = False) -> torch.Tensor:
     rows, k = x.shape
     n = packed.shape[0]
     if rows == 0:
@@ -218,7 +268,8 @@ def _launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: 
         raise TypeError(f"activations in {x.dtype}: the kernel takes bf16/fp16")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    block_n, tile, warps, stages, split = config or _config(rows, n, k, blocksize, x.device)
+    chooser = _config_v2 if v2 else _config
+    block_n, tile, warps, stages, split = config or chooser(rows, n, k, blocksize, x.device)
     half = blocksize // 2
     if tile % half:
         raise ValueError(f"tile of {tile} packed bytes is not a whole number of {blocksize}-weight blocks")
@@ -228,7 +279,8 @@ def _launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: 
     block_m = _block_m(rows)
     out = torch.empty(rows, n, device=x.device, dtype=x.dtype)
     interpret = interpreted()
-    main, reduce = _kernels(interpret)
+    tiles_v1, reduce, tiles_v2 = _kernels(interpret)
+    main = tiles_v2 if v2 else tiles_v1
     nested = code2 is not None
     target = torch.empty(split, rows, n, device=x.device, dtype=torch.float32) if split > 1 else out
     xq = 1 if x.dtype == torch.bfloat16 else 2
@@ -247,7 +299,7 @@ def _launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: 
 
 
 @functools.cache
-def _kernels(interpret: bool) -> tuple[Any, Any]:
+def _kernels(interpret: bool) -> tuple[Any, Any, Any]:
     """The Triton kernels, built on first use (importing vlmrl needs no Triton)."""
     import triton
     import triton.language as tl
@@ -329,4 +381,76 @@ def _kernels(interpret: bool) -> tuple[Any, Any]:
             acc += tl.load(Bias + i % N, mask=ok, other=0.0).to(tl.float32)
         tl.store(Out + i, rounded(acc, XQ, EXACT).to(Out.dtype.element_ty), mask=ok)
 
-    return nf4_tiles, nf4_splits
+    @triton.jit
+    def dot_operand(w, WQ: tl.constexpr, XQ: tl.constexpr, TY: tl.constexpr, EXACT: tl.constexpr):
+        # fp32 weights rounded to the weight dtype, then cast to the activations' (exact fp32 copies in the
+        # interpreter, whose tl.dot reads bf16 as integers)
+        if EXACT:
+            return rounded(rounded(w, WQ, True), XQ, True)
+        if WQ == 1:
+            w = w.to(tl.bfloat16)
+        elif WQ == 2:
+            w = w.to(tl.float16)
+        return w.to(TY)
+
+    globals()["dot_operand"] = dot_operand
+
+    @triton.jit
+    def nf4_tiles_v2(X, Packed, Absmax, Code2, Absmax2, Offset, Lut, Bias, Out, M, N, K, stride_x, per_split,
+                     BLOCKSIZE2: tl.constexpr, HALF: tl.constexpr, NB: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_M: tl.constexpr, NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
+                     WQ: tl.constexpr, XQ: tl.constexpr, EXACT: tl.constexpr):
+        # nf4_tiles' sums on 2-D tiles only: packed bytes [BLOCK_N, NB * HALF] contiguous along k; byte c's high
+        # nibble (weight 2c) multiplies x's even column 2c, its low nibble x's odd column 2c + 1, so the nibbles
+        # are never interleaved; each block's scale, a [BLOCK_N] vector, is spread over its HALF bytes by selects
+        KH: tl.constexpr = NB * HALF  # packed bytes per row per step
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+        n_ok, m_ok = n < N, m < M
+        blocks = K // (2 * HALF)  # per weight row
+        row = blocks * HALF  # packed bytes per weight row: a multiple of HALF, so Triton vectorizes the row loads
+        j = tl.arange(0, KH)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        start = tl.program_id(1) * per_split
+        end = tl.multiple_of(tl.minimum(start + per_split, row), HALF)  # (per_split: whole steps)
+        offset = tl.load(Offset) if NESTED else 0.0
+        bytes_ = Packed + n[:, None] * row + j[None, :]
+        following = tl.load(bytes_ + start, mask=n_ok[:, None] & (start + j < end)[None, :], other=0)
+        for kh in range(start, end, KH):
+            c = kh + j
+            c_ok = c < end
+            # the next step's bytes, in flight while this step's are decoded (with num_stages > 1 Triton's
+            # pipeliner would stage the table lookups through shared memory instead, 4 bytes a copy)
+            q = following.to(tl.int32)
+            following = tl.load(bytes_ + kh + KH, mask=n_ok[:, None] & (c + KH < end)[None, :], other=0)
+            scale = tl.zeros((BLOCK_N, KH), dtype=tl.float32)
+            for b in tl.static_range(NB):
+                block = n * blocks + kh // HALF + b
+                ok = n_ok & (kh // HALF + b < blocks)
+                if NESTED:
+                    code = tl.load(Absmax + block, mask=ok, other=0).to(tl.int32)
+                    s = tl.load(Code2 + code) * tl.load(Absmax2 + block // BLOCKSIZE2, mask=ok, other=0.0)
+                    s = s + offset  # rounded apart from the product (no fusion), as bitsandbytes does
+                else:
+                    s = tl.load(Absmax + block, mask=ok, other=0.0)
+                scale = tl.where((j // HALF == b)[None, :], s[:, None], scale)
+            high = dot_operand(tl.load(Lut + (q >> 4)) * scale, WQ, XQ, X.dtype.element_ty, EXACT)
+            low = dot_operand(tl.load(Lut + (q & 15)) * scale, WQ, XQ, X.dtype.element_ty, EXACT)
+            xk = X + m[None, :] * stride_x + 2 * c[:, None]  # [KH, BLOCK_M]: x's even columns of the step
+            x_ok = m_ok[None, :] & c_ok[:, None]
+            even = tl.load(xk, mask=x_ok, other=0.0)
+            odd = tl.load(xk + 1, mask=x_ok, other=0.0)
+            if EXACT:
+                even, odd = even.to(tl.float32), odd.to(tl.float32)
+            acc = tl.dot(high, even, acc)
+            acc = tl.dot(low, odd, acc)
+        where = m[None, :] * N + n[:, None]
+        mask = m_ok[None, :] & n_ok[:, None]
+        if PARTIAL:
+            tl.store(Out + tl.program_id(1) * M * N + where, acc, mask=mask)
+        else:
+            if HAS_BIAS:
+                acc = acc + tl.load(Bias + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+            tl.store(Out + where, rounded(acc, XQ, EXACT).to(Out.dtype.element_ty), mask=mask)
+
+    return nf4_tiles, nf4_splits, nf4_tiles_v2
