@@ -322,6 +322,35 @@ def _kernels(interpret: bool) -> tuple[Any, Any, Any]:
     globals()["rounded"] = rounded  # a kernel finds the functions it calls among its module's globals
 
     @triton.jit
+    def dot_operand(w, WQ: tl.constexpr, XQ: tl.constexpr, TY: tl.constexpr, EXACT: tl.constexpr):
+        # fp32 weights rounded to the weight dtype, then cast to the activations' (exact fp32 copies in the
+        # interpreter, whose tl.dot reads bf16 as integers)
+        if EXACT:
+            return rounded(rounded(w, WQ, True), XQ, True)
+        if WQ == 1:
+            w = w.to(tl.bfloat16)
+        elif WQ == 2:
+            w = w.to(tl.float16)
+        return w.to(TY)
+
+    globals()["dot_operand"] = dot_operand
+
+    @triton.jit
+    def store_tile(acc, Out, Bias, n, m, n_ok, m_ok, M, N, PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   XQ: tl.constexpr, EXACT: tl.constexpr):
+        # a program's [BLOCK_N, BLOCK_M] sums (out transposed): its split's fp32 share, or bias added and rounded once
+        where = m[None, :] * N + n[:, None]
+        mask = m_ok[None, :] & n_ok[:, None]
+        if PARTIAL:
+            tl.store(Out + tl.program_id(1) * M * N + where, acc, mask=mask)
+        else:
+            if HAS_BIAS:
+                acc = acc + tl.load(Bias + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+            tl.store(Out + where, rounded(acc, XQ, EXACT).to(Out.dtype.element_ty), mask=mask)
+
+    globals()["store_tile"] = store_tile
+
+    @triton.jit
     def nf4_tiles(X, Packed, Absmax, Code2, Absmax2, Offset, Lut, Bias, Out, M, N, K, stride_x, per_split,
                   BLOCKSIZE2: tl.constexpr, HALF: tl.constexpr, NB: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_M: tl.constexpr, NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, WQ: tl.constexpr,
@@ -351,22 +380,10 @@ def _kernels(interpret: bool) -> tuple[Any, Any, Any]:
             w = tl.reshape(tl.join(high, low), (BLOCK_N, 2 * NB * HALF))  # [BLOCK_N, tile's k] in k order
             k = 2 * kh + e
             xt = tl.load(X + m[None, :] * stride_x + k[:, None], mask=m_ok[None, :] & (k < K)[:, None], other=0.0)
-            if EXACT:  # the interpreter's tl.dot reads bf16 as integers: exact float32 copies instead
-                acc = tl.dot(rounded(rounded(w, WQ, True), XQ, True), xt.to(tl.float32), acc)
-            else:
-                if WQ == 1:
-                    w = w.to(tl.bfloat16)
-                elif WQ == 2:
-                    w = w.to(tl.float16)
-                acc = tl.dot(w.to(X.dtype.element_ty), xt, acc)
-        where = m[None, :] * N + n[:, None]
-        mask = m_ok[None, :] & n_ok[:, None]
-        if PARTIAL:
-            tl.store(Out + tl.program_id(1) * M * N + where, acc, mask=mask)
-        else:
-            if HAS_BIAS:
-                acc = acc + tl.load(Bias + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-            tl.store(Out + where, rounded(acc, XQ, EXACT).to(Out.dtype.element_ty), mask=mask)
+            if EXACT:
+                xt = xt.to(tl.float32)
+            acc = tl.dot(dot_operand(w, WQ, XQ, X.dtype.element_ty, EXACT), xt, acc)
+        store_tile(acc, Out, Bias, n, m, n_ok, m_ok, M, N, PARTIAL, HAS_BIAS, XQ, EXACT)
 
     @triton.jit
     def nf4_splits(Partial, Bias, Out, size, N, splits, HAS_BIAS: tl.constexpr, XQ: tl.constexpr,
@@ -380,20 +397,6 @@ def _kernels(interpret: bool) -> tuple[Any, Any, Any]:
         if HAS_BIAS:
             acc += tl.load(Bias + i % N, mask=ok, other=0.0).to(tl.float32)
         tl.store(Out + i, rounded(acc, XQ, EXACT).to(Out.dtype.element_ty), mask=ok)
-
-    @triton.jit
-    def dot_operand(w, WQ: tl.constexpr, XQ: tl.constexpr, TY: tl.constexpr, EXACT: tl.constexpr):
-        # fp32 weights rounded to the weight dtype, then cast to the activations' (exact fp32 copies in the
-        # interpreter, whose tl.dot reads bf16 as integers)
-        if EXACT:
-            return rounded(rounded(w, WQ, True), XQ, True)
-        if WQ == 1:
-            w = w.to(tl.bfloat16)
-        elif WQ == 2:
-            w = w.to(tl.float16)
-        return w.to(TY)
-
-    globals()["dot_operand"] = dot_operand
 
     @triton.jit
     def nf4_tiles_v2(X, Packed, Absmax, Code2, Absmax2, Offset, Lut, Bias, Out, M, N, K, stride_x, per_split,
@@ -444,13 +447,6 @@ def _kernels(interpret: bool) -> tuple[Any, Any, Any]:
                 even, odd = even.to(tl.float32), odd.to(tl.float32)
             acc = tl.dot(high, even, acc)
             acc = tl.dot(low, odd, acc)
-        where = m[None, :] * N + n[:, None]
-        mask = m_ok[None, :] & n_ok[:, None]
-        if PARTIAL:
-            tl.store(Out + tl.program_id(1) * M * N + where, acc, mask=mask)
-        else:
-            if HAS_BIAS:
-                acc = acc + tl.load(Bias + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-            tl.store(Out + where, rounded(acc, XQ, EXACT).to(Out.dtype.element_ty), mask=mask)
+        store_tile(acc, Out, Bias, n, m, n_ok, m_ok, M, N, PARTIAL, HAS_BIAS, XQ, EXACT)
 
     return nf4_tiles, nf4_splits, nf4_tiles_v2
