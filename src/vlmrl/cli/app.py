@@ -380,8 +380,8 @@ def bench(
         fail(f"--dtype {dtype}: choose bfloat16 or float16.")
     completions = BenchSettings.prompts * BenchSettings.generations
     micro = micro_batch or BenchSettings.prompts
-    rollout = micro * (steps_per_generation or completions // micro) if micro >= 1 and not completions % micro else 0
-    if micro < 1 or completions % micro or not rollout or rollout % BenchSettings.generations:
+    if (micro < 1 or completions % micro
+            or micro * (steps_per_generation or completions // micro) % BenchSettings.generations):
         fail(f"--micro-batch {micro_batch} --steps-per-generation {steps_per_generation}: the micro-batch must "
              f"divide the {completions} completions of a step, and a rollout (micro-batch x steps per generation) "
              f"hold whole groups of {BenchSettings.generations}.")
