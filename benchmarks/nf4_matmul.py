@@ -184,34 +184,36 @@ def sweep(a: argparse.Namespace, layers: list, rows_list: list[int], dtype: torc
     for _, m in layers:
         by_shape.setdefault((m.out_features, m.in_features), []).append(m)
     results = []
-    for (n, k), modules in by_shape.items():
-        modules = modules[: a.layers]
+    cells = [(n, k, rows) for (n, k) in by_shape for rows in rows_list]
+    for index, (n, k, rows) in enumerate(cells):
+        modules = by_shape[(n, k)][: a.layers]
         bytes_ = sum(weight_bytes(m) for m in modules)
-        for rows in rows_list:
-            x = torch.randn(rows, k, device=device).to(dtype)
-            default = getattr(nf4, chooser)(rows, n, k, 64, device)
-            tried = []
-            splits = sorted({max(1, default[4] // 2), default[4], default[4] * 2})
-            for block_n in (32, 64, 128):
-                for tile in SWEEP[kernel]["tiles"]:
-                    for warps in (4, 8):
-                        for stages in SWEEP[kernel]["stages"]:
-                            for split in splits:
-                                if time.monotonic() > deadline:
-                                    break
-                                config = [block_n, tile, warps, stages, split]
-                                tried.append(_time_config(modules, x, config, a.replays, nf4, matmul)
-                                             | {"config": config})
-            timed = [t for t in tried if "ms" in t]
-            default_ms = _time_config(modules, x, default, a.replays, nf4, matmul).get("ms")
-            best = min(timed, key=lambda t: t["ms"]) if timed else None
-            calls = len(modules)
-            results.append({
-                "kernel": kernel, "out": n, "in": k, "rows": rows, "calls": calls, "default": default,
-                "default_us": None if default_ms is None else 1e3 * default_ms / calls,
-                "best": best and best["config"], "best_us": best and 1e3 * best["ms"] / calls,
-                "floor_us": 1e6 * bytes_ / len(modules) / bandwidth, "tried": len(tried),
-                "failed": [t for t in tried if "error" in t][:3]})
+        # each (shape, rows) gets an equal share of the time left; settings nearest the default go first (one
+        # field changed, then two, ...), so a short sweep still answers "does one stage / other warps help"
+        cell_deadline = time.monotonic() + (deadline - time.monotonic()) / (len(cells) - index)
+        x = torch.randn(rows, k, device=device).to(dtype)
+        default = getattr(nf4, chooser)(rows, n, k, 64, device)
+        splits = sorted({max(1, default[4] // 2), default[4], default[4] * 2})
+        grid = [[block_n, tile, warps, stages, split] for block_n in (32, 64, 128)
+                for tile in SWEEP[kernel]["tiles"] for warps in (4, 8)
+                for stages in SWEEP[kernel]["stages"] for split in splits]
+        grid = sorted((c for c in grid if c != default),
+                      key=lambda c: sum(v != d for v, d in zip(c, default, strict=True)))
+        tried = []
+        for config in grid:
+            if time.monotonic() > cell_deadline:
+                break
+            tried.append(_time_config(modules, x, config, a.replays, nf4, matmul) | {"config": config})
+        timed = [t for t in tried if "ms" in t]
+        default_ms = _time_config(modules, x, default, a.replays, nf4, matmul).get("ms")
+        best = min(timed, key=lambda t: t["ms"]) if timed else None
+        calls = len(modules)
+        results.append({
+            "kernel": kernel, "out": n, "in": k, "rows": rows, "calls": calls, "default": default,
+            "default_us": None if default_ms is None else 1e3 * default_ms / calls,
+            "best": best and best["config"], "best_us": best and 1e3 * best["ms"] / calls,
+            "floor_us": 1e6 * bytes_ / len(modules) / bandwidth, "tried": len(tried),
+            "failed": [t for t in tried if "error" in t][:3]})
     return results
 
 
