@@ -59,3 +59,27 @@ def test_the_rollout_mismatch_record_carries_both_bench_records_per_step():
         rows = next(r for r in raw if r["path"] == "vlmrl")["rollout_mismatch"]
         assert committed["bench"][precision]["paths"]["vlmrl"]["per_step"] == rows
         assert len(rows) >= 2 and all(0 < row["mismatch/logp_diff_mean"] < row["mismatch/logp_diff_max"] for row in rows)
+
+
+def test_the_nf4_tables_in_the_docs_are_the_one_stage_record():
+    """docs/benchmarks.md's two tables of the one-stage nf4 run read their figures off the committed JSON."""
+    record = json.loads((RESULTS / "h200_nf4_matmul_one_stage.json").read_text())
+    docs = (ROOT / "docs" / "benchmarks.md").read_text()
+    section = docs[docs.index("**One pipeline stage, measured**"):docs.index("### Over many steps")]
+    rows = {line.split("|")[1].strip(): [cell.strip() for cell in line.split("|")[2:-1]]
+            for line in section.splitlines() if line.startswith("| ") and not line.startswith("| method")}
+    step = {(s["method"], s["rows"]): s["graph_ms"] for s in record["steps"]}
+    for label, method in (("`Linear4bit` forward", "Linear4bit forward"), ("dequantize + matmul", "dequantize + matmul"),
+                          ("v1, 3 stages (the old default)", "nf4 kernel"), ("v2, 1 stage (its default)", "nf4 kernel v2"),
+                          ("dense bf16 matmul", "dense bf16 matmul")):
+        assert rows[label] == [f"{step[(method, 1)]:.2f}", f"{step[(method, 32)]:.2f}"], label
+    assert rows["floor (nf4 weights read once)"] == [f"{record['floor_ms']:.2f}"] * 2
+    sweep = {(e["kernel"], e["out"], e["in"]): e for e in record["sweep"] if e["rows"] == 32}
+    for label, (n, k) in (("q, o (4096 x 4096)", (4096, 4096)), ("k, v (1024 x 4096)", (1024, 4096)),
+                          ("gate, up (12288 x 4096)", (12288, 4096)), ("down (4096 x 12288)", (4096, 12288))):
+        v1, v2 = sweep[("v1", n, k)], sweep[("v2", n, k)]
+        assert v1["default"][3] == 3 and all(e["best"][3] == 1 for e in (v1, v2))
+        assert rows[label] == [f"{v1['default_us']:.1f}", f"{v1['best_us']:.1f}", f"{v2['default_us']:.1f}",
+                               f"{v2['best_us']:.1f}"], label
+    ratio = step[("Linear4bit forward", 32)] / step[("nf4 kernel v2", 32)]
+    assert f"({ratio:.2f}x)" in section

@@ -254,7 +254,7 @@ def test_qwen3_vl_8b_shapes_on_the_gpu(dtype, matmul):
 
 def test_the_fast_path_records_how_token_steps_read_4bit_weights():
     """`enable_fast_generation`'s record: nothing for a 16-bit base; bitsandbytes for a 4-bit one (the kernel
-    here is an experiment that lost to bitsandbytes on an H200: benchmarks/results/h200_nf4_matmul.md)."""
+    here is an experiment, not in the rollouts: docs/benchmarks.md, "The nf4 token-step kernel")."""
     from vlmrl.engine.rollout.fast import _four_bit_note
 
     assert _four_bit_note(torch.nn.Linear(4, 4)) is None

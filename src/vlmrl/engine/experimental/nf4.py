@@ -10,7 +10,8 @@ within one bf16/fp16 unit in the last place (tests/test_nf4.py says how outputs 
 Two designs, the same values: `nf4_matmul` (v1) joins each byte's two nibbles into k order in 3-D tiles;
 `nf4_matmul_v2` keeps 2-D tiles of packed bytes and multiplies the high nibbles by x's even columns and the low
 ones by its odd columns, with the next step's bytes loaded while one step is decoded (one pipeline stage: with
-more, Triton's pipeliner stages every table lookup through shared memory). v2 is not measured yet.
+more, Triton's pipeliner stages every table lookup through shared memory). Both are measured beside
+bitsandbytes in docs/benchmarks.md.
 
 Public: `nf4_matmul`, `nf4_matmul_v2`; `nf4_decode(model, kernel="v1")`, which routes `Linear4bit` forwards of at
 most `MAX_ROWS` rows without gradients through a kernel while active (prompt passes, training and unsupported
@@ -217,20 +218,20 @@ def _reference(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code
 
 
 def _config(rows: int, n: int, k: int, blocksize: int, device: torch.device) -> list[int]:
-    """[block_n, tile_pairs, warps, stages, split]: enough programs to keep every SM streaming (split K when
-    the output has few columns), wider tiles of outputs past 16 rows (each program reads its rows of x from L2:
-    4 * rows / block_n bytes per weight byte); small tiles in the interpreter."""
+    """[block_n, tile_pairs, warps, stages, split]: 64 outputs over 4 warps, one pipeline stage (with more,
+    Triton stages every table lookup through shared memory, several times slower), and enough K splits to keep
+    every SM streaming; small tiles in the interpreter. Chosen from an H200 sweep (docs/benchmarks.md, "The nf4
+    token-step kernel")."""
     half = blocksize // 2
     if device.type != "cuda":
         return [32, half, 4, 1, min(2, k // blocksize)]
-    block_n, warps = (64, 4) if rows <= 16 else (128, 8)
-    tile = max(half, TILE_PAIRS)
-    return [block_n, tile, warps, 3, _split(rows, n, k, block_n, tile, device)]
+    block_n, tile = 64, max(half, TILE_PAIRS)
+    return [block_n, tile, 4, 1, _split(rows, n, k, block_n, tile, device)]
 
 
 def _config_v2(rows: int, n: int, k: int, blocksize: int, device: torch.device) -> list[int]:
-    """[block_n, block_kh, warps, stages, split] for v2, unmeasured (reasoned from sm_90 builds, Triton 3.6 and
-    3.8): steps of 64 x 64 packed bytes (32 x 128 for blocksize 256) over 4 warps, 32 bytes a thread, 80-180
+    """[block_n, block_kh, warps, stages, split] for v2, reasoned from sm_90 builds (Triton 3.6 and 3.8) and within
+    a few percent of an H200 sweep's best (docs/benchmarks.md): steps of 64 x 64 packed bytes (32 x 128 for blocksize 256) over 4 warps, 32 bytes a thread, 80-180
     registers without spills (8 warps for blocksize 256 past 16 rows, which spill on 4), so several programs an
     SM, each with its next step's bytes in flight; 1 stage, since with more Triton's pipeliner stages every table
     lookup through shared memory, 4 bytes a copy. Small tiles in the interpreter."""
