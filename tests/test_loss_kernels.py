@@ -149,6 +149,21 @@ def test_what_enable_records(tiny_qwen3_vl, monkeypatch):
         loss_kernels.uninstall(model)
 
 
+def test_where_liger_runs_its_registry_keeps_quiet_about_backends_for_other_hardware(monkeypatch):
+    """Liger 0.8's registry logs a WARNING per op for its CuTe DSL and Ascend backends on a plain CUDA build; once
+    vlmrl finds Liger usable, only that logger's errors get through."""
+    import logging
+
+    pytest.importorskip("liger_kernel.ops")
+    registry = logging.getLogger("liger_kernel.backends.registry")
+    monkeypatch.setattr(registry, "level", logging.NOTSET)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert loss_kernels.liger_missing() is not None and registry.getEffectiveLevel() < logging.ERROR
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert loss_kernels.liger_missing() is None
+    assert registry.level == logging.ERROR
+
+
 def test_the_setting_is_on_by_default_and_left_out_of_the_fingerprint():
     from vlmrl.config.schema import Config
 

@@ -52,6 +52,9 @@ def liger_missing() -> str | None:
         import liger_kernel.ops  # noqa: F401
     except (ImportError, AttributeError, RuntimeError, OSError) as exc:  # not installed, or not for this torch/triton
         return f"liger-kernel cannot be imported ({type(exc).__name__}: {exc})"
+    # Liger's op registry warns, at each op's first call, that its optional backends (CuTe DSL, Ascend) cannot be
+    # imported: two lines of noise in every CUDA run's log. It records them (`_DISCOVERY_FAILURES`) either way.
+    logging.getLogger("liger_kernel.backends.registry").setLevel(logging.ERROR)
     return None
 
 
