@@ -48,6 +48,9 @@ def engine_variants() -> dict[str, Variant]:
         "vlmrl-stacked-kernel": Variant(),  # the default now
         # the stacked groups' second step as a cuBLAS matmul and a sum instead of one Triton kernel
         "vlmrl-second-cublas": Variant(after=_experiment(second_cublas=True)),
+        # a 4-bit base's token steps through vlmrl's nf4 kernels instead of bitsandbytes' Linear4bit
+        "vlmrl-nf4": Variant(after=_experiment(nf4_kernel="v1")),
+        "vlmrl-nf4-v2": Variant(after=_experiment(nf4_kernel="v2")),
     }
 
 

@@ -201,6 +201,32 @@ def test_nf4_decode_routes_token_steps_and_leaves_the_rest_to_bitsandbytes(kerne
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-3)  # two layers, each within a unit
 
 
+def test_the_bench_variant_routes_a_trainers_token_steps_for_its_life(launches):
+    """`apply(..., nf4_kernel="v2")` (the bench's vlmrl-nf4-v2 path): every rollout's token steps go through the
+    kernel, the loss pass stays on bitsandbytes, and the record says which kernel read the weights."""
+    from tests.test_fastgen import fake_trainer
+    from vlmrl.engine.experimental.rollout import apply
+    from vlmrl.engine.rollout.fast import enable_fast_generation
+
+    model = _model(_layer(256, 192))
+    step = torch.randn(4, 1, 256).to(DEVICE, torch.bfloat16)
+
+    def rollout():
+        with torch.no_grad():
+            return model(step)
+
+    trainer = fake_trainer(model, rollout)
+    fast = apply(trainer, enable_fast_generation(trainer), nf4_kernel="v2")
+    assert fast.weights.startswith("vlmrl nf4 kernel v2 (experimental)")
+    trainer._generate_single_turn()
+    trainer._generate_single_turn()
+    assert launches == [4, 4]
+    model(step.requires_grad_())  # the loss pass
+    assert launches == [4, 4]
+    trainer.vlmrl_nf4_decode.close()
+    assert "forward" not in model[0].__dict__
+
+
 def test_an_unsupported_model_is_left_alone_with_the_reason(monkeypatch, launches):
     assert nf4.unsupported_reason(torch.nn.Linear(4, 4)) == "the model has no bitsandbytes Linear4bit layer"
     fp4 = _model(_layer(256, 64, quant_type="fp4"))

@@ -6,8 +6,9 @@ trainer that `vlmrl.engine.rollout.fast.enable_fast_generation` set up.
   float summation order; CUDA graphs record one graph per window.
 - `guards_once(model)`: each `generate` call's compiled token steps check dynamo's guards until one compiles
   nothing, and skip them after (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`).
-- `apply(trainer, fast, ...)`: those, the adapter merge (`merge.rollout_merge`), or one of vlmrl's two token-step
-  kernels off, inserted among the trainer's rollout contexts; returns the FastGeneration record updated.
+- `apply(trainer, fast, ...)`: those, the adapter merge (`merge.rollout_merge`), one of vlmrl's two token-step
+  kernels off, or a 4-bit base's token steps through an nf4 kernel (`nf4.nf4_decode`), added to the trainer's
+  rollouts; returns the FastGeneration record updated.
 What each was worth: docs/benchmarks.md ("The engine's pieces, one by one").
 """
 
@@ -38,13 +39,16 @@ _UNMERGED = ("offload", "adapter_copies", "stacked")
 
 
 def apply(trainer: Any, fast: FastGeneration, *, merge: bool = False, filled_window: int = 0,
-          guards_once: bool = False, sdpa_decode: bool = False, second_cublas: bool = False) -> FastGeneration:
+          guards_once: bool = False, sdpa_decode: bool = False, second_cublas: bool = False,
+          nf4_kernel: str = "") -> FastGeneration:
     """Add experimental variants to `trainer`'s rollouts (set up by `enable_fast_generation`, which returned
     `fast`) and return `fast` with what was done. `merge`: the adapter merged for each rollout; `filled_window` > 0:
     attention over the filled cache positions in windows of that many; `guards_once`: dynamo's guards checked until
     the token steps are steady; `sdpa_decode`: token steps attend through SDPA instead of vlmrl's decode kernel;
-    `second_cublas`: the stacked projections' second step as a cuBLAS matmul and a sum instead of one kernel.
-    Call it right after `enable_fast_generation`, before anything else wraps the trainer's rollout call."""
+    `second_cublas`: the stacked projections' second step as a cuBLAS matmul and a sum instead of one kernel;
+    `nf4_kernel` ("v1" or "v2"): token steps over a 4-bit base multiply through that nf4 kernel (`nf4.nf4_decode`,
+    on for the trainer's life, so that a compiled token step sees the same forwards at every rollout; the loss
+    pass and prompt passes stay on bitsandbytes). Call it right after `enable_fast_generation`, before anything else wraps the trainer's rollout call."""
     if not fast.enabled:
         return fast
     contexts = list(trainer.vlmrl_rollout_contexts)
@@ -78,9 +82,23 @@ def apply(trainer: Any, fast: FastGeneration, *, merge: bool = False, filled_win
     if guards_once:
         _insert(contexts, ("guards_once", lambda: _guards_once(trainer.model)), before=("compile_over_4bit",))
         changes["guards"] = "first step"
+    if nf4_kernel:
+        changes["weights"] = _nf4_for_life(trainer, nf4_kernel)
     wrap_rollouts(trainer, contexts)
     log.warning("experimental rollout variants (vlmrl.engine.experimental): %s", changes or "none")
     return dataclasses.replace(fast, **changes)
+
+
+def _nf4_for_life(trainer: Any, kernel: str) -> str:
+    """Route the trainer's 4-bit token steps through nf4 `kernel` until the trainer goes; what the record says."""
+    from vlmrl.engine.experimental.nf4 import MAX_ROWS, nf4_decode
+
+    stack = contextlib.ExitStack()
+    reason = stack.enter_context(nf4_decode(trainer.model, kernel=kernel))
+    trainer.vlmrl_nf4_decode = stack  # held (and closed) with the trainer
+    if reason is not None:
+        return f"bitsandbytes Linear4bit (nf4 kernel {kernel} asked for, not used: {reason})"
+    return f"vlmrl nf4 kernel {kernel} (experimental) for token steps of up to {MAX_ROWS} rows, bitsandbytes otherwise"
 
 
 def _insert(contexts: list[tuple[str, Callable[[], Any]]], entry: tuple[str, Callable[[], Any]], *,
