@@ -218,8 +218,7 @@ def sweep(a: argparse.Namespace, layers: list, rows_list: list[int], dtype: torc
 
 
 def _time_config(modules: list, x: torch.Tensor, config: list[int], replays: int, nf4: object,
-                 matmul: Callable | None = None) -> dict:
-    matmul = matmul or nf4.nf4_matmul
+                 matmul: Callable) -> dict:
     nf4._failed.clear()
     try:
         ms = timed_ms(lambda: [matmul(x, m.weight, config=config) for m in modules], replays,
@@ -250,7 +249,8 @@ def main(argv: list[str]) -> int:
     result: dict = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
         "interpreted": nf4.interpreted(), "torch": torch.__version__, "triton": triton.__version__,
-        "bitsandbytes": bnb.__version__, "kernels": kernels, "layers": a.layers, "projections": [p[0] for p in projections(a)],
+        "bitsandbytes": bnb.__version__, "kernels": kernels, "layers": a.layers,
+        "projections": [p[0] for p in projections(a)],
         "unsupported": None, "steps": [], "numerics": []}
     bandwidth = copy_bandwidth(device)
     result["copy_tb_per_s"] = bandwidth / 1e12

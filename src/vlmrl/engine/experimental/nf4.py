@@ -11,7 +11,7 @@ Two designs, the same values: `nf4_matmul` (v1) joins each byte's two nibbles in
 `nf4_matmul_v2` keeps 2-D tiles of packed bytes and multiplies the high nibbles by x's even columns and the low
 ones by its odd columns, with the next step's bytes loaded while one step is decoded (one pipeline stage: with
 more, Triton's pipeliner stages every table lookup through shared memory). Both are measured beside
-bitsandbytes in docs/benchmarks.md.
+bitsandbytes in docs/benchmarks.md; their Triton source is `nf4_triton`.
 
 Public: `nf4_matmul`, `nf4_matmul_v2`; `nf4_decode(model, kernel="v1")`, which routes `Linear4bit` forwards of at
 most `MAX_ROWS` rows without gradients through a kernel while active (prompt passes, training and unsupported
@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from vlmrl.engine.experimental import nf4_triton
 from vlmrl.engine.rollout.decode_attention import HAS_TRITON, interpreted, kernel_or_fallback
 
 log = logging.getLogger(__name__)
@@ -186,9 +187,8 @@ def _routed(layer: torch.nn.Module, fallback: Callable[..., torch.Tensor], max_r
 def _nf4_matmul(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: torch.Tensor | None,
                 absmax2: torch.Tensor | None, offset: torch.Tensor | None, lut: torch.Tensor, bias: torch.Tensor | None,
                 blocksize: int, blocksize2: int, rounding: int, config: list[int]) -> torch.Tensor:
-    args = (x, packed, absmax, code2, absmax2, offset, lut, bias, blocksize, blocksize2, rounding, config)
-    return kernel_or_fallback(_failed, (str(x.device), x.dtype), lambda: _launch(*args), lambda: _reference(*args),
-                              what="nf4 matmul kernel", instead="dequantize + matmul", logger=log)
+    return _kernel_or_reference(x, packed, absmax, code2, absmax2, offset, lut, bias, blocksize, blocksize2,
+                                rounding, config)
 
 
 @torch.library.custom_op("vlmrl::nf4_matmul_v2", mutates_args=())
@@ -196,10 +196,16 @@ def _nf4_matmul_v2(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, 
                    absmax2: torch.Tensor | None, offset: torch.Tensor | None, lut: torch.Tensor,
                    bias: torch.Tensor | None, blocksize: int, blocksize2: int, rounding: int,
                    config: list[int]) -> torch.Tensor:
-    args = (x, packed, absmax, code2, absmax2, offset, lut, bias, blocksize, blocksize2, rounding, config)
-    return kernel_or_fallback(_failed, (str(x.device), x.dtype, "v2"), lambda: _launch(*args, v2=True),
-                              lambda: _reference(*args), what="nf4 matmul kernel", instead="dequantize + matmul",
-                              logger=log)
+    return _kernel_or_reference(x, packed, absmax, code2, absmax2, offset, lut, bias, blocksize, blocksize2,
+                                rounding, config, v2=True)
+
+
+def _kernel_or_reference(*args: Any, v2: bool = False) -> torch.Tensor:
+    """A kernel's launch, or dequantize + matmul where it cannot run (recorded once per device, dtype, design)."""
+    x = args[0]
+    where = (str(x.device), x.dtype, "v2") if v2 else (str(x.device), x.dtype)
+    return kernel_or_fallback(_failed, where, lambda: _launch(*args, v2=v2), lambda: _reference(*args),
+                              what="nf4 matmul kernel", instead="dequantize + matmul", logger=log)
 
 
 @_nf4_matmul.register_fake
@@ -222,25 +228,29 @@ def _config(rows: int, n: int, k: int, blocksize: int, device: torch.device) -> 
     Triton stages every table lookup through shared memory, several times slower), and enough K splits to keep
     every SM streaming; small tiles in the interpreter. Chosen from an H200 sweep (docs/benchmarks.md, "The nf4
     token-step kernel")."""
-    half = blocksize // 2
     if device.type != "cuda":
-        return [32, half, 4, 1, min(2, k // blocksize)]
-    block_n, tile = 64, max(half, TILE_PAIRS)
+        return _interpreter_config(k, blocksize)
+    block_n, tile = 64, max(blocksize // 2, TILE_PAIRS)
     return [block_n, tile, 4, 1, _split(rows, n, k, block_n, tile, device)]
 
 
 def _config_v2(rows: int, n: int, k: int, blocksize: int, device: torch.device) -> list[int]:
-    """[block_n, block_kh, warps, stages, split] for v2, reasoned from sm_90 builds (Triton 3.6 and 3.8) and within
-    a few percent of an H200 sweep's best (docs/benchmarks.md): steps of 64 x 64 packed bytes (32 x 128 for blocksize 256) over 4 warps, 32 bytes a thread, 80-180
-    registers without spills (8 warps for blocksize 256 past 16 rows, which spill on 4), so several programs an
-    SM, each with its next step's bytes in flight; 1 stage, since with more Triton's pipeliner stages every table
-    lookup through shared memory, 4 bytes a copy. Small tiles in the interpreter."""
-    half = blocksize // 2
+    """[block_n, block_kh, warps, stages, split] for v2, reasoned from sm_90 builds (Triton 3.6 and 3.8): steps of
+    64 x 64 packed bytes (32 x 128 for blocksize 256) over 4 warps, 32 bytes a thread, 80-180 registers without
+    spills (8 warps for blocksize 256 past 16 rows, which spill on 4), so several programs an SM, each with its next
+    step's bytes in flight; 1 stage, since with more Triton's pipeliner stages every table lookup through shared
+    memory, 4 bytes a copy. Near, not at, the best settings an H200 sweep found per shape (docs/benchmarks.md).
+    Small tiles in the interpreter."""
     if device.type != "cuda":
-        return [32, half, 4, 1, min(2, k // blocksize)]
-    tile = max(half, 64)
+        return _interpreter_config(k, blocksize)
+    tile = max(blocksize // 2, 64)
     block_n, warps = 4096 // tile, 8 if tile > 64 and rows > 16 else 4
     return [block_n, tile, warps, 1, _split(rows, n, k, block_n, tile, device)]
+
+
+def _interpreter_config(k: int, blocksize: int) -> list[int]:
+    """Small tiles, one block a step, K split in two where it can be: the code paths, quickly, on a CPU."""
+    return [32, blocksize // 2, 4, 1, min(2, k // blocksize)]
 
 
 def _split(rows: int, n: int, k: int, block_n: int, tile: int, device: torch.device) -> int:
@@ -280,7 +290,7 @@ def _launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: 
     block_m = _block_m(rows)
     out = torch.empty(rows, n, device=x.device, dtype=x.dtype)
     interpret = interpreted()
-    tiles_v1, reduce, tiles_v2 = _kernels(interpret)
+    tiles_v1, reduce, tiles_v2 = nf4_triton.kernels(interpret)
     main = tiles_v2 if v2 else tiles_v1
     nested = code2 is not None
     target = torch.empty(split, rows, n, device=x.device, dtype=torch.float32) if split > 1 else out
@@ -289,7 +299,8 @@ def _launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: 
     main[grid](x, packed, absmax, code2 if nested else absmax, absmax2 if nested else absmax,
                offset if nested else absmax, lut, bias if bias is not None else out, target,
                rows, n, k, x.stride(0), per_split, BLOCKSIZE2=blocksize2, HALF=half, NB=tile // half,
-               BLOCK_N=block_n, BLOCK_M=block_m, NESTED=nested, HAS_BIAS=bias is not None and split == 1, PARTIAL=split > 1, WQ=rounding, XQ=xq, EXACT=interpret,
+               BLOCK_N=block_n, BLOCK_M=block_m, NESTED=nested, HAS_BIAS=bias is not None and split == 1,
+               PARTIAL=split > 1, WQ=rounding, XQ=xq, EXACT=interpret,
                num_warps=warps, num_stages=stages, enable_fp_fusion=False)  # round a*b and +c apart, as bnb does
     if split > 1:
         size = rows * n
@@ -297,157 +308,3 @@ def _launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: 
         reduce[(-(-size // block),)](target, bias if bias is not None else out, out, size, n, split,
                                      HAS_BIAS=bias is not None, XQ=xq, EXACT=interpret, BLOCK=block)
     return out
-
-
-@functools.cache
-def _kernels(interpret: bool) -> tuple[Any, Any, Any]:
-    """The Triton kernels, built on first use (importing vlmrl needs no Triton)."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def rounded(x, CODE: tl.constexpr, EXACT: tl.constexpr):
-        # float32 -> the nearest bf16 (CODE 1) or fp16 (CODE 2) value, ties to even, kept in float32 (CODE 0: x).
-        # On the bits for bf16 in the interpreter, which truncates where compiled kernels round.
-        if CODE == 1:
-            if EXACT:
-                bits = x.to(tl.uint32, bitcast=True)
-                bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-                x = tl.where(x == x, bits.to(tl.float32, bitcast=True), x)  # noqa: PLR0124 (False for NaN only)
-            else:
-                x = x.to(tl.bfloat16).to(tl.float32)
-        elif CODE == 2:
-            x = x.to(tl.float16).to(tl.float32)
-        return x
-
-    globals()["rounded"] = rounded  # a kernel finds the functions it calls among its module's globals
-
-    @triton.jit
-    def dot_operand(w, WQ: tl.constexpr, XQ: tl.constexpr, TY: tl.constexpr, EXACT: tl.constexpr):
-        # fp32 weights rounded to the weight dtype, then cast to the activations' (exact fp32 copies in the
-        # interpreter, whose tl.dot reads bf16 as integers)
-        if EXACT:
-            return rounded(rounded(w, WQ, True), XQ, True)
-        if WQ == 1:
-            w = w.to(tl.bfloat16)
-        elif WQ == 2:
-            w = w.to(tl.float16)
-        return w.to(TY)
-
-    globals()["dot_operand"] = dot_operand
-
-    @triton.jit
-    def store_tile(acc, Out, Bias, n, m, n_ok, m_ok, M, N, PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   XQ: tl.constexpr, EXACT: tl.constexpr):
-        # a program's [BLOCK_N, BLOCK_M] sums (out transposed): its split's fp32 share, or bias added and rounded once
-        where = m[None, :] * N + n[:, None]
-        mask = m_ok[None, :] & n_ok[:, None]
-        if PARTIAL:
-            tl.store(Out + tl.program_id(1) * M * N + where, acc, mask=mask)
-        else:
-            if HAS_BIAS:
-                acc = acc + tl.load(Bias + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-            tl.store(Out + where, rounded(acc, XQ, EXACT).to(Out.dtype.element_ty), mask=mask)
-
-    globals()["store_tile"] = store_tile
-
-    @triton.jit
-    def nf4_tiles(X, Packed, Absmax, Code2, Absmax2, Offset, Lut, Bias, Out, M, N, K, stride_x, per_split,
-                  BLOCKSIZE2: tl.constexpr, HALF: tl.constexpr, NB: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_M: tl.constexpr, NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, WQ: tl.constexpr,
-                  XQ: tl.constexpr, EXACT: tl.constexpr):
-        # out[m, n] (or split s's share, fp32) = sum over this split's k of x[m, k] * W[n, k]; W[n, k] is the
-        # nibble k % 2 (high first) of byte n * K/2 + k // 2, times absmax[(n * K + k) // blocksize].
-        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
-        n_ok, m_ok = n < N, m < M
-        blocks = K // (2 * HALF)  # per weight row
-        b, p, e = tl.arange(0, NB), tl.arange(0, HALF), tl.arange(0, 2 * NB * HALF)
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # out transposed: the weight is the dot's left side
-        start = tl.program_id(1) * per_split
-        for kh in range(start, tl.minimum(start + per_split, K // 2), NB * HALF):
-            block = n[:, None] * blocks + (kh // HALF + b)[None, :]  # [BLOCK_N, NB] absmax index
-            ok = n_ok[:, None] & ((kh // HALF + b) < blocks)[None, :]
-            q = tl.load(Packed + block[:, :, None] * HALF + p[None, None, :], mask=ok[:, :, None], other=0)
-            if NESTED:
-                code = tl.load(Absmax + block, mask=ok, other=0).to(tl.int32)
-                scale = tl.load(Code2 + code) * tl.load(Absmax2 + block // BLOCKSIZE2, mask=ok, other=0.0)
-                scale = scale + tl.load(Offset)
-            else:
-                scale = tl.load(Absmax + block, mask=ok, other=0.0)
-            q = q.to(tl.int32)
-            high = tl.load(Lut + (q >> 4)) * scale[:, :, None]
-            low = tl.load(Lut + (q & 15)) * scale[:, :, None]
-            w = tl.reshape(tl.join(high, low), (BLOCK_N, 2 * NB * HALF))  # [BLOCK_N, tile's k] in k order
-            k = 2 * kh + e
-            xt = tl.load(X + m[None, :] * stride_x + k[:, None], mask=m_ok[None, :] & (k < K)[:, None], other=0.0)
-            if EXACT:
-                xt = xt.to(tl.float32)
-            acc = tl.dot(dot_operand(w, WQ, XQ, X.dtype.element_ty, EXACT), xt, acc)
-        store_tile(acc, Out, Bias, n, m, n_ok, m_ok, M, N, PARTIAL, HAS_BIAS, XQ, EXACT)
-
-    @triton.jit
-    def nf4_splits(Partial, Bias, Out, size, N, splits, HAS_BIAS: tl.constexpr, XQ: tl.constexpr,
-                   EXACT: tl.constexpr, BLOCK: tl.constexpr):
-        # the splits' shares summed in order, the bias added, rounded once
-        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        ok = i < size
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for s in range(splits):
-            acc += tl.load(Partial + s * size + i, mask=ok, other=0.0)
-        if HAS_BIAS:
-            acc += tl.load(Bias + i % N, mask=ok, other=0.0).to(tl.float32)
-        tl.store(Out + i, rounded(acc, XQ, EXACT).to(Out.dtype.element_ty), mask=ok)
-
-    @triton.jit
-    def nf4_tiles_v2(X, Packed, Absmax, Code2, Absmax2, Offset, Lut, Bias, Out, M, N, K, stride_x, per_split,
-                     BLOCKSIZE2: tl.constexpr, HALF: tl.constexpr, NB: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_M: tl.constexpr, NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
-                     WQ: tl.constexpr, XQ: tl.constexpr, EXACT: tl.constexpr):
-        # nf4_tiles' sums on 2-D tiles only: packed bytes [BLOCK_N, NB * HALF] contiguous along k; byte c's high
-        # nibble (weight 2c) multiplies x's even column 2c, its low nibble x's odd column 2c + 1, so the nibbles
-        # are never interleaved; each block's scale, a [BLOCK_N] vector, is spread over its HALF bytes by selects
-        KH: tl.constexpr = NB * HALF  # packed bytes per row per step
-        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
-        n_ok, m_ok = n < N, m < M
-        blocks = K // (2 * HALF)  # per weight row
-        row = blocks * HALF  # packed bytes per weight row: a multiple of HALF, so Triton vectorizes the row loads
-        j = tl.arange(0, KH)
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        start = tl.program_id(1) * per_split
-        end = tl.multiple_of(tl.minimum(start + per_split, row), HALF)  # (per_split: whole steps)
-        offset = tl.load(Offset) if NESTED else 0.0
-        bytes_ = Packed + n[:, None] * row + j[None, :]
-        following = tl.load(bytes_ + start, mask=n_ok[:, None] & (start + j < end)[None, :], other=0)
-        for kh in range(start, end, KH):
-            c = kh + j
-            c_ok = c < end
-            # the next step's bytes, in flight while this step's are decoded (with num_stages > 1 Triton's
-            # pipeliner would stage the table lookups through shared memory instead, 4 bytes a copy)
-            q = following.to(tl.int32)
-            following = tl.load(bytes_ + kh + KH, mask=n_ok[:, None] & (c + KH < end)[None, :], other=0)
-            scale = tl.zeros((BLOCK_N, KH), dtype=tl.float32)
-            for b in tl.static_range(NB):
-                block = n * blocks + kh // HALF + b
-                ok = n_ok & (kh // HALF + b < blocks)
-                if NESTED:
-                    code = tl.load(Absmax + block, mask=ok, other=0).to(tl.int32)
-                    s = tl.load(Code2 + code) * tl.load(Absmax2 + block // BLOCKSIZE2, mask=ok, other=0.0)
-                    s = s + offset  # rounded apart from the product (no fusion), as bitsandbytes does
-                else:
-                    s = tl.load(Absmax + block, mask=ok, other=0.0)
-                scale = tl.where((j // HALF == b)[None, :], s[:, None], scale)
-            high = dot_operand(tl.load(Lut + (q >> 4)) * scale, WQ, XQ, X.dtype.element_ty, EXACT)
-            low = dot_operand(tl.load(Lut + (q & 15)) * scale, WQ, XQ, X.dtype.element_ty, EXACT)
-            xk = X + m[None, :] * stride_x + 2 * c[:, None]  # [KH, BLOCK_M]: x's even columns of the step
-            x_ok = m_ok[None, :] & c_ok[:, None]
-            even = tl.load(xk, mask=x_ok, other=0.0)
-            odd = tl.load(xk + 1, mask=x_ok, other=0.0)
-            if EXACT:
-                even, odd = even.to(tl.float32), odd.to(tl.float32)
-            acc = tl.dot(high, even, acc)
-            acc = tl.dot(low, odd, acc)
-        store_tile(acc, Out, Bias, n, m, n_ok, m_ok, M, N, PARTIAL, HAS_BIAS, XQ, EXACT)
-
-    return nf4_tiles, nf4_splits, nf4_tiles_v2

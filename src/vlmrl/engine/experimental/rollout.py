@@ -48,7 +48,8 @@ def apply(trainer: Any, fast: FastGeneration, *, merge: bool = False, filled_win
     `second_cublas`: the stacked projections' second step as a cuBLAS matmul and a sum instead of one kernel;
     `nf4_kernel` ("v1" or "v2"): token steps over a 4-bit base multiply through that nf4 kernel (`nf4.nf4_decode`,
     on for the trainer's life, so that a compiled token step sees the same forwards at every rollout; the loss
-    pass and prompt passes stay on bitsandbytes). Call it right after `enable_fast_generation`, before anything else wraps the trainer's rollout call."""
+    pass and prompt passes stay on bitsandbytes). Call it right after `enable_fast_generation`, before anything else
+    wraps the trainer's rollout call."""
     if not fast.enabled:
         return fast
     contexts = list(trainer.vlmrl_rollout_contexts)

@@ -1,0 +1,169 @@
+"""The Triton source of the nf4 token-step kernels that `vlmrl.engine.experimental.nf4` launches (its docstring
+says what they compute and how they are checked); experimental, like it.
+
+Public: `kernels(interpret)` -> (`nf4_tiles`: v1, packed bytes joined into k order in 3-D tiles; `nf4_splits`: the
+fixed-order sum of K splits, bias added and rounded once; `nf4_tiles_v2`: v2, 2-D tiles of packed bytes, high
+nibbles against x's even columns and low ones against its odd columns). Each tile kernel writes its program's fp32
+share when K is split, else the rounded output. Limits: those of `nf4` (nf4 codes, bf16/fp16 activations, CUDA or
+Triton's interpreter).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+
+@functools.cache
+def kernels(interpret: bool) -> tuple[Any, Any, Any]:
+    """(nf4_tiles, nf4_splits, nf4_tiles_v2), built on first use (importing vlmrl needs no Triton); `interpret`
+    keys the cache, as Triton's interpreter is chosen when a kernel is built."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def rounded(x, CODE: tl.constexpr, EXACT: tl.constexpr):
+        # float32 -> the nearest bf16 (CODE 1) or fp16 (CODE 2) value, ties to even, kept in float32 (CODE 0: x).
+        # On the bits for bf16 in the interpreter, which truncates where compiled kernels round.
+        if CODE == 1:
+            if EXACT:
+                bits = x.to(tl.uint32, bitcast=True)
+                bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+                x = tl.where(x == x, bits.to(tl.float32, bitcast=True), x)  # noqa: PLR0124 (False for NaN only)
+            else:
+                x = x.to(tl.bfloat16).to(tl.float32)
+        elif CODE == 2:
+            x = x.to(tl.float16).to(tl.float32)
+        return x
+
+    globals()["rounded"] = rounded  # a kernel finds the functions it calls among its module's globals
+
+    @triton.jit
+    def dot_operand(w, WQ: tl.constexpr, XQ: tl.constexpr, TY: tl.constexpr, EXACT: tl.constexpr):
+        # fp32 weights rounded to the weight dtype, then cast to the activations' (exact fp32 copies in the
+        # interpreter, whose tl.dot reads bf16 as integers)
+        if EXACT:
+            return rounded(rounded(w, WQ, True), XQ, True)
+        if WQ == 1:
+            w = w.to(tl.bfloat16)
+        elif WQ == 2:
+            w = w.to(tl.float16)
+        return w.to(TY)
+
+    globals()["dot_operand"] = dot_operand
+
+    @triton.jit
+    def store_tile(acc, Out, Bias, n, m, n_ok, m_ok, M, N, PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   XQ: tl.constexpr, EXACT: tl.constexpr):
+        # a program's [BLOCK_N, BLOCK_M] sums (out transposed): its split's fp32 share, or bias added and rounded once
+        where = m[None, :] * N + n[:, None]
+        mask = m_ok[None, :] & n_ok[:, None]
+        if PARTIAL:
+            tl.store(Out + tl.program_id(1) * M * N + where, acc, mask=mask)
+        else:
+            if HAS_BIAS:
+                acc = acc + tl.load(Bias + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+            tl.store(Out + where, rounded(acc, XQ, EXACT).to(Out.dtype.element_ty), mask=mask)
+
+    globals()["store_tile"] = store_tile
+
+    @triton.jit
+    def nf4_tiles(X, Packed, Absmax, Code2, Absmax2, Offset, Lut, Bias, Out, M, N, K, stride_x, per_split,
+                  BLOCKSIZE2: tl.constexpr, HALF: tl.constexpr, NB: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_M: tl.constexpr, NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, WQ: tl.constexpr,
+                  XQ: tl.constexpr, EXACT: tl.constexpr):
+        # out[m, n] (or split s's share, fp32) = sum over this split's k of x[m, k] * W[n, k]; W[n, k] is the
+        # nibble k % 2 (high first) of byte n * K/2 + k // 2, times absmax[(n * K + k) // blocksize].
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+        n_ok, m_ok = n < N, m < M
+        blocks = K // (2 * HALF)  # per weight row
+        b, p, e = tl.arange(0, NB), tl.arange(0, HALF), tl.arange(0, 2 * NB * HALF)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # out transposed: the weight is the dot's left side
+        start = tl.program_id(1) * per_split
+        for kh in range(start, tl.minimum(start + per_split, K // 2), NB * HALF):
+            block = n[:, None] * blocks + (kh // HALF + b)[None, :]  # [BLOCK_N, NB] absmax index
+            ok = n_ok[:, None] & ((kh // HALF + b) < blocks)[None, :]
+            q = tl.load(Packed + block[:, :, None] * HALF + p[None, None, :], mask=ok[:, :, None], other=0)
+            if NESTED:
+                code = tl.load(Absmax + block, mask=ok, other=0).to(tl.int32)
+                scale = tl.load(Code2 + code) * tl.load(Absmax2 + block // BLOCKSIZE2, mask=ok, other=0.0)
+                scale = scale + tl.load(Offset)
+            else:
+                scale = tl.load(Absmax + block, mask=ok, other=0.0)
+            q = q.to(tl.int32)
+            high = tl.load(Lut + (q >> 4)) * scale[:, :, None]
+            low = tl.load(Lut + (q & 15)) * scale[:, :, None]
+            w = tl.reshape(tl.join(high, low), (BLOCK_N, 2 * NB * HALF))  # [BLOCK_N, tile's k] in k order
+            k = 2 * kh + e
+            xt = tl.load(X + m[None, :] * stride_x + k[:, None], mask=m_ok[None, :] & (k < K)[:, None], other=0.0)
+            if EXACT:
+                xt = xt.to(tl.float32)
+            acc = tl.dot(dot_operand(w, WQ, XQ, X.dtype.element_ty, EXACT), xt, acc)
+        store_tile(acc, Out, Bias, n, m, n_ok, m_ok, M, N, PARTIAL, HAS_BIAS, XQ, EXACT)
+
+    @triton.jit
+    def nf4_splits(Partial, Bias, Out, size, N, splits, HAS_BIAS: tl.constexpr, XQ: tl.constexpr,
+                   EXACT: tl.constexpr, BLOCK: tl.constexpr):
+        # the splits' shares summed in order, the bias added, rounded once
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = i < size
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s in range(splits):
+            acc += tl.load(Partial + s * size + i, mask=ok, other=0.0)
+        if HAS_BIAS:
+            acc += tl.load(Bias + i % N, mask=ok, other=0.0).to(tl.float32)
+        tl.store(Out + i, rounded(acc, XQ, EXACT).to(Out.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def nf4_tiles_v2(X, Packed, Absmax, Code2, Absmax2, Offset, Lut, Bias, Out, M, N, K, stride_x, per_split,
+                     BLOCKSIZE2: tl.constexpr, HALF: tl.constexpr, NB: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_M: tl.constexpr, NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
+                     WQ: tl.constexpr, XQ: tl.constexpr, EXACT: tl.constexpr):
+        # nf4_tiles' sums on 2-D tiles only: packed bytes [BLOCK_N, NB * HALF] contiguous along k; byte c's high
+        # nibble (weight 2c) multiplies x's even column 2c, its low nibble x's odd column 2c + 1, so the nibbles
+        # are never interleaved; each block's scale, a [BLOCK_N] vector, is spread over its HALF bytes by selects
+        KH: tl.constexpr = NB * HALF  # packed bytes per row per step
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+        n_ok, m_ok = n < N, m < M
+        blocks = K // (2 * HALF)  # per weight row
+        row = blocks * HALF  # packed bytes per weight row: a multiple of HALF, so Triton vectorizes the row loads
+        j = tl.arange(0, KH)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        start = tl.program_id(1) * per_split
+        end = tl.multiple_of(tl.minimum(start + per_split, row), HALF)  # (per_split: whole steps)
+        offset = tl.load(Offset) if NESTED else 0.0
+        bytes_ = Packed + n[:, None] * row + j[None, :]
+        following = tl.load(bytes_ + start, mask=n_ok[:, None] & (start + j < end)[None, :], other=0)
+        for kh in range(start, end, KH):
+            c = kh + j
+            c_ok = c < end
+            # the next step's bytes, in flight while this step's are decoded (with num_stages > 1 Triton's
+            # pipeliner would stage the table lookups through shared memory instead, 4 bytes a copy)
+            q = following.to(tl.int32)
+            following = tl.load(bytes_ + kh + KH, mask=n_ok[:, None] & (c + KH < end)[None, :], other=0)
+            scale = tl.zeros((BLOCK_N, KH), dtype=tl.float32)
+            for b in tl.static_range(NB):
+                block = n * blocks + kh // HALF + b
+                ok = n_ok & (kh // HALF + b < blocks)
+                if NESTED:
+                    code = tl.load(Absmax + block, mask=ok, other=0).to(tl.int32)
+                    s = tl.load(Code2 + code) * tl.load(Absmax2 + block // BLOCKSIZE2, mask=ok, other=0.0)
+                    s = s + offset  # rounded apart from the product (no fusion), as bitsandbytes does
+                else:
+                    s = tl.load(Absmax + block, mask=ok, other=0.0)
+                scale = tl.where((j // HALF == b)[None, :], s[:, None], scale)
+            high = dot_operand(tl.load(Lut + (q >> 4)) * scale, WQ, XQ, X.dtype.element_ty, EXACT)
+            low = dot_operand(tl.load(Lut + (q & 15)) * scale, WQ, XQ, X.dtype.element_ty, EXACT)
+            xk = X + m[None, :] * stride_x + 2 * c[:, None]  # [KH, BLOCK_M]: x's even columns of the step
+            x_ok = m_ok[None, :] & c_ok[:, None]
+            even = tl.load(xk, mask=x_ok, other=0.0)
+            odd = tl.load(xk + 1, mask=x_ok, other=0.0)
+            if EXACT:
+                even, odd = even.to(tl.float32), odd.to(tl.float32)
+            acc = tl.dot(high, even, acc)
+            acc = tl.dot(low, odd, acc)
+        store_tile(acc, Out, Bias, n, m, n_ok, m_ok, M, N, PARTIAL, HAS_BIAS, XQ, EXACT)
+
+    return nf4_tiles, nf4_splits, nf4_tiles_v2
