@@ -61,6 +61,20 @@ def test_the_rollout_mismatch_record_carries_both_bench_records_per_step():
         assert len(rows) >= 2 and all(0 < row["mismatch/logp_diff_mean"] < row["mismatch/logp_diff_max"] for row in rows)
 
 
+def test_the_demo_gpu_pair_is_in_the_record_and_its_criteria_follow_from_its_numbers():
+    """Issue 40's pair: both runs' 80 steps of mismatch columns, and each criterion recomputed from the intervals."""
+    committed = json.loads((RESULTS / "h200_rollout_mismatch.json").read_text())
+    rollouts = _script("rollout_mismatch")
+    for name in ("tis", "none"):
+        run = committed["runs"][name]
+        assert run["rollout_correction"]["correction"] == name
+        assert run["mismatch_summary"]["steps"] == len(run["mismatch_per_step"]) == 80
+        assert all(row["mismatch/logp_diff_mean"] <= row["mismatch/logp_diff_max"] for row in run["mismatch_per_step"])
+    assert committed["tis_minus_none"]["same_baseline"]
+    assert committed["criteria"] == rollouts.criteria(committed["runs"], committed["tis_minus_none"])
+    assert all(committed["criteria"].values())
+
+
 def test_the_nf4_tables_in_the_docs_are_the_one_stage_record():
     """docs/benchmarks.md's two tables of the one-stage nf4 run read their figures off the committed JSON."""
     record = json.loads((RESULTS / "h200_nf4_matmul_one_stage.json").read_text())
