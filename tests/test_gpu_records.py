@@ -29,15 +29,20 @@ def test_the_small_card_record_is_recomputed_from_its_bench_files(tmp_path):
     small_card.main([str(tmp_path), "--fp16", str(RESULTS / "h200_small_card_fp16.json"),
                      "--bf16", str(RESULTS / "h200_small_card_bf16.json"),
                      "--varied", str(RESULTS / "h200_small_card_fp16_varied.json"),
+                     "--alone", str(RESULTS / "h200_small_card_fp16_alone.json"),
                      "--record", str(RESULTS / "h200_record_4bit.json")])
     again = json.loads((tmp_path / "h200_small_card.json").read_text())
-    for name in ("fp16", "bf16", "fp16_varied_reward"):
+    for name in ("fp16", "bf16", "fp16_varied_reward", "fp16_alone"):
         for key in ("steps_completed", "peak_gib", "step_seconds", "per_step", "predicted_peak_gib"):
             assert again["runs"][name][key] == committed["runs"][name][key], (name, key)
     assert again["criteria"] == committed["criteria"]
     fp16 = again["runs"]["fp16"]
     assert fp16["settings"]["dtype"] == "float16" and fp16["settings"]["memory_cap_gib"] == 15.0
     assert fp16["steps_completed"] == 3 and fp16["peak_gib"] <= 15.0
+    alone = again["runs"]["fp16_alone"]
+    same = ("completion", "dtype", "load_in_4bit", "micro_batch", "steps_per_generation", "memory_cap_gib", "prompts")
+    assert all(alone["settings"][key] == fp16["settings"][key] for key in same)
+    assert alone["steps_completed"] == 3 and alone["peak_gib"] <= 15.0 and alone["all_finite"]
     assert again["runs"]["fp16_varied_reward"]["nonzero_gradients"]
 
 
