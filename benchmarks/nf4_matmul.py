@@ -1,6 +1,7 @@
 """A 4-bit token step's projections at Qwen3-VL-8B's language shapes: bitsandbytes' `Linear4bit` forward, its
-dequantize + matmul, and vlmrl's nf4 kernels (`vlmrl.engine.experimental.nf4`: `nf4_matmul`, "nf4 kernel", and the
-second design `nf4_matmul_v2`, "nf4 kernel v2"), beside the weight-read floor.
+dequantize + matmul, and vlmrl's nf4 kernels (the first design, `vlmrl.engine.experimental.nf4_v1.nf4_matmul_v1`,
+"nf4 kernel", and the product's, `vlmrl.engine.rollout.nf4.nf4_matmul`, "nf4 kernel v2"), beside the weight-read
+floor.
 
 For each batch of rows (1, 8, 32: token rows of a decode step) and dtype, one token step is the 36 layers x 7
 projections (q, k, v, o, gate, up, down) over random nf4 weights (double quantisation, blocksize 64), each call
@@ -10,7 +11,7 @@ for scale. The floor: the packed weights and their absmax codes over the measure
 Numerics: each projection's kernel output against dequantize + matmul, in units of the last place; the exit
 status is 1 when one is over a unit (as tests/test_nf4.py counts them) or a kernel fell back.
 The sweep times each kernel's tile settings per distinct shape (CUDA graph of 36 calls over the 36 layers'
-weights), to choose `nf4._config`'s and `nf4._config_v2`'s defaults; each kernel's compiles are bounded by
+weights), to choose `nf4_v1._config`'s and `nf4._config`'s defaults; each kernel's compiles are bounded by
 `--sweep-seconds`. `--kernels v2` measures the second design alone.
 
     python benchmarks/nf4_matmul.py OUTDIR     (one CUDA GPU, bitsandbytes installed; ~10 minutes, two sweeps)
@@ -23,6 +24,7 @@ Writes OUTDIR/nf4_matmul.json and OUTDIR/nf4_matmul.md.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import platform
@@ -52,8 +54,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--replays", type=int, default=10, help="timed repeats of a token step")
     p.add_argument("--no-dense", action="store_true", help="skip the dense bf16 matmul (saves 2 bytes per weight)")
     p.add_argument("--sweep-seconds", type=float, default=240.0, help="time for each kernel's tile sweep (0: none)")
-    p.add_argument("--kernels", default="v1,v2", help="vlmrl's nf4 kernels to measure (v1: nf4_matmul, v2: "
-                   "nf4_matmul_v2), comma-separated")
+    p.add_argument("--kernels", default="v1,v2", help="vlmrl's nf4 kernels to measure (v1: the first "
+                   "design, nf4_v1.nf4_matmul_v1; v2: the product's, nf4.nf4_matmul), comma-separated")
     return p.parse_args(argv)
 
 
@@ -145,9 +147,11 @@ def weight_bytes(module: torch.nn.Module) -> int:
             + qs.state2.absmax.numel() * 4)
 
 
-KERNELS = {"v1": ("nf4 kernel", "nf4_matmul", "_config"), "v2": ("nf4 kernel v2", "nf4_matmul_v2", "_config_v2")}
+# per kernel: its label, module, function and config chooser
+KERNELS = {"v1": ("nf4 kernel", "vlmrl.engine.experimental.nf4_v1", "nf4_matmul_v1", "_config"),
+           "v2": ("nf4 kernel v2", "vlmrl.engine.rollout.nf4", "nf4_matmul", "_config")}
 # per kernel: packed bytes per weight row per step, and pipeline stages (1: Triton's pipeliner off, which
-# otherwise stages every table lookup through shared memory, 4 bytes a copy: nf4._config_v2)
+# otherwise stages every table lookup through shared memory, 4 bytes a copy: nf4._config)
 SWEEP = {"v1": {"tiles": (64, 128), "stages": (1, 2, 3)}, "v2": {"tiles": (32, 64, 128), "stages": (1, 3)}}
 
 
@@ -166,7 +170,7 @@ def step_methods(layers: list, inputs: dict[int, torch.Tensor], dense: list | No
         "dequantize + matmul": lambda: [deq(m, inputs[m.in_features]) for _, m in layers],
     }
     for name in kernels:
-        methods[KERNELS[name][0]] = kernel(getattr(nf4, KERNELS[name][1]))
+        methods[KERNELS[name][0]] = kernel(_kernel(name)[0])
     if dense is not None:
         methods["dense bf16 matmul"] = lambda: [F.linear(inputs[w.shape[1]].to(w.dtype), w) for w in dense]
     return methods
@@ -177,8 +181,7 @@ def sweep(a: argparse.Namespace, layers: list, rows_list: list[int], dtype: torc
     """Per distinct (out, in) and rows: the kernel's time for each tile setting, 36 calls over distinct weights."""
     if a.sweep_seconds <= 0:
         return []
-    _, function, chooser = KERNELS[kernel]
-    matmul = getattr(nf4, function)
+    matmul, chooser = _kernel(kernel)
     deadline = time.monotonic() + a.sweep_seconds
     by_shape: dict[tuple[int, int], list] = {}
     for _, m in layers:
@@ -192,7 +195,7 @@ def sweep(a: argparse.Namespace, layers: list, rows_list: list[int], dtype: torc
         # field changed, then two, ...), so a short sweep still answers "does one stage / other warps help"
         cell_deadline = time.monotonic() + (deadline - time.monotonic()) / (len(cells) - index)
         x = torch.randn(rows, k, device=device).to(dtype)
-        default = getattr(nf4, chooser)(rows, n, k, 64, device)
+        default = chooser(rows, n, k, 64, device)
         splits = sorted({max(1, default[4] // 2), default[4], default[4] * 2})
         grid = [[block_n, tile, warps, stages, split] for block_n in (32, 64, 128)
                 for tile in SWEEP[kernel]["tiles"] for warps in (4, 8)
@@ -217,6 +220,13 @@ def sweep(a: argparse.Namespace, layers: list, rows_list: list[int], dtype: torc
     return results
 
 
+def _kernel(name: str) -> tuple[Callable, Callable]:
+    """A kernel's (matmul, config chooser), by KERNELS' name."""
+    _, module, function, chooser = KERNELS[name]
+    loaded = importlib.import_module(module)
+    return getattr(loaded, function), getattr(loaded, chooser)
+
+
 def _time_config(modules: list, x: torch.Tensor, config: list[int], replays: int, nf4: object,
                  matmul: Callable) -> dict:
     nf4._failed.clear()
@@ -234,7 +244,7 @@ def main(argv: list[str]) -> int:
     a = parse(argv)
     import bitsandbytes as bnb
 
-    from vlmrl.engine.experimental import nf4
+    from vlmrl.engine.rollout import nf4  # its _failed records both designs' fallbacks
 
     a.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -306,7 +316,7 @@ def numerics(layers: list, inputs: dict, dtype: torch.dtype, rows: int, bnb: obj
         weight = bnb.functional.dequantize_4bit(m.weight.data, m.weight.quant_state).to(dtype)
         expected = F.linear(x, weight)
         scale = x.float().abs() @ weight.float().abs().T
-        outputs = [(names[k], getattr(nf4, KERNELS[k][1])(x, m.weight)) for k in kernels]
+        outputs = [(names[k], _kernel(k)[0](x, m.weight)) for k in kernels]
         for name, got in [*outputs, ("linear4bit", m(x))]:
             found[f"{name}_ulps"] = max(found[f"{name}_ulps"], ulps(got, expected))
             found[f"{name}_units"] = max(found[f"{name}_units"], units(got, expected, scale))

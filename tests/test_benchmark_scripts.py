@@ -91,7 +91,7 @@ def test_each_variant_changes_only_its_own_setting(variants, monkeypatch):
         inspect.signature(after.func).bind("trainer", "fast", **after.keywords)  # apply takes these keywords
         return after.keywords
 
-    assert table["vlmrl-stacked"] == table["vlmrl-stacked-kernel"] == Variant()  # the defaults now: vlmrl's path
+    assert table["vlmrl-stacked"] == table["vlmrl-stacked-kernel"] == table["vlmrl-nf4-v2"] == Variant()  # defaults now
     assert table["vlmrl-copies"] == Variant(fast={"stacked": False})
     assert table["vlmrl-merged"].fast == {"stacked": False, "adapter_copies": False}
     assert experiment("vlmrl-merged") == {"merge": True}
@@ -100,7 +100,7 @@ def test_each_variant_changes_only_its_own_setting(variants, monkeypatch):
     assert experiment("vlmrl-filled-copies") == {"filled_window": 128}
     assert experiment("vlmrl-sdpa-decode") == {"sdpa_decode": True}
     assert experiment("vlmrl-second-cublas") == {"second_cublas": True}
-    assert experiment("vlmrl-nf4") == {"nf4_kernel": "v1"} and experiment("vlmrl-nf4-v2") == {"nf4_kernel": "v2"}
+    assert experiment("vlmrl-bnb") == {"nf4_kernel": "off"} and experiment("vlmrl-nf4-v1") == {"nf4_kernel": "v1"}
     assert experiment("vlmrl-guards-once") == {"guards_once": True}
     assert table["vlmrl-input-cast"] == Variant(loss_pass={"adapter_input_cast": True})
     assert table["vlmrl-own-kernels"] == Variant(loss_pass={"kernels": False})

@@ -1,7 +1,8 @@
-"""The nf4 token-step kernels (`vlmrl.engine.experimental.nf4`: `nf4_matmul` and the second design, `nf4_matmul_v2`,
-each numerics test running both) against bitsandbytes' dequantize-then-matmul: within one bf16/fp16 unit per output,
-in Triton's CPU interpreter (tests/conftest.py turns it on) on small shapes, and on a CUDA GPU at Qwen3-VL-8B's
-shapes; `nf4_decode` routing token steps only, and the recorded fallbacks."""
+"""The nf4 token-step kernels (the product's `vlmrl.engine.rollout.nf4.nf4_matmul`, "v2", and the first design,
+`vlmrl.engine.experimental.nf4_v1.nf4_matmul_v1`, each numerics test running both) against bitsandbytes'
+dequantize-then-matmul: within one bf16/fp16 unit per output, in Triton's CPU interpreter (tests/conftest.py turns
+it on) on small shapes, and on a CUDA GPU at Qwen3-VL-8B's shapes; `nf4_decode` routing token steps only, the fast
+path turning it on where it applies, and the recorded fallbacks."""
 
 from __future__ import annotations
 
@@ -9,14 +10,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vlmrl.engine.experimental import nf4
+from vlmrl.engine.experimental import nf4_v1
+from vlmrl.engine.rollout import nf4
 
 bnb = pytest.importorskip("bitsandbytes")
 BF = bnb.functional
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(not nf4.HAS_TRITON or not (DEVICE == "cuda" or nf4.interpreted()),
                                 reason="needs Triton on CUDA or its interpreter (tests/conftest.py)")
-KERNELS = pytest.mark.parametrize("matmul", [nf4.nf4_matmul, nf4.nf4_matmul_v2], ids=["v1", "v2"])
+KERNELS = pytest.mark.parametrize("matmul", [nf4_v1.nf4_matmul_v1, nf4.nf4_matmul], ids=["v1", "v2"])
 
 
 @pytest.fixture(autouse=True)
@@ -24,8 +26,8 @@ def launches(monkeypatch):
     """Each kernel launch, recorded (and the fallbacks cleared)."""
     monkeypatch.setattr(nf4, "_failed", {})
     calls = []
-    real = nf4._launch
-    monkeypatch.setattr(nf4, "_launch", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    real = nf4.launch
+    monkeypatch.setattr(nf4, "launch", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
     # the reference sums in fp32 (cuBLAS may otherwise reduce split-K partial sums in bf16/fp16)
     flags = torch.backends.cuda.matmul
     saved = flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction
@@ -145,7 +147,7 @@ def test_the_torch_fallback_dequantizes_as_bitsandbytes(nested):
 
 @KERNELS
 def test_a_kernel_that_cannot_run_falls_back_once_with_the_reason(matmul, monkeypatch, caplog):
-    monkeypatch.setattr(nf4, "_launch", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("no PTX for this GPU")))
+    monkeypatch.setattr(nf4, "launch", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("no PTX for this GPU")))
     packed, qs = _quantized(64, 256)
     x = torch.randn(2, 256).to(DEVICE, torch.bfloat16)
     for _ in range(2):
@@ -171,11 +173,11 @@ def _model(*layers):
     return torch.nn.Sequential(*layers).eval()
 
 
-@pytest.mark.parametrize("kernel", ["v1", "v2"])
-def test_nf4_decode_routes_token_steps_and_leaves_the_rest_to_bitsandbytes(kernel, launches, monkeypatch):
-    kernels = []
-    real = nf4._launch
-    monkeypatch.setattr(nf4, "_launch", lambda *a, v2=False: kernels.append(v2) or real(*a, v2=v2))
+@KERNELS
+def test_nf4_decode_routes_token_steps_and_leaves_the_rest_to_bitsandbytes(matmul, launches, monkeypatch):
+    designs = []
+    real = nf4.launch
+    monkeypatch.setattr(nf4, "launch", lambda *a, **kw: designs.append(kw["chooser"].__module__) or real(*a, **kw))
     model = _model(_layer(256, 192), torch.nn.ReLU(), _layer(192, 128, bias=False))
     step, prompt = (torch.randn(4, 1, 256).to(DEVICE, torch.bfloat16), torch.randn(2, 40, 256).to(DEVICE, torch.bfloat16))
     with torch.no_grad():
@@ -189,42 +191,96 @@ def test_nf4_decode_routes_token_steps_and_leaves_the_rest_to_bitsandbytes(kerne
                 if layer.bias is not None:
                     d.bias.data = layer.bias.data.to(step.dtype)
         expected = dense.to(DEVICE, step.dtype)(step)
-        with nf4.nf4_decode(model, kernel=kernel) as reason:
+        with nf4.nf4_decode(model, matmul=matmul) as reason:
             got = model(step)  # 4 rows: a token step
             assert launches == [4, 4]
             model(prompt)  # 80 rows: a prompt pass
+            model(step[:1])  # one row: bitsandbytes' gemv on a GPU
             assert launches == [4, 4]
-    with nf4.nf4_decode(model):
+    with nf4.nf4_decode(model, matmul=matmul):
         model(step.requires_grad_())  # the loss pass: gradients
-    assert reason is None and launches == [4, 4] and kernels == [kernel == "v2"] * 2
+    assert reason is None and launches == [4, 4]
+    assert designs == [matmul.__module__] * 2
     assert all("forward" not in layer.__dict__ for layer in model)  # bitsandbytes' own forward again
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-3)  # two layers, each within a unit
 
 
-def test_the_bench_variant_routes_a_trainers_token_steps_for_its_life(launches):
-    """`apply(..., nf4_kernel="v2")` (the bench's vlmrl-nf4-v2 path): every rollout's token steps go through the
-    kernel, the loss pass stays on bitsandbytes, and the record says which kernel read the weights."""
+def _rollout_trainer(model, step):
     from tests.test_fastgen import fake_trainer
-    from vlmrl.engine.experimental.rollout import apply
-    from vlmrl.engine.rollout.fast import enable_fast_generation
-
-    model = _model(_layer(256, 192))
-    step = torch.randn(4, 1, 256).to(DEVICE, torch.bfloat16)
 
     def rollout():
         with torch.no_grad():
             return model(step)
 
-    trainer = fake_trainer(model, rollout)
-    fast = apply(trainer, enable_fast_generation(trainer), nf4_kernel="v2")
-    assert fast.weights.startswith("vlmrl nf4 kernel v2 (experimental)")
+    return fake_trainer(model, rollout)
+
+
+def test_the_fast_path_routes_a_trainers_token_steps_for_its_life(launches, monkeypatch):
+    """`enable_fast_generation` on a 4-bit base, where the GPU rule lets it (here patched to, as on an H200): every
+    rollout's token steps go through the kernel, the loss pass stays on bitsandbytes, the record says so."""
+    from vlmrl.engine.rollout.fast import enable_fast_generation
+
+    monkeypatch.setattr(nf4, "gpu_reason", lambda device: None)
+    model = _model(_layer(256, 192))
+    step = torch.randn(4, 1, 256).to(DEVICE, torch.bfloat16)
+    trainer = _rollout_trainer(model, step)
+    fast = enable_fast_generation(trainer)
+    assert fast.weights == ("vlmrl nf4 kernel (vlmrl.engine.rollout.nf4) for token steps of 2-64 rows, "
+                            "bitsandbytes Linear4bit otherwise")
+    assert launches == [2]  # the probe
     trainer._generate_single_turn()
     trainer._generate_single_turn()
-    assert launches == [4, 4]
+    assert launches == [2, 4, 4]
     model(step.requires_grad_())  # the loss pass
-    assert launches == [4, 4]
+    assert launches == [2, 4, 4]
     trainer.vlmrl_nf4_decode.close()
     assert "forward" not in model[0].__dict__
+
+
+@pytest.mark.parametrize(("variant", "record", "design"), [
+    ("off", "bitsandbytes Linear4bit (vlmrl's nf4 kernel turned off by vlmrl.engine.experimental)", None),
+    ("v1", "vlmrl nf4 kernel v1 (experimental) for token steps of 2-64 rows, bitsandbytes Linear4bit otherwise",
+     "vlmrl.engine.experimental.nf4_v1"),
+])
+def test_the_bench_variants_swap_the_products_kernel(variant, record, design, launches, monkeypatch):
+    from vlmrl.engine.experimental.rollout import apply
+    from vlmrl.engine.rollout.fast import enable_fast_generation
+
+    monkeypatch.setattr(nf4, "gpu_reason", lambda device: None)
+    designs = []
+    real = nf4.launch
+    monkeypatch.setattr(nf4, "launch", lambda *a, **kw: designs.append(kw["chooser"].__module__) or real(*a, **kw))
+    model = _model(_layer(256, 192))
+    trainer = _rollout_trainer(model, torch.randn(4, 1, 256).to(DEVICE, torch.bfloat16))
+    fast = apply(trainer, enable_fast_generation(trainer), nf4_kernel=variant)
+    assert fast.weights == record
+    trainer._generate_single_turn()
+    assert designs == ["vlmrl.engine.rollout.nf4"] + ([design] if design else [])  # the probe, then the rollout
+    assert ("forward" in model[0].__dict__) == (design is not None)
+
+
+def test_where_the_fast_path_leaves_4bit_token_steps_on_bitsandbytes(launches, monkeypatch):
+    """The record says why: no 4-bit layer (nothing), vlmrl's kernels off, a GPU where the kernel was not measured
+    faster, a kernel that cannot run there (the probe); and the rule itself, by compute capability."""
+    from vlmrl.engine.rollout.fast import nf4_token_steps
+
+    model = _model(_layer(256, 64))
+    trainer = _rollout_trainer(model, None)
+    assert nf4_token_steps(_rollout_trainer(torch.nn.Linear(4, 4), None)) is None
+    assert nf4_token_steps(trainer, wanted=False) == ("bitsandbytes Linear4bit (vlmrl's kernels are off: "
+                                                      "train.rollout.kernels=false)")
+    if DEVICE == "cpu":
+        assert "not a CUDA device" in nf4_token_steps(trainer)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    assert nf4.gpu_reason(torch.device("cuda", 0)) == ("measured faster than bitsandbytes on sm_90 (H100/H200) "
+                                                       "only; this GPU is sm_89")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert nf4.gpu_reason(torch.device("cuda", 0)) is None
+    monkeypatch.setattr(nf4, "gpu_reason", lambda device: None)
+    monkeypatch.setattr(nf4, "launch", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("no PTX for this GPU")))
+    assert nf4_token_steps(trainer) == ("bitsandbytes Linear4bit (vlmrl's nf4 kernel not used: RuntimeError: no PTX "
+                                        "for this GPU)")
+    assert "forward" not in model[0].__dict__ and getattr(trainer, "vlmrl_nf4_decode", None) is None
 
 
 def test_an_unsupported_model_is_left_alone_with_the_reason(monkeypatch, launches):
@@ -244,8 +300,8 @@ def test_an_unsupported_model_is_left_alone_with_the_reason(monkeypatch, launche
         assert "not a CUDA device" in nf4.unsupported_reason(odd)
 
 
-@pytest.mark.parametrize("kernel", ["v1", "v2"])
-def test_a_compiled_token_step_calls_it_as_one_node(kernel):
+@KERNELS
+def test_a_compiled_token_step_calls_it_as_one_node(matmul):
     layer = _layer(256, 64)
     x = torch.randn(3, 256).to(DEVICE, torch.bfloat16)
     nodes = []
@@ -255,9 +311,9 @@ def test_a_compiled_token_step_calls_it_as_one_node(kernel):
         return gm.forward
 
     torch._dynamo.reset()
-    with torch.no_grad(), nf4.nf4_decode(layer, kernel=kernel):
+    with torch.no_grad(), nf4.nf4_decode(layer, matmul=matmul):
         got = torch.compile(layer, backend=backend, fullgraph=True)(x)
-    op = {"v1": "vlmrl.nf4_matmul.default", "v2": "vlmrl.nf4_matmul_v2.default"}[kernel]
+    op = {nf4_v1.nf4_matmul_v1: "vlmrl.nf4_matmul_v1.default", nf4.nf4_matmul: "vlmrl.nf4_matmul.default"}[matmul]
     assert [n for n in nodes if "nf4" in n] == [op]
     _check(got, x, layer.weight, layer.weight.quant_state, layer.bias)
 
@@ -276,12 +332,3 @@ def test_qwen3_vl_8b_shapes_on_the_gpu(dtype, matmul):
             _check(matmul(x, packed, bias, quant_state=qs), x, packed, qs, bias, min_equal=0.9)
     _exact_weights(1024, 4096, dtype, matmul=matmul)  # 4M weights, each as bitsandbytes dequantizes it (and rounds it)
     assert not nf4._failed
-
-
-def test_the_fast_path_records_how_token_steps_read_4bit_weights():
-    """`enable_fast_generation`'s record: nothing for a 16-bit base; bitsandbytes for a 4-bit one (the kernel
-    here is an experiment, not in the rollouts: docs/benchmarks.md, "The nf4 token-step kernel")."""
-    from vlmrl.engine.rollout.fast import _four_bit_note
-
-    assert _four_bit_note(torch.nn.Linear(4, 4)) is None
-    assert _four_bit_note(_model(_layer(256, 64))).startswith("bitsandbytes Linear4bit")

@@ -8,10 +8,9 @@ What is here, each an A/B variant that lost or tied against the product path (do
   `guards_once` (dynamo's guards checked only until a `generate` call's token steps are steady), and `apply`,
   which adds these (or turns one of vlmrl's kernels off) on a trainer that `enable_fast_generation` set up.
   `benchmarks/engine_variants.py` turns them into `vlmrl bench` paths.
-- `nf4` (its Triton source in `nf4_triton`): two Triton kernels for token steps over bitsandbytes' nf4 weights
-  (`nf4_matmul`, `nf4_matmul_v2`, `nf4_decode`); right to a unit, and on an H200 the second beats bitsandbytes'
-  own forward at 32 rows but loses at one, far from the weight-read floor either way (docs/benchmarks.md, "The
-  nf4 token-step kernel"); not measured end to end in rollouts yet.
+- `nf4_v1`: the first design of the nf4 token-step kernel (`nf4_matmul_v1`): the same values as the product's
+  (`vlmrl.engine.rollout.nf4`, whose device helpers it calls); at one pipeline stage within about 10% of the
+  product's per projection on an H200, slower on the large ones, and never measured in a rollout at that setting.
 
 Importing this package warns once (set VLMRL_EXPERIMENTAL_SILENCE=1 to silence it), like TRL's trl.experimental.
 """

@@ -7,8 +7,8 @@ trainer that `vlmrl.engine.rollout.fast.enable_fast_generation` set up.
 - `guards_once(model)`: each `generate` call's compiled token steps check dynamo's guards until one compiles
   nothing, and skip them after (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`).
 - `apply(trainer, fast, ...)`: those, the adapter merge (`merge.rollout_merge`), one of vlmrl's two token-step
-  kernels off, or a 4-bit base's token steps through an nf4 kernel (`nf4.nf4_decode`), added to the trainer's
-  rollouts; returns the FastGeneration record updated.
+  kernels off, a 4-bit base's token steps on bitsandbytes or through the nf4 kernel's first design (`nf4_v1`),
+  added to the trainer's rollouts; returns the FastGeneration record updated.
 What each was worth: docs/benchmarks.md ("The engine's pieces, one by one").
 """
 
@@ -46,10 +46,9 @@ def apply(trainer: Any, fast: FastGeneration, *, merge: bool = False, filled_win
     attention over the filled cache positions in windows of that many; `guards_once`: dynamo's guards checked until
     the token steps are steady; `sdpa_decode`: token steps attend through SDPA instead of vlmrl's decode kernel;
     `second_cublas`: the stacked projections' second step as a cuBLAS matmul and a sum instead of one kernel;
-    `nf4_kernel` ("v1" or "v2"): token steps over a 4-bit base multiply through that nf4 kernel (`nf4.nf4_decode`,
-    on for the trainer's life, so that a compiled token step sees the same forwards at every rollout; the loss
-    pass and prompt passes stay on bitsandbytes). Call it right after `enable_fast_generation`, before anything else
-    wraps the trainer's rollout call."""
+    `nf4_kernel`: "off", a 4-bit base's token steps on bitsandbytes instead of the product's nf4 kernel; "v1",
+    through the kernel's first design (`nf4_v1`, on for the trainer's life, as the product's is). Call it right
+    after `enable_fast_generation`, before anything else wraps the trainer's rollout call."""
     if not fast.enabled:
         return fast
     contexts = list(trainer.vlmrl_rollout_contexts)
@@ -83,7 +82,7 @@ def apply(trainer: Any, fast: FastGeneration, *, merge: bool = False, filled_win
     if guards_once:
         _insert(contexts, ("guards_once", lambda: _guards_once(trainer.model)), before=("compile_over_4bit",))
         changes["guards"] = "first step"
-    if nf4_kernel:
+    if nf4_kernel and fast.weights is not None:  # (None: not a 4-bit base)
         changes["weights"] = _nf4_for_life(trainer, nf4_kernel)
     wrap_rollouts(trainer, contexts)
     log.warning("experimental rollout variants (vlmrl.engine.experimental): %s", changes or "none")
@@ -91,15 +90,26 @@ def apply(trainer: Any, fast: FastGeneration, *, merge: bool = False, filled_win
 
 
 def _nf4_for_life(trainer: Any, kernel: str) -> str:
-    """Route the trainer's 4-bit token steps through nf4 `kernel` until the trainer goes; what the record says."""
-    from vlmrl.engine.experimental.nf4 import MAX_ROWS, nf4_decode
+    """Undo the product's nf4 routing (`vlmrl.engine.rollout.fast.nf4_token_steps`) and, for "v1", route the
+    trainer's 4-bit token steps through the first design until the trainer goes; what the record says."""
+    from vlmrl.engine.rollout.fast import BITSANDBYTES
+
+    product = getattr(trainer, "vlmrl_nf4_decode", None)
+    if product is not None:
+        product.close()
+        trainer.vlmrl_nf4_decode = None
+    if kernel == "off":
+        return f"{BITSANDBYTES} (vlmrl's nf4 kernel turned off by vlmrl.engine.experimental)"
+    from vlmrl.engine.experimental.nf4_v1 import nf4_matmul_v1
+    from vlmrl.engine.rollout.nf4 import MAX_ROWS, MIN_ROWS, nf4_decode
 
     stack = contextlib.ExitStack()
-    reason = stack.enter_context(nf4_decode(trainer.model, kernel=kernel))
+    reason = stack.enter_context(nf4_decode(trainer.model, matmul=nf4_matmul_v1))
     trainer.vlmrl_nf4_decode = stack  # held (and closed) with the trainer
     if reason is not None:
-        return f"bitsandbytes Linear4bit (nf4 kernel {kernel} asked for, not used: {reason})"
-    return f"vlmrl nf4 kernel {kernel} (experimental) for token steps of up to {MAX_ROWS} rows, bitsandbytes otherwise"
+        return f"{BITSANDBYTES} (nf4 kernel v1 asked for, not used: {reason})"
+    return (f"vlmrl nf4 kernel v1 (experimental) for token steps of {MIN_ROWS}-{MAX_ROWS} rows, {BITSANDBYTES} "
+            "otherwise")
 
 
 def _insert(contexts: list[tuple[str, Callable[[], Any]]], entry: tuple[str, Callable[[], Any]], *,

@@ -14,8 +14,10 @@ The pieces, and where each is switched on:
                  adapters' first factors, one for the second; the base weights moved once into stacked tensors.
                  Wherever it applies.
   second_factors the stacked groups' second step as one Triton kernel at token steps (`train.rollout.kernels`).
-  nf4            a Triton kernel for token steps over bitsandbytes nf4 weights (`nf4_decode(model)` routes the
-                 `Linear4bit` forwards of few rows through it; bitsandbytes otherwise). Not wired in yet.
+  nf4            a Triton kernel for token steps over bitsandbytes nf4 weights: `fast` routes a 4-bit base's
+                 `Linear4bit` forwards of 2-64 rows without gradients through it for the trainer's life, on the
+                 GPUs where it was measured faster (`nf4.gpu_reason`) and `train.rollout.kernels` is on;
+                 bitsandbytes otherwise, the reason recorded. Its Triton source is `nf4_triton`.
   adapter_cast   bf16 copies of the float32 LoRA weights, made for each rollout where stacking does not apply.
   offload        the optimizer state in host memory while a rollout runs, which pays for those copies.
   sampling       the sampler's log-prob of every sampled token, returned to TRL as vLLM's are

@@ -109,7 +109,7 @@ def enable_fast_generation(
     stop_check = stop_check_note()
     kernel, kernel_note = _decode_kernel_note(wanted=kernels, attention=attention is not None)
     cache_read = "the whole static cache" + kernel_note
-    weights = _four_bit_note(trainer.model)
+    weights = nf4_token_steps(trainer, wanted=kernels)
     contexts = [
         ("attention", (lambda: packed_gqa(trainer.model)) if attention else None),
         ("decode_kernel", decode_kernel_context if kernel else None),
@@ -132,11 +132,31 @@ def enable_fast_generation(
                           cache_read, weights=weights)
 
 
-def _four_bit_note(model: Any) -> str | None:
-    """How token steps read 4-bit base weights, for the record: None without a bitsandbytes 4-bit layer."""
+BITSANDBYTES = "bitsandbytes Linear4bit"
+
+
+def nf4_token_steps(trainer: Any, *, wanted: bool = True) -> str | None:
+    """Route a 4-bit base's token steps through vlmrl's nf4 kernel (`vlmrl.engine.rollout.nf4`) for the trainer's
+    life, where it applies: vlmrl's kernels `wanted`, a GPU where the kernel was measured faster than bitsandbytes,
+    and a launch that works there. For the trainer's life, so that a compiled token step sees the same forwards at
+    every rollout; the loss pass and prompt passes stay on bitsandbytes. Returns what the record says: None
+    without a bitsandbytes 4-bit layer, else which kernel reads the weights and why."""
+    model = trainer.model
     if not any(type(module).__name__ == "Linear4bit" for module in model.modules()):
         return None
-    return "bitsandbytes Linear4bit (vlmrl's nf4 kernel is an experiment: docs/benchmarks.md)"
+    if not wanted:
+        return f"{BITSANDBYTES} (vlmrl's kernels are off: train.rollout.kernels=false)"
+    from vlmrl.engine.rollout import nf4
+
+    weight = next(m.weight for m in model.modules() if type(m).__name__ == "Linear4bit")
+    reason = nf4.unsupported_reason(model) or nf4.gpu_reason(weight.device) or nf4.probe(model)
+    if reason is not None:
+        return f"{BITSANDBYTES} (vlmrl's nf4 kernel not used: {reason})"
+    stack = contextlib.ExitStack()
+    stack.enter_context(nf4.nf4_decode(model))
+    trainer.vlmrl_nf4_decode = stack  # held with the trainer; an experiment may close it
+    return (f"vlmrl nf4 kernel (vlmrl.engine.rollout.nf4) for token steps of {nf4.MIN_ROWS}-{nf4.MAX_ROWS} rows, "
+            f"{BITSANDBYTES} otherwise")
 
 
 def _adapter_copies(trainer: Any, dtype: torch.dtype | None, *, wanted: bool) -> tuple[Any, str]:

@@ -1,25 +1,25 @@
-"""A token step over bitsandbytes nf4 weights: Triton kernels that read the packed 4-bit weights once.
+"""A token step over bitsandbytes nf4 weights: a Triton kernel that reads the packed 4-bit weights once.
 
 At a decode step `Linear4bit` multiplies a few dozen rows by weights bitsandbytes stores as nf4 codes, and its
 kernels take many times the weight-read floor (docs/benchmarks.md, "The nf4 token-step kernel"). Here each
-program streams a tile of packed bytes, looks each code up in the 16-value table, scales it by its block's absmax
-(decoded from its 8-bit code when double-quantised), rounds it as `dequantize_4bit` rounds, and multiplies on the
-tensor cores with fp32 accumulation; few output columns split K, summed by a second, deterministic pass. The
-result is `dequantize_4bit` then `x @ W.T` (+ bias) up to summation order: each weight bit-equal, each output
-within one bf16/fp16 unit in the last place (tests/test_nf4.py says how outputs near zero are counted).
-Two designs, the same values: `nf4_matmul` (v1) joins each byte's two nibbles into k order in 3-D tiles;
-`nf4_matmul_v2` keeps 2-D tiles of packed bytes and multiplies the high nibbles by x's even columns and the low
-ones by its odd columns, with the next step's bytes loaded while one step is decoded (one pipeline stage: with
-more, Triton's pipeliner stages every table lookup through shared memory). Both are measured beside
-bitsandbytes in docs/benchmarks.md; their Triton source is `nf4_triton`.
+program streams 2-D tiles of packed bytes (the next step's in flight while one is decoded), looks each code up in
+the 16-value table, scales it by its block's absmax (decoded from its 8-bit code when double-quantised), rounds it
+as `dequantize_4bit` rounds, and multiplies the high nibbles by x's even columns and the low ones by its odd
+columns on the tensor cores, accumulating in fp32; few output columns split K, summed by a second, deterministic
+pass. The result is `dequantize_4bit` then `x @ W.T` (+ bias) up to summation order: each weight bit-equal, each
+output within one bf16/fp16 unit in the last place (tests/test_nf4.py says how outputs near zero are counted).
+Its Triton source is `nf4_triton`; the first design, which lost to this one, is `vlmrl.engine.experimental.nf4_v1`.
 
-Public: `nf4_matmul`, `nf4_matmul_v2`; `nf4_decode(model, kernel="v1")`, which routes `Linear4bit` forwards of at
-most `MAX_ROWS` rows without gradients through a kernel while active (prompt passes, training and unsupported
-layers stay on bitsandbytes, the fallback); `unsupported_reason(model)`, for the caller to record why it stays
-there. Limits: nf4 (not fp4), blocksizes 32-256 dividing in_features, bf16/fp16 activations, CUDA (Triton's
-interpreter on a CPU, for tests). No maintained library fits (package index, 2026-12): FLUTE ships a C++
-extension built for torch 2.5 / CUDA 12.1 over its own repacked layout, and gemlite's kernels take affine
-(scale, zero) codes, not a 16-value table.
+Public: `nf4_matmul`; `nf4_decode(model)`, which routes `Linear4bit` forwards of `MIN_ROWS` to `MAX_ROWS` rows
+without gradients through the kernel while active (one-row steps, where bitsandbytes runs its gemv, prompt
+passes, training and unsupported layers stay on bitsandbytes, the fallback); `unsupported_reason(model)`, for the
+caller to record why a model stays there; `gpu_reason(device)`, the product's rule for where the kernel is on;
+`probe(model)`, a launch on the model's first routed layer. `vlmrl.engine.rollout.fast` turns it on for a 4-bit
+base's rollouts. Limits: nf4 (not fp4), blocksizes 32-256 dividing in_features, bf16/fp16 activations, CUDA
+(Triton's interpreter on a CPU, for tests); on by default only on the GPUs where it was measured faster than
+bitsandbytes (`gpu_reason`). No maintained library fits (package index, 2026-12): FLUTE ships a C++ extension built
+for torch 2.5 / CUDA 12.1 over its own repacked layout, and gemlite's kernels take affine (scale, zero) codes, not
+a 16-value table.
 """
 
 from __future__ import annotations
@@ -35,13 +35,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from vlmrl.engine.experimental import nf4_triton
+from vlmrl.engine.rollout import nf4_triton
 from vlmrl.engine.rollout.decode_attention import HAS_TRITON, interpreted, kernel_or_fallback
 
 log = logging.getLogger(__name__)
 _failed: dict[tuple, str] = {}  # (device, dtype) -> why the kernel could not run there
 
 MAX_ROWS = 64  # rows of a token step (the rollout batch); a prompt pass's many rows stay on bitsandbytes
+MIN_ROWS = 2  # one row: bitsandbytes' own gemv is faster (docs/benchmarks.md, "The nf4 token-step kernel")
+MEASURED_MAJOR = 9  # compute capability where the kernel was measured faster than bitsandbytes: sm_90 (H100/H200)
 BLOCKSIZES = (32, 64, 128, 256)
 TILE_PAIRS = 64  # packed bytes per weight row per loop step on a GPU (128 weights)
 PROGRAMS_PER_SM = 4  # split K until the grid has about this many programs per SM
@@ -53,20 +55,14 @@ def nf4_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
                quant_state: Any = None, config: list[int] | None = None) -> torch.Tensor:
     """`x @ W.T (+ bias)` in x's dtype (bf16/fp16), fp32 accumulation, for W the nf4 weight `weight` (a bitsandbytes
     `Params4bit`, or its packed bytes with their `quant_state`): bitsandbytes' `dequantize_4bit(weight).to(x.dtype)`
-    then `F.linear`, up to summation order. `config` = [block_n, tile_pairs, warps, stages, split] (benchmarks);
-    left out, it is chosen by shape."""
-    return _call(_nf4_matmul, x, weight, bias, quant_state, config)
+    then `F.linear`, up to summation order. `config` = [block_n, block_kh (packed bytes), warps, stages, split]
+    (benchmarks); left out, it is chosen by shape."""
+    return call(_nf4_matmul, x, weight, bias, quant_state, config)
 
 
-def nf4_matmul_v2(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                  quant_state: Any = None, config: list[int] | None = None) -> torch.Tensor:
-    """`nf4_matmul` by the second design (plain 2-D tiles, nibbles never interleaved): the same arguments and
-    values, up to summation order. `config` = [block_n, block_kh, warps, stages, split], block_kh in packed bytes."""
-    return _call(_nf4_matmul_v2, x, weight, bias, quant_state, config)
-
-
-def _call(op: Callable[..., torch.Tensor], x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-          quant_state: Any, config: list[int] | None) -> torch.Tensor:
+def call(op: Callable[..., torch.Tensor], x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+         quant_state: Any, config: list[int] | None) -> torch.Tensor:
+    """Unpack `weight`'s quant state and call `op`, a custom op over (x, packed, ..., config)."""
     qs = quant_state if quant_state is not None else weight.quant_state
     n, k = qs.shape
     packed = weight.data.view(torch.uint8).reshape(n, k // 2)
@@ -79,7 +75,7 @@ def _call(op: Callable[..., torch.Tensor], x: torch.Tensor, weight: torch.Tensor
     if bias is not None:
         bias = bias.to(x.dtype)
     out = op(x.reshape(-1, k), packed, qs.absmax, code2, absmax2, offset, qs.code, bias, qs.blocksize,
-                      blocksize2, _ROUNDING.get(qs.dtype, 0), list(config or []))
+             blocksize2, _ROUNDING.get(qs.dtype, 0), list(config or []))
     return out.view(*x.shape[:-1], n)
 
 
@@ -101,20 +97,47 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     return f"no Linear4bit layer fits the nf4 kernel ({count} of {len(layers)}: {reason})"
 
 
+def gpu_reason(device: torch.device) -> str | None:
+    """Why the product leaves a 4-bit base's token steps on bitsandbytes on `device`, or None where it routes them
+    through the kernel: the GPUs where it was measured faster than bitsandbytes' `Linear4bit` end to end (an H200,
+    sm_90: docs/benchmarks.md). Elsewhere nobody has measured which is faster, so bitsandbytes stays."""
+    if device.type != "cuda":
+        return f"weights on {device}, not a CUDA device"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major != MEASURED_MAJOR:
+        return (f"measured faster than bitsandbytes on sm_{MEASURED_MAJOR}0 (H100/H200) only; this GPU is "
+                f"sm_{major}{minor}")
+    return None
+
+
+def probe(model: torch.nn.Module) -> str | None:
+    """Launch the kernel once on the first layer `nf4_decode` would route, at `MIN_ROWS` zero rows; why it cannot
+    run there (a Triton build or launch error), or None. A failure is also recorded, so the routed layers would
+    fall back to dequantize + matmul, which is slower than bitsandbytes' own forward: don't route then."""
+    layer = next((m for m in _linear4bit_layers(model) if _layer_reason(m) is None), None)
+    if layer is None:
+        return unsupported_reason(model)
+    dtype = layer.compute_dtype if layer.compute_dtype in _DTYPES else torch.bfloat16
+    x = torch.zeros(MIN_ROWS, layer.in_features, device=layer.weight.device, dtype=dtype)
+    with torch.no_grad():
+        nf4_matmul(x, layer.weight, quant_state=layer.weight.quant_state)
+    return _failed.get((str(x.device), x.dtype))
+
+
 @contextlib.contextmanager
-def nf4_decode(model: torch.nn.Module, max_rows: int = MAX_ROWS, kernel: str = "v1") -> Iterator[str | None]:
-    """While active, forwards of the model's `Linear4bit` layers with at most `max_rows` rows and no gradient run
-    `nf4_matmul` (`kernel="v2"`: `nf4_matmul_v2`); the rest (prompt passes, the loss pass) run bitsandbytes' own
-    forward. Yields `unsupported_reason(model)`: None when some layer is routed, else why none is (then nothing
-    changes)."""
-    matmul = {"v1": nf4_matmul, "v2": nf4_matmul_v2}[kernel]
+def nf4_decode(model: torch.nn.Module, max_rows: int = MAX_ROWS, min_rows: int = MIN_ROWS,
+               matmul: Callable[..., torch.Tensor] = nf4_matmul) -> Iterator[str | None]:
+    """While active, forwards of the model's `Linear4bit` layers with `min_rows` to `max_rows` rows and no gradient
+    run `matmul` (this module's `nf4_matmul` unless an experiment passes its own); the rest (one-row steps, prompt
+    passes, the loss pass) run bitsandbytes' own forward. Yields `unsupported_reason(model)`: None when some layer
+    is routed, else why none is (then nothing changes)."""
     reason = unsupported_reason(model)
     patched: list[tuple[torch.nn.Module, Any]] = []
     if reason is None:
         for layer in _linear4bit_layers(model):
             if _layer_reason(layer) is None:
                 patched.append((layer, layer.__dict__.get("forward")))  # an accelerate hook's forward, say
-                layer.forward = _routed(layer, layer.forward, max_rows, matmul)
+                layer.forward = _routed(layer, layer.forward, min_rows, max_rows, matmul)
         log.info("nf4 token-step kernel on for %d of %d Linear4bit layers", len(patched),
                  len(_linear4bit_layers(model)))
     try:
@@ -168,13 +191,13 @@ def _layer_reason(layer: torch.nn.Module) -> str | None:
     return None
 
 
-def _routed(layer: torch.nn.Module, fallback: Callable[..., torch.Tensor], max_rows: int,
+def _routed(layer: torch.nn.Module, fallback: Callable[..., torch.Tensor], min_rows: int, max_rows: int,
             matmul: Callable[..., torch.Tensor]) -> Callable[..., Any]:
     def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         dtype = layer.compute_dtype if layer.compute_dtype is not None else x.dtype  # as bitsandbytes computes
         bias = layer.bias
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if (args or kwargs or not 0 < rows <= max_rows or dtype not in _DTYPES or x.device != layer.weight.device
+        if (args or kwargs or not min_rows <= rows <= max_rows or dtype not in _DTYPES or x.device != layer.weight.device
                 or (torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)))):
             return fallback(x, *args, **kwargs)
         qs = getattr(layer.weight, "quant_state", None) or layer.quant_state  # as bitsandbytes finds it
@@ -187,29 +210,22 @@ def _routed(layer: torch.nn.Module, fallback: Callable[..., torch.Tensor], max_r
 def _nf4_matmul(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: torch.Tensor | None,
                 absmax2: torch.Tensor | None, offset: torch.Tensor | None, lut: torch.Tensor, bias: torch.Tensor | None,
                 blocksize: int, blocksize2: int, rounding: int, config: list[int]) -> torch.Tensor:
-    return _kernel_or_reference(x, packed, absmax, code2, absmax2, offset, lut, bias, blocksize, blocksize2,
-                                rounding, config)
+    return kernel_or_reference((x, packed, absmax, code2, absmax2, offset, lut, bias, blocksize, blocksize2,
+                                rounding, config), design="", tiles=lambda kernels: kernels[0], chooser=_config)
 
 
-@torch.library.custom_op("vlmrl::nf4_matmul_v2", mutates_args=())
-def _nf4_matmul_v2(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: torch.Tensor | None,
-                   absmax2: torch.Tensor | None, offset: torch.Tensor | None, lut: torch.Tensor,
-                   bias: torch.Tensor | None, blocksize: int, blocksize2: int, rounding: int,
-                   config: list[int]) -> torch.Tensor:
-    return _kernel_or_reference(x, packed, absmax, code2, absmax2, offset, lut, bias, blocksize, blocksize2,
-                                rounding, config, v2=True)
-
-
-def _kernel_or_reference(*args: Any, v2: bool = False) -> torch.Tensor:
-    """A kernel's launch, or dequantize + matmul where it cannot run (recorded once per device, dtype, design)."""
+def kernel_or_reference(args: tuple, *, design: str, tiles: Callable[[tuple], Any],
+                        chooser: Callable[..., list[int]]) -> torch.Tensor:
+    """A kernel's launch (`tiles` picks the tile kernel from `nf4_triton.kernels`; `chooser` its config), or
+    dequantize + matmul where it cannot run (recorded once per device, dtype and `design`)."""
     x = args[0]
-    where = (str(x.device), x.dtype, "v2") if v2 else (str(x.device), x.dtype)
-    return kernel_or_fallback(_failed, where, lambda: _launch(*args, v2=v2), lambda: _reference(*args),
-                              what="nf4 matmul kernel", instead="dequantize + matmul", logger=log)
+    where = (str(x.device), x.dtype, design) if design else (str(x.device), x.dtype)
+    return kernel_or_fallback(_failed, where, lambda: launch(*args, tiles=tiles, chooser=chooser),
+                              lambda: _reference(*args), what="nf4 matmul kernel", instead="dequantize + matmul",
+                              logger=log)
 
 
 @_nf4_matmul.register_fake
-@_nf4_matmul_v2.register_fake
 def _(x: torch.Tensor, packed: torch.Tensor, *args: Any) -> torch.Tensor:
     return x.new_empty((x.shape[0], packed.shape[0]))
 
@@ -224,36 +240,25 @@ def _reference(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code
 
 
 def _config(rows: int, n: int, k: int, blocksize: int, device: torch.device) -> list[int]:
-    """[block_n, tile_pairs, warps, stages, split]: 64 outputs over 4 warps, one pipeline stage (with more,
-    Triton stages every table lookup through shared memory, several times slower), and enough K splits to keep
-    every SM streaming; small tiles in the interpreter. Chosen from an H200 sweep (docs/benchmarks.md, "The nf4
-    token-step kernel")."""
-    if device.type != "cuda":
-        return _interpreter_config(k, blocksize)
-    block_n, tile = 64, max(blocksize // 2, TILE_PAIRS)
-    return [block_n, tile, 4, 1, _split(rows, n, k, block_n, tile, device)]
-
-
-def _config_v2(rows: int, n: int, k: int, blocksize: int, device: torch.device) -> list[int]:
-    """[block_n, block_kh, warps, stages, split] for v2, reasoned from sm_90 builds (Triton 3.6 and 3.8): steps of
+    """[block_n, block_kh, warps, stages, split], reasoned from sm_90 builds (Triton 3.6 and 3.8): steps of
     64 x 64 packed bytes (32 x 128 for blocksize 256) over 4 warps, 32 bytes a thread, 80-180 registers without
     spills (8 warps for blocksize 256 past 16 rows, which spill on 4), so several programs an SM, each with its next
     step's bytes in flight; 1 stage, since with more Triton's pipeliner stages every table lookup through shared
     memory, 4 bytes a copy. Near, not at, the best settings an H200 sweep found per shape (docs/benchmarks.md).
     Small tiles in the interpreter."""
     if device.type != "cuda":
-        return _interpreter_config(k, blocksize)
+        return interpreter_config(k, blocksize)
     tile = max(blocksize // 2, 64)
     block_n, warps = 4096 // tile, 8 if tile > 64 and rows > 16 else 4
-    return [block_n, tile, warps, 1, _split(rows, n, k, block_n, tile, device)]
+    return [block_n, tile, warps, 1, split_k(rows, n, k, block_n, tile, device)]
 
 
-def _interpreter_config(k: int, blocksize: int) -> list[int]:
+def interpreter_config(k: int, blocksize: int) -> list[int]:
     """Small tiles, one block a step, K split in two where it can be: the code paths, quickly, on a CPU."""
     return [32, blocksize // 2, 4, 1, min(2, k // blocksize)]
 
 
-def _split(rows: int, n: int, k: int, block_n: int, tile: int, device: torch.device) -> int:
+def split_k(rows: int, n: int, k: int, block_n: int, tile: int, device: torch.device) -> int:
     """K splits that bring the grid to about PROGRAMS_PER_SM programs per SM, at most one per tile."""
     programs = -(-n // block_n) * -(-rows // _block_m(rows))
     return max(1, min(-(-k // (2 * tile)), round(PROGRAMS_PER_SM * _sms(device) / programs)))
@@ -268,9 +273,11 @@ def _block_m(rows: int) -> int:
     return min(64, max(16, 1 << (rows - 1).bit_length()))  # tl.dot takes 16 rows at least
 
 
-def _launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: torch.Tensor | None,
-            absmax2: torch.Tensor | None, offset: torch.Tensor | None, lut: torch.Tensor, bias: torch.Tensor | None,
-            blocksize: int, blocksize2: int, rounding: int, config: list[int], v2: bool = False) -> torch.Tensor:
+def launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: torch.Tensor | None,
+           absmax2: torch.Tensor | None, offset: torch.Tensor | None, lut: torch.Tensor, bias: torch.Tensor | None,
+           blocksize: int, blocksize2: int, rounding: int, config: list[int], *, tiles: Callable[[tuple], Any],
+           chooser: Callable[..., list[int]]) -> torch.Tensor:
+    """Launch `tiles(nf4_triton.kernels(...))` (and the split sum) on x [rows, k]; `config` or `chooser`'s."""
     rows, k = x.shape
     n = packed.shape[0]
     if rows == 0:
@@ -279,19 +286,18 @@ def _launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: 
         raise TypeError(f"activations in {x.dtype}: the kernel takes bf16/fp16")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    chooser = _config_v2 if v2 else _config
     block_n, tile, warps, stages, split = config or chooser(rows, n, k, blocksize, x.device)
     half = blocksize // 2
     if tile % half:
         raise ValueError(f"tile of {tile} packed bytes is not a whole number of {blocksize}-weight blocks")
-    tiles = -(-k // (2 * tile))
-    per_split = -(-tiles // max(1, min(split, tiles))) * tile  # packed bytes per split, whole tiles
+    steps = -(-k // (2 * tile))
+    per_split = -(-steps // max(1, min(split, steps))) * tile  # packed bytes per split, whole tiles
     split = -(-(k // 2) // per_split)
     block_m = _block_m(rows)
     out = torch.empty(rows, n, device=x.device, dtype=x.dtype)
     interpret = interpreted()
-    tiles_v1, reduce, tiles_v2 = nf4_triton.kernels(interpret)
-    main = tiles_v2 if v2 else tiles_v1
+    kernels = nf4_triton.kernels(interpret)
+    main, reduce = tiles(kernels), kernels[1]
     nested = code2 is not None
     target = torch.empty(split, rows, n, device=x.device, dtype=torch.float32) if split > 1 else out
     xq = 1 if x.dtype == torch.bfloat16 else 2

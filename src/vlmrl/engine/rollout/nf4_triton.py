@@ -1,11 +1,12 @@
-"""The Triton source of the nf4 token-step kernels that `vlmrl.engine.experimental.nf4` launches (its docstring
-says what they compute and how they are checked); experimental, like it.
+"""The Triton source of the nf4 token-step kernel that `vlmrl.engine.rollout.nf4` launches (its docstring says
+what it computes and how it is checked).
 
-Public: `kernels(interpret)` -> (`nf4_tiles`: v1, packed bytes joined into k order in 3-D tiles; `nf4_splits`: the
-fixed-order sum of K splits, bias added and rounded once; `nf4_tiles_v2`: v2, 2-D tiles of packed bytes, high
-nibbles against x's even columns and low ones against its odd columns). Each tile kernel writes its program's fp32
-share when K is split, else the rounded output. Limits: those of `nf4` (nf4 codes, bf16/fp16 activations, CUDA or
-Triton's interpreter).
+Public: `kernels(interpret)` -> (`nf4_tiles`: 2-D tiles of packed bytes, high nibbles against x's even columns and
+low ones against its odd columns, each program writing its fp32 share when K is split, else the rounded output;
+`nf4_splits`: the fixed-order sum of K splits, bias added and rounded once). Building them also puts their device
+helpers (`rounded`, `dot_operand`, `store_tile`) in this module's globals, where the first design's kernel
+(`vlmrl.engine.experimental.nf4_v1`) takes them from. Limits: those of `nf4` (nf4 codes, bf16/fp16 activations,
+CUDA or Triton's interpreter).
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ from typing import Any
 
 
 @functools.cache
-def kernels(interpret: bool) -> tuple[Any, Any, Any]:
-    """(nf4_tiles, nf4_splits, nf4_tiles_v2), built on first use (importing vlmrl needs no Triton); `interpret`
+def kernels(interpret: bool) -> tuple[Any, Any]:
+    """(nf4_tiles, nf4_splits), built on first use (importing vlmrl needs no Triton); `interpret`
     keys the cache, as Triton's interpreter is chosen when a kernel is built."""
     import triton
     import triton.language as tl
+
+    globals()["tl"] = tl  # Triton's interpreter looks for the language among a device function's globals
 
     @triton.jit
     def rounded(x, CODE: tl.constexpr, EXACT: tl.constexpr):
@@ -68,41 +71,6 @@ def kernels(interpret: bool) -> tuple[Any, Any, Any]:
     globals()["store_tile"] = store_tile
 
     @triton.jit
-    def nf4_tiles(X, Packed, Absmax, Code2, Absmax2, Offset, Lut, Bias, Out, M, N, K, stride_x, per_split,
-                  BLOCKSIZE2: tl.constexpr, HALF: tl.constexpr, NB: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_M: tl.constexpr, NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, WQ: tl.constexpr,
-                  XQ: tl.constexpr, EXACT: tl.constexpr):
-        # out[m, n] (or split s's share, fp32) = sum over this split's k of x[m, k] * W[n, k]; W[n, k] is the
-        # nibble k % 2 (high first) of byte n * K/2 + k // 2, times absmax[(n * K + k) // blocksize].
-        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
-        n_ok, m_ok = n < N, m < M
-        blocks = K // (2 * HALF)  # per weight row
-        b, p, e = tl.arange(0, NB), tl.arange(0, HALF), tl.arange(0, 2 * NB * HALF)
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # out transposed: the weight is the dot's left side
-        start = tl.program_id(1) * per_split
-        for kh in range(start, tl.minimum(start + per_split, K // 2), NB * HALF):
-            block = n[:, None] * blocks + (kh // HALF + b)[None, :]  # [BLOCK_N, NB] absmax index
-            ok = n_ok[:, None] & ((kh // HALF + b) < blocks)[None, :]
-            q = tl.load(Packed + block[:, :, None] * HALF + p[None, None, :], mask=ok[:, :, None], other=0)
-            if NESTED:
-                code = tl.load(Absmax + block, mask=ok, other=0).to(tl.int32)
-                scale = tl.load(Code2 + code) * tl.load(Absmax2 + block // BLOCKSIZE2, mask=ok, other=0.0)
-                scale = scale + tl.load(Offset)
-            else:
-                scale = tl.load(Absmax + block, mask=ok, other=0.0)
-            q = q.to(tl.int32)
-            high = tl.load(Lut + (q >> 4)) * scale[:, :, None]
-            low = tl.load(Lut + (q & 15)) * scale[:, :, None]
-            w = tl.reshape(tl.join(high, low), (BLOCK_N, 2 * NB * HALF))  # [BLOCK_N, tile's k] in k order
-            k = 2 * kh + e
-            xt = tl.load(X + m[None, :] * stride_x + k[:, None], mask=m_ok[None, :] & (k < K)[:, None], other=0.0)
-            if EXACT:
-                xt = xt.to(tl.float32)
-            acc = tl.dot(dot_operand(w, WQ, XQ, X.dtype.element_ty, EXACT), xt, acc)
-        store_tile(acc, Out, Bias, n, m, n_ok, m_ok, M, N, PARTIAL, HAS_BIAS, XQ, EXACT)
-
-    @triton.jit
     def nf4_splits(Partial, Bias, Out, size, N, splits, HAS_BIAS: tl.constexpr, XQ: tl.constexpr,
                    EXACT: tl.constexpr, BLOCK: tl.constexpr):
         # the splits' shares summed in order, the bias added, rounded once
@@ -116,13 +84,15 @@ def kernels(interpret: bool) -> tuple[Any, Any, Any]:
         tl.store(Out + i, rounded(acc, XQ, EXACT).to(Out.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def nf4_tiles_v2(X, Packed, Absmax, Code2, Absmax2, Offset, Lut, Bias, Out, M, N, K, stride_x, per_split,
-                     BLOCKSIZE2: tl.constexpr, HALF: tl.constexpr, NB: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_M: tl.constexpr, NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
-                     WQ: tl.constexpr, XQ: tl.constexpr, EXACT: tl.constexpr):
-        # nf4_tiles' sums on 2-D tiles only: packed bytes [BLOCK_N, NB * HALF] contiguous along k; byte c's high
-        # nibble (weight 2c) multiplies x's even column 2c, its low nibble x's odd column 2c + 1, so the nibbles
-        # are never interleaved; each block's scale, a [BLOCK_N] vector, is spread over its HALF bytes by selects
+    def nf4_tiles(X, Packed, Absmax, Code2, Absmax2, Offset, Lut, Bias, Out, M, N, K, stride_x, per_split,
+                  BLOCKSIZE2: tl.constexpr, HALF: tl.constexpr, NB: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_M: tl.constexpr, NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
+                  WQ: tl.constexpr, XQ: tl.constexpr, EXACT: tl.constexpr):
+        # out[m, n] (or split s's share, fp32) = sum over this split's k of x[m, k] * W[n, k]; W[n, k] is the
+        # nibble k % 2 (high first) of byte n * K/2 + k // 2, times absmax[(n * K + k) // blocksize].
+        # On 2-D tiles only: packed bytes [BLOCK_N, NB * HALF] contiguous along k; byte c's high nibble (weight 2c)
+        # multiplies x's even column 2c, its low nibble x's odd column 2c + 1, so the nibbles are never
+        # interleaved; each block's scale, a [BLOCK_N] vector, is spread over its HALF bytes by selects
         KH: tl.constexpr = NB * HALF  # packed bytes per row per step
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -166,4 +136,4 @@ def kernels(interpret: bool) -> tuple[Any, Any, Any]:
             acc = tl.dot(low, odd, acc)
         store_tile(acc, Out, Bias, n, m, n_ok, m_ok, M, N, PARTIAL, HAS_BIAS, XQ, EXACT)
 
-    return nf4_tiles, nf4_splits, nf4_tiles_v2
+    return nf4_tiles, nf4_splits
