@@ -30,15 +30,11 @@ def _nf4_matmul_v1(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, 
                    absmax2: torch.Tensor | None, offset: torch.Tensor | None, lut: torch.Tensor,
                    bias: torch.Tensor | None, blocksize: int, blocksize2: int, rounding: int,
                    config: list[int]) -> torch.Tensor:
-    interpret = nf4.interpreted()
     return nf4.kernel_or_reference((x, packed, absmax, code2, absmax2, offset, lut, bias, blocksize, blocksize2,
-                                    rounding, config), design="v1",
-                                   tiles=lambda kernels: _tiles(interpret), chooser=_config)
+                                    rounding, config), design="v1", tiles=_tiles, chooser=_config)
 
 
-@_nf4_matmul_v1.register_fake
-def _(x: torch.Tensor, packed: torch.Tensor, *args: Any) -> torch.Tensor:
-    return x.new_empty((x.shape[0], packed.shape[0]))
+_nf4_matmul_v1.register_fake(nf4.output_like)
 
 
 def _config(rows: int, n: int, k: int, blocksize: int, device: torch.device) -> list[int]:

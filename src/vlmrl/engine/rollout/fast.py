@@ -142,13 +142,13 @@ def nf4_token_steps(trainer: Any, *, wanted: bool = True) -> str | None:
     every rollout; the loss pass and prompt passes stay on bitsandbytes. Returns what the record says: None
     without a bitsandbytes 4-bit layer, else which kernel reads the weights and why."""
     model = trainer.model
-    if not any(type(module).__name__ == "Linear4bit" for module in model.modules()):
+    weight = next((m.weight for m in model.modules() if type(m).__name__ == "Linear4bit"), None)
+    if weight is None:
         return None
     if not wanted:
         return f"{BITSANDBYTES} (vlmrl's kernels are off: train.rollout.kernels=false)"
     from vlmrl.engine.rollout import nf4
 
-    weight = next(m.weight for m in model.modules() if type(m).__name__ == "Linear4bit")
     reason = nf4.unsupported_reason(model) or nf4.gpu_reason(weight.device) or nf4.probe(model)
     if reason is not None:
         return f"{BITSANDBYTES} (vlmrl's nf4 kernel not used: {reason})"

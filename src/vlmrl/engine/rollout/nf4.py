@@ -121,7 +121,7 @@ def probe(model: torch.nn.Module) -> str | None:
     x = torch.zeros(MIN_ROWS, layer.in_features, device=layer.weight.device, dtype=dtype)
     with torch.no_grad():
         nf4_matmul(x, layer.weight, quant_state=layer.weight.quant_state)
-    return _failed.get((str(x.device), x.dtype))
+    return _failed.get(_where(x, ""))
 
 
 @contextlib.contextmanager
@@ -211,22 +211,30 @@ def _nf4_matmul(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, cod
                 absmax2: torch.Tensor | None, offset: torch.Tensor | None, lut: torch.Tensor, bias: torch.Tensor | None,
                 blocksize: int, blocksize2: int, rounding: int, config: list[int]) -> torch.Tensor:
     return kernel_or_reference((x, packed, absmax, code2, absmax2, offset, lut, bias, blocksize, blocksize2,
-                                rounding, config), design="", tiles=lambda kernels: kernels[0], chooser=_config)
+                                rounding, config), design="", tiles=_tiles, chooser=_config)
 
 
-def kernel_or_reference(args: tuple, *, design: str, tiles: Callable[[tuple], Any],
+def _tiles(interpret: bool) -> Any:
+    return nf4_triton.kernels(interpret)[0]
+
+
+def kernel_or_reference(args: tuple, *, design: str, tiles: Callable[[bool], Any],
                         chooser: Callable[..., list[int]]) -> torch.Tensor:
-    """A kernel's launch (`tiles` picks the tile kernel from `nf4_triton.kernels`; `chooser` its config), or
-    dequantize + matmul where it cannot run (recorded once per device, dtype and `design`)."""
-    x = args[0]
-    where = (str(x.device), x.dtype, design) if design else (str(x.device), x.dtype)
-    return kernel_or_fallback(_failed, where, lambda: launch(*args, tiles=tiles, chooser=chooser),
+    """A kernel's launch (`tiles(interpret)` builds the design's tile kernel; `chooser` its config), or dequantize +
+    matmul where it cannot run (recorded once per device, dtype and `design`)."""
+    return kernel_or_fallback(_failed, _where(args[0], design), lambda: launch(*args, tiles=tiles, chooser=chooser),
                               lambda: _reference(*args), what="nf4 matmul kernel", instead="dequantize + matmul",
                               logger=log)
 
 
+def _where(x: torch.Tensor, design: str) -> tuple:
+    """The key under which a design's fallback on x's device and dtype is recorded in `_failed`."""
+    return (str(x.device), x.dtype, design) if design else (str(x.device), x.dtype)
+
+
 @_nf4_matmul.register_fake
-def _(x: torch.Tensor, packed: torch.Tensor, *args: Any) -> torch.Tensor:
+def output_like(x: torch.Tensor, packed: torch.Tensor, *args: Any) -> torch.Tensor:
+    """The op's output for tracing (a custom op's fake): [rows, out_features] in x's dtype."""
     return x.new_empty((x.shape[0], packed.shape[0]))
 
 
@@ -275,9 +283,9 @@ def _block_m(rows: int) -> int:
 
 def launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: torch.Tensor | None,
            absmax2: torch.Tensor | None, offset: torch.Tensor | None, lut: torch.Tensor, bias: torch.Tensor | None,
-           blocksize: int, blocksize2: int, rounding: int, config: list[int], *, tiles: Callable[[tuple], Any],
+           blocksize: int, blocksize2: int, rounding: int, config: list[int], *, tiles: Callable[[bool], Any],
            chooser: Callable[..., list[int]]) -> torch.Tensor:
-    """Launch `tiles(nf4_triton.kernels(...))` (and the split sum) on x [rows, k]; `config` or `chooser`'s."""
+    """Launch `tiles(interpret)` (and the split sum) on x [rows, k]; `config` or `chooser`'s."""
     rows, k = x.shape
     n = packed.shape[0]
     if rows == 0:
@@ -296,8 +304,7 @@ def launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: t
     block_m = _block_m(rows)
     out = torch.empty(rows, n, device=x.device, dtype=x.dtype)
     interpret = interpreted()
-    kernels = nf4_triton.kernels(interpret)
-    main, reduce = tiles(kernels), kernels[1]
+    main, reduce = tiles(interpret), nf4_triton.kernels(interpret)[1]
     nested = code2 is not None
     target = torch.empty(split, rows, n, device=x.device, dtype=torch.float32) if split > 1 else out
     xq = 1 if x.dtype == torch.bfloat16 else 2
