@@ -56,6 +56,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--sweep-seconds", type=float, default=240.0, help="time for each kernel's tile sweep (0: none)")
     p.add_argument("--kernels", default="v1,v2", help="vlmrl's nf4 kernels to measure (v1: the first "
                    "design, nf4_v1.nf4_matmul_v1; v2: the product's, nf4.nf4_matmul), comma-separated")
+    p.add_argument("--lora", type=int, default=0, help="a LoRA branch of this rank on every projection (0: none): "
+                   "the product's kernel then also runs with the branch as PEFT's ops and folded into its last "
+                   "pass (vlmrl.engine.rollout.nf4_lora)")
     return p.parse_args(argv)
 
 
@@ -155,9 +158,14 @@ KERNELS = {"v1": ("nf4 kernel", "vlmrl.engine.experimental.nf4_v1", "nf4_matmul_
 SWEEP = {"v1": {"tiles": (64, 128), "stages": (1, 2, 3)}, "v2": {"tiles": (32, 64, 128), "stages": (1, 3)}}
 
 
+LORA_SCALE = 1.0  # lora_alpha / r of the seed recipe (r = alpha = 16)
+
+
 def step_methods(layers: list, inputs: dict[int, torch.Tensor], dense: list | None, bnb: object,
-                 nf4: object, kernels: list[str] = ("v1",)) -> dict[str, Callable[[], object]]:
-    """One token step (every projection once) per method."""
+                 nf4: object, kernels: list[str] = ("v1",), branches: list | None = None,
+                 ) -> dict[str, Callable[[], object]]:
+    """One token step (every projection once) per method; with `branches` ((A, B) per layer), the product's kernel
+    with that LoRA branch too."""
     def deq(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         w = bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state)
         return F.linear(x, w.to(x.dtype))
@@ -171,6 +179,18 @@ def step_methods(layers: list, inputs: dict[int, torch.Tensor], dense: list | No
     }
     for name in kernels:
         methods[KERNELS[name][0]] = kernel(_kernel(name)[0])
+    if branches:
+        from vlmrl.engine.rollout.nf4_lora import nf4_lora_matmul
+
+        # PEFT's branch as a compiled decode step runs it: two matmuls, then the scale and sum in one kernel
+        add = torch.compile(lambda base, lora: base + lora * LORA_SCALE) if torch.cuda.is_available() else (
+            lambda base, lora: base + lora * LORA_SCALE)
+        methods["nf4 kernel v2 + LoRA, PEFT's ops"] = lambda: [
+            add(nf4.nf4_matmul(inputs[m.in_features], m.weight),
+                F.linear(F.linear(inputs[m.in_features], a), b)) for (_, m), (a, b) in zip(layers, branches)]
+        methods["nf4 kernel v2 + LoRA folded"] = lambda: [
+            nf4_lora_matmul(inputs[m.in_features], m.weight, None, F.linear(inputs[m.in_features], a), b, LORA_SCALE)
+            for (_, m), (a, b) in zip(layers, branches)]
     if dense is not None:
         methods["dense bf16 matmul"] = lambda: [F.linear(inputs[w.shape[1]].to(w.dtype), w) for w in dense]
     return methods
@@ -277,10 +297,14 @@ def main(argv: list[str]) -> int:
         for dtype in dtypes:
             for _, m in layers:  # the weights as if loaded in this dtype: bitsandbytes dequantizes to it
                 m.weight.quant_state.dtype = m.compute_dtype = dtype
+            torch.manual_seed(7)
+            branches = [((torch.randn(a.lora, m.in_features, device=device) * m.in_features ** -0.5).to(dtype),
+                         (torch.randn(m.out_features, a.lora, device=device) * 0.02).to(dtype))
+                        for _, m in layers] if a.lora else None
             for rows in rows_list:
                 inputs = {k: torch.randn(rows, k, device=device).to(dtype) for k in {a.hidden, a.intermediate,
                                                                                      a.heads * a.head_dim}}
-                for method, step in step_methods(layers, inputs, dense, bnb, nf4, kernels).items():
+                for method, step in step_methods(layers, inputs, dense, bnb, nf4, kernels, branches).items():
                     entry = {"dtype": str(dtype).removeprefix("torch."), "rows": rows, "method": method}
                     for mode in ("eager", "graph"):
                         try:
@@ -289,7 +313,8 @@ def main(argv: list[str]) -> int:
                             entry[f"{mode}_error"] = f"{type(error).__name__}: {str(error)[:200]}"
                     result["steps"].append(entry)
                     print(json.dumps(entry), flush=True)
-                result["numerics"].append(numerics(layers[:7], inputs, dtype, rows, bnb, nf4, kernels))
+                result["numerics"].append(numerics(layers[:7], inputs, dtype, rows, bnb, nf4, kernels,
+                                                   branches and branches[:7]))
             result["fallbacks"] = {str(where): why for where, why in nf4._failed.items()}  # JSON keys
         result["sweep"] = [entry for kernel in kernels
                            for entry in sweep(a, layers, rows_list, dtypes[0], bandwidth, nf4, device, kernel)]
@@ -298,20 +323,23 @@ def main(argv: list[str]) -> int:
     print(markdown(result))
     worst = max((value for n in result["numerics"] for key, value in n.items()
                  if key.startswith("kernel") and key.endswith("_units")), default=0.0)
+    worst = max([worst] + [n["folded_units"] for n in result["numerics"] if "folded_units" in n])
     return 0 if worst <= 1 and not result["fallbacks"] else 1
 
 
 def numerics(layers: list, inputs: dict, dtype: torch.dtype, rows: int, bnb: object, nf4: object,
-             kernels: list[str] = ("v1",)) -> dict:
+             kernels: list[str] = ("v1",), branches: list | None = None) -> dict:
     """Largest ulps over one layer's projections: the kernels ("kernel": v1, "kernel_v2"), and `Linear4bit` itself,
-    against dequantize + matmul (summed in fp32: cuBLAS's reduced-precision split-K reductions off)."""
+    against dequantize + matmul (summed in fp32: cuBLAS's reduced-precision split-K reductions off); with
+    `branches`, the folded LoRA branch ("folded") against PEFT's eager sum over dequantize + matmul, its unit
+    taken at the larger term too (tests/test_nf4_lora.py)."""
     names = {"v1": "kernel", "v2": "kernel_v2"}
     found = {f"{names[k]}_{what}": zero for k in kernels for what, zero in (("ulps", 0), ("units", 0.0))}
     found |= {"linear4bit_ulps": 0, "linear4bit_units": 0.0}
     flags = torch.backends.cuda.matmul
     saved = flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction
     flags.allow_bf16_reduced_precision_reduction = flags.allow_fp16_reduced_precision_reduction = False
-    for _, m in layers:
+    for i, (_, m) in enumerate(layers):
         x = inputs[m.in_features]
         weight = bnb.functional.dequantize_4bit(m.weight.data, m.weight.quant_state).to(dtype)
         expected = F.linear(x, weight)
@@ -320,6 +348,17 @@ def numerics(layers: list, inputs: dict, dtype: torch.dtype, rows: int, bnb: obj
         for name, got in [*outputs, ("linear4bit", m(x))]:
             found[f"{name}_ulps"] = max(found[f"{name}_ulps"], ulps(got, expected))
             found[f"{name}_units"] = max(found[f"{name}_units"], units(got, expected, scale))
+        if branches:
+            from vlmrl.engine.rollout.nf4_lora import nf4_lora_matmul
+
+            first, second = branches[i]
+            xa = F.linear(x, first)
+            lora = F.linear(xa, second) * LORA_SCALE
+            got = nf4_lora_matmul(x, m.weight, None, xa, second, LORA_SCALE)
+            terms = torch.maximum(expected.float().abs(), lora.float().abs())
+            found["folded_ulps"] = max(found.get("folded_ulps", 0), ulps(got, expected + lora))
+            found["folded_units"] = max(found.get("folded_units", 0.0),
+                                        units(got, expected + lora, torch.maximum(scale, terms * 2 ** 12)))
     flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction = saved
     return {"dtype": str(dtype).removeprefix("torch."), "rows": rows} | found
 
@@ -344,7 +383,8 @@ def markdown(r: dict) -> str:
     about = ("Numerics against dequantize + matmul over one layer's projections: the largest distance in "
              "representable values (ulps), and in units at max(|output|, 2^-12 sum |x w|) (units):")
     shown = [(name, label) for name, label in (("kernel", "nf4 kernel"), ("kernel_v2", "nf4 kernel v2"),
-                                               ("linear4bit", "Linear4bit forward"))
+                                               ("linear4bit", "Linear4bit forward"),
+                                               ("folded", "v2 + LoRA folded, against PEFT's sum"))
              if any(f"{name}_ulps" in n for n in r["numerics"])]
     lines += ["", about, "", "| dtype | rows | " + " | ".join(f"{label} ulps | units" for _, label in shown) + " |",
               "|---|---|" + "---|---|" * len(shown)]

@@ -2,14 +2,17 @@
 the same in bf16 beside it, and the preflight's prediction for those settings.
 
     python benchmarks/small_card.py OUTDIR --fp16 BENCH.json --bf16 BENCH.json [--varied BENCH.json]
-                                    [--alone BENCH.json] [--record BENCH.json] [--note TEXT]
+                                    [--alone BENCH.json] [--bf16-alone BENCH.json] [--record BENCH.json]
+                                    [--note TEXT]
 
 --fp16 / --bf16: `vlmrl bench --paths vlmrl --load-in-4bit --micro-batch 4 --steps-per-generation 4
 --memory-cap-gib 15 --dtype float16|bfloat16` (benchmarks/gpu_issue39_40.plan); --varied: a run with
 `--varied-reward`, whose steps have non-zero advantages (a random-weight model earns nothing from the seed's
 rewards, so without it every gradient is exactly zero); --alone: the --fp16 settings run again alone on the host
-(benchmarks/gpu_small_card_alone.plan), for a step time that no other job slowed; --record: the 24 GiB 4-bit
-record, for its step time. fp16_over_bf16_step compares --fp16 with --bf16, which ran under the same conditions.
+(benchmarks/gpu_small_card_alone.plan), for a step time that no other job slowed; --bf16-alone: the --bf16
+settings alone on the host (benchmarks/gpu_issue39_next.plan); --record: the 24 GiB 4-bit record, for its step
+time. fp16_over_bf16_step compares --fp16 with --bf16, which ran under the same conditions, and
+fp16_over_bf16_step_alone the two alone runs.
 Writes OUTDIR/h200_small_card.json and .md. The criteria are read off the numbers; nothing is tuned to pass them.
 """
 
@@ -66,6 +69,18 @@ def criteria(fp16: dict, varied: dict | None) -> dict:
     }
 
 
+def _within_cap(block: dict) -> bool:
+    return block["steps_completed"] >= 3 and not block["error"] and block["peak_gib"] is not None \
+        and block["peak_gib"] <= CAP_GIB
+
+
+def _ratio(fp16: dict | None, bf16: dict | None) -> float | None:
+    """fp16's step time over bf16's, where both have one."""
+    if not fp16 or not bf16 or not fp16["step_seconds"] or not bf16["step_seconds"]:
+        return None
+    return fp16["step_seconds"] / bf16["step_seconds"]
+
+
 def markdown(result: dict) -> str:
     lines = ["# The 16 GB recipe on an H200 under a 15 GiB cap (issue 39)", "", result["note"], "",
              ("| run | steps | step s (first) | decode ms/step | peak GiB (reserved) | preflight GiB | measured / predicted "
@@ -85,6 +100,9 @@ def markdown(result: dict) -> str:
         lines += ["", (f"Beside: the 4-bit bf16 record under a 24 GiB cap ({record['file']}, 8 completions per "
                   f"micro-step, one rollout of 32 per step, alone on the host): step {record['step_seconds']:.1f} s, "
                   f"peak {record['peak_gib']:.2f} GiB.")]
+    for key, what in (("fp16_over_bf16_step", "the contended pair"), ("fp16_over_bf16_step_alone", "the alone runs")):
+        if result.get(key):
+            lines += ["", f"fp16 step over bf16 step, {what}: {result[key]:.2f}x."]
     lines += ["", "Criteria: " + ", ".join(f"{k}: {v}" for k, v in result["criteria"].items())]
     return "\n".join(lines) + "\n"
 
@@ -96,12 +114,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bf16", type=Path, required=True)
     parser.add_argument("--varied", type=Path)
     parser.add_argument("--alone", type=Path)
+    parser.add_argument("--bf16-alone", type=Path)
     parser.add_argument("--record", type=Path)
     parser.add_argument("--note", default="")
     args = parser.parse_args(argv)
     runs = {"fp16": run_block(args.fp16), "bf16": run_block(args.bf16),
             "fp16_varied_reward": run_block(args.varied) if args.varied else None,
-            "fp16_alone": run_block(args.alone) if args.alone else None}
+            "fp16_alone": run_block(args.alone) if args.alone else None,
+            "bf16_alone": run_block(args.bf16_alone) if args.bf16_alone else None}
     record = None
     if args.record:
         bench = json.loads(args.record.read_text())
@@ -114,11 +134,10 @@ def main(argv: list[str] | None = None) -> int:
                 "optimizer step) under a 15 GiB cap, fp16 beside bf16, with the preflight's prediction (issue 39)",
         "command": "python benchmarks/small_card.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "note": args.note, "runs": runs, "record_24gib": record,
-        "fp16_over_bf16_step": (fp16["step_seconds"] / bf16["step_seconds"]
-                                if fp16["step_seconds"] and bf16["step_seconds"] else None),
+        "fp16_over_bf16_step": _ratio(fp16, bf16),
+        "fp16_over_bf16_step_alone": _ratio(runs["fp16_alone"], runs["bf16_alone"]),
         "criteria": {**criteria(fp16, runs["fp16_varied_reward"]),
-                     **({"fp16_alone_three_steps_within_15_gib": criteria(runs["fp16_alone"], None)[
-                         "three_fp16_steps_complete"] and runs["fp16_alone"]["peak_gib"] <= CAP_GIB}
+                     **({"fp16_alone_three_steps_within_15_gib": _within_cap(runs["fp16_alone"])}
                         if runs["fp16_alone"] else {})},
     }
     args.out.mkdir(parents=True, exist_ok=True)

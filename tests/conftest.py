@@ -227,3 +227,21 @@ def load_sdpa(path: Path):
     processor = AutoProcessor.from_pretrained(str(path))
     processor.tokenizer.padding_side = "left"
     return model.eval(), processor
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Each launch of the nf4 token-step kernel (`vlmrl.engine.rollout.nf4.launch`), by its rows, recorded (and the
+    kernel's fallbacks cleared); cuBLAS's reduced-precision reductions off, so that references sum in fp32."""
+    from vlmrl.engine.rollout import nf4
+
+    monkeypatch.setattr(nf4, "_failed", {})
+    calls = []
+    real = nf4.launch
+    monkeypatch.setattr(nf4, "launch", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    # the reference sums in fp32 (cuBLAS may otherwise reduce split-K partial sums in bf16/fp16)
+    flags = torch.backends.cuda.matmul
+    saved = flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction
+    flags.allow_bf16_reduced_precision_reduction = flags.allow_fp16_reduced_precision_reduction = False
+    yield calls
+    flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction = saved

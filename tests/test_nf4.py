@@ -22,18 +22,9 @@ KERNELS = pytest.mark.parametrize("matmul", [nf4_v1.nf4_matmul_v1, nf4.nf4_matmu
 
 
 @pytest.fixture(autouse=True)
-def launches(monkeypatch):
-    """Each kernel launch, recorded (and the fallbacks cleared)."""
-    monkeypatch.setattr(nf4, "_failed", {})
-    calls = []
-    real = nf4.launch
-    monkeypatch.setattr(nf4, "launch", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
-    # the reference sums in fp32 (cuBLAS may otherwise reduce split-K partial sums in bf16/fp16)
-    flags = torch.backends.cuda.matmul
-    saved = flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction
-    flags.allow_bf16_reduced_precision_reduction = flags.allow_fp16_reduced_precision_reduction = False
-    yield calls
-    flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction = saved
+def _nf4_launches(launches):
+    """Every test here records the kernel's launches (tests/conftest.py's `launches`)."""
+    return launches
 
 
 def _units(got: torch.Tensor, expected: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

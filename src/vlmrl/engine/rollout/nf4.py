@@ -47,7 +47,7 @@ MEASURED_MAJOR = 9  # compute capability where the kernel was measured faster th
 BLOCKSIZES = (32, 64, 128, 256)
 TILE_PAIRS = 64  # packed bytes per weight row per loop step on a GPU (128 weights)
 PROGRAMS_PER_SM = 4  # split K until the grid has about this many programs per SM
-_DTYPES = (torch.bfloat16, torch.float16)
+DTYPES = (torch.bfloat16, torch.float16)
 _ROUNDING = {torch.bfloat16: 1, torch.float16: 2}  # the dequantized weight's dtype -> the kernel's code (0: fp32)
 
 
@@ -61,8 +61,9 @@ def nf4_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
 
 def call(op: Callable[..., torch.Tensor], x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-         quant_state: Any, config: list[int] | None) -> torch.Tensor:
-    """Unpack `weight`'s quant state and call `op`, a custom op over (x, packed, ..., config)."""
+         quant_state: Any, config: list[int] | None, lora: tuple = ()) -> torch.Tensor:
+    """Unpack `weight`'s quant state and call `op`, a custom op over (x, packed, absmax, code2, absmax2, offset,
+    lut, bias, *lora, blocksize, blocksize2, rounding, config)."""
     qs = quant_state if quant_state is not None else weight.quant_state
     n, k = qs.shape
     packed = weight.data.view(torch.uint8).reshape(n, k // 2)
@@ -74,7 +75,7 @@ def call(op: Callable[..., torch.Tensor], x: torch.Tensor, weight: torch.Tensor,
     code2, absmax2, offset, blocksize2 = nested
     if bias is not None:
         bias = bias.to(x.dtype)
-    out = op(x.reshape(-1, k), packed, qs.absmax, code2, absmax2, offset, qs.code, bias, qs.blocksize,
+    out = op(x.reshape(-1, k), packed, qs.absmax, code2, absmax2, offset, qs.code, bias, *lora, qs.blocksize,
              blocksize2, _ROUNDING.get(qs.dtype, 0), list(config or []))
     return out.view(*x.shape[:-1], n)
 
@@ -90,7 +91,7 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     layers = _linear4bit_layers(model)
     if not layers:
         return NO_4BIT
-    reasons = [reason for layer in layers if (reason := _layer_reason(layer)) is not None]
+    reasons = [reason for layer in layers if (reason := layer_reason(layer)) is not None]
     if len(reasons) < len(layers):
         return None
     reason, count = collections.Counter(reasons).most_common(1)[0]
@@ -114,14 +115,20 @@ def probe(model: torch.nn.Module) -> str | None:
     """Launch the kernel once on the first layer `nf4_decode` would route, at `MIN_ROWS` zero rows; why it cannot
     run there (a Triton build or launch error), or None. A failure is also recorded, so the routed layers would
     fall back to dequantize + matmul, which is slower than bitsandbytes' own forward: don't route then."""
-    layer = next((m for m in _linear4bit_layers(model) if _layer_reason(m) is None), None)
+    layer = next((m for m in _linear4bit_layers(model) if layer_reason(m) is None), None)
     if layer is None:
         return unsupported_reason(model)
-    dtype = layer.compute_dtype if layer.compute_dtype in _DTYPES else torch.bfloat16
+    dtype = layer.compute_dtype if layer.compute_dtype in DTYPES else torch.bfloat16
     x = torch.zeros(MIN_ROWS, layer.in_features, device=layer.weight.device, dtype=dtype)
     with torch.no_grad():
         nf4_matmul(x, layer.weight, quant_state=layer.weight.quant_state)
-    return _failed.get(_where(x, ""))
+    return failure(x)
+
+
+def failure(x: torch.Tensor, design: str = "") -> str | None:
+    """Why `design`'s kernel ("" the product's matmul, "lora" with the LoRA branch, "v1") fell back to torch on x's
+    device and dtype; None where it has not."""
+    return _failed.get(_where(x, design))
 
 
 @contextlib.contextmanager
@@ -135,7 +142,7 @@ def nf4_decode(model: torch.nn.Module, max_rows: int = MAX_ROWS, min_rows: int =
     patched: list[tuple[torch.nn.Module, Any]] = []
     if reason is None:
         for layer in _linear4bit_layers(model):
-            if _layer_reason(layer) is None:
+            if layer_reason(layer) is None:
                 patched.append((layer, layer.__dict__.get("forward")))  # an accelerate hook's forward, say
                 layer.forward = _routed(layer, layer.forward, min_rows, max_rows, matmul)
         log.info("nf4 token-step kernel on for %d of %d Linear4bit layers", len(patched),
@@ -163,13 +170,19 @@ def dequantize(packed: torch.Tensor, absmax: torch.Tensor, code2: torch.Tensor |
     return (lut[codes].view(-1, blocksize) * scale.view(-1, 1)).view(n, -1)
 
 
-def _linear4bit_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    # bitsandbytes is only imported by a model that has its layers: nothing to find when it is not
+def is_linear4bit(module: torch.nn.Module) -> bool:
+    """Whether `module` is a bitsandbytes `Linear4bit` (imported only by a model that has such layers)."""
     cls = getattr(sys.modules.get("bitsandbytes.nn"), "Linear4bit", None)
-    return [] if cls is None else [m for m in model.modules() if isinstance(m, cls)]
+    return cls is not None and isinstance(module, cls)
 
 
-def _layer_reason(layer: torch.nn.Module) -> str | None:
+def _linear4bit_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if is_linear4bit(m)]
+
+
+def layer_reason(layer: torch.nn.Module) -> str | None:
+    """Why the kernel cannot take `Linear4bit` layer `layer` (its quant state, shape, device or dtype); None when
+    it can."""
     weight = layer.weight
     qs = getattr(weight, "quant_state", None) or getattr(layer, "quant_state", None)
     if qs is None:
@@ -186,7 +199,7 @@ def _layer_reason(layer: torch.nn.Module) -> str | None:
         return f"weights on {weight.device}, not a CUDA device"
     if not weight.data.is_contiguous() or weight.data.numel() * weight.data.element_size() * 2 != qs.shape.numel():
         return "packed weights not contiguous bytes"
-    if getattr(layer, "compute_dtype", None) not in (None, *_DTYPES):
+    if getattr(layer, "compute_dtype", None) not in (None, *DTYPES):
         return f"compute dtype {layer.compute_dtype} (the kernel computes in bf16/fp16)"
     return None
 
@@ -197,7 +210,7 @@ def _routed(layer: torch.nn.Module, fallback: Callable[..., torch.Tensor], min_r
         dtype = layer.compute_dtype if layer.compute_dtype is not None else x.dtype  # as bitsandbytes computes
         bias = layer.bias
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if (args or kwargs or not min_rows <= rows <= max_rows or dtype not in _DTYPES or x.device != layer.weight.device
+        if (args or kwargs or not min_rows <= rows <= max_rows or dtype not in DTYPES or x.device != layer.weight.device
                 or (torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)))):
             return fallback(x, *args, **kwargs)
         qs = getattr(layer.weight, "quant_state", None) or layer.quant_state  # as bitsandbytes finds it
@@ -211,20 +224,29 @@ def _nf4_matmul(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, cod
                 absmax2: torch.Tensor | None, offset: torch.Tensor | None, lut: torch.Tensor, bias: torch.Tensor | None,
                 blocksize: int, blocksize2: int, rounding: int, config: list[int]) -> torch.Tensor:
     return kernel_or_reference((x, packed, absmax, code2, absmax2, offset, lut, bias, blocksize, blocksize2,
-                                rounding, config), design="", tiles=_tiles, chooser=_config)
+                                rounding, config), design="")
 
 
 def _tiles(interpret: bool) -> Any:
     return nf4_triton.kernels(interpret)[0]
 
 
-def kernel_or_reference(args: tuple, *, design: str, tiles: Callable[[bool], Any],
-                        chooser: Callable[..., list[int]]) -> torch.Tensor:
-    """A kernel's launch (`tiles(interpret)` builds the design's tile kernel; `chooser` its config), or dequantize +
-    matmul where it cannot run (recorded once per device, dtype and `design`)."""
-    return kernel_or_fallback(_failed, _where(args[0], design), lambda: launch(*args, tiles=tiles, chooser=chooser),
-                              lambda: _reference(*args), what="nf4 matmul kernel", instead="dequantize + matmul",
-                              logger=log)
+def kernel_or_reference(args: tuple, *, design: str, tiles: Callable[[bool], Any] = _tiles,
+                        chooser: Callable[..., list[int]] | None = None,
+                        lora: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
+    """A kernel's launch (`tiles(interpret)` builds the design's tile kernel, this module's unless given; `chooser`
+    its config), with `lora`'s branch in its split sum (`launch`), or dequantize + matmul (and the branch in torch)
+    where it cannot run (recorded once per device, dtype and `design`)."""
+    def reference() -> torch.Tensor:
+        out = _reference(*args)
+        if lora is None:
+            return out
+        xa, second, scale = lora
+        return out + F.linear(xa, second) * scale  # PEFT's eager sum, each step rounded to x's dtype
+
+    return kernel_or_fallback(_failed, _where(args[0], design),
+                              lambda: launch(*args, tiles=tiles, chooser=chooser or _config, lora=lora), reference,
+                              what="nf4 matmul kernel", instead="dequantize + matmul", logger=log)
 
 
 def _where(x: torch.Tensor, design: str) -> tuple:
@@ -284,13 +306,16 @@ def _block_m(rows: int) -> int:
 def launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: torch.Tensor | None,
            absmax2: torch.Tensor | None, offset: torch.Tensor | None, lut: torch.Tensor, bias: torch.Tensor | None,
            blocksize: int, blocksize2: int, rounding: int, config: list[int], *, tiles: Callable[[bool], Any],
-           chooser: Callable[..., list[int]]) -> torch.Tensor:
-    """Launch `tiles(interpret)` (and the split sum) on x [rows, k]; `config` or `chooser`'s."""
+           chooser: Callable[..., list[int]], lora: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+           ) -> torch.Tensor:
+    """Launch `tiles(interpret)` (and the split sum) on x [rows, k]; `config` or `chooser`'s. `lora` = (xa [rows,
+    rank], second [n, rank], scale): the split sum adds that LoRA branch too (`vlmrl.engine.rollout.nf4_lora`), so
+    the tiles then always write fp32 shares, one split or more."""
     rows, k = x.shape
     n = packed.shape[0]
     if rows == 0:
         return x.new_empty((0, n))
-    if x.dtype not in _DTYPES:
+    if x.dtype not in DTYPES:
         raise TypeError(f"activations in {x.dtype}: the kernel takes bf16/fp16")
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -306,18 +331,22 @@ def launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: t
     interpret = interpreted()
     main, reduce = tiles(interpret), nf4_triton.kernels(interpret)[1]
     nested = code2 is not None
-    target = torch.empty(split, rows, n, device=x.device, dtype=torch.float32) if split > 1 else out
+    partial = split > 1 or lora is not None
+    target = torch.empty(split, rows, n, device=x.device, dtype=torch.float32) if partial else out
     xq = 1 if x.dtype == torch.bfloat16 else 2
     grid = (-(-n // block_n), split, -(-rows // block_m))
     main[grid](x, packed, absmax, code2 if nested else absmax, absmax2 if nested else absmax,
                offset if nested else absmax, lut, bias if bias is not None else out, target,
                rows, n, k, x.stride(0), per_split, BLOCKSIZE2=blocksize2, HALF=half, NB=tile // half,
-               BLOCK_N=block_n, BLOCK_M=block_m, NESTED=nested, HAS_BIAS=bias is not None and split == 1,
-               PARTIAL=split > 1, WQ=rounding, XQ=xq, EXACT=interpret,
+               BLOCK_N=block_n, BLOCK_M=block_m, NESTED=nested, HAS_BIAS=bias is not None and not partial,
+               PARTIAL=partial, WQ=rounding, XQ=xq, EXACT=interpret,
                num_warps=warps, num_stages=stages, enable_fp_fusion=False)  # round a*b and +c apart, as bnb does
-    if split > 1:
+    if partial:
         size = rows * n
         block = 1024
-        reduce[(-(-size // block),)](target, bias if bias is not None else out, out, size, n, split,
-                                     HAS_BIAS=bias is not None, XQ=xq, EXACT=interpret, BLOCK=block)
+        xa, second, scale = lora if lora is not None else (out, out, 0.0)
+        reduce[(-(-size // block),)](target, bias if bias is not None else out, out, size, n, split, xa, second,
+                                     second.shape[-1] if lora is not None else 0, scale, HAS_BIAS=bias is not None,
+                                     HAS_LORA=lora is not None, XQ=xq, EXACT=interpret, BLOCK=block,
+                                     enable_fp_fusion=False)
     return out

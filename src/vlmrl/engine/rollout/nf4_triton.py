@@ -3,7 +3,8 @@ what it computes and how it is checked).
 
 Public: `kernels(interpret)` -> (`nf4_tiles`: 2-D tiles of packed bytes, high nibbles against x's even columns and
 low ones against its odd columns, each program writing its fp32 share when K is split, else the rounded output;
-`nf4_splits`: the fixed-order sum of K splits, bias added and rounded once). Building them also puts their device
+`nf4_splits`: the fixed-order sum of K splits, bias added and rounded once, and where asked a LoRA branch's
+second factor, scale and sum, as `vlmrl.engine.rollout.nf4_lora` computes them). Building them also puts their device
 helpers (`rounded`, `dot_operand`, `store_tile`) in this module's globals, where the first design's kernel
 (`vlmrl.engine.experimental.nf4_v1`) takes them from. Limits: those of `nf4` (nf4 codes, bf16/fp16 activations,
 CUDA or Triton's interpreter).
@@ -71,9 +72,11 @@ def kernels(interpret: bool) -> tuple[Any, Any]:
     globals()["store_tile"] = store_tile
 
     @triton.jit
-    def nf4_splits(Partial, Bias, Out, size, N, splits, HAS_BIAS: tl.constexpr, XQ: tl.constexpr,
-                   EXACT: tl.constexpr, BLOCK: tl.constexpr):
-        # the splits' shares summed in order, the bias added, rounded once
+    def nf4_splits(Partial, Bias, Out, size, N, splits, XA, Second, rank, scale, HAS_BIAS: tl.constexpr,
+                   HAS_LORA: tl.constexpr, XQ: tl.constexpr, EXACT: tl.constexpr, BLOCK: tl.constexpr):
+        # the splits' shares summed in order, the bias added, rounded once; with a LoRA branch, PEFT's sum after
+        # it: the rank-space rows XA [M, rank] times the second factor Second [N, rank], rounded, scaled, rounded,
+        # added to the rounded base output and rounded (each rounding one PEFT's eager forward makes)
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = i < size
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -81,6 +84,14 @@ def kernels(interpret: bool) -> tuple[Any, Any]:
             acc += tl.load(Partial + s * size + i, mask=ok, other=0.0)
         if HAS_BIAS:
             acc += tl.load(Bias + i % N, mask=ok, other=0.0).to(tl.float32)
+        if HAS_LORA:
+            row, col = i // N, i % N
+            lora = tl.zeros((BLOCK,), dtype=tl.float32)
+            for r in range(rank):
+                a = tl.load(XA + row * rank + r, mask=ok, other=0.0).to(tl.float32)
+                lora += a * tl.load(Second + col * rank + r, mask=ok, other=0.0).to(tl.float32)
+            lora = rounded(rounded(lora, XQ, EXACT) * scale, XQ, EXACT)
+            acc = rounded(acc, XQ, EXACT) + lora
         tl.store(Out + i, rounded(acc, XQ, EXACT).to(Out.dtype.element_ty), mask=ok)
 
     @triton.jit

@@ -43,19 +43,11 @@ SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 def _member_reason(layer: Any) -> str | None:
     """Why a PEFT LoRA layer cannot be stacked; None when it can."""
-    from vlmrl.engine.lora_layers import variant
+    from vlmrl.engine.lora_layers import plain_reason
 
-    names = list(layer.lora_A.keys())
-    if len(names) != 1:
-        return "more than one adapter"
-    name = names[0]
-    kind = variant(layer, name)
-    if kind:
-        return f"{kind} adapters"
-    if getattr(layer, "lora_bias", {}).get(name):
-        return "LoRA with a bias"
-    if not isinstance(layer.lora_dropout[name], torch.nn.Identity):
-        return "LoRA dropout (each projection draws its own mask)"
+    reason = plain_reason(layer)
+    if reason is not None:
+        return reason
     base = layer.get_base_layer()
     if type(base) is not torch.nn.Linear:
         return f"a {type(base).__name__} base layer (quantized or not a plain Linear)"

@@ -1,0 +1,144 @@
+"""A 4-bit base's LoRA branch folded into the nf4 token step: the second factor, the scale and the sum run in the
+kernel's last pass.
+
+A 4-bit base cannot take the adapter merged in without re-quantizing, so at a rollout token step PEFT's LoRA layer
+runs, per adapted projection: the base (`Linear4bit`), a clone of its output, the first factor (x A), the second
+(B), the scale and the sum, each a launch-bound kernel at a few dozen rows, 252 projections a token step for
+Qwen3-VL-8B. Here the first factor stays a matmul (as PEFT computes it, under the rollout's autocast), and the nf4
+kernel's split sum (`vlmrl.engine.rollout.nf4_triton.nf4_splits`) does the rest: each output adds
+`round(round(xa @ B.T) * scale)` to its rounded base output and rounds, the roundings PEFT's eager forward makes.
+Only the summation order of `xa @ B.T` differs from cuBLAS's.
+
+Public: `nf4_lora_matmul` (the custom op's caller); `nf4_lora_decode(model)`, which routes the token steps of PEFT
+LoRA layers over routable `Linear4bit` bases through it while active, beside `vlmrl.engine.rollout.nf4.nf4_decode`
+(which keeps the unfused layers' bases on the kernel); `adapted_layers(model)`, `unfused_reason(layer)` and
+`probe(model)` (a launch), for the caller to decide and record. `vlmrl.engine.rollout.fast` turns both on for a 4-bit base's
+rollouts. Limits: plain LoRA (one active adapter, no variant, dropout or bias of its own; `lora_layers.plain_reason`),
+the branch computed in the activations' dtype (bf16/fp16: under an autocast of that dtype or with adapters
+stored in it), rows and devices as `nf4` routes them; anything else runs PEFT's own forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from vlmrl.engine.rollout import nf4
+
+log = logging.getLogger(__name__)
+
+
+def nf4_lora_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, xa: torch.Tensor,
+                    second: torch.Tensor, scale: float, *, quant_state: Any = None,
+                    config: list[int] | None = None) -> torch.Tensor:
+    """`base + scale * (xa @ second.T)` rounded as PEFT rounds it, `base` = `nf4_matmul(x, weight, bias)`; `xa`
+    [..., rank] the first factor's output and `second` [out, rank] the second factor, both in x's dtype."""
+    lora = (xa.reshape(-1, xa.shape[-1]).contiguous(), second.contiguous(), float(scale))
+    return nf4.call(_nf4_lora_matmul, x, weight, bias, quant_state, config, lora)
+
+
+@torch.library.custom_op("vlmrl::nf4_lora_matmul", mutates_args=())
+def _nf4_lora_matmul(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: torch.Tensor | None,
+                     absmax2: torch.Tensor | None, offset: torch.Tensor | None, lut: torch.Tensor,
+                     bias: torch.Tensor | None, xa: torch.Tensor, second: torch.Tensor, scale: float, blocksize: int,
+                     blocksize2: int, rounding: int, config: list[int]) -> torch.Tensor:
+    return nf4.kernel_or_reference((x, packed, absmax, code2, absmax2, offset, lut, bias, blocksize, blocksize2,
+                                    rounding, config), design="lora", lora=(xa, second, scale))
+
+
+@_nf4_lora_matmul.register_fake
+def _output_like(x: torch.Tensor, packed: torch.Tensor, *args: Any) -> torch.Tensor:
+    return nf4.output_like(x, packed)
+
+
+def unfused_reason(layer: Any) -> str | None:
+    """Why `nf4_lora_decode` leaves PEFT LoRA layer `layer` to its own forward; None when it routes it."""
+    from vlmrl.engine.lora_layers import plain_reason
+
+    base = layer.get_base_layer()
+    if not nf4.is_linear4bit(base):
+        return f"a {type(base).__name__} base layer, not bitsandbytes' Linear4bit"
+    return nf4.layer_reason(base) or plain_reason(layer)
+
+
+def adapted_layers(model: torch.nn.Module) -> list[Any]:
+    """The model's PEFT LoRA layers over a bitsandbytes `Linear4bit`."""
+    from vlmrl.engine.lora_layers import lora_layers
+
+    return [layer for layer in lora_layers(model) if nf4.is_linear4bit(layer.get_base_layer())]
+
+
+def probe(model: torch.nn.Module) -> str | None:
+    """Launch `nf4_lora_matmul` once on the first layer `nf4_lora_decode` would route, at `nf4.MIN_ROWS` zero rows;
+    why it cannot run there (a Triton build or launch error; it would then fall back to dequantize + matmul,
+    slower than bitsandbytes), or None."""
+    layer = next((m for m in adapted_layers(model) if unfused_reason(m) is None), None)
+    if layer is None:
+        return "no plain LoRA layer over a Linear4bit the kernel takes"
+    base, name = layer.get_base_layer(), next(iter(layer.lora_A.keys()))
+    dtype = base.compute_dtype if base.compute_dtype in nf4.DTYPES else torch.bfloat16
+    second = layer.lora_B[name].weight
+    x = torch.zeros(nf4.MIN_ROWS, base.in_features, device=base.weight.device, dtype=dtype)
+    with torch.no_grad():
+        nf4_lora_matmul(x, base.weight, base.bias, x.new_zeros(nf4.MIN_ROWS, second.shape[1]), second.to(dtype), 1.0,
+                        quant_state=base.weight.quant_state)
+    return nf4.failure(x, "lora")
+
+
+@contextlib.contextmanager
+def nf4_lora_decode(model: torch.nn.Module, max_rows: int = nf4.MAX_ROWS,
+                    min_rows: int = nf4.MIN_ROWS) -> Iterator[tuple[int, int]]:
+    """While active, forwards of the model's PEFT LoRA layers over routable `Linear4bit` bases with `min_rows` to
+    `max_rows` rows, no gradient, adapters on and not merged, and the branch in the activations' dtype run the
+    first factor as PEFT does and the rest in `nf4_lora_matmul`; everything else runs PEFT's own forward. Yields
+    (layers routed, LoRA layers over a `Linear4bit`)."""
+    over_4bit = adapted_layers(model)
+    patched: list[tuple[torch.nn.Module, Any]] = []
+    for layer in over_4bit:
+        if unfused_reason(layer) is None:
+            patched.append((layer, layer.__dict__.get("forward")))
+            layer.forward = _fused(layer, layer.forward, min_rows, max_rows)
+    if over_4bit:
+        log.info("nf4 LoRA branch folded into the token-step kernel for %d of %d LoRA layers over Linear4bit",
+                 len(patched), len(over_4bit))
+    try:
+        yield len(patched), len(over_4bit)
+    finally:
+        for layer, before in patched:
+            if before is None:
+                del layer.forward
+            else:
+                layer.forward = before
+
+
+def _branch_dtype(x: torch.Tensor, first: torch.Tensor) -> torch.dtype:
+    """The dtype PEFT computes the branch in: the autocast's where one is on (it then casts nothing itself), else
+    the first factor's, which it casts x to."""
+    if torch.is_autocast_enabled():  # as PEFT asks (CUDA's autocast)
+        return torch.get_autocast_dtype("cuda") if x.is_cuda else first.dtype
+    return first.dtype
+
+
+def _fused(layer: Any, fallback: Any, min_rows: int, max_rows: int) -> Any:
+    base = layer.get_base_layer()
+    name = next(iter(layer.lora_A.keys()))
+
+    def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        first, second = layer.lora_A[name], layer.lora_B[name]
+        dtype = base.compute_dtype if base.compute_dtype is not None else x.dtype
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if (args or kwargs or torch.is_grad_enabled() or layer.disable_adapters or layer.merged
+                or list(layer.active_adapters) != [name] or not min_rows <= rows <= max_rows
+                or x.dtype != dtype or dtype not in nf4.DTYPES or x.device != base.weight.device
+                or _branch_dtype(x, first.weight) != dtype):
+            return fallback(x, *args, **kwargs)
+        xa = first(x)  # as PEFT computes it: dropout is the identity, the autocast (if any) casts
+        qs = getattr(base.weight, "quant_state", None) or base.quant_state
+        return nf4_lora_matmul(x, base.weight, base.bias, xa.to(dtype), second.weight.to(dtype),
+                               layer.scaling[name], quant_state=qs)
+
+    return forward
