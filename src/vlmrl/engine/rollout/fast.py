@@ -136,8 +136,8 @@ BITSANDBYTES = "bitsandbytes Linear4bit"
 
 
 def nf4_token_steps(trainer: Any, *, wanted: bool = True) -> str | None:
-    """Route a 4-bit base's token steps through vlmrl's nf4 kernel (`vlmrl.engine.rollout.nf4`), with the LoRA
-    branches of plain adapters folded into it (`nf4_lora`), for the trainer's life, where it applies: vlmrl's kernels `wanted`, a GPU where the kernel was measured faster than bitsandbytes,
+    """Route a 4-bit base's token steps through vlmrl's nf4 kernel (`vlmrl.engine.rollout.nf4`) for the trainer's
+    life, where it applies: vlmrl's kernels `wanted`, a GPU where the kernel was measured faster than bitsandbytes,
     and a launch that works there. For the trainer's life, so that a compiled token step sees the same forwards at
     every rollout; the loss pass and prompt passes stay on bitsandbytes. Returns what the record says: None
     without a bitsandbytes 4-bit layer, else which kernel reads the weights and why."""
@@ -152,22 +152,11 @@ def nf4_token_steps(trainer: Any, *, wanted: bool = True) -> str | None:
     reason = nf4.unsupported_reason(model) or nf4.gpu_reason(weight.device) or nf4.probe(model)
     if reason is not None:
         return f"{BITSANDBYTES} (vlmrl's nf4 kernel not used: {reason})"
-    from vlmrl.engine.rollout import nf4_lora
-
     stack = contextlib.ExitStack()
     stack.enter_context(nf4.nf4_decode(model))
     trainer.vlmrl_nf4_decode = stack  # held with the trainer; an experiment may close it
-    lora = ""
-    if nf4_lora.adapted_layers(model):
-        why_not = nf4_lora.probe(model)
-        if why_not is None:
-            folded, adapted = stack.enter_context(nf4_lora.nf4_lora_decode(model))
-            lora = (f", the LoRA branch's second factor and sum in its last pass for {folded} of {adapted} adapted "
-                    "layers (vlmrl.engine.rollout.nf4_lora)")
-        else:
-            lora = f", the LoRA branch in PEFT's forward (not folded into the kernel: {why_not})"
-    return (f"vlmrl nf4 kernel (vlmrl.engine.rollout.nf4) for token steps of {nf4.MIN_ROWS}-{nf4.MAX_ROWS} rows"
-            f"{lora}, {BITSANDBYTES} otherwise")
+    return (f"vlmrl nf4 kernel (vlmrl.engine.rollout.nf4) for token steps of {nf4.MIN_ROWS}-{nf4.MAX_ROWS} rows, "
+            f"{BITSANDBYTES} otherwise")
 
 
 def _adapter_copies(trainer: Any, dtype: torch.dtype | None, *, wanted: bool) -> tuple[Any, str]:
