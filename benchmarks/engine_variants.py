@@ -54,8 +54,11 @@ def engine_variants() -> dict[str, Variant]:
         "vlmrl-bnb": Variant(after=_experiment(nf4_kernel="off")),
         "vlmrl-nf4-v1": Variant(after=_experiment(nf4_kernel="v1")),
         "vlmrl-nf4-v2": Variant(),  # the default now (on the GPUs where it was measured: nf4.gpu_reason)
-        # the product's nf4 kernel with the LoRA branch left to PEFT's forward (without vlmrl.engine.rollout.nf4_lora)
-        "vlmrl-nf4-unfused": Variant(after=_experiment(nf4_kernel="unfused")),
+        # the product's nf4 kernel with the LoRA branch's second factor and sum folded into its last pass
+        # (vlmrl.engine.experimental.nf4_lora); vlmrl-nf4-unfused, its A/B partner in gpu_issue39_next.plan, is the
+        # default
+        "vlmrl-nf4-folded": Variant(after=_experiment(nf4_kernel="folded")),
+        "vlmrl-nf4-unfused": Variant(),
     }
 
 
