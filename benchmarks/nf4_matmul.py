@@ -58,7 +58,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    "design, nf4_v1.nf4_matmul_v1; v2: the product's, nf4.nf4_matmul), comma-separated")
     p.add_argument("--lora", type=int, default=0, help="a LoRA branch of this rank on every projection (0: none): "
                    "the product's kernel then also runs with the branch as PEFT's ops and folded into its last "
-                   "pass (vlmrl.engine.rollout.nf4_lora)")
+                   "pass (vlmrl.engine.experimental.nf4_lora)")
     return p.parse_args(argv)
 
 
@@ -180,7 +180,7 @@ def step_methods(layers: list, inputs: dict[int, torch.Tensor], dense: list | No
     for name in kernels:
         methods[KERNELS[name][0]] = kernel(_kernel(name)[0])
     if branches:
-        from vlmrl.engine.rollout.nf4_lora import nf4_lora_matmul
+        from vlmrl.engine.experimental.nf4_lora import nf4_lora_matmul
 
         # PEFT's branch as a compiled decode step runs it: two matmuls, then the scale and sum in one kernel
         add = torch.compile(lambda base, lora: base + lora * LORA_SCALE) if torch.cuda.is_available() else (
@@ -349,7 +349,7 @@ def numerics(layers: list, inputs: dict, dtype: torch.dtype, rows: int, bnb: obj
             found[f"{name}_ulps"] = max(found[f"{name}_ulps"], ulps(got, expected))
             found[f"{name}_units"] = max(found[f"{name}_units"], units(got, expected, scale))
         if branches:
-            from vlmrl.engine.rollout.nf4_lora import nf4_lora_matmul
+            from vlmrl.engine.experimental.nf4_lora import nf4_lora_matmul
 
             first, second = branches[i]
             xa = F.linear(x, first)

@@ -1,7 +1,8 @@
-"""A 4-bit base's LoRA branch folded into the nf4 token step (`vlmrl.engine.rollout.nf4_lora`): within one
+"""A 4-bit base's LoRA branch folded into the nf4 token step (`vlmrl.engine.experimental.nf4_lora`, an experiment
+that lost on an H200: docs/benchmarks.md): within one
 bf16/fp16 unit of PEFT's eager forward over bitsandbytes' dequantize-then-matmul, in Triton's CPU interpreter
-(tests/conftest.py turns it on); routed for token steps only, with every other forward left to PEFT; the fast
-path's record; one node in a compiled step; the recorded fallback."""
+(tests/conftest.py turns it on); routed for token steps only, with every other forward left to PEFT; the bench
+variant's record; one node in a compiled step; the recorded fallback."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.test_nf4 import BF, DEVICE, _layer, _model, _quantized, _rollout_trainer, _units
-from vlmrl.engine.rollout import nf4, nf4_lora
+from vlmrl.engine.experimental import nf4_lora
+from vlmrl.engine.rollout import nf4
 
 peft_bnb = pytest.importorskip("peft.tuners.lora.bnb")
 pytestmark = pytest.mark.skipif(not nf4.HAS_TRITON or not (DEVICE == "cuda" or nf4.interpreted()),
@@ -98,7 +100,7 @@ def test_only_plain_lora_in_the_activations_dtype_is_folded(launches):
     assert torch.equal(got, expected)
 
 
-def test_the_fast_path_folds_the_branch_and_says_so(launches, monkeypatch):
+def test_the_bench_variant_folds_the_branch_and_says_so(launches, monkeypatch):
     from vlmrl.engine.experimental.rollout import apply
     from vlmrl.engine.rollout.fast import enable_fast_generation
 
@@ -108,24 +110,24 @@ def test_the_fast_path_folds_the_branch_and_says_so(launches, monkeypatch):
     monkeypatch.setattr(nf4_lora, "nf4_lora_matmul", lambda *a, **kw: ops.append(a[0].shape[0]) or real(*a, **kw))
     model = _model(_peft(_layer(256, 192)))
     trainer = _rollout_trainer(model, torch.randn(4, 1, 256).to(DEVICE, torch.bfloat16))
-    fast = enable_fast_generation(trainer)
-    assert fast.weights == ("vlmrl nf4 kernel (vlmrl.engine.rollout.nf4) for token steps of 2-64 rows, the LoRA "
-                            "branch's second factor and sum in its last pass for 1 of 1 adapted layers "
-                            "(vlmrl.engine.rollout.nf4_lora), bitsandbytes Linear4bit otherwise")
-    assert ops == [2] and launches == [2, 2]  # the probes: the kernel's, then with the branch
+    fast = enable_fast_generation(trainer)  # the product: the branch in PEFT's forward
     trainer._generate_single_turn()
-    assert ops == [2, 4] and launches == [2, 2, 4]
-    unfused = apply(trainer, fast, nf4_kernel="unfused")  # the bench path vlmrl-nf4-unfused
-    assert unfused.weights == ("vlmrl nf4 kernel for token steps of 2-64 rows, the LoRA branch in PEFT's forward "
-                               "(experimental), bitsandbytes Linear4bit otherwise")
+    assert ops == [] and launches == [2, 4]  # the probe, the base's token step
+    folded = apply(trainer, fast, nf4_kernel="folded")  # the bench path vlmrl-nf4-folded
+    assert folded.weights == ("vlmrl nf4 kernel for token steps of 2-64 rows, the LoRA branch's second factor and "
+                              "sum in its last pass for 1 of 1 adapted layers (experimental nf4_lora), bitsandbytes "
+                              "Linear4bit otherwise")
+    assert ops == [2] and launches == [2, 4, 2]  # its probe
     trainer._generate_single_turn()
-    assert ops == [2, 4] and launches == [2, 2, 4, 4]
-    assert "forward" not in model[0].__dict__ and "forward" in model[0].base_layer.__dict__
+    assert ops == [2, 4] and launches == [2, 4, 2, 4]
+    assert "forward" in model[0].__dict__ and "forward" in model[0].base_layer.__dict__
     trainer.vlmrl_nf4_decode.close()
+    assert "forward" not in model[0].__dict__ and "forward" not in model[0].base_layer.__dict__
 
 
 def test_a_branch_that_cannot_fold_stays_in_peft_with_the_reason(launches, monkeypatch):
-    from vlmrl.engine.rollout.fast import nf4_token_steps
+    from vlmrl.engine.experimental.rollout import apply
+    from vlmrl.engine.rollout.fast import enable_fast_generation
 
     monkeypatch.setattr(nf4, "gpu_reason", lambda device: None)
     real = nf4.launch
@@ -133,9 +135,10 @@ def test_a_branch_that_cannot_fold_stays_in_peft_with_the_reason(launches, monke
                         if kw.get("lora") is not None else real(*a, **kw))
     model = _model(_peft(_layer(256, 192)))
     trainer = _rollout_trainer(model, None)
-    assert nf4_token_steps(trainer) == ("vlmrl nf4 kernel (vlmrl.engine.rollout.nf4) for token steps of 2-64 rows, "
-                                        "the LoRA branch in PEFT's forward (not folded into the kernel: "
-                                        "RuntimeError: out of resources), bitsandbytes Linear4bit otherwise")
+    fast = apply(trainer, enable_fast_generation(trainer), nf4_kernel="folded")
+    assert fast.weights == ("vlmrl nf4 kernel for token steps of 2-64 rows, the LoRA branch in PEFT's forward "
+                            "(folding it asked for, not done: RuntimeError: out of resources), bitsandbytes "
+                            "Linear4bit otherwise")
     assert "forward" not in model[0].__dict__ and "forward" in model[0].base_layer.__dict__
     trainer.vlmrl_nf4_decode.close()
 

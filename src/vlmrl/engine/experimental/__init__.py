@@ -11,6 +11,8 @@ What is here, each an A/B variant that lost or tied against the product path (do
 - `nf4_v1`: the first design of the nf4 token-step kernel (`nf4_matmul_v1`): the same values as the product's
   (`vlmrl.engine.rollout.nf4`, whose device helpers it calls); at one pipeline stage within about 10% of the
   product's per projection on an H200, slower on the large ones, and never measured in a rollout at that setting.
+- `nf4_lora`: a 4-bit base's LoRA branch (second factor, scale, sum) folded into the product nf4 kernel's last
+  pass; the same values as PEFT's ops up to summation order, and slower than them on an H200.
 
 Importing this package warns once (set VLMRL_EXPERIMENTAL_SILENCE=1 to silence it), like TRL's trl.experimental.
 """

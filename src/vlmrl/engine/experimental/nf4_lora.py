@@ -1,21 +1,23 @@
 """A 4-bit base's LoRA branch folded into the nf4 token step: the second factor, the scale and the sum run in the
-kernel's last pass.
+product kernel's last pass. An experiment that lost: on an H200 it made the 4-bit step 1.18x slower (26.2 against
+22.2 s) and the 36 x 7 projections with their branches 1.17x slower (15.0 against 12.8 ms at 32 rows) than PEFT's
+own ops after the product's kernel (docs/benchmarks.md, "Folding the LoRA branch into the nf4 kernel").
 
 A 4-bit base cannot take the adapter merged in without re-quantizing, so at a rollout token step PEFT's LoRA layer
-runs, per adapted projection: the base (`Linear4bit`), a clone of its output, the first factor (x A), the second
-(B), the scale and the sum, each a launch-bound kernel at a few dozen rows, 252 projections a token step for
-Qwen3-VL-8B. Here the first factor stays a matmul (as PEFT computes it, under the rollout's autocast), and the nf4
-kernel's split sum (`vlmrl.engine.rollout.nf4_triton.nf4_splits`) does the rest: each output adds
-`round(round(xa @ B.T) * scale)` to its rounded base output and rounds, the roundings PEFT's eager forward makes.
-Only the summation order of `xa @ B.T` differs from cuBLAS's.
+runs, per adapted projection: the base (`Linear4bit`, on the product's kernel), a clone of its output, the first
+factor (x A), the second (B), the scale and the sum. Here the first factor stays a matmul (as PEFT computes it), and
+the kernel's split sum (`vlmrl.engine.rollout.nf4_triton.nf4_splits` with its LoRA epilogue) does the rest: each
+output adds `round(round(xa @ B.T) * scale)` to its rounded base output and rounds, the roundings PEFT's eager
+forward makes. The tiles then always write fp32 shares, and the epilogue reads the second factor a column of rank
+values at a time per output; both cost more than the launches they save.
 
 Public: `nf4_lora_matmul` (the custom op's caller); `nf4_lora_decode(model)`, which routes the token steps of PEFT
-LoRA layers over routable `Linear4bit` bases through it while active, beside `vlmrl.engine.rollout.nf4.nf4_decode`
-(which keeps the unfused layers' bases on the kernel); `adapted_layers(model)`, `unfused_reason(layer)` and
-`probe(model)` (a launch), for the caller to decide and record. `vlmrl.engine.rollout.fast` turns both on for a 4-bit base's
-rollouts. Limits: plain LoRA (one active adapter, no variant, dropout or bias of its own; `lora_layers.plain_reason`),
-the branch computed in the activations' dtype (bf16/fp16: under an autocast of that dtype or with adapters
-stored in it), rows and devices as `nf4` routes them; anything else runs PEFT's own forward.
+LoRA layers over routable `Linear4bit` bases through it while active, beside `vlmrl.engine.rollout.nf4.nf4_decode`;
+`adapted_layers(model)`, `unfused_reason(layer)` and `probe(model)` (a launch), for the caller to decide and record.
+`vlmrl.engine.experimental.rollout.apply(..., nf4_kernel="folded")` turns it on (bench path `vlmrl-nf4-folded`).
+Limits: plain LoRA (one active adapter, no variant, dropout or bias of its own; `lora_layers.plain_reason`), the
+branch computed in the activations' dtype (bf16/fp16: under an autocast of that dtype or with adapters stored in
+it), rows and devices as `nf4` routes them; anything else runs PEFT's own forward.
 """
 
 from __future__ import annotations

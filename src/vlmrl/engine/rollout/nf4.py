@@ -309,8 +309,8 @@ def launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: t
            chooser: Callable[..., list[int]], lora: tuple[torch.Tensor, torch.Tensor, float] | None = None,
            ) -> torch.Tensor:
     """Launch `tiles(interpret)` (and the split sum) on x [rows, k]; `config` or `chooser`'s. `lora` = (xa [rows,
-    rank], second [n, rank], scale): the split sum adds that LoRA branch too (`vlmrl.engine.rollout.nf4_lora`), so
-    the tiles then always write fp32 shares, one split or more."""
+    rank], second [n, rank], scale): the split sum adds that LoRA branch too (the experiment
+    `vlmrl.engine.experimental.nf4_lora`), so the tiles then always write fp32 shares, one split or more."""
     rows, k = x.shape
     n = packed.shape[0]
     if rows == 0:
