@@ -14,9 +14,11 @@ Public: `nf4_matmul`; `nf4_decode(model)`, which routes `Linear4bit` forwards of
 without gradients through the kernel while active (one-row steps, where bitsandbytes runs its gemv, prompt
 passes, training and unsupported layers stay on bitsandbytes, the fallback); `unsupported_reason(model)`, for the
 caller to record why a model stays there; `gpu_reason(device)`, the product's rule for where the kernel is on;
-`probe(model)`, a launch on the model's first routed layer. `vlmrl.engine.rollout.fast` turns it on for a 4-bit
-base's rollouts. Limits: nf4 (not fp4), blocksizes 32-256 dividing in_features, bf16/fp16 activations, CUDA
-(Triton's interpreter on a CPU, for tests); on by default only on the GPUs where it was measured faster than
+`probe(model)`, a launch on the model's first routed layer, and `failure(x, design)`, why a design fell back;
+`is_linear4bit` and `layer_reason(layer)`, which layers it takes. `launch` can add a LoRA branch in its split sum,
+for the experiment `vlmrl.engine.experimental.nf4_lora` (it lost to PEFT's own ops: docs/benchmarks.md).
+`vlmrl.engine.rollout.fast` turns it on for a 4-bit base's rollouts. Limits: nf4 (not fp4), blocksizes 32-256
+dividing in_features, bf16/fp16 activations, CUDA (Triton's interpreter on a CPU, for tests); on by default only on the GPUs where it was measured faster than
 bitsandbytes (`gpu_reason`). No maintained library fits (package index, 2026-12): FLUTE ships a C++ extension built
 for torch 2.5 / CUDA 12.1 over its own repacked layout, and gemlite's kernels take affine (scale, zero) codes, not
 a 16-value table.
