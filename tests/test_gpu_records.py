@@ -102,3 +102,25 @@ def test_the_nf4_tables_in_the_docs_are_the_one_stage_record():
                                f"{v2['best_us']:.1f}"], label
     ratio = step[("Linear4bit forward", 32)] / step[("nf4 kernel v2", 32)]
     assert f"({ratio:.2f}x)" in section
+
+
+def test_the_4bit_record_with_the_nf4_kernel_and_the_fold_are_what_the_docs_quote():
+    """h200_record_4bit_nf4: the step ratio follows from the two paths' step times, the kernel is what ran, and
+    docs/benchmarks.md quotes those figures; h200_nf4_lora_fold_rollouts: the fold slower than the product, and
+    the path that ran first in its process at the lower peak (the docs' reading of the extra 1.1 GiB)."""
+    record = json.loads((RESULTS / "h200_record_4bit_nf4.json").read_text())
+    vlmrl, plain = record["paths"]["vlmrl"], record["paths"]["plain"]
+    assert record["settings"]["load_in_4bit"] and record["settings"]["memory_cap_gib"] == 24.0
+    assert abs(record["ratios"]["step_speedup"] - plain["step_seconds"] / vlmrl["step_seconds"]) < 1e-9
+    ran = next(r for r in record["raw"] if r["path"] == "vlmrl")
+    assert ran["fast_generation"]["weights"].startswith("vlmrl nf4 kernel (vlmrl.engine.rollout.nf4)")
+    docs = (ROOT / "docs" / "benchmarks.md").read_text()
+    for figure in (f"{vlmrl['step_seconds']:.1f}", f"{plain['step_seconds']:.1f}",
+                   f"{record['ratios']['step_speedup']:.2f}x", f"{vlmrl['decode_ms_per_step']:.1f}"):
+        assert figure in docs, figure
+    assert record["ratios"]["step_speedup"] < 10  # the issue's >= 10x is not met, and the docs say so
+    fold = {r["path"]: r for r in json.loads((RESULTS / "h200_nf4_lora_fold_rollouts.json").read_text())}
+    folded, product = fold["vlmrl"], fold["vlmrl-nf4-unfused"]  # the fold was `vlmrl` at the commit that ran
+    assert "experimental" not in folded["fast_generation"]["weights"] and "nf4_lora" in folded["fast_generation"]["weights"]
+    assert folded["steps"][1]["seconds"] > product["steps"][1]["seconds"]
+    assert folded["peak_memory_gib"] < product["peak_memory_gib"] - 1  # first in its process vs second
