@@ -291,10 +291,8 @@ def test_an_unsupported_model_is_left_alone_with_the_reason(monkeypatch, launche
         assert "not a CUDA device" in nf4.unsupported_reason(odd)
 
 
-@KERNELS
-def test_a_compiled_token_step_calls_it_as_one_node(matmul):
-    layer = _layer(256, 64)
-    x = torch.randn(3, 256).to(DEVICE, torch.bfloat16)
+def compiled_calls(module, x):
+    """`module(x)` compiled in one graph (dynamo reset first), and the functions its graph calls."""
     nodes = []
 
     def backend(gm, example_inputs):
@@ -302,8 +300,15 @@ def test_a_compiled_token_step_calls_it_as_one_node(matmul):
         return gm.forward
 
     torch._dynamo.reset()
+    return torch.compile(module, backend=backend, fullgraph=True)(x), nodes
+
+
+@KERNELS
+def test_a_compiled_token_step_calls_it_as_one_node(matmul):
+    layer = _layer(256, 64)
+    x = torch.randn(3, 256).to(DEVICE, torch.bfloat16)
     with torch.no_grad(), nf4.nf4_decode(layer, matmul=matmul):
-        got = torch.compile(layer, backend=backend, fullgraph=True)(x)
+        got, nodes = compiled_calls(layer, x)
     op = {nf4_v1.nf4_matmul_v1: "vlmrl.nf4_matmul_v1.default", nf4.nf4_matmul: "vlmrl.nf4_matmul.default"}[matmul]
     assert [n for n in nodes if "nf4" in n] == [op]
     _check(got, x, layer.weight, layer.weight.quant_state, layer.bias)

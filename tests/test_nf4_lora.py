@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.test_nf4 import BF, DEVICE, _layer, _model, _quantized, _rollout_trainer, _units
+from tests.test_nf4 import BF, DEVICE, _layer, _model, _quantized, _rollout_trainer, _units, compiled_calls
 from vlmrl.engine.experimental import nf4_lora
 from vlmrl.engine.rollout import nf4
 
@@ -146,17 +146,10 @@ def test_a_branch_that_cannot_fold_stays_in_peft_with_the_reason(launches, monke
 def test_a_compiled_token_step_calls_it_as_one_node():
     layer = _peft(_layer(256, 64))
     x = torch.randn(3, 256).to(DEVICE, torch.bfloat16)
-    nodes = []
-
-    def backend(gm, example_inputs):
-        nodes.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-        return gm.forward
-
-    torch._dynamo.reset()
     with torch.no_grad():
         expected = layer(x)
         with nf4.nf4_decode(layer), nf4_lora.nf4_lora_decode(layer):
-            got = torch.compile(layer, backend=backend, fullgraph=True)(x)
+            got, nodes = compiled_calls(layer, x)
     assert [n for n in nodes if "nf4" in n] == ["vlmrl.nf4_lora_matmul.default"]
     torch.testing.assert_close(got, expected, rtol=1e-2, atol=2e-3)
 

@@ -99,22 +99,12 @@ def nf4_lora_decode(model: torch.nn.Module, max_rows: int = nf4.MAX_ROWS,
     first factor as PEFT does and the rest in `nf4_lora_matmul`; everything else runs PEFT's own forward. Yields
     (layers routed, LoRA layers over a `Linear4bit`)."""
     over_4bit = adapted_layers(model)
-    patched: list[tuple[torch.nn.Module, Any]] = []
-    for layer in over_4bit:
-        if unfused_reason(layer) is None:
-            patched.append((layer, layer.__dict__.get("forward")))
-            layer.forward = _fused(layer, layer.forward, min_rows, max_rows)
-    if over_4bit:
-        log.info("nf4 LoRA branch folded into the token-step kernel for %d of %d LoRA layers over Linear4bit",
-                 len(patched), len(over_4bit))
-    try:
-        yield len(patched), len(over_4bit)
-    finally:
-        for layer, before in patched:
-            if before is None:
-                del layer.forward
-            else:
-                layer.forward = before
+    folded = [layer for layer in over_4bit if unfused_reason(layer) is None]
+    with nf4.forwards_replaced(folded, lambda layer, forward: _fused(layer, forward, min_rows, max_rows)):
+        if over_4bit:
+            log.info("nf4 LoRA branch folded into the token-step kernel for %d of %d LoRA layers over Linear4bit",
+                     len(folded), len(over_4bit))
+        yield len(folded), len(over_4bit)
 
 
 def _branch_dtype(x: torch.Tensor, first: torch.Tensor) -> torch.dtype:

@@ -15,7 +15,7 @@ without gradients through the kernel while active (one-row steps, where bitsandb
 passes, training and unsupported layers stay on bitsandbytes, the fallback); `unsupported_reason(model)`, for the
 caller to record why a model stays there; `gpu_reason(device)`, the product's rule for where the kernel is on;
 `probe(model)`, a launch on the model's first routed layer, and `failure(x, design)`, why a design fell back;
-`is_linear4bit` and `layer_reason(layer)`, which layers it takes. `launch` can add a LoRA branch in its split sum,
+`is_linear4bit` and `layer_reason(layer)`, which layers it takes; `forwards_replaced`, its patching of forwards. `launch` can add a LoRA branch in its split sum,
 for the experiment `vlmrl.engine.experimental.nf4_lora` (it lost to PEFT's own ops: docs/benchmarks.md).
 `vlmrl.engine.rollout.fast` turns it on for a 4-bit base's rollouts. Limits: nf4 (not fp4), blocksizes 32-256
 dividing in_features, bf16/fp16 activations, CUDA (Triton's interpreter on a CPU, for tests); on by default only on the GPUs where it was measured faster than
@@ -141,22 +141,30 @@ def nf4_decode(model: torch.nn.Module, max_rows: int = MAX_ROWS, min_rows: int =
     passes, the loss pass) run bitsandbytes' own forward. Yields `unsupported_reason(model)`: None when some layer
     is routed, else why none is (then nothing changes)."""
     reason = unsupported_reason(model)
-    patched: list[tuple[torch.nn.Module, Any]] = []
-    if reason is None:
-        for layer in _linear4bit_layers(model):
-            if layer_reason(layer) is None:
-                patched.append((layer, layer.__dict__.get("forward")))  # an accelerate hook's forward, say
-                layer.forward = _routed(layer, layer.forward, min_rows, max_rows, matmul)
-        log.info("nf4 token-step kernel on for %d of %d Linear4bit layers", len(patched),
-                 len(_linear4bit_layers(model)))
-    try:
+    layers = _linear4bit_layers(model)
+    routed = [layer for layer in layers if layer_reason(layer) is None] if reason is None else []
+    with forwards_replaced(routed, lambda layer, forward: _routed(layer, forward, min_rows, max_rows, matmul)):
+        if reason is None:
+            log.info("nf4 token-step kernel on for %d of %d Linear4bit layers", len(routed), len(layers))
         yield reason
+
+
+@contextlib.contextmanager
+def forwards_replaced(layers: list[torch.nn.Module],
+                      wrap: Callable[[torch.nn.Module, Callable[..., Any]], Callable[..., Any]]) -> Iterator[None]:
+    """While active, each of `layers` runs `wrap(layer, its forward)` as its forward; after, its own again (an
+    instance's own forward, an accelerate hook's say, kept), also when the block raises."""
+    before = [(layer, layer.__dict__.get("forward")) for layer in layers]
+    try:
+        for layer in layers:
+            layer.forward = wrap(layer, layer.forward)
+        yield
     finally:
-        for layer, before in patched:
-            if before is None:
-                del layer.forward
+        for layer, forward in before:
+            if forward is None:
+                layer.__dict__.pop("forward", None)
             else:
-                layer.forward = before
+                layer.forward = forward
 
 
 def dequantize(packed: torch.Tensor, absmax: torch.Tensor, code2: torch.Tensor | None, absmax2: torch.Tensor | None,
