@@ -61,7 +61,8 @@ def _tiles(interpret: bool) -> Any:
     def nf4_tiles_v1(X, Packed, Absmax, Code2, Absmax2, Offset, Lut, Bias, Out, M, N, K, stride_x, per_split,
                      BLOCKSIZE2: tl.constexpr, HALF: tl.constexpr, NB: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_M: tl.constexpr, NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
-                     WQ: tl.constexpr, XQ: tl.constexpr, EXACT: tl.constexpr):
+                     WQ: tl.constexpr, XQ: tl.constexpr, EXACT: tl.constexpr, EVEN: tl.constexpr):
+        # (EVEN, whole steps only, is v2's and unused here)
         # out[m, n] (or split s's share, fp32) = sum over this split's k of x[m, k] * W[n, k]; W[n, k] is the
         # nibble k % 2 (high first) of byte n * K/2 + k // 2, times absmax[(n * K + k) // blocksize].
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -349,7 +349,7 @@ def launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: t
                offset if nested else absmax, lut, bias if bias is not None else out, target,
                rows, n, k, x.stride(0), per_split, BLOCKSIZE2=blocksize2, HALF=half, NB=tile // half,
                BLOCK_N=block_n, BLOCK_M=block_m, NESTED=nested, HAS_BIAS=bias is not None and not partial,
-               PARTIAL=partial, WQ=rounding, XQ=xq, EXACT=interpret,
+               PARTIAL=partial, WQ=rounding, XQ=xq, EXACT=interpret, EVEN=(k // 2) % tile == 0,
                num_warps=warps, num_stages=stages, enable_fp_fusion=False)  # round a*b and +c apart, as bnb does
     if partial:
         size = rows * n

@@ -98,7 +98,7 @@ def kernels(interpret: bool) -> tuple[Any, Any]:
     def nf4_tiles(X, Packed, Absmax, Code2, Absmax2, Offset, Lut, Bias, Out, M, N, K, stride_x, per_split,
                   BLOCKSIZE2: tl.constexpr, HALF: tl.constexpr, NB: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_M: tl.constexpr, NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
-                  WQ: tl.constexpr, XQ: tl.constexpr, EXACT: tl.constexpr):
+                  WQ: tl.constexpr, XQ: tl.constexpr, EXACT: tl.constexpr, EVEN: tl.constexpr):
         # out[m, n] (or split s's share, fp32) = sum over this split's k of x[m, k] * W[n, k]; W[n, k] is the
         # nibble k % 2 (high first) of byte n * K/2 + k // 2, times absmax[(n * K + k) // blocksize].
         # On 2-D tiles only: packed bytes [BLOCK_N, NB * HALF] contiguous along k; byte c's high nibble (weight 2c)
@@ -116,14 +116,19 @@ def kernels(interpret: bool) -> tuple[Any, Any]:
         end = tl.multiple_of(tl.minimum(start + per_split, row), HALF)  # (per_split: whole steps)
         offset = tl.load(Offset) if NESTED else 0.0
         bytes_ = Packed + n[:, None] * row + j[None, :]
-        following = tl.load(bytes_ + start, mask=n_ok[:, None] & (start + j < end)[None, :], other=0)
+        if EVEN:  # every step whole: only rows masked, so each thread loads 16 contiguous bytes at once
+            following = tl.load(bytes_ + start, mask=n_ok[:, None], other=0)
+        else:
+            following = tl.load(bytes_ + start, mask=n_ok[:, None] & (start + j < end)[None, :], other=0)
         for kh in range(start, end, KH):
             c = kh + j
-            c_ok = c < end
             # the next step's bytes, in flight while this step's are decoded (with num_stages > 1 Triton's
             # pipeliner would stage the table lookups through shared memory instead, 4 bytes a copy)
             q = following.to(tl.int32)
-            following = tl.load(bytes_ + kh + KH, mask=n_ok[:, None] & (c + KH < end)[None, :], other=0)
+            if EVEN:  # the last step reloads its own bytes rather than read past the split
+                following = tl.load(bytes_ + tl.minimum(kh + KH, end - KH), mask=n_ok[:, None], other=0)
+            else:
+                following = tl.load(bytes_ + kh + KH, mask=n_ok[:, None] & (c + KH < end)[None, :], other=0)
             scale = tl.zeros((BLOCK_N, KH), dtype=tl.float32)
             for b in tl.static_range(NB):
                 block = n * blocks + kh // HALF + b
@@ -137,14 +142,16 @@ def kernels(interpret: bool) -> tuple[Any, Any]:
                 scale = tl.where((j // HALF == b)[None, :], s[:, None], scale)
             high = dot_operand(tl.load(Lut + (q >> 4)) * scale, WQ, XQ, X.dtype.element_ty, EXACT)
             low = dot_operand(tl.load(Lut + (q & 15)) * scale, WQ, XQ, X.dtype.element_ty, EXACT)
-            xk = X + m[None, :] * stride_x + 2 * c[:, None]  # [KH, BLOCK_M]: x's even columns of the step
-            x_ok = m_ok[None, :] & c_ok[:, None]
-            even = tl.load(xk, mask=x_ok, other=0.0)
-            odd = tl.load(xk + 1, mask=x_ok, other=0.0)
+            w = tl.reshape(tl.join(high, low), (BLOCK_N, 2 * KH))  # weights 2c, 2c + 1: the row's own order
+            t = 2 * kh + tl.arange(0, 2 * KH)
+            xk = X + m[None, :] * stride_x + t[:, None]  # [2 KH, BLOCK_M], contiguous along k: coalesced loads
+            if EVEN:
+                xs = tl.load(xk, mask=m_ok[None, :], other=0.0)
+            else:
+                xs = tl.load(xk, mask=m_ok[None, :] & (t < 2 * end)[:, None], other=0.0)
             if EXACT:
-                even, odd = even.to(tl.float32), odd.to(tl.float32)
-            acc = tl.dot(high, even, acc)
-            acc = tl.dot(low, odd, acc)
+                xs = xs.to(tl.float32)
+            acc = tl.dot(w, xs, acc)
         store_tile(acc, Out, Bias, n, m, n_ok, m_ok, M, N, PARTIAL, HAS_BIAS, XQ, EXACT)
 
     return nf4_tiles, nf4_splits
