@@ -4,9 +4,9 @@ At a decode step `Linear4bit` multiplies a few dozen rows by weights bitsandbyte
 kernels take many times the weight-read floor (docs/benchmarks.md, "The nf4 token-step kernel"). Here each
 program streams 2-D tiles of packed bytes (the next step's in flight while one is decoded), looks each code up in
 the 16-value table, scales it by its block's absmax (decoded from its 8-bit code when double-quantised), rounds it
-as `dequantize_4bit` rounds, and multiplies the high nibbles by x's even columns and the low ones by its odd
-columns on the tensor cores, accumulating in fp32; few output columns split K, summed by a second, deterministic
-pass. The result is `dequantize_4bit` then `x @ W.T` (+ bias) up to summation order: each weight bit-equal, each
+as `dequantize_4bit` rounds, joins each byte's two weights back into the row's order and multiplies them by x's
+columns, read along k in 16-byte loads, on the tensor cores, accumulating in fp32; few output columns split K,
+summed by a second, deterministic pass. The result is `dequantize_4bit` then `x @ W.T` (+ bias) up to summation order: each weight bit-equal, each
 output within one bf16/fp16 unit in the last place (tests/test_nf4.py says how outputs near zero are counted).
 Its Triton source is `nf4_triton`; the first design, which lost to this one, is `vlmrl.engine.experimental.nf4_v1`.
 
@@ -15,11 +15,12 @@ without gradients through the kernel while active (one-row steps, where bitsandb
 passes, training and unsupported layers stay on bitsandbytes, the fallback); `unsupported_reason(model)`, for the
 caller to record why a model stays there; `gpu_reason(device)`, the product's rule for where the kernel is on;
 `probe(model)`, a launch on the model's first routed layer, and `failure(x, design)`, why a design fell back;
-`is_linear4bit` and `layer_reason(layer)`, which layers it takes; `forwards_replaced`, its patching of forwards. `launch` can add a LoRA branch in its split sum,
-for the experiment `vlmrl.engine.experimental.nf4_lora` (it lost to PEFT's own ops: docs/benchmarks.md).
-`vlmrl.engine.rollout.fast` turns it on for a 4-bit base's rollouts. Limits: nf4 (not fp4), blocksizes 32-256
-dividing in_features, bf16/fp16 activations, CUDA (Triton's interpreter on a CPU, for tests); on by default only on the GPUs where it was measured faster than
-bitsandbytes (`gpu_reason`). No maintained library fits (package index, 2026-12): FLUTE ships a C++ extension built
+`is_linear4bit` and `layer_reason(layer)`, which layers it takes; `forwards_replaced`, its patching of forwards;
+`tile_shape` and `block_rows`, its tiles on a GPU (benchmarks/nf4_sass.py builds them offline). `launch` can add a
+LoRA branch in its split sum, for the experiment `vlmrl.engine.experimental.nf4_lora` (it lost to PEFT's own
+ops: docs/benchmarks.md). `vlmrl.engine.rollout.fast` turns it on for a 4-bit base's rollouts. Limits: nf4 (not
+fp4), blocksizes 32-256 dividing in_features, bf16/fp16 activations, CUDA (Triton's interpreter on a CPU, for
+tests); on by default only on the GPUs where it was measured faster than bitsandbytes (`gpu_reason`). No maintained library fits (package index, 2026-12): FLUTE ships a C++ extension built
 for torch 2.5 / CUDA 12.1 over its own repacked layout, and gemlite's kernels take affine (scale, zero) codes, not
 a 16-value table.
 """
@@ -288,9 +289,14 @@ def _config(rows: int, n: int, k: int, blocksize: int, device: torch.device) -> 
     Small tiles in the interpreter."""
     if device.type != "cuda":
         return interpreter_config(k, blocksize)
-    tile = max(blocksize // 2, 64)
-    block_n, warps = 4096 // tile, 8 if tile > 64 and rows > 16 else 4
+    block_n, tile, warps = tile_shape(rows, blocksize)
     return [block_n, tile, warps, 1, split_k(rows, n, k, block_n, tile, device)]
+
+
+def tile_shape(rows: int, blocksize: int) -> tuple[int, int, int]:
+    """(block_n, packed bytes a step, warps) on a GPU; `_config` says why."""
+    tile = max(blocksize // 2, 64)
+    return 4096 // tile, tile, 8 if tile > 64 and rows > 16 else 4
 
 
 def interpreter_config(k: int, blocksize: int) -> list[int]:
@@ -300,7 +306,7 @@ def interpreter_config(k: int, blocksize: int) -> list[int]:
 
 def split_k(rows: int, n: int, k: int, block_n: int, tile: int, device: torch.device) -> int:
     """K splits that bring the grid to about PROGRAMS_PER_SM programs per SM, at most one per tile."""
-    programs = -(-n // block_n) * -(-rows // _block_m(rows))
+    programs = -(-n // block_n) * -(-rows // block_rows(rows))
     return max(1, min(-(-k // (2 * tile)), round(PROGRAMS_PER_SM * _sms(device) / programs)))
 
 
@@ -309,7 +315,7 @@ def _sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _block_m(rows: int) -> int:
+def block_rows(rows: int) -> int:
     return min(64, max(16, 1 << (rows - 1).bit_length()))  # tl.dot takes 16 rows at least
 
 
@@ -336,7 +342,7 @@ def launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: t
     steps = -(-k // (2 * tile))
     per_split = -(-steps // max(1, min(split, steps))) * tile  # packed bytes per split, whole tiles
     split = -(-(k // 2) // per_split)
-    block_m = _block_m(rows)
+    block_m = block_rows(rows)
     out = torch.empty(rows, n, device=x.device, dtype=x.dtype)
     interpret = interpreted()
     main, reduce = tiles(interpret), nf4_triton.kernels(interpret)[1]

@@ -1,0 +1,114 @@
+"""The nf4 token-step kernel's machine code for sm_90, built offline (no GPU): instructions per weight in its loop.
+
+Triton compiles `vlmrl.engine.rollout.nf4_triton`'s `nf4_tiles` for an H100/H200 target with the product's tile
+settings (`nf4.tile_shape`, `nf4.block_rows`) and the integer specialisation a real launch gets (pointers and
+sizes divisible by 16); the cubin is disassembled with the `nvdisasm` Triton ships, and the loop over K (the
+instructions between the loop's label and its backward branch) is counted by opcode. One pass of the loop decodes
+block_n x tile packed bytes over `warps` x 32 threads, so instructions per weight = loop instructions / (that
+many weights a thread). Also: registers per thread and spills, from `cuobjdump -res-usage`.
+
+This is where a design's cost can be read without a GPU: the loop's count bounds its speed from below (an H200
+issues 4 warp instructions a clock per SM). It says nothing of latency or memory stalls, which only a GPU run
+shows (benchmarks/nf4_matmul.py).
+
+    python benchmarks/nf4_sass.py [--rows 32] [--blocksize 64] [--dtype bfloat16] [--top 12] [--json FILE]
+
+Needs Triton with its NVIDIA backend (the CPU wheel carries ptxas and nvdisasm); exits 2 with one line without.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[0-9T]+\s+)?([A-Z][A-Za-z0-9_.]*)")
+
+
+def loop_opcodes(sass: str) -> collections.Counter:
+    """Opcodes between the label the last predicated backward branch jumps to and that branch (the K loop)."""
+    lines = sass.splitlines()
+    branches = [i for i, line in enumerate(lines) if re.search(r"@!?P\d+\s+BRA\s+`?\(?(\.L_x_\d+)", line)]
+    for end in reversed(branches):
+        label = re.search(r"(\.L_x_\d+)", lines[end]).group(1)
+        start = next((i for i, line in enumerate(lines) if line.startswith(label + ":")), None)
+        if start is not None and start < end:  # a backward branch: the loop
+            return collections.Counter(m.group(1) for line in lines[start:end + 1] if (m := OPCODE.search(line)))
+    raise SystemExit("no loop found in the disassembly")
+
+
+def build(rows: int, blocksize: int, dtype: str) -> dict:
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError as error:
+        print(f"nf4_sass: Triton with its NVIDIA backend is needed ({error})", file=sys.stderr)
+        raise SystemExit(2) from error
+    from vlmrl.engine.rollout import nf4, nf4_triton
+
+    tiles = nf4_triton.kernels(False)[0]
+    block_n, tile, warps = nf4.tile_shape(rows, blocksize)
+    xt = {"bfloat16": "bf16", "float16": "fp16"}[dtype]
+    signature = {"X": f"*{xt}", "Packed": "*u8", "Absmax": "*u8", "Code2": "*fp32", "Absmax2": "*fp32",
+                 "Offset": "*fp32", "Lut": "*fp32", "Bias": f"*{xt}", "Out": "*fp32", "M": "i32", "N": "i32",
+                 "K": "i32", "stride_x": "i32", "per_split": "i32"}
+    constants = {"BLOCKSIZE2": 256, "HALF": blocksize // 2, "NB": tile // (blocksize // 2), "BLOCK_N": block_n,
+                 "BLOCK_M": nf4.block_rows(rows), "NESTED": True, "HAS_BIAS": False, "PARTIAL": True, "WQ": 1,
+                 "XQ": 1 if dtype == "bfloat16" else 2, "EXACT": False, "EVEN": True}
+    signature |= dict.fromkeys(constants, "constexpr")
+    index = tiles.arg_names.index
+    divisible = [name for name in signature if name not in constants and name != "Offset"]
+    source = ASTSource(fn=tiles, signature=signature, constexprs={(index(k),): v for k, v in constants.items()},
+                       attrs={(index(name),): [["tt.divisibility", 16]] for name in divisible})
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": warps, "num_stages": 1, "enable_fp_fusion": False})
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "nf4_tiles.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        sass = subprocess.run([str(tools / "nvdisasm"), "-c", str(cubin)], capture_output=True, text=True,
+                              check=True).stdout
+        usage = subprocess.run([str(tools / "cuobjdump"), "-res-usage", str(cubin)], capture_output=True,
+                               text=True, check=True).stdout
+    opcodes = loop_opcodes(sass)
+    weights_per_thread = block_n * tile * 2 // (warps * 32)
+    total = sum(opcodes.values())
+    return {"rows": rows, "blocksize": blocksize, "dtype": dtype, "triton": triton.__version__,
+            "tile": {"block_n": block_n, "packed_bytes": tile, "warps": warps, "block_m": constants["BLOCK_M"]},
+            "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
+            "spill_bytes": int(re.search(r"LOCAL:(\d+)", usage).group(1)),
+            "loop_instructions": total, "weights_per_thread": weights_per_thread,
+            "instructions_per_weight": total / weights_per_thread, "opcodes": dict(opcodes.most_common())}
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, default=32)
+    p.add_argument("--blocksize", type=int, default=64)
+    p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    p.add_argument("--top", type=int, default=12, help="opcodes to print")
+    p.add_argument("--json", type=Path, help="write the counts here too")
+    args = p.parse_args(argv)
+    result = build(args.rows, args.blocksize, args.dtype)
+    print(f"nf4_tiles for sm_90 (Triton {result['triton']}), {args.rows} rows, blocksize {args.blocksize}, "
+          f"{args.dtype}: tile {result['tile']}, {result['registers']} registers, {result['spill_bytes']} bytes "
+          f"spilled; loop {result['loop_instructions']} instructions for {result['weights_per_thread']} weights a "
+          f"thread = {result['instructions_per_weight']:.1f} per weight")
+    for opcode, count in list(result["opcodes"].items())[:args.top]:
+        print(f"  {count:5d}  {opcode}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
