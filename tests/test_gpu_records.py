@@ -124,3 +124,57 @@ def test_the_4bit_record_with_the_nf4_kernel_and_the_fold_are_what_the_docs_quot
     assert "experimental" not in folded["fast_generation"]["weights"] and "nf4_lora" in folded["fast_generation"]["weights"]
     assert folded["steps"][1]["seconds"] > product["steps"][1]["seconds"]
     assert folded["peak_memory_gib"] < product["peak_memory_gib"] - 1  # first in its process vs second
+
+
+def _section(start: str, end: str) -> str:
+    docs = (ROOT / "docs" / "benchmarks.md").read_text()
+    return docs[docs.index(start):docs.index(end)]
+
+
+def test_the_coalesced_nf4_tables_are_their_records():
+    """The x-read-along-k section: the offline counts are cpu_nf4_sass.json's, the per-projection table is
+    h200_nf4_matmul_coalesced's (the 'before' column h200_nf4_lora_fold's), and the end-to-end figures tie."""
+    section = _section("### x read along k", "### Folding the LoRA branch")
+    counts = json.loads((RESULTS / "cpu_nf4_sass.json").read_text())
+    for before, after in zip(counts["before"], counts["after"], strict=True):
+        assert after["instructions_per_weight"] < before["instructions_per_weight"]
+        figures = (f"| {before['instructions_per_weight']:.1f} | ", f"{after['instructions_per_weight']:.1f}",
+                   f"| {before['registers']} / {after['registers']} |")
+        assert all(f in section for f in figures), figures
+    now = {(s["dtype"], s["rows"], s["method"]): s["graph_ms"]
+           for s in json.loads((RESULTS / "h200_nf4_matmul_coalesced.json").read_text())["steps"]}
+    old = {(s["dtype"], s["rows"], s["method"]): s["graph_ms"]
+           for s in json.loads((RESULTS / "h200_nf4_lora_fold.json").read_text())["steps"]}
+    for dtype, rows in (("bfloat16", 16), ("bfloat16", 32), ("float16", 32)):
+        line = (f"| {now[(dtype, rows, 'Linear4bit forward')]:.2f} | **{now[(dtype, rows, 'nf4 kernel v2')]:.2f}** | "
+                f"{old[(dtype, rows, 'nf4 kernel v2')]:.2f} |")
+        assert line in section, line
+        assert now[(dtype, rows, "nf4 kernel v2")] < old[(dtype, rows, "nf4 kernel v2")]
+    ratio = now[("bfloat16", 32, "Linear4bit forward")] / now[("bfloat16", 32, "nf4 kernel v2")]
+    assert f"**{ratio:.2f}x**" in section
+    e2e = json.loads((RESULTS / "h200_record_4bit_nf4_coalesced.json").read_text())["paths"]["vlmrl"]
+    assert f"{e2e['step_seconds']:.1f} s per step, decode {e2e['decode_ms_per_step']:.1f} ms" in section
+
+
+def test_the_long_completion_rows_are_their_records():
+    """h200_long_context_4bit_2048: both paths under the 24 GiB cap, the ratio from that one run as the docs and
+    README quote it; the bf16 row is the partial record's vlmrl steps."""
+    record = json.loads((RESULTS / "h200_long_context_4bit_2048.json").read_text())
+    assert record["settings"]["completion"] == 2048 and record["settings"]["memory_cap_gib"] == 24.0
+    vlmrl, plain = record["paths"]["vlmrl"], record["paths"]["plain"]
+    assert max(vlmrl["peak_memory_gib"], plain["peak_memory_gib"]) < 24
+    assert abs(record["ratios"]["step_speedup"] - plain["step_seconds"] / vlmrl["step_seconds"]) < 1e-9
+    section = _section("### Long completions under", "### Over many steps")
+    assert (f"| 2048 | 4-bit, 24 GiB cap | vlmrl | **{vlmrl['step_seconds']:.1f}** "
+            f"({vlmrl['first_step_seconds']:.1f}) | {vlmrl['decode_ms_per_step']:.1f} | "
+            f"**{vlmrl['peak_memory_gib']:.1f}** / {vlmrl['training_peak_gib']:.1f} |") in section
+    assert (f"| 2048 | 4-bit, 24 GiB cap | plain TRL | {plain['step_seconds']:.1f} | "
+            f"{plain['decode_ms_per_step']:.1f} | {plain['peak_memory_gib']:.1f} / {plain['training_peak_gib']:.1f} |"
+            ) in section
+    speedup = f"{record['ratios']['step_speedup']:.2f}x"
+    assert speedup in section and speedup in (ROOT / "README.md").read_text()
+    bf16 = json.loads((RESULTS / "h200_long_context_bf16_2048_partial.json").read_text())
+    (row,) = [r for r in bf16 if r["path"] == "vlmrl"]
+    first, steady = (s["seconds"] for s in row["steps"])
+    assert (f"| vlmrl | {steady:.1f} ({first:.1f}) | not in the partial record | "
+            f"{row['generation_peak_gib']:.1f} / {row['training_peak_gib']:.1f} |") in section

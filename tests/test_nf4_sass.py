@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SASS = "\n".join([
-    "        /*0100*/                   MOV R1, c[0x0][0x28] ;",
-    ".L_x_1:",
-    "        /*0110*/                   LDG.E.128 R4, desc[UR4][R2.64] ;",
-    "        /*0120*/                   HGMMA.64x32x16.F32.BF16 R24, gdesc[UR8], RZ ;",
-    "        /*0130*/               @!P0 BRA `(.L_x_1) ;",
-    "        /*0140*/                   EXIT ;",
-])
+SASS = """\
+        /*0100*/                   MOV R1, c[0x0][0x28] ;
+.L_x_1:
+        /*0110*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
+        /*0120*/                   HGMMA.64x32x16.F32.BF16 R24, gdesc[UR8], RZ ;
+        /*0130*/               @!P0 BRA `(.L_x_1) ;
+        /*0140*/                   EXIT ;
+"""
 
 
 def _script():
