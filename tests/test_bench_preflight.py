@@ -133,6 +133,9 @@ BATCH_TABLE = [([*BF16, f"train.per_device_train_batch_size={b}"], BEFORE_COPIES
     (BF16, None, True, 23.66),  # the default since: the stacked projections (h200_record_stacked.json)
     ([], None, True, 13.23),
     (SHORT, None, False, 20.63), (SHORT, None, True, 20.02), *BATCH_TABLE,
+    # 2048-token completions (h200_long_context_4bit_2048, 24 GiB cap; h200_long_context_bf16_2048_partial)
+    (["train.max_completion_length=2048"], None, True, 18.46),
+    ([*BF16, "train.max_completion_length=2048"], None, True, 28.18),
 ])
 def test_preflight_is_within_8_percent_of_the_measured_peaks(overrides, adapters, fast, measured):
     """Before the batch tables the backward of a checkpointed layer was counted as its activations alone and the

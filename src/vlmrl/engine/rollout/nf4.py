@@ -1,28 +1,29 @@
 """A token step over bitsandbytes nf4 weights: a Triton kernel that reads the packed 4-bit weights once.
 
 At a decode step `Linear4bit` multiplies a few dozen rows by weights bitsandbytes stores as nf4 codes, and its
-kernels take many times the weight-read floor (docs/benchmarks.md, "The nf4 token-step kernel"). Here each
-program streams 2-D tiles of packed bytes (the next step's in flight while one is decoded), looks each code up in
-the 16-value table, scales it by its block's absmax (decoded from its 8-bit code when double-quantised), rounds it
-as `dequantize_4bit` rounds, joins each byte's two weights back into the row's order and multiplies them by x's
+kernels take many times the weight-read floor (docs/benchmarks.md, "The nf4 token-step kernel"). Here each program
+streams 2-D tiles of packed bytes (the next step's in flight while one is decoded), looks each code up in the
+16-value table, scales it by its block's absmax (decoded from its 8-bit code when double-quantised), rounds it as
+`dequantize_4bit` rounds, joins each byte's two weights back into the row's order and multiplies them by x's
 columns, read along k in 16-byte loads, on the tensor cores, accumulating in fp32; few output columns split K,
-summed by a second, deterministic pass. The result is `dequantize_4bit` then `x @ W.T` (+ bias) up to summation order: each weight bit-equal, each
-output within one bf16/fp16 unit in the last place (tests/test_nf4.py says how outputs near zero are counted).
-Its Triton source is `nf4_triton`; the first design, which lost to this one, is `vlmrl.engine.experimental.nf4_v1`.
+summed by a second, deterministic pass. The result is `dequantize_4bit` then `x @ W.T` (+ bias) up to summation
+order: each weight bit-equal, each output within one bf16/fp16 unit in the last place (tests/test_nf4.py says how
+outputs near zero are counted). Its Triton source is `nf4_triton`; the first design, which lost to this one, is
+`vlmrl.engine.experimental.nf4_v1`.
 
 Public: `nf4_matmul`; `nf4_decode(model)`, which routes `Linear4bit` forwards of `MIN_ROWS` to `MAX_ROWS` rows
-without gradients through the kernel while active (one-row steps, where bitsandbytes runs its gemv, prompt
-passes, training and unsupported layers stay on bitsandbytes, the fallback); `unsupported_reason(model)`, for the
-caller to record why a model stays there; `gpu_reason(device)`, the product's rule for where the kernel is on;
-`probe(model)`, a launch on the model's first routed layer, and `failure(x, design)`, why a design fell back;
-`is_linear4bit` and `layer_reason(layer)`, which layers it takes; `forwards_replaced`, its patching of forwards;
-`tile_shape` and `block_rows`, its tiles on a GPU (benchmarks/nf4_sass.py builds them offline). `launch` can add a
-LoRA branch in its split sum, for the experiment `vlmrl.engine.experimental.nf4_lora` (it lost to PEFT's own
-ops: docs/benchmarks.md). `vlmrl.engine.rollout.fast` turns it on for a 4-bit base's rollouts. Limits: nf4 (not
-fp4), blocksizes 32-256 dividing in_features, bf16/fp16 activations, CUDA (Triton's interpreter on a CPU, for
-tests); on by default only on the GPUs where it was measured faster than bitsandbytes (`gpu_reason`). No maintained library fits (package index, 2026-12): FLUTE ships a C++ extension built
-for torch 2.5 / CUDA 12.1 over its own repacked layout, and gemlite's kernels take affine (scale, zero) codes, not
-a 16-value table.
+without gradients through the kernel while active (one-row steps, where bitsandbytes runs its gemv, prompt passes,
+training and unsupported layers stay on bitsandbytes, the fallback); `unsupported_reason(model)`, for the caller to
+record why a model stays there; `gpu_reason(device)`, the product's rule for where the kernel is on; `probe(model)`,
+a launch on the model's first routed layer, and `failure(x, design)`, why a design fell back; `is_linear4bit` and
+`layer_reason(layer)`, which layers it takes; `forwards_replaced`, its patching of forwards; `tile_shape` and
+`block_rows`, its tiles on a GPU (benchmarks/nf4_sass.py builds them offline). `launch` can add a LoRA branch in its
+split sum, for the experiment `vlmrl.engine.experimental.nf4_lora` (it lost to PEFT's own ops: docs/benchmarks.md).
+`vlmrl.engine.rollout.fast` turns it on for a 4-bit base's rollouts. Limits: nf4 (not fp4), blocksizes 32-256
+dividing in_features, bf16/fp16 activations, CUDA (Triton's interpreter on a CPU, for tests); on by default only on
+the GPUs where it was measured faster than bitsandbytes (`gpu_reason`). No maintained library fits (package index,
+2026-12): FLUTE ships a C++ extension built for torch 2.5 / CUDA 12.1 over its own repacked layout, and gemlite's
+kernels take affine (scale, zero) codes, not a 16-value table.
 """
 
 from __future__ import annotations

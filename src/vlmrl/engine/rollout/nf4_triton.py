@@ -1,13 +1,13 @@
 """The Triton source of the nf4 token-step kernel that `vlmrl.engine.rollout.nf4` launches (its docstring says
 what it computes and how it is checked).
 
-Public: `kernels(interpret)` -> (`nf4_tiles`: 2-D tiles of packed bytes decoded and joined back into the rows'
-order (high nibble first) against x's columns read along k, each program writing its fp32 share when K is split, else the rounded output;
-`nf4_splits`: the fixed-order sum of K splits, bias added and rounded once, and where asked a LoRA branch's
-second factor, scale and sum, for the experiment `vlmrl.engine.experimental.nf4_lora`). Building them also puts their device
-helpers (`rounded`, `dot_operand`, `store_tile`) in this module's globals, where the first design's kernel
-(`vlmrl.engine.experimental.nf4_v1`) takes them from. Limits: those of `nf4` (nf4 codes, bf16/fp16 activations,
-CUDA or Triton's interpreter).
+Public: `kernels(interpret)` -> (`nf4_tiles`: 2-D tiles of packed bytes decoded and joined back into the rows' order
+(high nibble first) against x's columns read along k, each program writing its fp32 share when K is split, else the
+rounded output; `nf4_splits`: the fixed-order sum of K splits, bias added and rounded once, and where asked a LoRA
+branch's second factor, scale and sum, for the experiment `vlmrl.engine.experimental.nf4_lora`). Building them also
+puts their device helpers (`rounded`, `dot_operand`, `store_tile`) in this module's globals, where the first
+design's kernel (`vlmrl.engine.experimental.nf4_v1`) takes them from. Limits: those of `nf4` (nf4 codes, bf16/fp16
+activations, CUDA or Triton's interpreter).
 """
 
 from __future__ import annotations
@@ -103,8 +103,8 @@ def kernels(interpret: bool) -> tuple[Any, Any]:
         # nibble k % 2 (high first) of byte n * K/2 + k // 2, times absmax[(n * K + k) // blocksize].
         # On 2-D tiles only: packed bytes [BLOCK_N, NB * HALF] contiguous along k, decoded into two [BLOCK_N, KH]
         # tiles (high nibbles: weights 2c, low: 2c + 1) and joined back into [BLOCK_N, 2 KH] in the row's order, so
-        # x's [2 KH, BLOCK_M] tile is read along k (16-byte loads; read as even and odd columns apart, each thread
-        # loaded 2 bytes of 32 rows at a time); each block's scale, a [BLOCK_N] vector, is spread over its HALF bytes
+        # x's [2 KH, BLOCK_M] tile is read along k in 16-byte loads (the design before read its even and odd columns
+        # apart, 2 bytes of 32 rows a load); each block's scale, a [BLOCK_N] vector, is spread over its HALF bytes
         # by selects. benchmarks/nf4_sass.py counts the loop's instructions (docs/benchmarks.md).
         KH: tl.constexpr = NB * HALF  # packed bytes per row per step
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
