@@ -245,3 +245,24 @@ def launches(monkeypatch):
     flags.allow_bf16_reduced_precision_reduction = flags.allow_fp16_reduced_precision_reduction = False
     yield calls
     flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction = saved
+
+
+@pytest.fixture
+def benchmark_script():
+    """Load a script of benchmarks/ by name as a module (not run as __main__), its folder importable meanwhile."""
+    import importlib.util
+    import sys
+
+    folder = Path(__file__).resolve().parents[1] / "benchmarks"
+
+    def load(name: str):
+        sys.path.insert(0, str(folder))
+        try:
+            spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return module
+        finally:
+            sys.path.remove(str(folder))
+
+    return load

@@ -3,29 +3,21 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
 
-def _script(name: str):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+def _section(start: str, end: str) -> str:
+    docs = (ROOT / "docs" / "benchmarks.md").read_text()
+    return docs[docs.index(start):docs.index(end)]
 
 
-def test_the_small_card_record_is_recomputed_from_its_bench_files(tmp_path):
+def test_the_small_card_record_is_recomputed_from_its_bench_files(tmp_path, benchmark_script):
     committed = json.loads((RESULTS / "h200_small_card.json").read_text())
-    small_card = _script("small_card")
+    small_card = benchmark_script("small_card")
     small_card.main([str(tmp_path), "--fp16", str(RESULTS / "h200_small_card_fp16.json"),
                      "--bf16", str(RESULTS / "h200_small_card_bf16.json"),
                      "--varied", str(RESULTS / "h200_small_card_fp16_varied.json"),
@@ -46,8 +38,8 @@ def test_the_small_card_record_is_recomputed_from_its_bench_files(tmp_path):
     assert again["runs"]["fp16_varied_reward"]["nonzero_gradients"]
 
 
-def test_a_zero_gradient_run_does_not_count_as_nonzero_and_a_missing_step_fails():
-    small_card = _script("small_card")
+def test_a_zero_gradient_run_does_not_count_as_nonzero_and_a_missing_step_fails(benchmark_script):
+    small_card = benchmark_script("small_card")
     block = {"steps_completed": 2, "error": None, "all_finite": True, "nonzero_gradients": False, "peak_gib": 16.0,
              "measured_over_predicted": 1.4}
     verdict = small_card.criteria(block, dict(block))
@@ -66,10 +58,10 @@ def test_the_rollout_mismatch_record_carries_both_bench_records_per_step():
         assert len(rows) >= 2 and all(0 < row["mismatch/logp_diff_mean"] < row["mismatch/logp_diff_max"] for row in rows)
 
 
-def test_the_demo_gpu_pair_is_in_the_record_and_its_criteria_follow_from_its_numbers():
+def test_the_demo_gpu_pair_is_in_the_record_and_its_criteria_follow_from_its_numbers(benchmark_script):
     """Issue 40's pair: both runs' 80 steps of mismatch columns, and each criterion recomputed from the intervals."""
     committed = json.loads((RESULTS / "h200_rollout_mismatch.json").read_text())
-    rollouts = _script("rollout_mismatch")
+    rollouts = benchmark_script("rollout_mismatch")
     for name in ("tis", "none"):
         run = committed["runs"][name]
         assert run["rollout_correction"]["correction"] == name
@@ -83,8 +75,7 @@ def test_the_demo_gpu_pair_is_in_the_record_and_its_criteria_follow_from_its_num
 def test_the_nf4_tables_in_the_docs_are_the_one_stage_record():
     """docs/benchmarks.md's two tables of the one-stage nf4 run read their figures off the committed JSON."""
     record = json.loads((RESULTS / "h200_nf4_matmul_one_stage.json").read_text())
-    docs = (ROOT / "docs" / "benchmarks.md").read_text()
-    section = docs[docs.index("**One pipeline stage, measured**"):docs.index("### Over many steps")]
+    section = _section("**One pipeline stage, measured**", "### Over many steps")
     rows = {line.split("|")[1].strip(): [cell.strip() for cell in line.split("|")[2:-1]]
             for line in section.splitlines() if line.startswith("| ") and not line.startswith("| method")}
     step = {(s["method"], s["rows"]): s["graph_ms"] for s in record["steps"]}
@@ -125,10 +116,6 @@ def test_the_4bit_record_with_the_nf4_kernel_and_the_fold_are_what_the_docs_quot
     assert folded["steps"][1]["seconds"] > product["steps"][1]["seconds"]
     assert folded["peak_memory_gib"] < product["peak_memory_gib"] - 1  # first in its process vs second
 
-
-def _section(start: str, end: str) -> str:
-    docs = (ROOT / "docs" / "benchmarks.md").read_text()
-    return docs[docs.index(start):docs.index(end)]
 
 
 def test_the_coalesced_nf4_tables_are_their_records():

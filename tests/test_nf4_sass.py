@@ -23,17 +23,8 @@ SASS = """\
 """
 
 
-def _script():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import nf4_sass
-        return nf4_sass
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-
-
-def test_the_loop_is_read_between_its_label_and_its_backward_branch():
-    assert _script().loop_opcodes(SASS) == {"LDG.E.128": 1, "HGMMA.64x32x16.F32.BF16": 1, "BRA": 1}
+def test_the_loop_is_read_between_its_label_and_its_backward_branch(benchmark_script):
+    assert benchmark_script("nf4_sass").loop_opcodes(SASS) == {"LDG.E.128": 1, "HGMMA.64x32x16.F32.BF16": 1, "BRA": 1}
 
 
 def test_the_kernel_built_for_sm90_reads_x_along_k(tmp_path):
