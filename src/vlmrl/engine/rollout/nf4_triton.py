@@ -123,14 +123,13 @@ def kernels(interpret: bool) -> tuple[Any, Any]:
         else:
             following = tl.load(bytes_ + start, mask=n_ok[:, None] & (start + j < end)[None, :], other=0)
         for kh in range(start, end, KH):
-            c = kh + j
             # the next step's bytes, in flight while this step's are decoded (with num_stages > 1 Triton's
             # pipeliner would stage the table lookups through shared memory instead, 4 bytes a copy)
             q = following.to(tl.int32)
             if EVEN:  # the last step reloads its own bytes rather than read past the split
                 following = tl.load(bytes_ + tl.minimum(kh + KH, end - KH), mask=n_ok[:, None], other=0)
             else:
-                following = tl.load(bytes_ + kh + KH, mask=n_ok[:, None] & (c + KH < end)[None, :], other=0)
+                following = tl.load(bytes_ + kh + KH, mask=n_ok[:, None] & (kh + j + KH < end)[None, :], other=0)
             scale = tl.zeros((BLOCK_N, KH), dtype=tl.float32)
             for b in tl.static_range(NB):
                 block = n * blocks + kh // HALF + b
