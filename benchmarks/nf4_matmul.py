@@ -12,7 +12,9 @@ Numerics: each projection's kernel output against dequantize + matmul, in units 
 status is 1 when one is over a unit (as tests/test_nf4.py counts them) or a kernel fell back.
 The sweep times each kernel's tile settings per distinct shape (CUDA graph of 36 calls over the 36 layers'
 weights), to choose `nf4_v1._config`'s and `nf4._config`'s defaults; each kernel's compiles are bounded by
-`--sweep-seconds`. `--kernels v2` measures the second design alone.
+`--sweep-seconds`; then the whole token step runs with each shape's best setting, beside the defaults timed again,
+with those settings' numerics (a tuned table's worth, less the sweep's best-of-many noise). `--kernels v2`
+measures the second design alone.
 
     python benchmarks/nf4_matmul.py OUTDIR     (one CUDA GPU, bitsandbytes installed; ~10 minutes, two sweeps)
     TRITON_INTERPRET=1 python benchmarks/nf4_matmul.py OUTDIR --hidden 128 --intermediate 256 --layers 2 \\
@@ -240,6 +242,45 @@ def sweep(a: argparse.Namespace, layers: list, rows_list: list[int], dtype: torc
     return results
 
 
+def tuned(a: argparse.Namespace, layers: list, swept: list[dict], dtype: torch.dtype, bnb: object, nf4: object,
+          device: torch.device) -> list[dict]:
+    """The whole token step with each shape's best setting from the sweep, beside the defaults timed again in the
+    same stretch (the sweep's per-call bests, summed, carry its noise: the best of many draws), and those settings'
+    numerics over one layer: what a tuned table of settings would be worth, and whether it stays within a unit."""
+    rows_done = []
+    for kernel in dict.fromkeys(entry["kernel"] for entry in swept):
+        matmul, _ = _kernel(kernel)
+        for rows in dict.fromkeys(entry["rows"] for entry in swept if entry["kernel"] == kernel):
+            best = {(e["out"], e["in"]): e["best"] for e in swept
+                    if e["kernel"] == kernel and e["rows"] == rows and e["best"]
+                    and e["best_us"] is not None and e["default_us"] is not None and e["best_us"] < e["default_us"]}
+            inputs = {k: torch.randn(rows, k, device=device).to(dtype) for k in {m.in_features for _, m in layers}}
+
+            def step(configs: dict, pick: list = layers, matmul: Callable = matmul, inputs: dict = inputs) -> list:
+                return [matmul(inputs[m.in_features], m.weight, config=configs.get((m.out_features, m.in_features)))
+                        for _, m in pick]
+
+            entry = {"kernel": kernel, "rows": rows, "dtype": str(dtype).removeprefix("torch."),
+                     "configs": {f"{n} x {k}": c for (n, k), c in best.items()}}
+            nf4._failed.clear()
+            for name, configs in (("default_ms", {}), ("tuned_ms", best), ("default_again_ms", {})):
+                entry[name] = timed_ms(lambda configs=configs: step(configs), a.replays, graph=device.type == "cuda")
+            entry["fell_back"] = bool(nf4._failed)
+            flags = torch.backends.cuda.matmul
+            saved = flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction
+            flags.allow_bf16_reduced_precision_reduction = flags.allow_fp16_reduced_precision_reduction = False
+            worst = 0.0
+            for (_, m), got in zip(layers[:7], step(best, layers[:7]), strict=True):
+                x = inputs[m.in_features]
+                weight = bnb.functional.dequantize_4bit(m.weight.data, m.weight.quant_state).to(dtype)
+                worst = max(worst, units(got, F.linear(x, weight), x.float().abs() @ weight.float().abs().T))
+            flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction = saved
+            entry["tuned_units"] = worst
+            rows_done.append(entry)
+            print(json.dumps(entry), flush=True)
+    return rows_done
+
+
 def _kernel(name: str) -> tuple[Callable, Callable]:
     """A kernel's (matmul, config chooser), by KERNELS' name."""
     _, module, function, chooser = KERNELS[name]
@@ -318,12 +359,14 @@ def main(argv: list[str]) -> int:
             result["fallbacks"] = {str(where): why for where, why in nf4._failed.items()}  # JSON keys
         result["sweep"] = [entry for kernel in kernels
                            for entry in sweep(a, layers, rows_list, dtypes[0], bandwidth, nf4, device, kernel)]
+        result["tuned"] = tuned(a, layers, result["sweep"], dtypes[0], bnb, nf4, device)
     (a.out / "nf4_matmul.json").write_text(json.dumps(result, indent=1, default=str))
     (a.out / "nf4_matmul.md").write_text(markdown(result))
     print(markdown(result))
     worst = max((value for n in result["numerics"] for key, value in n.items()
                  if key.startswith("kernel") and key.endswith("_units")), default=0.0)
-    worst = max([worst] + [n["folded_units"] for n in result["numerics"] if "folded_units" in n])
+    worst = max([worst] + [n["folded_units"] for n in result["numerics"] if "folded_units" in n]
+                + [t["tuned_units"] for t in result["tuned"]])
     return 0 if worst <= 1 and not result["fallbacks"] else 1
 
 
@@ -403,6 +446,14 @@ def markdown(r: dict) -> str:
         lines += [f"| {s.get('kernel', 'v1')} | {s['out']} x {s['in']} | {s['rows']} | {s['default']} | "
                   f"{_num(s['default_us'], 1)} | {s['best']} | {_num(s['best_us'], 1)} | {s['floor_us']:.1f} | "
                   f"{s['tried']} |" for s in r["sweep"]]
+    if r.get("tuned"):
+        lines += ["", ("The whole token step with each shape's best setting from the sweep (shapes whose best beat "
+                       "their default), the defaults timed before and after it, ms (graph on a GPU):"), "",
+                  "| kernel | dtype | rows | defaults | tuned | defaults again | tuned units | settings |",
+                  "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {t['kernel']} | {t['dtype']} | {t['rows']} | {_num(t['default_ms'])} | {_num(t['tuned_ms'])} | "
+                  f"{_num(t['default_again_ms'])} | {_num(t['tuned_units'])}{' (fell back)' if t['fell_back'] else ''} "
+                  f"| {'; '.join(f'{shape}: {c}' for shape, c in t['configs'].items())} |" for t in r["tuned"]]
     return "\n".join(lines) + "\n"
 
 

@@ -146,6 +146,22 @@ def test_preflight_is_within_8_percent_of_the_measured_peaks(overrides, adapters
     assert abs(estimate.peak_gib - measured) / measured < 0.08, estimate
 
 
+@pytest.mark.parametrize("completion, micro, rollout_steps, measured", [
+    (4096, 4, 4, 17.30),  # h200_long_context_4bit_4096
+    (8192, 2, 4, 16.65),  # h200_long_context_4bit_8192_one_step
+])
+def test_preflight_is_within_10_percent_of_the_long_completion_peaks(completion, micro, rollout_steps, measured):
+    """The batching `fit_batching` proposes for a 24 GiB card, 4-bit. The prediction is over the peak here (8.1% at
+    8192 tokens): it counts the loss pass as the larger phase where the rollouts are (docs/benchmarks.md, "Long
+    completions"), so this bound is looser than the 8% above."""
+    from vlmrl.bench.shaped import seed_overrides
+
+    overrides = seed_overrides({"load_in_4bit": True, "completion": completion, "micro_batch": micro,
+                                "steps_per_generation": rollout_steps})
+    estimate = estimate_memory(load_config("seed", overrides), SHAPES, prompt_tokens=310, fast_generation=True)
+    assert abs(estimate.peak_gib - measured) / measured < 0.10, estimate
+
+
 def test_the_prompt_pass_meets_a_prompt_sized_cache_in_both_paths():
     config = load_config("seed", BF16)
     fast = estimate_memory(config, SHAPES, prompt_tokens=310, fast_generation=True)

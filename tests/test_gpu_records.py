@@ -143,25 +143,72 @@ def test_the_coalesced_nf4_tables_are_their_records():
     assert f"{e2e['step_seconds']:.1f} s per step, decode {e2e['decode_ms_per_step']:.1f} ms" in section
 
 
-def test_the_long_completion_rows_are_their_records():
-    """h200_long_context_4bit_2048: both paths under the 24 GiB cap, the ratio from that one run as the docs and
-    README quote it; the bf16 row is the partial record's vlmrl steps."""
-    record = json.loads((RESULTS / "h200_long_context_4bit_2048.json").read_text())
-    assert record["settings"]["completion"] == 2048 and record["settings"]["memory_cap_gib"] == 24.0
-    vlmrl, plain = record["paths"]["vlmrl"], record["paths"]["plain"]
-    assert max(vlmrl["peak_memory_gib"], plain["peak_memory_gib"]) < 24
-    assert abs(record["ratios"]["step_speedup"] - plain["step_seconds"] / vlmrl["step_seconds"]) < 1e-9
+LONG_CONTEXT_INPUTS = ("h200_record.json", "h200_record_4bit_nf4.json", "h200_long_context_4bit_2048.json",
+                       "h200_long_context_4bit_4096.json", "h200_long_context_4bit_8192_one_step.json")
+
+
+def test_the_long_completion_table_is_recomputed_from_its_records(tmp_path, benchmark_script):
+    """h200_long_context: what benchmarks/long_context.py computes from the committed bench records, its rows in the
+    docs word for word, and the figures the README quotes."""
+    committed = json.loads((RESULTS / "h200_long_context.json").read_text())
+    assert all(name in committed["command"] for name in LONG_CONTEXT_INPUTS)
+    benchmark_script("long_context").main(
+        [str(tmp_path), *(str(RESULTS / name) for name in LONG_CONTEXT_INPUTS),
+         "--partial", f"2048:bf16:{RESULTS / 'h200_long_context_bf16_2048_partial.json'}", "--note", committed["note"]])
+    again = json.loads((tmp_path / "h200_long_context.json").read_text())
+    assert again["rows"] == committed["rows"] and again["findings"] == committed["findings"]
+    cells = {(r["completion"], r["base"], r["path"]): r["measured"] for r in again["rows"]}
+    v8192 = cells[(8192, "4bit", "vlmrl")]
+    assert v8192["first_step_only"] and v8192["peak_gib"] < 24 and v8192["rollouts_per_step"] == 4
+    assert again["findings"]["vlmrl_8192_4bit_under_24_gib"]
+    assert again["findings"]["plain_4bit_lengths_measured_to_fit"] == [1024, 2048]
     section = _section("### Long completions under", "### Over many steps")
-    assert (f"| 2048 | 4-bit, 24 GiB cap | vlmrl | **{vlmrl['step_seconds']:.1f}** "
-            f"({vlmrl['first_step_seconds']:.1f}) | {vlmrl['decode_ms_per_step']:.1f} | "
-            f"**{vlmrl['peak_memory_gib']:.1f}** / {vlmrl['training_peak_gib']:.1f} |") in section
-    assert (f"| 2048 | 4-bit, 24 GiB cap | plain TRL | {plain['step_seconds']:.1f} | "
-            f"{plain['decode_ms_per_step']:.1f} | {plain['peak_memory_gib']:.1f} / {plain['training_peak_gib']:.1f} |"
-            ) in section
-    speedup = f"{record['ratios']['step_speedup']:.2f}x"
-    assert speedup in section and speedup in (ROOT / "README.md").read_text()
-    bf16 = json.loads((RESULTS / "h200_long_context_bf16_2048_partial.json").read_text())
-    (row,) = [r for r in bf16 if r["path"] == "vlmrl"]
-    first, steady = (s["seconds"] for s in row["steps"])
-    assert (f"| vlmrl | {steady:.1f} ({first:.1f}) | not in the partial record | "
-            f"{row['generation_peak_gib']:.1f} / {row['training_peak_gib']:.1f} |") in section
+    table = (tmp_path / "h200_long_context.md").read_text().split("\n\n")[2]
+    assert table.count("\n") >= 17 and table in section
+    readme = (ROOT / "README.md").read_text()
+    v4096, v2048, p2048 = cells[(4096, "4bit", "vlmrl")], cells[(2048, "4bit", "vlmrl")], cells[(2048, "4bit", "plain")]
+    for quoted in (f"{v2048['step_seconds']:.1f} s per step, peak {v2048['peak_gib']:.1f} GiB",
+                   f"{p2048['step_seconds']:.1f} s for\n  plain TRL",
+                   f"{again['findings']['step_speedup_4bit']['2048']:.2f}x",
+                   f"{v4096['step_seconds']:.1f} s per step, peak {v4096['peak_gib']:.1f} GiB",
+                   f"{v8192['peak_gib']:.1f} GiB in one step of {v8192['first_step_seconds']:.1f} s"):
+        assert quoted in readme, quoted
+
+
+def test_a_missing_or_failed_cell_is_said_not_filled(tmp_path, benchmark_script):
+    long_context = benchmark_script("long_context")
+    bench = json.loads((RESULTS / "h200_long_context_4bit_4096.json").read_text())
+    bench["raw"][0]["error"] = "OutOfMemoryError: CUDA out of memory"
+    (tmp_path / "bench.json").write_text(json.dumps(bench))
+    long_context.main([str(tmp_path / "out"), str(tmp_path / "bench.json")])
+    result = json.loads((tmp_path / "out" / "h200_long_context.json").read_text())
+    cells = {(r["completion"], r["base"], r["path"]): r["measured"] for r in result["rows"]}
+    assert cells[(4096, "4bit", "vlmrl")]["within_cap"] is False and cells[(8192, "4bit", "vlmrl")] is None
+    assert not result["findings"]["vlmrl_8192_4bit_under_24_gib"]
+    md = (tmp_path / "out" / "h200_long_context.md").read_text()
+    assert "| 4096 | 4bit | vlmrl | failed: OutOfMemoryError: CUDA out of memory |" in md
+    assert "| 8192 | 4bit | vlmrl | not measured |" in md
+
+
+def test_the_second_tile_sweep_sums_are_its_record():
+    """h200_nf4_matmul_sweep_coalesced: the per-call defaults and bests summed over a token step's projections (q/o,
+    k/v and gate/up twice per layer, down once), as docs/benchmarks.md quotes them beside the whole step's time."""
+    record = json.loads((RESULTS / "h200_nf4_matmul_sweep_coalesced.json").read_text())
+    per_layer = {(4096, 4096): 2, (1024, 4096): 2, (12288, 4096): 2, (4096, 12288): 1}
+    assert sum(per_layer.values()) == len(record["projections"])
+    section = _section("### x read along k", "### Folding the LoRA branch")
+    sums = {}
+    for rows in (16, 32):
+        cells = [s for s in record["sweep"] if s["rows"] == rows]
+        assert {(s["out"], s["in"]) for s in cells} == set(per_layer)
+        for key in ("default_us", "best_us"):
+            sums[rows, key] = sum(s[key] * per_layer[s["out"], s["in"]] for s in cells) * record["layers"] / 1e3
+        whole = next(s["graph_ms"] for s in record["steps"] if s["rows"] == rows and s["method"] == "nf4 kernel v2")
+        assert abs(sums[rows, "default_us"] - whole) / whole < 0.01  # the calls add up to the step
+    assert (f"give {sums[16, 'default_us']:.2f} and {sums[32, 'default_us']:.2f} ms at 16 and 32 rows" in section)
+    assert f"gives {sums[16, 'best_us']:.2f} and {sums[32, 'best_us']:.2f} ms" in section
+    kv = next(s for s in record["sweep"] if s["rows"] == 32 and s["out"] == 1024)
+    gate = next(s for s in record["sweep"] if s["rows"] == 32 and s["out"] == 12288)
+    assert kv["best"][1] == 128 and gate["best"][4] == 6
+    assert f"{kv['default_us']:.1f} to {kv['best_us']:.1f} us" in section
+    assert f"{gate['default_us']:.1f} to {gate['best_us']:.1f} us" in section

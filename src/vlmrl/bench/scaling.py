@@ -73,16 +73,14 @@ def add_efficiency(rows: list[dict]) -> list[dict]:
 def add_prediction(rows: list[dict]) -> list[dict]:
     """The preflight's per-GPU peak for each row's configuration (the seed recipe as the bench runs it: bf16 with
     AdamW, 4-bit with 8-bit Adam) and the measured peak's ratio to it."""
+    from vlmrl.bench.shaped import seed_overrides
     from vlmrl.config.schema import load_config
     from vlmrl.run.preflight import estimate_memory, load_shapes
 
     for r in rows:
         if not r.get("peak_gib_max") or not r.get("prompt_tokens"):
             continue
-        overrides = [f"model.load_in_4bit={str(bool(r['load_in_4bit'])).lower()}",
-                     f"train.max_completion_length={r['completion']}"]
-        if not r["load_in_4bit"]:
-            overrides.append("train.optim=adamw_torch")
+        overrides = seed_overrides({"load_in_4bit": r["load_in_4bit"], "completion": r["completion"]})
         estimate = estimate_memory(load_config("seed", overrides), load_shapes(r["shapes"]),
                                    prompt_tokens=r["prompt_tokens"], fast_generation=True, gpus=r["gpus"],
                                    strategy=r["strategy"])

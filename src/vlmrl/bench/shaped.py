@@ -63,6 +63,23 @@ class BenchSettings:
     varied_reward: bool = False
 
 
+def seed_overrides(settings: dict) -> list[str]:
+    """The seed recipe's config overrides for what a bench with these settings (`BenchSettings` as a dict, or any
+    dict with its keys) trains: the preflight's input for that run (bf16 with AdamW, 4-bit with 8-bit Adam, the
+    completion length, the batching). A key left out takes `BenchSettings`' default."""
+    s = {**BenchSettings().__dict__, **settings}
+    micro = s["micro_batch"] or s["prompts"]
+    overrides = [f"model.load_in_4bit={str(bool(s['load_in_4bit'])).lower()}",
+                 f"train.max_completion_length={s['completion']}",
+                 f"train.per_device_train_batch_size={micro}",
+                 f"train.gradient_accumulation_steps={s['prompts'] * s['generations'] // micro}"]
+    if s["steps_per_generation"]:
+        overrides.append(f"train.steps_per_generation={s['steps_per_generation']}")
+    if not s["load_in_4bit"]:
+        overrides.append("train.optim=adamw_torch")
+    return overrides
+
+
 def build_processor(work: Path, image_size: int) -> Path:
     """A tiny Qwen3-VL folder whose tokenizer/processor/chat template serve the shaped model."""
     from vlmrl.models.tiny import build_tiny_model
