@@ -58,6 +58,9 @@ def engine_variants() -> dict[str, Variant]:
         # (vlmrl.engine.experimental.nf4_lora); vlmrl-nf4-unfused, its A/B partner in gpu_issue39_next.plan, is the
         # default
         "vlmrl-nf4-folded": Variant(after=_experiment(nf4_kernel="folded")),
+        # the same kernel with only the branch's scale and sum in its last pass, both factors as PEFT runs them
+        # (vlmrl.engine.experimental.nf4_lora, summed); gpu_issue39_rest.plan times it beside the default
+        "vlmrl-nf4-summed": Variant(after=_experiment(nf4_kernel="summed")),
         "vlmrl-nf4-unfused": Variant(),
     }
 

@@ -34,14 +34,12 @@ def cell(settings: dict, raw: dict, prompt_tokens: int, source: str, summary: di
     """One path of one run: its figures (`summary`, the bench's own steady figures for the path; else worked out
     from the raw steps as the bench does), the rollouts a step holds, and the preflight's peak for its settings."""
     from vlmrl.bench.shaped import BenchSettings, seed_overrides
-    from vlmrl.bench.summary import steady_steps
+    from vlmrl.bench.summary import rollouts_per_step, steady_steps
     from vlmrl.config.schema import load_config
     from vlmrl.run.preflight import estimate_memory, load_shapes
 
     s = {**BenchSettings().__dict__, **settings}
-    completions = s["prompts"] * s["generations"]
-    micro = s["micro_batch"] or s["prompts"]
-    rollout = micro * (s["steps_per_generation"] or completions // micro)
+    rollouts, rollout = rollouts_per_step(s)
     steps = [step for step in raw.get("steps") or [] if not step.get("profiled")]
     if summary is None:
         steady = steady_steps(steps, s["warmup_steps"])
@@ -60,7 +58,7 @@ def cell(settings: dict, raw: dict, prompt_tokens: int, source: str, summary: di
         "step_seconds": step_s, "first_step_seconds": steps[0]["seconds"] if steps else None,
         "generate_seconds": generate_s,
         "ms_per_token_position": 1e3 * generate_s / s["completion"] if generate_s else None,
-        "rollouts_per_step": completions // rollout, "rollout_rows": rollout, "micro_batch": micro,
+        "rollouts_per_step": rollouts, "rollout_rows": rollout, "micro_batch": s["micro_batch"] or s["prompts"],
         "peak_gib": peak, "generation_peak_gib": raw.get("generation_peak_gib"),
         "training_peak_gib": raw.get("training_peak_gib"), "peak_reserved_gib": raw.get("peak_reserved_gib"),
         "memory_cap_gib": cap, "within_cap": None if cap is None or peak is None else peak <= cap and not raw.get("error"),

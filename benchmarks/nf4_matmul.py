@@ -59,8 +59,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--kernels", default="v1,v2", help="vlmrl's nf4 kernels to measure (v1: the first "
                    "design, nf4_v1.nf4_matmul_v1; v2: the product's, nf4.nf4_matmul), comma-separated")
     p.add_argument("--lora", type=int, default=0, help="a LoRA branch of this rank on every projection (0: none): "
-                   "the product's kernel then also runs with the branch as PEFT's ops and folded into its last "
-                   "pass (vlmrl.engine.experimental.nf4_lora)")
+                   "the product's kernel then also runs with the branch as PEFT's ops, folded into its last "
+                   "pass, and with only its scale and sum there (vlmrl.engine.experimental.nf4_lora)")
     return p.parse_args(argv)
 
 
@@ -182,7 +182,7 @@ def step_methods(layers: list, inputs: dict[int, torch.Tensor], dense: list | No
     for name in kernels:
         methods[KERNELS[name][0]] = kernel(_kernel(name)[0])
     if branches:
-        from vlmrl.engine.experimental.nf4_lora import nf4_lora_matmul
+        from vlmrl.engine.experimental.nf4_lora import nf4_lora_matmul, nf4_summed_matmul
 
         # PEFT's branch as a compiled decode step runs it: two matmuls, then the scale and sum in one kernel
         add = torch.compile(lambda base, lora: base + lora * LORA_SCALE) if torch.cuda.is_available() else (
@@ -193,6 +193,9 @@ def step_methods(layers: list, inputs: dict[int, torch.Tensor], dense: list | No
         methods["nf4 kernel v2 + LoRA folded"] = lambda: [
             nf4_lora_matmul(inputs[m.in_features], m.weight, None, F.linear(inputs[m.in_features], a), b, LORA_SCALE)
             for (_, m), (a, b) in zip(layers, branches)]
+        methods["nf4 kernel v2 + LoRA, sum in the split pass"] = lambda: [
+            nf4_summed_matmul(inputs[m.in_features], m.weight, None, F.linear(F.linear(inputs[m.in_features], a), b),
+                              LORA_SCALE) for (_, m), (a, b) in zip(layers, branches)]
     if dense is not None:
         methods["dense bf16 matmul"] = lambda: [F.linear(inputs[w.shape[1]].to(w.dtype), w) for w in dense]
     return methods
@@ -365,7 +368,7 @@ def main(argv: list[str]) -> int:
     print(markdown(result))
     worst = max((value for n in result["numerics"] for key, value in n.items()
                  if key.startswith("kernel") and key.endswith("_units")), default=0.0)
-    worst = max([worst] + [n["folded_units"] for n in result["numerics"] if "folded_units" in n]
+    worst = max([worst] + [n[key] for n in result["numerics"] for key in ("folded_units", "summed_units") if key in n]
                 + [t["tuned_units"] for t in result["tuned"]])
     return 0 if worst <= 1 and not result["fallbacks"] else 1
 
@@ -374,8 +377,8 @@ def numerics(layers: list, inputs: dict, dtype: torch.dtype, rows: int, bnb: obj
              kernels: list[str] = ("v1",), branches: list | None = None) -> dict:
     """Largest ulps over one layer's projections: the kernels ("kernel": v1, "kernel_v2"), and `Linear4bit` itself,
     against dequantize + matmul (summed in fp32: cuBLAS's reduced-precision split-K reductions off); with
-    `branches`, the folded LoRA branch ("folded") against PEFT's eager sum over dequantize + matmul, its unit
-    taken at the larger term too (tests/test_nf4_lora.py)."""
+    `branches`, the folded LoRA branch ("folded") and the one summed in the split pass ("summed") against PEFT's
+    eager sum over dequantize + matmul, its unit taken at the larger term too (tests/test_nf4_lora.py)."""
     names = {"v1": "kernel", "v2": "kernel_v2"}
     found = {f"{names[k]}_{what}": zero for k in kernels for what, zero in (("ulps", 0), ("units", 0.0))}
     found |= {"linear4bit_ulps": 0, "linear4bit_units": 0.0}
@@ -392,7 +395,7 @@ def numerics(layers: list, inputs: dict, dtype: torch.dtype, rows: int, bnb: obj
             found[f"{name}_ulps"] = max(found[f"{name}_ulps"], ulps(got, expected))
             found[f"{name}_units"] = max(found[f"{name}_units"], units(got, expected, scale))
         if branches:
-            from vlmrl.engine.experimental.nf4_lora import nf4_lora_matmul
+            from vlmrl.engine.experimental.nf4_lora import nf4_lora_matmul, nf4_summed_matmul
 
             first, second = branches[i]
             xa = F.linear(x, first)
@@ -401,6 +404,10 @@ def numerics(layers: list, inputs: dict, dtype: torch.dtype, rows: int, bnb: obj
             terms = torch.maximum(expected.float().abs(), lora.float().abs())
             found["folded_ulps"] = max(found.get("folded_ulps", 0), ulps(got, expected + lora))
             found["folded_units"] = max(found.get("folded_units", 0.0),
+                                        units(got, expected + lora, torch.maximum(scale, terms * 2 ** 12)))
+            got = nf4_summed_matmul(x, m.weight, None, F.linear(xa, second), LORA_SCALE)
+            found["summed_ulps"] = max(found.get("summed_ulps", 0), ulps(got, expected + lora))
+            found["summed_units"] = max(found.get("summed_units", 0.0),
                                         units(got, expected + lora, torch.maximum(scale, terms * 2 ** 12)))
     flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction = saved
     return {"dtype": str(dtype).removeprefix("torch."), "rows": rows} | found
@@ -427,7 +434,8 @@ def markdown(r: dict) -> str:
              "representable values (ulps), and in units at max(|output|, 2^-12 sum |x w|) (units):")
     shown = [(name, label) for name, label in (("kernel", "nf4 kernel"), ("kernel_v2", "nf4 kernel v2"),
                                                ("linear4bit", "Linear4bit forward"),
-                                               ("folded", "v2 + LoRA folded, against PEFT's sum"))
+                                               ("folded", "v2 + LoRA folded, against PEFT's sum"),
+                                               ("summed", "v2 + LoRA summed in the split pass, against PEFT's sum"))
              if any(f"{name}_ulps" in n for n in r["numerics"])]
     lines += ["", about, "", "| dtype | rows | " + " | ".join(f"{label} ulps | units" for _, label in shown) + " |",
               "|---|---|" + "---|---|" * len(shown)]

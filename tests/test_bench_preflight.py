@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -16,7 +17,9 @@ from vlmrl.bench import (
     load_shapes,
     markdown_table,
     path_steps,
+    rollouts_per_step,
     scaling_table,
+    seed_overrides,
     summarize,
     train_floor_s,
 )
@@ -99,6 +102,22 @@ def test_phase_peaks_and_scaling_over_gpus():
     assert "| 2 | 21.0 | 3.05 | 22.5, 22.4 |" in table and "1.90x one GPU" in table
 
 
+def test_a_step_of_several_rollouts_says_its_token_step():
+    """The batching `vlmrl doctor` proposes for long completions splits a step's 32 completions into rollouts of 8:
+    decode ms/step then sums 4 token steps, and the table says what one of them took."""
+    settings = BenchSettings(completion=100, micro_batch=2, steps_per_generation=4)
+    assert rollouts_per_step(asdict(settings)) == (4, 8)
+    assert rollouts_per_step(asdict(BenchSettings())) == (1, 32)
+    assert rollouts_per_step(asdict(BenchSettings(micro_batch=4, steps_per_generation=4))) == (2, 16)
+    results = [_raw("vlmrl", [(30, 20), (12, 8)], 16.0)]
+    s = summarize(settings, SHAPES, {"matmul_tflops": 800, "copy_bandwidth_tbs": 4.0}, results, prompt_tokens=300)
+    assert s["paths"]["vlmrl"]["decode_ms_per_step"] == 80  # 8 s over 100 token positions
+    assert ("Each optimizer step generates 4 rollouts of 8 completions, so decode ms/step sums 4 token steps: per "
+            "token step of 8 rows vlmrl 20.0 ms. The decode floor is for one rollout of all 32.") in markdown_table(s)
+    one = summarize(BenchSettings(), SHAPES, {"matmul_tflops": 800, "copy_bandwidth_tbs": 4.0}, results, 300)
+    assert "rollouts of" not in markdown_table(one)
+
+
 def test_a_failed_path_is_reported_not_hidden():
     results = [_raw("plain", [], 1.0) | {"error": "RuntimeError: boom"}]
     s = summarize(BenchSettings(), SHAPES, {"matmul_tflops": 800, "copy_bandwidth_tbs": 4.0}, results, 300)
@@ -154,8 +173,6 @@ def test_preflight_is_within_10_percent_of_the_long_completion_peaks(completion,
     """The batching `fit_batching` proposes for a 24 GiB card, 4-bit. The prediction is over the peak here (8.1% at
     8192 tokens): it counts the loss pass as the larger phase where the rollouts are (docs/benchmarks.md, "Long
     completions"), so this bound is looser than the 8% above."""
-    from vlmrl.bench.shaped import seed_overrides
-
     overrides = seed_overrides({"load_in_4bit": True, "completion": completion, "micro_batch": micro,
                                 "steps_per_generation": rollout_steps})
     estimate = estimate_memory(load_config("seed", overrides), SHAPES, prompt_tokens=310, fast_generation=True)

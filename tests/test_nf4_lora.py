@@ -164,3 +164,67 @@ def test_a_kernel_that_cannot_run_falls_back_to_the_same_sum(monkeypatch, caplog
     assert torch.equal(got, _eager(x, packed, qs, None, xa, second, 0.5)[0])
     assert list(nf4._failed.values()) == ["RuntimeError: no PTX for this GPU"]
     assert sum("nf4 matmul kernel cannot run" in r.message for r in caplog.records) == 1
+
+
+# The second form: the branch's factors as PEFT runs them, only its scale and sum in the split pass ("summed").
+
+@pytest.mark.parametrize(("rows", "bias", "split"), [(1, False, 1), (5, True, 2), (33, True, 2)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_summed_form_is_bitwise_peft_eager_sum_over_the_kernel_base(dtype, rows, bias, split, launches):
+    """Given the same base output (the product's kernel) and the same branch, the split pass's scale and sum make
+    PEFT's roundings: bitwise its eager `base + branch * scale`."""
+    packed, qs = _quantized(192, 256, weight_dtype=dtype)
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 256).to(DEVICE, dtype)
+    b = torch.randn(192).to(DEVICE, dtype) if bias else None
+    branch = F.linear((torch.randn(rows, 8) * 0.5).to(DEVICE, dtype), (torch.randn(192, 8) * 0.3).to(DEVICE, dtype))
+    config = nf4.interpreter_config(256, 64)[:-1] + [split]
+    got = nf4_lora.nf4_summed_matmul(x, packed, b, branch, 0.7, quant_state=qs, config=config)
+    base = nf4.nf4_matmul(x, packed, b, quant_state=qs, config=config)
+    assert got.dtype == dtype and got.shape == (rows, 192)
+    assert torch.equal(got, base + branch * 0.7)
+    assert not torch.equal(got, base)  # the branch is in it
+    assert launches == [rows, rows] and not nf4._failed
+    # and within a unit of PEFT over bitsandbytes' dequantize + matmul, as the product's kernel is
+    expected = F.linear(x, BF.dequantize_4bit(packed, qs).to(dtype), b) + branch * 0.7
+    terms = torch.maximum(base.float().abs(), (branch * 0.7).float().abs())
+    scale = x.float().abs() @ BF.dequantize_4bit(packed, qs).float().abs().T + (0 if b is None else b.float().abs())
+    assert _units(got, expected, torch.maximum(scale, terms * 2 ** 12)).max() <= 1
+
+
+def test_the_summed_bench_variant_routes_token_steps_and_says_so(launches, monkeypatch):
+    from vlmrl.engine.experimental.rollout import apply
+    from vlmrl.engine.rollout.fast import enable_fast_generation
+
+    monkeypatch.setattr(nf4, "gpu_reason", lambda device: None)
+    ops = []
+    real = nf4_lora.nf4_summed_matmul
+    monkeypatch.setattr(nf4_lora, "nf4_summed_matmul", lambda *a, **kw: ops.append(a[0].shape[0]) or real(*a, **kw))
+    model = _model(_peft(_layer(256, 192)))
+    step = torch.randn(4, 1, 256).to(DEVICE, torch.bfloat16)
+    trainer = _rollout_trainer(model, step)
+    with torch.no_grad():
+        expected = model(step)  # PEFT over bitsandbytes
+    fast = apply(trainer, enable_fast_generation(trainer), nf4_kernel="summed")  # the bench path vlmrl-nf4-summed
+    assert fast.weights == ("vlmrl nf4 kernel for token steps of 2-64 rows, the LoRA branch's scale and sum in its "
+                            "last pass for 1 of 1 adapted layers (experimental nf4_lora), bitsandbytes Linear4bit "
+                            "otherwise")
+    assert ops == [2]  # its probe
+    with torch.no_grad():
+        got = model(step)
+        model(torch.randn(2, 40, 256).to(DEVICE, torch.bfloat16))  # a prompt pass: PEFT over bitsandbytes
+    assert ops == [2, 4]
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=4e-3)
+    trainer.vlmrl_nf4_decode.close()
+    assert "forward" not in model[0].__dict__ and "forward" not in model[0].base_layer.__dict__
+
+
+def test_a_compiled_token_step_calls_the_summed_form_as_one_node():
+    layer = _peft(_layer(256, 64))
+    x = torch.randn(3, 256).to(DEVICE, torch.bfloat16)
+    with torch.no_grad():
+        expected = layer(x)
+        with nf4.nf4_decode(layer), nf4_lora.nf4_lora_decode(layer, summed=True):
+            got, nodes = compiled_calls(layer, x)
+    assert [n for n in nodes if "nf4" in n] == ["vlmrl.nf4_summed_matmul.default"]
+    torch.testing.assert_close(got, expected, rtol=1e-2, atol=2e-3)

@@ -49,8 +49,16 @@ from vlmrl.bench.shaped import (
     load_shapes,
     save_shaped_model,
     save_weights_once,
+    seed_overrides,
 )
-from vlmrl.bench.summary import SETTING_LABELS, markdown_table, ratio_prefixes, scaling_table, summarize
+from vlmrl.bench.summary import (
+    SETTING_LABELS,
+    markdown_table,
+    ratio_prefixes,
+    rollouts_per_step,
+    scaling_table,
+    summarize,
+)
 from vlmrl.bench.throughput import parse_batches, run_throughput
 from vlmrl.bench.unsloth_path import UNSLOTH_PATHS, run_unsloth, unsloth_unavailable_reason
 from vlmrl.run.preflight import kv_bytes_per_token, language_param_count
@@ -81,6 +89,7 @@ __all__ = [
     "prepare_device",
     "prompt_tokens_of",
     "ratio_prefixes",
+    "rollouts_per_step",
     "run_bench",
     "run_path",
     "run_throughput",
@@ -88,6 +97,7 @@ __all__ = [
     "save_shaped_model",
     "save_weights_once",
     "scaling_table",
+    "seed_overrides",
     "summarize",
     "train_and_measure",
     "train_floor_s",

@@ -2,7 +2,8 @@
 
 The shapes ship in `vlmrl/run/shapes/*.json` (no download); the processor is a tiny Qwen3-VL folder whose tokenizer
 serves the shaped model; the data is vlmrl's synthetic chart items. `save_shaped_model` writes the same model as
-a loadable folder for the multi-GPU record check. Left out: measuring anything (`run`), the floors (`floors`).
+a loadable folder for the multi-GPU record check; `seed_overrides` is the seed recipe's config for a bench's
+settings (what the preflight predicts for that run). Left out: measuring anything (`run`), the floors (`floors`).
 """
 
 from __future__ import annotations

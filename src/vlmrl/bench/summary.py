@@ -1,8 +1,8 @@
 """The bench's figures and tables: per-path steady-state figures, ratios to plain TRL, markdown for bench.md.
 
 `summarize` turns the raw per-step records of each path into steady-state figures (the first, compiling step
-excluded when there are more) next to the floors; `markdown_table` writes bench.md; `scaling_table` compares
-one GPU with N. Pure bookkeeping (tested on the CPU); left out: anything that runs a model (`run`).
+excluded when there are more) next to the floors; `markdown_table` writes bench.md (`rollouts_per_step`: how a step's completions
+are split into rollouts); `scaling_table` compares one GPU with N. Pure bookkeeping (tested on the CPU); left out: anything that runs a model (`run`).
 """
 
 from __future__ import annotations
@@ -38,6 +38,15 @@ def steady_steps(steps: list[dict], warmup: int) -> list[dict]:
     if len(steps) > warmup:
         return steps[warmup:]
     return steps[1:] if len(steps) > 1 else steps
+
+
+def rollouts_per_step(settings: dict) -> tuple[int, int]:
+    """(rollouts per optimizer step, completions per rollout) for a bench's settings (as a dict): a micro-step of
+    `micro_batch` completions, `steps_per_generation` micro-steps per rollout (TRL's default: all of the step's)."""
+    batch = settings["prompts"] * settings["generations"]
+    micro = settings.get("micro_batch") or settings["prompts"]
+    rows = micro * (settings.get("steps_per_generation") or batch // micro)
+    return max(1, batch // rows), rows
 
 
 def summarize(settings: BenchSettings, shapes: dict, ceilings: dict, results: list[dict], prompt_tokens: int) -> dict:
@@ -160,6 +169,13 @@ def markdown_table(summary: dict) -> str:
                    f"{c['copy_bandwidth_tbs']:.2f} TB/s device copy. Floors: decode = (weights + mean KV cache) / "
                    f"bandwidth; training = 6 x {summary['language_params'] / 1e9:.2f}B language parameters x tokens / "
                    "matmul rate.")]
+    rollouts, rows = rollouts_per_step(s)
+    if rollouts > 1:
+        each = ", ".join(f"{name} {p['decode_ms_per_step'] / rollouts:.1f} ms" for name, p in summary["paths"].items()
+                         if "decode_ms_per_step" in p)
+        lines.append(f"Each optimizer step generates {rollouts} rollouts of {rows} completions, so decode ms/step sums "
+                     f"{rollouts} token steps: per token step of {rows} rows {each}. The decode floor is for one "
+                     f"rollout of all {rollouts * rows}.")
     if cache := summary.get("compile_cache"):
         lines.append(f"Compile cache {cache['inductor_dir']}: {'cold (empty)' if cache['cold'] else 'warm'} at the "
                      f"start ({cache['files_at_start']} files); the first step column includes compilation.")

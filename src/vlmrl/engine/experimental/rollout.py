@@ -8,7 +8,7 @@ trainer that `vlmrl.engine.rollout.fast.enable_fast_generation` set up.
   nothing, and skip them after (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`).
 - `apply(trainer, fast, ...)`: those, the adapter merge (`merge.rollout_merge`), one of vlmrl's two token-step
   kernels off, a 4-bit base's token steps on bitsandbytes, through the nf4 kernel's first design (`nf4_v1`) or the product's
-  with the LoRA branch folded in (`nf4_lora`), added to the trainer's rollouts; returns the FastGeneration record updated.
+  with the LoRA branch folded in or only its sum in its last pass (`nf4_lora`), added to the trainer's rollouts; returns the FastGeneration record updated.
 What each was worth: docs/benchmarks.md ("The engine's pieces, one by one").
 """
 
@@ -48,7 +48,8 @@ def apply(trainer: Any, fast: FastGeneration, *, merge: bool = False, filled_win
     `second_cublas`: the stacked projections' second step as a cuBLAS matmul and a sum instead of one kernel;
     `nf4_kernel`: "off", a 4-bit base's token steps on bitsandbytes instead of the product's nf4 kernel; "v1",
     through the kernel's first design (`nf4_v1`, on for the trainer's life, as the product's is); "folded", the
-    product's kernel with the LoRA branch's second factor and sum folded into its last pass (`nf4_lora`). Call it right
+    product's kernel with the LoRA branch's second factor and sum folded into its last pass (`nf4_lora`); "summed",
+    the same with the branch's factors as PEFT runs them and only its scale and sum in that pass. Call it right
     after `enable_fast_generation`, before anything else wraps the trainer's rollout call."""
     if not fast.enabled:
         return fast
@@ -101,22 +102,26 @@ def _nf4_for_life(trainer: Any, kernel: str) -> str:
         trainer.vlmrl_nf4_decode = None
     if kernel == "off":
         return f"{BITSANDBYTES} (vlmrl's nf4 kernel turned off by vlmrl.engine.experimental)"
-    if kernel == "folded":
+    if kernel in ("folded", "summed"):
         from vlmrl.engine.experimental import nf4_lora
         from vlmrl.engine.rollout.nf4 import MAX_ROWS, MIN_ROWS, nf4_decode
 
+        summed = kernel == "summed"
         stack = contextlib.ExitStack()
         reason = stack.enter_context(nf4_decode(trainer.model))
         trainer.vlmrl_nf4_decode = stack
         if reason is not None:
-            return f"{BITSANDBYTES} (nf4 kernel with the LoRA branch folded asked for, not used: {reason})"
-        why_not = nf4_lora.probe(trainer.model) if nf4_lora.adapted_layers(trainer.model) else "no LoRA layer"
+            return f"{BITSANDBYTES} (nf4 kernel with the LoRA branch {kernel} asked for, not used: {reason})"
+        why_not = (nf4_lora.probe(trainer.model, summed=summed) if nf4_lora.adapted_layers(trainer.model)
+                   else "no LoRA layer")
         if why_not is not None:
             return (f"vlmrl nf4 kernel for token steps of {MIN_ROWS}-{MAX_ROWS} rows, the LoRA branch in PEFT's "
-                    f"forward (folding it asked for, not done: {why_not}), {BITSANDBYTES} otherwise")
-        folded, adapted = stack.enter_context(nf4_lora.nf4_lora_decode(trainer.model))
-        return (f"vlmrl nf4 kernel for token steps of {MIN_ROWS}-{MAX_ROWS} rows, the LoRA branch's second factor "
-                f"and sum in its last pass for {folded} of {adapted} adapted layers (experimental nf4_lora), "
+                    f"forward ({'its sum in the kernel' if summed else 'folding it'} asked for, not done: "
+                    f"{why_not}), {BITSANDBYTES} otherwise")
+        folded, adapted = stack.enter_context(nf4_lora.nf4_lora_decode(trainer.model, summed=summed))
+        moved = "scale and sum" if summed else "second factor and sum"
+        return (f"vlmrl nf4 kernel for token steps of {MIN_ROWS}-{MAX_ROWS} rows, the LoRA branch's {moved} "
+                f"in its last pass for {folded} of {adapted} adapted layers (experimental nf4_lora), "
                 f"{BITSANDBYTES} otherwise")
     from vlmrl.engine.experimental.nf4_v1 import nf4_matmul_v1
     from vlmrl.engine.rollout.nf4 import MAX_ROWS, MIN_ROWS, nf4_decode

@@ -245,7 +245,7 @@ def _tiles(interpret: bool) -> Any:
 
 def kernel_or_reference(args: tuple, *, design: str, tiles: Callable[[bool], Any] = _tiles,
                         chooser: Callable[..., list[int]] | None = None,
-                        lora: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
+                        lora: tuple[torch.Tensor, torch.Tensor | None, float] | None = None) -> torch.Tensor:
     """A kernel's launch (`tiles(interpret)` builds the design's tile kernel, this module's unless given; `chooser`
     its config), with `lora`'s branch in its split sum (`launch`), or dequantize + matmul (and the branch in torch)
     where it cannot run (recorded once per device, dtype and `design`)."""
@@ -254,7 +254,8 @@ def kernel_or_reference(args: tuple, *, design: str, tiles: Callable[[bool], Any
         if lora is None:
             return out
         xa, second, scale = lora
-        return out + F.linear(xa, second) * scale  # PEFT's eager sum, each step rounded to x's dtype
+        branch = xa if second is None else F.linear(xa, second)
+        return out + branch * scale  # PEFT's eager sum, each step rounded to x's dtype
 
     return kernel_or_fallback(_failed, _where(args[0], design),
                               lambda: launch(*args, tiles=tiles, chooser=chooser or _config, lora=lora), reference,
@@ -323,11 +324,12 @@ def block_rows(rows: int) -> int:
 def launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: torch.Tensor | None,
            absmax2: torch.Tensor | None, offset: torch.Tensor | None, lut: torch.Tensor, bias: torch.Tensor | None,
            blocksize: int, blocksize2: int, rounding: int, config: list[int], *, tiles: Callable[[bool], Any],
-           chooser: Callable[..., list[int]], lora: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+           chooser: Callable[..., list[int]], lora: tuple[torch.Tensor, torch.Tensor | None, float] | None = None,
            ) -> torch.Tensor:
     """Launch `tiles(interpret)` (and the split sum) on x [rows, k]; `config` or `chooser`'s. `lora` = (xa [rows,
-    rank], second [n, rank], scale): the split sum adds that LoRA branch too (the experiment
-    `vlmrl.engine.experimental.nf4_lora`), so the tiles then always write fp32 shares, one split or more."""
+    rank], second [n, rank], scale), or (the branch's output [rows, n], None, scale): the split sum adds that LoRA
+    branch too (the experiments in `vlmrl.engine.experimental.nf4_lora`), so the tiles then always write fp32
+    shares, one split or more."""
     rows, k = x.shape
     n = packed.shape[0]
     if rows == 0:
@@ -362,8 +364,9 @@ def launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: t
         size = rows * n
         block = 1024
         xa, second, scale = lora if lora is not None else (out, out, 0.0)
-        reduce[(-(-size // block),)](target, bias if bias is not None else out, out, size, n, split, xa, second,
-                                     second.shape[-1] if lora is not None else 0, scale, HAS_BIAS=bias is not None,
-                                     HAS_LORA=lora is not None, XQ=xq, EXACT=interpret, BLOCK=block,
-                                     enable_fp_fusion=False)
+        summed = second is None
+        reduce[(-(-size // block),)](target, bias if bias is not None else out, out, size, n, split, xa,
+                                     xa if summed else second, 0 if summed or lora is None else second.shape[-1],
+                                     scale, HAS_BIAS=bias is not None, HAS_LORA=lora is not None, SUMMED=summed,
+                                     XQ=xq, EXACT=interpret, BLOCK=block, enable_fp_fusion=False)
     return out

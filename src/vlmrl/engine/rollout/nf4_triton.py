@@ -73,10 +73,12 @@ def kernels(interpret: bool) -> tuple[Any, Any]:
 
     @triton.jit
     def nf4_splits(Partial, Bias, Out, size, N, splits, XA, Second, rank, scale, HAS_BIAS: tl.constexpr,
-                   HAS_LORA: tl.constexpr, XQ: tl.constexpr, EXACT: tl.constexpr, BLOCK: tl.constexpr):
+                   HAS_LORA: tl.constexpr, SUMMED: tl.constexpr, XQ: tl.constexpr, EXACT: tl.constexpr,
+                   BLOCK: tl.constexpr):
         # the splits' shares summed in order, the bias added, rounded once; with a LoRA branch, PEFT's sum after
-        # it: the rank-space rows XA [M, rank] times the second factor Second [N, rank], rounded, scaled, rounded,
-        # added to the rounded base output and rounded (each rounding one PEFT's eager forward makes)
+        # it: the rank-space rows XA [M, rank] times the second factor Second [N, rank] (SUMMED: XA is that
+        # product already, [M, N] in x's dtype), rounded, scaled, rounded, added to the rounded base output and
+        # rounded (each rounding one PEFT's eager forward makes)
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = i < size
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -85,11 +87,14 @@ def kernels(interpret: bool) -> tuple[Any, Any]:
         if HAS_BIAS:
             acc += tl.load(Bias + i % N, mask=ok, other=0.0).to(tl.float32)
         if HAS_LORA:
-            row, col = i // N, i % N
-            lora = tl.zeros((BLOCK,), dtype=tl.float32)
-            for r in range(rank):
-                a = tl.load(XA + row * rank + r, mask=ok, other=0.0).to(tl.float32)
-                lora += a * tl.load(Second + col * rank + r, mask=ok, other=0.0).to(tl.float32)
+            if SUMMED:
+                lora = tl.load(XA + i, mask=ok, other=0.0).to(tl.float32)
+            else:
+                row, col = i // N, i % N
+                lora = tl.zeros((BLOCK,), dtype=tl.float32)
+                for r in range(rank):
+                    a = tl.load(XA + row * rank + r, mask=ok, other=0.0).to(tl.float32)
+                    lora += a * tl.load(Second + col * rank + r, mask=ok, other=0.0).to(tl.float32)
             lora = rounded(rounded(lora, XQ, EXACT) * scale, XQ, EXACT)
             acc = rounded(acc, XQ, EXACT) + lora
         tl.store(Out + i, rounded(acc, XQ, EXACT).to(Out.dtype.element_ty), mask=ok)
