@@ -394,6 +394,11 @@ def numerics(layers: list, inputs: dict, dtype: torch.dtype, rows: int, bnb: obj
         for name, got in [*outputs, ("linear4bit", m(x))]:
             found[f"{name}_ulps"] = max(found[f"{name}_ulps"], ulps(got, expected))
             found[f"{name}_units"] = max(found[f"{name}_units"], units(got, expected, scale))
+        # each side's own distance from the exact product (float64 sums of the same rounded weights): two sums a
+        # unit from it each can be two units apart, so this says whose rounding a gap over one unit is
+        exact = F.linear(x.double(), weight.double())
+        for name, got in [*outputs, ("dequantize", expected)]:
+            found[f"{name}_exact_units"] = max(found.get(f"{name}_exact_units", 0.0), units(got, exact, scale))
         if branches:
             from vlmrl.engine.experimental.nf4_lora import nf4_lora_matmul, nf4_summed_matmul
 
@@ -442,6 +447,15 @@ def markdown(r: dict) -> str:
     lines += [f"| {n['dtype']} | {n['rows']} | "
               + " | ".join(f"{n.get(f'{name}_ulps', '')} | {_num(n.get(f'{name}_units'))}" for name, _ in shown)
               + " |" for n in r["numerics"]]
+    exact = [(key.removesuffix("_exact_units"), label) for key, label in (
+        ("kernel_exact_units", "nf4 kernel"), ("kernel_v2_exact_units", "nf4 kernel v2"),
+        ("dequantize_exact_units", "dequantize + matmul")) if any(key in n for n in r["numerics"])]
+    if exact:
+        lines += ["", ("Each one's own distance from the exact product (float64 sums of the same rounded weights), "
+                       "in the same units:"), "", "| dtype | rows | " + " | ".join(label for _, label in exact) + " |",
+                  "|---|---|" + "---|" * len(exact)]
+        lines += [f"| {n['dtype']} | {n['rows']} | "
+                  + " | ".join(_num(n.get(f"{name}_exact_units")) for name, _ in exact) + " |" for n in r["numerics"]]
     if r.get("fallbacks"):
         lines += ["", f"Kernel fallbacks: {r['fallbacks']}"]
     if r.get("unsupported"):
