@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -26,8 +27,14 @@ BASES = {"4bit": {"load_in_4bit": True, "memory_cap_gib": 24.0}, "bf16": {"load_
 PATHS = ("vlmrl", "plain")
 
 
-def base_of(settings: dict) -> str:
-    return "4bit" if settings["load_in_4bit"] else "bf16"
+def base_of(settings: dict, source: str) -> str:
+    """The table's base for a record's settings: 4-bit under the 24 GiB cap, or bf16 uncapped, computing in bf16;
+    a record of other settings (another cap, fp16) has no cell here, and saying so beats filing it under one."""
+    base = "4bit" if settings["load_in_4bit"] else "bf16"
+    if settings.get("memory_cap_gib") != BASES[base]["memory_cap_gib"] or settings.get("dtype", "bfloat16") != "bfloat16":
+        raise SystemExit(f"{source}: {base} with a {settings.get('memory_cap_gib')} GiB cap in "
+                         f"{settings.get('dtype')}: the table's rows are 4-bit under a 24 GiB cap and bf16 uncapped")
+    return base
 
 
 def cell(settings: dict, raw: dict, prompt_tokens: int, source: str, summary: dict | None = None) -> dict:
@@ -73,8 +80,10 @@ def collect(benches: list[Path], partials: list[str]) -> dict[tuple[int, str, st
         bench = json.loads(path.read_text())
         s = bench["settings"]
         for raw in bench["raw"]:
-            cells[(s["completion"], base_of(s), raw["path"])] = cell(s, raw, bench["prompt_tokens"], path.name,
-                                                                     bench["paths"].get(raw["path"]))
+            key = (s["completion"], base_of(s, path.name), raw["path"])
+            if key in cells:
+                raise SystemExit(f"{path.name}: {key} is also in {cells[key]['source']}: give one record per cell")
+            cells[key] = cell(s, raw, bench["prompt_tokens"], path.name, bench["paths"].get(raw["path"]))
     for spec in partials:
         length, base, file = spec.split(":", 2)
         if base not in BASES:
@@ -101,9 +110,13 @@ def findings(cells: dict) -> dict:
         "plain_4bit_lengths_not_measured": [length for length, c in plain.items() if not c],
         "step_speedup_4bit": {length: cells[(length, "4bit", "plain")]["step_seconds"]
                               / cells[(length, "4bit", "vlmrl")]["step_seconds"]
-                              for length in lengths if (length, "4bit", "plain") in cells
-                              and (length, "4bit", "vlmrl") in cells},
+                              for length in lengths if all(_ran(cells.get((length, "4bit", path))) for path in PATHS)},
     }
+
+
+def _ran(c: dict | None) -> bool:
+    """A cell with a step time (a path that failed has none)."""
+    return bool(c) and not c["error"] and c["step_seconds"] is not None
 
 
 def _f(value: float | None, digits: int = 1) -> str:
@@ -127,8 +140,9 @@ def markdown(result: dict) -> str:
             continue
         step = (f"{_f(c['first_step_seconds'])} (first step only, compilation included)" if c["first_step_only"]
                 else f"{_f(c['step_seconds'])} ({_f(c['first_step_seconds'])})")
+        first = ", first step" if c["first_step_only"] else ""
         lines.append(
-            head + f"| {step} | {_f(c['ms_per_token_position'])} ({c['rollouts_per_step']} x {c['rollout_rows']}) "
+            head + f"| {step} | {_f(c['ms_per_token_position'])} ({c['rollouts_per_step']} x {c['rollout_rows']}{first}) "
             f"| {_f(c['peak_gib'], 2)} ({_f(c['generation_peak_gib'], 2)} / {_f(c['training_peak_gib'], 2)}) "
             f"| {_f(c['predicted_peak_gib'], 2)} | {_f(c['measured_over_predicted'], 2)} | {c['source']} |")
     f = result["findings"]
@@ -152,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "what": "completion length x (vlmrl, plain TRL) x (step s, peak GiB, or why not), 4-bit under the seed "
                 "recipe's 24 GiB cap and bf16 uncapped, Qwen3-VL-8B shapes, 32 completions per optimizer step",
-        "command": "python benchmarks/long_context.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": shlex.join(["python", "benchmarks/long_context.py", *(sys.argv[1:] if argv is None else argv)]),
         "note": args.note, "rows": rows, "findings": findings(cells),
     }
     args.out.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -188,6 +190,20 @@ def test_a_missing_or_failed_cell_is_said_not_filled(tmp_path, benchmark_script)
     md = (tmp_path / "out" / "h200_long_context.md").read_text()
     assert "| 4096 | 4bit | vlmrl | failed: OutOfMemoryError: CUDA out of memory |" in md
     assert "| 8192 | 4bit | vlmrl | not measured |" in md
+    # plain TRL out of memory where vlmrl ran: a finding, not a ratio
+    pair = json.loads((RESULTS / "h200_long_context_4bit_2048.json").read_text())
+    plain = next(r for r in pair["raw"] if r["path"] == "plain")
+    plain["error"], pair["paths"]["plain"] = "OutOfMemoryError: CUDA out of memory", {"error": "OutOfMemoryError"}
+    (tmp_path / "pair.json").write_text(json.dumps(pair))
+    long_context.main([str(tmp_path / "out2"), str(tmp_path / "pair.json")])
+    result = json.loads((tmp_path / "out2" / "h200_long_context.json").read_text())
+    assert result["findings"]["plain_4bit_lengths_failed_or_over_cap"] == [2048]
+    assert result["findings"]["step_speedup_4bit"] == {}
+    # a record of other settings (the 16 GB recipe's 15 GiB cap) has no row, and one cell takes one record
+    with pytest.raises(SystemExit, match="24 GiB cap"):
+        long_context.main([str(tmp_path / "out3"), str(RESULTS / "h200_small_card_fp16_alone.json")])
+    with pytest.raises(SystemExit, match="one record per cell"):
+        long_context.main([str(tmp_path / "out4"), str(tmp_path / "pair.json"), str(tmp_path / "pair.json")])
 
 
 def test_the_second_tile_sweep_sums_are_its_record():

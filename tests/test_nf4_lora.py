@@ -228,3 +228,13 @@ def test_a_compiled_token_step_calls_the_summed_form_as_one_node():
             got, nodes = compiled_calls(layer, x)
     assert [n for n in nodes if "nf4" in n] == ["vlmrl.nf4_summed_matmul.default"]
     torch.testing.assert_close(got, expected, rtol=1e-2, atol=2e-3)
+
+
+def test_a_branch_of_the_wrong_shape_or_dtype_is_refused():
+    """The split pass reads one branch value per output: another shape would read past it on a GPU."""
+    packed, qs = _quantized(64, 256)
+    x = torch.randn(3, 256).to(DEVICE, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"\(3, 32\) in torch.bfloat16; the kernel takes \(3, 64\)"):
+        nf4_lora.nf4_summed_matmul(x, packed, None, torch.zeros(3, 32).to(DEVICE, torch.bfloat16), 1.0, quant_state=qs)
+    with pytest.raises(ValueError, match="in torch.float32; the kernel takes"):
+        nf4_lora.nf4_summed_matmul(x, packed, None, torch.zeros(3, 64).to(DEVICE), 1.0, quant_state=qs)

@@ -65,9 +65,10 @@ class BenchSettings:
 
 
 def seed_overrides(settings: dict) -> list[str]:
-    """The seed recipe's config overrides for what a bench with these settings (`BenchSettings` as a dict, or any
-    dict with its keys) trains: the preflight's input for that run (bf16 with AdamW, 4-bit with 8-bit Adam, the
-    completion length, the batching). A key left out takes `BenchSettings`' default."""
+    """The seed recipe's config overrides for a bench with these settings (`BenchSettings` as a dict, or any dict
+    with its keys), the preflight's input for that run: the base (bf16 with AdamW, 4-bit with 8-bit Adam), the
+    completion length and the batching. The rest (LoRA rank, generations, dtype) stays the seed's, as the bench
+    runs it by default. A key left out takes `BenchSettings`' default."""
     s = {**BenchSettings().__dict__, **settings}
     micro = s["micro_batch"] or s["prompts"]
     overrides = [f"model.load_in_4bit={str(bool(s['load_in_4bit'])).lower()}",

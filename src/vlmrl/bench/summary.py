@@ -42,7 +42,8 @@ def steady_steps(steps: list[dict], warmup: int) -> list[dict]:
 
 def rollouts_per_step(settings: dict) -> tuple[int, int]:
     """(rollouts per optimizer step, completions per rollout) for a bench's settings (as a dict): a micro-step of
-    `micro_batch` completions, `steps_per_generation` micro-steps per rollout (TRL's default: all of the step's)."""
+    `micro_batch` completions, `steps_per_generation` micro-steps per rollout (TRL's default: all of the step's).
+    A rollout that spans several optimizer steps counts as one per step."""
     batch = settings["prompts"] * settings["generations"]
     micro = settings.get("micro_batch") or settings["prompts"]
     rows = micro * (settings.get("steps_per_generation") or batch // micro)

@@ -69,7 +69,11 @@ def nf4_summed_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
                       scale: float, *, quant_state: Any = None, config: list[int] | None = None) -> torch.Tensor:
     """`base + scale * branch` rounded as PEFT rounds it, `base` = `nf4_matmul(x, weight, bias)`; `branch`
     [..., out] the LoRA branch's output (its second factor applied to its first's), in x's dtype."""
-    summed = (branch.reshape(-1, branch.shape[-1]).contiguous(), float(scale))
+    n = (quant_state if quant_state is not None else weight.quant_state).shape[0]
+    if branch.shape != (*x.shape[:-1], n) or branch.dtype != x.dtype:
+        raise ValueError(f"the branch's output is {tuple(branch.shape)} in {branch.dtype}; the kernel takes "
+                         f"{(*x.shape[:-1], n)} in {x.dtype}")
+    summed = (branch.reshape(-1, n).contiguous(), float(scale))
     return nf4.call(_nf4_summed_matmul, x, weight, bias, quant_state, config, summed)
 
 

@@ -18,7 +18,8 @@ record why a model stays there; `gpu_reason(device)`, the product's rule for whe
 a launch on the model's first routed layer, and `failure(x, design)`, why a design fell back; `is_linear4bit` and
 `layer_reason(layer)`, which layers it takes; `forwards_replaced`, its patching of forwards; `tile_shape` and
 `block_rows`, its tiles on a GPU (benchmarks/nf4_sass.py builds them offline). `launch` can add a LoRA branch in its
-split sum, for the experiment `vlmrl.engine.experimental.nf4_lora` (it lost to PEFT's own ops: docs/benchmarks.md).
+split sum, for the experiments in `vlmrl.engine.experimental.nf4_lora` (the fold lost to PEFT's own ops; the
+branch's scale and sum alone is not measured yet: docs/benchmarks.md).
 `vlmrl.engine.rollout.fast` turns it on for a 4-bit base's rollouts. Limits: nf4 (not fp4), blocksizes 32-256
 dividing in_features, bf16/fp16 activations, CUDA (Triton's interpreter on a CPU, for tests); on by default only on
 the GPUs where it was measured faster than bitsandbytes (`gpu_reason`). No maintained library fits (package index,
@@ -130,8 +131,8 @@ def probe(model: torch.nn.Module) -> str | None:
 
 
 def failure(x: torch.Tensor, design: str = "") -> str | None:
-    """Why `design`'s kernel ("" the product's matmul, "lora" with the LoRA branch, "v1") fell back to torch on x's
-    device and dtype; None where it has not."""
+    """Why `design`'s kernel ("" the product's matmul, "lora" with the LoRA branch folded, "summed" with its scale
+    and sum, "v1") fell back to torch on x's device and dtype; None where it has not."""
     return _failed.get(_where(x, design))
 
 
