@@ -40,7 +40,7 @@ def base_of(settings: dict, source: str) -> str:
 def cell(settings: dict, raw: dict, prompt_tokens: int, source: str, summary: dict | None = None) -> dict:
     """One path of one run: its figures (`summary`, the bench's own steady figures for the path; else worked out
     from the raw steps as the bench does), the rollouts a step holds, and the preflight's peak for its settings."""
-    from vlmrl.bench.shaped import BenchSettings, seed_overrides
+    from vlmrl.bench.shaped import BenchSettings, batching, seed_overrides
     from vlmrl.bench.summary import rollouts_per_step, steady_steps
     from vlmrl.config.schema import load_config
     from vlmrl.run.preflight import estimate_memory, load_shapes
@@ -65,7 +65,7 @@ def cell(settings: dict, raw: dict, prompt_tokens: int, source: str, summary: di
         "step_seconds": step_s, "first_step_seconds": steps[0]["seconds"] if steps else None,
         "generate_seconds": generate_s,
         "ms_per_token_position": 1e3 * generate_s / s["completion"] if generate_s else None,
-        "rollouts_per_step": rollouts, "rollout_rows": rollout, "micro_batch": s["micro_batch"] or s["prompts"],
+        "rollouts_per_step": rollouts, "rollout_rows": rollout, "micro_batch": batching(s)[0],
         "peak_gib": peak, "generation_peak_gib": raw.get("generation_peak_gib"),
         "training_peak_gib": raw.get("training_peak_gib"), "peak_reserved_gib": raw.get("peak_reserved_gib"),
         "memory_cap_gib": cap, "within_cap": None if cap is None or peak is None else peak <= cap and not raw.get("error"),
@@ -100,7 +100,7 @@ def findings(cells: dict) -> dict:
     """What the issue asks, read off the cells: does vlmrl run 8192 tokens of the 4-bit recipe under 24 GiB, and
     which lengths plain TRL was measured to fit (a length not measured is neither fit nor out of memory)."""
     v8192 = cells.get((8192, "4bit", "vlmrl"))
-    lengths = sorted({*LENGTHS, *(key[0] for key in cells)})
+    lengths = _lengths(cells)
     plain = {length: cells.get((length, "4bit", "plain")) for length in lengths}
     fits = [length for length, c in plain.items() if c and c["within_cap"]]
     return {
@@ -112,6 +112,11 @@ def findings(cells: dict) -> dict:
                               / cells[(length, "4bit", "vlmrl")]["step_seconds"]
                               for length in lengths if all(_ran(cells.get((length, "4bit", path))) for path in PATHS)},
     }
+
+
+def _lengths(cells: dict) -> list[int]:
+    """The issue's lengths and any other a record measured, in order."""
+    return sorted({*LENGTHS, *(key[0] for key in cells)})
 
 
 def _ran(c: dict | None) -> bool:
@@ -162,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cells = collect(args.benches, args.partial)
     rows = [{"completion": length, "base": base, "path": path, "measured": cells.get((length, base, path))}
-            for length in sorted({*LENGTHS, *(k[0] for k in cells)}) for base in BASES for path in PATHS]
+            for length in _lengths(cells) for base in BASES for path in PATHS]
     result = {
         "what": "completion length x (vlmrl, plain TRL) x (step s, peak GiB, or why not), 4-bit under the seed "
                 "recipe's 24 GiB cap and bf16 uncapped, Qwen3-VL-8B shapes, 32 completions per optimizer step",

@@ -26,13 +26,14 @@ Writes OUTDIR/nf4_matmul.json and OUTDIR/nf4_matmul.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
 import platform
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -245,6 +246,24 @@ def sweep(a: argparse.Namespace, layers: list, rows_list: list[int], dtype: torc
     return results
 
 
+@contextlib.contextmanager
+def fp32_reductions() -> Iterator[None]:
+    """cuBLAS's reduced-precision split-K reductions off within: dequantize + matmul then sums in fp32."""
+    flags = torch.backends.cuda.matmul
+    saved = flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction
+    flags.allow_bf16_reduced_precision_reduction = flags.allow_fp16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction = saved
+
+
+def reference(m: torch.nn.Module, x: torch.Tensor, dtype: torch.dtype, bnb: object) -> tuple[torch.Tensor, ...]:
+    """(the dequantized weight in `dtype`, dequantize + matmul of x, each output's sum of |x w|: the unit's scale)."""
+    weight = bnb.functional.dequantize_4bit(m.weight.data, m.weight.quant_state).to(dtype)
+    return weight, F.linear(x, weight), x.float().abs() @ weight.float().abs().T
+
+
 def tuned(a: argparse.Namespace, layers: list, swept: list[dict], dtype: torch.dtype, bnb: object, nf4: object,
           device: torch.device) -> list[dict]:
     """The whole token step with each shape's best setting from the sweep, beside the defaults timed again in the
@@ -269,16 +288,10 @@ def tuned(a: argparse.Namespace, layers: list, swept: list[dict], dtype: torch.d
             for name, configs in (("default_ms", {}), ("tuned_ms", best), ("default_again_ms", {})):
                 entry[name] = timed_ms(lambda configs=configs: step(configs), a.replays, graph=device.type == "cuda")
             entry["fell_back"] = bool(nf4._failed)
-            flags = torch.backends.cuda.matmul
-            saved = flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction
-            flags.allow_bf16_reduced_precision_reduction = flags.allow_fp16_reduced_precision_reduction = False
-            worst = 0.0
-            for (_, m), got in zip(layers[:7], step(best, layers[:7]), strict=True):
-                x = inputs[m.in_features]
-                weight = bnb.functional.dequantize_4bit(m.weight.data, m.weight.quant_state).to(dtype)
-                worst = max(worst, units(got, F.linear(x, weight), x.float().abs() @ weight.float().abs().T))
-            flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction = saved
-            entry["tuned_units"] = worst
+            with fp32_reductions():
+                entry["tuned_units"] = max(
+                    units(got, *reference(m, inputs[m.in_features], dtype, bnb)[1:])
+                    for (_, m), got in zip(layers[:7], step(best, layers[:7]), strict=True))
             rows_done.append(entry)
             print(json.dumps(entry), flush=True)
     return rows_done
@@ -382,40 +395,39 @@ def numerics(layers: list, inputs: dict, dtype: torch.dtype, rows: int, bnb: obj
     names = {"v1": "kernel", "v2": "kernel_v2"}
     found = {f"{names[k]}_{what}": zero for k in kernels for what, zero in (("ulps", 0), ("units", 0.0))}
     found |= {"linear4bit_ulps": 0, "linear4bit_units": 0.0}
-    flags = torch.backends.cuda.matmul
-    saved = flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction
-    flags.allow_bf16_reduced_precision_reduction = flags.allow_fp16_reduced_precision_reduction = False
-    for i, (_, m) in enumerate(layers):
-        x = inputs[m.in_features]
-        weight = bnb.functional.dequantize_4bit(m.weight.data, m.weight.quant_state).to(dtype)
-        expected = F.linear(x, weight)
-        scale = x.float().abs() @ weight.float().abs().T
-        outputs = [(names[k], _kernel(k)[0](x, m.weight)) for k in kernels]
-        for name, got in [*outputs, ("linear4bit", m(x))]:
-            found[f"{name}_ulps"] = max(found[f"{name}_ulps"], ulps(got, expected))
-            found[f"{name}_units"] = max(found[f"{name}_units"], units(got, expected, scale))
-        # each side's own distance from the exact product (float64 sums of the same rounded weights): two sums a
-        # unit from it each can be two units apart, so this says whose rounding a gap over one unit is
-        exact = F.linear(x.double(), weight.double())
-        for name, got in [*outputs, ("dequantize", expected)]:
-            found[f"{name}_exact_units"] = max(found.get(f"{name}_exact_units", 0.0), units(got, exact, scale))
-        if branches:
-            from vlmrl.engine.experimental.nf4_lora import nf4_lora_matmul, nf4_summed_matmul
-
-            first, second = branches[i]
-            xa = F.linear(x, first)
-            lora = F.linear(xa, second) * LORA_SCALE
-            got = nf4_lora_matmul(x, m.weight, None, xa, second, LORA_SCALE)
-            terms = torch.maximum(expected.float().abs(), lora.float().abs())
-            found["folded_ulps"] = max(found.get("folded_ulps", 0), ulps(got, expected + lora))
-            found["folded_units"] = max(found.get("folded_units", 0.0),
-                                        units(got, expected + lora, torch.maximum(scale, terms * 2 ** 12)))
-            got = nf4_summed_matmul(x, m.weight, None, F.linear(xa, second), LORA_SCALE)
-            found["summed_ulps"] = max(found.get("summed_ulps", 0), ulps(got, expected + lora))
-            found["summed_units"] = max(found.get("summed_units", 0.0),
-                                        units(got, expected + lora, torch.maximum(scale, terms * 2 ** 12)))
-    flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction = saved
+    with fp32_reductions():
+        for i, (_, m) in enumerate(layers):
+            found = _numerics_of(found, m, inputs[m.in_features], dtype, bnb, kernels, names,
+                                 branches[i] if branches else None)
     return {"dtype": str(dtype).removeprefix("torch."), "rows": rows} | found
+
+
+def _numerics_of(found: dict, m: torch.nn.Module, x: torch.Tensor, dtype: torch.dtype, bnb: object,
+                 kernels: list[str], names: dict, branch: tuple | None) -> dict:
+    """`found` with one projection's distances folded in (the largest so far of each)."""
+    weight, expected, scale = reference(m, x, dtype, bnb)
+    outputs = [(names[k], _kernel(k)[0](x, m.weight)) for k in kernels]
+    for name, got in [*outputs, ("linear4bit", m(x))]:
+        found[f"{name}_ulps"] = max(found[f"{name}_ulps"], ulps(got, expected))
+        found[f"{name}_units"] = max(found[f"{name}_units"], units(got, expected, scale))
+    # each side's own distance from the exact product (float64 sums of the same rounded weights): two sums a unit
+    # from it each can be two units apart, so this says whose rounding a gap over one unit is
+    exact = F.linear(x.double(), weight.double())
+    for name, got in [*outputs, ("dequantize", expected)]:
+        found[f"{name}_exact_units"] = max(found.get(f"{name}_exact_units", 0.0), units(got, exact, scale))
+    if branch:
+        from vlmrl.engine.experimental.nf4_lora import nf4_lora_matmul, nf4_summed_matmul
+
+        first, second = branch
+        xa = F.linear(x, first)
+        lora = F.linear(xa, second) * LORA_SCALE
+        terms = torch.maximum(expected.float().abs(), lora.float().abs())
+        for name, got in (("folded", nf4_lora_matmul(x, m.weight, None, xa, second, LORA_SCALE)),
+                          ("summed", nf4_summed_matmul(x, m.weight, None, F.linear(xa, second), LORA_SCALE))):
+            found[f"{name}_ulps"] = max(found.get(f"{name}_ulps", 0), ulps(got, expected + lora))
+            found[f"{name}_units"] = max(found.get(f"{name}_units", 0.0),
+                                         units(got, expected + lora, torch.maximum(scale, terms * 2 ** 12)))
+    return found
 
 
 def _num(value: float | None, digits: int = 2) -> str:

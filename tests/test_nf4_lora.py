@@ -53,6 +53,13 @@ def test_it_is_peft_over_bitsandbytes_dequantize_then_matmul(dtype, rank, rows, 
     assert _units(nf4.nf4_matmul(x, packed, b, quant_state=qs), expected, scale).max() > 4
 
 
+
+def _rows_of_calls(monkeypatch, name):
+    """The rows of each call to `nf4_lora.<name>` from now on (the call still runs)."""
+    rows, real = [], getattr(nf4_lora, name)
+    monkeypatch.setattr(nf4_lora, name, lambda *a, **kw: rows.append(a[0].shape[0]) or real(*a, **kw))
+    return rows
+
 def _peft(base, rank=8, alpha=16, **options):
     config = peft_bnb.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, init_lora_weights=False, **options)
     torch.manual_seed(1)
@@ -61,9 +68,7 @@ def _peft(base, rank=8, alpha=16, **options):
 
 
 def test_nf4_lora_decode_routes_token_steps_and_leaves_the_rest_to_peft(launches, monkeypatch):
-    ops = []
-    real = nf4_lora.nf4_lora_matmul
-    monkeypatch.setattr(nf4_lora, "nf4_lora_matmul", lambda *a, **kw: ops.append(a[0].shape[0]) or real(*a, **kw))
+    ops = _rows_of_calls(monkeypatch, "nf4_lora_matmul")
     model = _model(_peft(_layer(256, 192)), torch.nn.ReLU(), _peft(_layer(192, 128, bias=False), rank=4))
     step = torch.randn(4, 1, 256).to(DEVICE, torch.bfloat16)
     with torch.no_grad():
@@ -105,9 +110,7 @@ def test_the_bench_variant_folds_the_branch_and_says_so(launches, monkeypatch):
     from vlmrl.engine.rollout.fast import enable_fast_generation
 
     monkeypatch.setattr(nf4, "gpu_reason", lambda device: None)
-    ops = []
-    real = nf4_lora.nf4_lora_matmul
-    monkeypatch.setattr(nf4_lora, "nf4_lora_matmul", lambda *a, **kw: ops.append(a[0].shape[0]) or real(*a, **kw))
+    ops = _rows_of_calls(monkeypatch, "nf4_lora_matmul")
     model = _model(_peft(_layer(256, 192)))
     trainer = _rollout_trainer(model, torch.randn(4, 1, 256).to(DEVICE, torch.bfloat16))
     fast = enable_fast_generation(trainer)  # the product: the branch in PEFT's forward
@@ -197,9 +200,7 @@ def test_the_summed_bench_variant_routes_token_steps_and_says_so(launches, monke
     from vlmrl.engine.rollout.fast import enable_fast_generation
 
     monkeypatch.setattr(nf4, "gpu_reason", lambda device: None)
-    ops = []
-    real = nf4_lora.nf4_summed_matmul
-    monkeypatch.setattr(nf4_lora, "nf4_summed_matmul", lambda *a, **kw: ops.append(a[0].shape[0]) or real(*a, **kw))
+    ops = _rows_of_calls(monkeypatch, "nf4_summed_matmul")
     model = _model(_peft(_layer(256, 192)))
     step = torch.randn(4, 1, 256).to(DEVICE, torch.bfloat16)
     trainer = _rollout_trainer(model, step)

@@ -18,7 +18,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from vlmrl.bench.shaped import (
     LORA_TARGETS,
     PATHS,
     BenchSettings,
+    batching,
     bench_dataset,
     build_processor,
     build_shaped_model,
@@ -170,10 +171,11 @@ def train_and_measure(path: str, settings: BenchSettings, model: Any, processor:
     # left; with right padding and prompts of different lengths the image-token mask is shifted and Qwen's
     # rope index crashes (TRL 1.16). vlmrl's loader always sets left; the plain path needs it to run at all.
     processor.tokenizer.padding_side = "left"
+    micro, accumulation = batching(asdict(settings))
     args = GRPOConfig(
         output_dir=str(work / f"out-{path}"),
-        per_device_train_batch_size=settings.micro_batch or settings.prompts,
-        gradient_accumulation_steps=settings.prompts * settings.generations // (settings.micro_batch or settings.prompts),
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=accumulation,
         steps_per_generation=settings.steps_per_generation,
         num_generations=settings.generations,
         max_completion_length=settings.completion,

@@ -64,17 +64,24 @@ class BenchSettings:
     varied_reward: bool = False
 
 
+def batching(settings: dict) -> tuple[int, int]:
+    """(completions per micro-step, micro-steps per optimizer step) for a bench's settings (as a dict): `micro_batch`,
+    else all `prompts` at once, and as many micro-steps as keep prompts x generations completions per step."""
+    micro = settings.get("micro_batch") or settings["prompts"]
+    return micro, settings["prompts"] * settings["generations"] // micro
+
+
 def seed_overrides(settings: dict) -> list[str]:
     """The seed recipe's config overrides for a bench with these settings (`BenchSettings` as a dict, or any dict
     with its keys), the preflight's input for that run: the base (bf16 with AdamW, 4-bit with 8-bit Adam), the
     completion length and the batching. The rest (LoRA rank, generations, dtype) stays the seed's, as the bench
     runs it by default. A key left out takes `BenchSettings`' default."""
     s = {**BenchSettings().__dict__, **settings}
-    micro = s["micro_batch"] or s["prompts"]
+    micro, accumulation = batching(s)
     overrides = [f"model.load_in_4bit={str(bool(s['load_in_4bit'])).lower()}",
                  f"train.max_completion_length={s['completion']}",
                  f"train.per_device_train_batch_size={micro}",
-                 f"train.gradient_accumulation_steps={s['prompts'] * s['generations'] // micro}"]
+                 f"train.gradient_accumulation_steps={accumulation}"]
     if s["steps_per_generation"]:
         overrides.append(f"train.steps_per_generation={s['steps_per_generation']}")
     if not s["load_in_4bit"]:

@@ -12,7 +12,7 @@ from dataclasses import asdict
 import torch
 
 from vlmrl.bench.floors import decode_floor_ms, train_floor_s
-from vlmrl.bench.shaped import BenchSettings
+from vlmrl.bench.shaped import BenchSettings, batching
 from vlmrl.common.provenance import package_version
 from vlmrl.run.preflight import kv_bytes_per_token, language_param_count
 
@@ -44,10 +44,9 @@ def rollouts_per_step(settings: dict) -> tuple[int, int]:
     """(rollouts per optimizer step, completions per rollout) for a bench's settings (as a dict): a micro-step of
     `micro_batch` completions, `steps_per_generation` micro-steps per rollout (TRL's default: all of the step's).
     A rollout that spans several optimizer steps counts as one per step."""
-    batch = settings["prompts"] * settings["generations"]
-    micro = settings.get("micro_batch") or settings["prompts"]
-    rows = micro * (settings.get("steps_per_generation") or batch // micro)
-    return max(1, batch // rows), rows
+    micro, accumulation = batching(settings)
+    rows = micro * (settings.get("steps_per_generation") or accumulation)
+    return max(1, micro * accumulation // rows), rows
 
 
 def summarize(settings: BenchSettings, shapes: dict, ceilings: dict, results: list[dict], prompt_tokens: int) -> dict:
