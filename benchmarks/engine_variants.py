@@ -61,6 +61,8 @@ def engine_variants() -> dict[str, Variant]:
         # the same kernel with only the branch's scale and sum in its last pass, both factors as PEFT runs them
         # (vlmrl.engine.experimental.nf4_lora, summed); gpu_issue39_rest.plan times it beside the default
         "vlmrl-nf4-summed": Variant(after=_experiment(nf4_kernel="summed")),
+        # the product's nf4 kernel with its settings by rule (nf4.rule_config), without the TUNED_SM90 table
+        "vlmrl-nf4-by-rule": Variant(after=_experiment(nf4_kernel="by_rule")),
         "vlmrl-nf4-unfused": Variant(),
     }
 

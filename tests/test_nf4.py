@@ -120,6 +120,8 @@ def test_the_compiled_kernels_branch_in_fp16(weight_dtype, matmul, monkeypatch):
     (70, 256, [16, 32, 4, 1, 4]),  # two blocks of rows (a prompt pass called directly)
     (3, 192, [32, 64, 4, 1, 1]),  # 96 packed bytes a row: the last tile of 64 half full
     (5, 320, [16, 64, 4, 1, 2]),  # 160 bytes: splits of 128 and 32, the second a partial tile
+    (32, 512, [128, 64, 4, 1, 6]),  # TUNED_SM90's kinds of settings: more outputs than N, splits of a tile each
+    (16, 512, [64, 128, 4, 1, 64]),  # 256-weight steps, more splits asked for than there are
 ])
 def test_tiles_and_splits_give_the_same_values(rows, k, config, matmul):
     packed, qs = _quantized(96, k, seed=1)
@@ -128,6 +130,22 @@ def test_tiles_and_splits_give_the_same_values(rows, k, config, matmul):
     got = matmul(x, packed, bias, quant_state=qs, config=config)
     assert got.shape == (2, rows, 96)
     _check(got, x, packed, qs, bias)
+
+
+def test_sm90_takes_the_measured_settings_of_its_shapes_and_the_rest_the_rule(monkeypatch):
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(nf4, "_sms", lambda device: 132)  # an H200's
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    gate_up = (12288, 4096, 64)
+    assert nf4._config(32, *gate_up, cuda) == [128, 64, 4, 1, 6]
+    assert nf4._config(8, *gate_up, cuda) == nf4.TUNED_SM90[(*gate_up, 16)]  # 8 rows run the 16-row tiles
+    for rows, shape in ((48, gate_up), (32, (3584, 3584, 64)), (32, (*gate_up[:2], 128))):  # not measured
+        assert nf4._config(rows, *shape, cuda) == nf4.rule_config(rows, *shape, cuda)
+    assert nf4.rule_config(32, *gate_up, cuda) == [64, 64, 4, 1, 3]  # 192 programs: 3 splits, ~4 an SM
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))  # not measured there
+    assert nf4._config(32, *gate_up, cuda) == [64, 64, 4, 1, 3]
+    # each setting is whole tiles of whole blocks, as `launch` asks
+    assert all(tile % (blocksize // 2) == 0 for (_, _, blocksize, _), (_, tile, *_) in nf4.TUNED_SM90.items())
 
 
 @KERNELS
@@ -249,22 +267,26 @@ def test_the_fast_path_routes_a_trainers_token_steps_for_its_life(launches, monk
 @pytest.mark.parametrize(("variant", "record", "design"), [
     ("off", "bitsandbytes Linear4bit (vlmrl's nf4 kernel turned off by vlmrl.engine.experimental)", None),
     ("v1", "vlmrl nf4 kernel v1 (experimental) for token steps of 2-64 rows, bitsandbytes Linear4bit otherwise",
-     "vlmrl.engine.experimental.nf4_v1"),
+     ("vlmrl.engine.experimental.nf4_v1", False)),
+    ("by_rule", "vlmrl nf4 kernel with its settings by rule, not TUNED_SM90 (experimental) for token steps of 2-64 "
+     "rows, bitsandbytes Linear4bit otherwise", ("vlmrl.engine.rollout.nf4", True)),  # settings given to it
 ])
 def test_the_bench_variants_swap_the_products_kernel(variant, record, design, launches, monkeypatch):
     from vlmrl.engine.experimental.rollout import apply
     from vlmrl.engine.rollout.fast import enable_fast_generation
 
     monkeypatch.setattr(nf4, "gpu_reason", lambda device: None)
-    designs = []
+    designs = []  # (the module choosing its settings, whether they were given instead) per launch
     real = nf4.launch
-    monkeypatch.setattr(nf4, "launch", lambda *a, **kw: designs.append(kw["chooser"].__module__) or real(*a, **kw))
+    monkeypatch.setattr(nf4, "launch",
+                        lambda *a, **kw: designs.append((kw["chooser"].__module__, bool(a[11]))) or real(*a, **kw))
     model = _model(_layer(256, 192))
     trainer = _rollout_trainer(model, torch.randn(4, 1, 256).to(DEVICE, torch.bfloat16))
     fast = apply(trainer, enable_fast_generation(trainer), nf4_kernel=variant)
     assert fast.weights == record
     trainer._generate_single_turn()
-    assert designs == ["vlmrl.engine.rollout.nf4"] + ([design] if design else [])  # the probe, then the rollout
+    # the probe (the product's), then the rollout's token step
+    assert designs == [("vlmrl.engine.rollout.nf4", False)] + ([design] if design else [])
     assert ("forward" in model[0].__dict__) == (design is not None)
 
 

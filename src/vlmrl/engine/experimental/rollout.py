@@ -49,7 +49,8 @@ def apply(trainer: Any, fast: FastGeneration, *, merge: bool = False, filled_win
     `nf4_kernel`: "off", a 4-bit base's token steps on bitsandbytes instead of the product's nf4 kernel; "v1",
     through the kernel's first design (`nf4_v1`, on for the trainer's life, as the product's is); "folded", the
     product's kernel with the LoRA branch's second factor and sum folded into its last pass (`nf4_lora`); "summed",
-    the same with the branch's factors as PEFT runs them and only its scale and sum in that pass. Call it right
+    the same with the branch's factors as PEFT runs them and only its scale and sum in that pass; "by_rule", the
+    product's kernel with `nf4.rule_config`'s settings everywhere (no `TUNED_SM90`). Call it right
     after `enable_fast_generation`, before anything else wraps the trainer's rollout call."""
     if not fast.enabled:
         return fast
@@ -126,13 +127,26 @@ def _nf4_for_life(trainer: Any, kernel: str) -> str:
     from vlmrl.engine.experimental.nf4_v1 import nf4_matmul_v1
     from vlmrl.engine.rollout.nf4 import MAX_ROWS, MIN_ROWS, nf4_decode
 
+    design = "v1" if kernel == "v1" else "with its settings by rule, not TUNED_SM90"
     stack = contextlib.ExitStack()
-    reason = stack.enter_context(nf4_decode(trainer.model, matmul=nf4_matmul_v1))
+    matmul = nf4_matmul_v1 if kernel == "v1" else _nf4_matmul_by_rule
+    reason = stack.enter_context(nf4_decode(trainer.model, matmul=matmul))
     trainer.vlmrl_nf4_decode = stack  # held (and closed) with the trainer
     if reason is not None:
-        return f"{BITSANDBYTES} (nf4 kernel v1 asked for, not used: {reason})"
-    return (f"vlmrl nf4 kernel v1 (experimental) for token steps of {MIN_ROWS}-{MAX_ROWS} rows, {BITSANDBYTES} "
-            "otherwise")
+        return f"{BITSANDBYTES} (nf4 kernel {design} asked for, not used: {reason})"
+    return (f"vlmrl nf4 kernel {design} (experimental) for token steps of {MIN_ROWS}-{MAX_ROWS} rows, "
+            f"{BITSANDBYTES} otherwise")
+
+
+def _nf4_matmul_by_rule(x: Any, weight: Any, bias: Any = None, *, quant_state: Any = None) -> Any:
+    """The product's nf4 matmul with `nf4.rule_config`'s settings for every shape (its `TUNED_SM90` table left
+    out): the A/B partner that table was measured against end to end."""
+    from vlmrl.engine.rollout import nf4
+
+    qs = quant_state if quant_state is not None else weight.quant_state
+    n, k = qs.shape
+    config = nf4.rule_config(x.numel() // k, n, k, qs.blocksize, x.device)
+    return nf4.nf4_matmul(x, weight, bias, quant_state=qs, config=config)
 
 
 def _insert(contexts: list[tuple[str, Callable[[], Any]]], entry: tuple[str, Callable[[], Any]], *,

@@ -16,8 +16,9 @@ without gradients through the kernel while active (one-row steps, where bitsandb
 training and unsupported layers stay on bitsandbytes, the fallback); `unsupported_reason(model)`, for the caller to
 record why a model stays there; `gpu_reason(device)`, the product's rule for where the kernel is on; `probe(model)`,
 a launch on the model's first routed layer, and `failure(x, design)`, why a design fell back; `is_linear4bit` and
-`layer_reason(layer)`, which layers it takes; `forwards_replaced`, its patching of forwards; `tile_shape` and
-`block_rows`, its tiles on a GPU (benchmarks/nf4_sass.py builds them offline). `launch` can add a LoRA branch in its
+`layer_reason(layer)`, which layers it takes; `forwards_replaced`, its patching of forwards; its settings on a GPU:
+`TUNED_SM90` (measured, Qwen3-VL-8B's shapes on sm_90) or else `rule_config`, whose tiles `tile_shape` and
+`block_rows` give (benchmarks/nf4_sass.py builds them offline). `launch` can add a LoRA branch in its
 split sum, for the experiments in `vlmrl.engine.experimental.nf4_lora` (the fold lost to PEFT's own ops; the
 branch's scale and sum alone is not measured yet: docs/benchmarks.md).
 `vlmrl.engine.rollout.fast` turns it on for a 4-bit base's rollouts. Limits: nf4 (not fp4), blocksizes 32-256
@@ -283,13 +284,38 @@ def _reference(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code
     return F.linear(x, weight.to(x.dtype), bias)
 
 
+# [block_n, block_kh, warps, stages, split] per (out_features, in_features, blocksize, block_rows(rows)) on sm_90:
+# the best settings of two H200 tile sweeps at 16 and 32 rows (they agree on every shape), timed as a whole token
+# step beside `rule_config`'s in one run (benchmarks/results/h200_nf4_matmul_tuned.{json,md}). Qwen3-VL-8B's shapes.
+TUNED_SM90: dict[tuple[int, int, int, int], list[int]] = {
+    (4096, 4096, 64, 16): [128, 64, 4, 1, 8],
+    (1024, 4096, 64, 16): [64, 128, 4, 1, 64],
+    (12288, 4096, 64, 16): [64, 64, 4, 1, 6],
+    (4096, 12288, 64, 16): [64, 32, 4, 1, 16],
+    (4096, 4096, 64, 32): [64, 128, 4, 1, 4],
+    (1024, 4096, 64, 32): [64, 128, 4, 1, 32],
+    (12288, 4096, 64, 32): [128, 64, 4, 1, 6],
+    (4096, 12288, 64, 32): [128, 64, 4, 1, 8],
+}
+
+
 def _config(rows: int, n: int, k: int, blocksize: int, device: torch.device) -> list[int]:
-    """[block_n, block_kh, warps, stages, split], reasoned from sm_90 builds (Triton 3.6 and 3.8): steps of
-    64 x 64 packed bytes (32 x 128 for blocksize 256) over 4 warps, 32 bytes a thread, 80-180 registers without
-    spills (8 warps for blocksize 256 past 16 rows, which spill on 4), so several programs an SM, each with its next
-    step's bytes in flight; 1 stage, since with more Triton's pipeliner stages every table lookup through shared
-    memory, 4 bytes a copy. Near, not at, the best settings an H200 sweep found per shape (docs/benchmarks.md).
-    Small tiles in the interpreter."""
+    """[block_n, block_kh, warps, stages, split]: `TUNED_SM90`'s measured settings where it has the shape and the
+    GPU is sm_90, else `rule_config`'s."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == MEASURED_MAJOR:
+        tuned = TUNED_SM90.get((n, k, blocksize, block_rows(rows)))
+        if tuned is not None:
+            return list(tuned)
+    return rule_config(rows, n, k, blocksize, device)
+
+
+def rule_config(rows: int, n: int, k: int, blocksize: int, device: torch.device) -> list[int]:
+    """The settings by rule, reasoned from sm_90 builds (Triton 3.6 and 3.8): steps of 64 x 64 packed bytes (32 x
+    128 for blocksize 256) over 4 warps, 32 bytes a thread, 80-180 registers without spills (8 warps for blocksize
+    256 past 16 rows, which spill on 4), so several programs an SM, each with its next step's bytes in flight; 1
+    stage, since with more Triton's pipeliner stages every table lookup through shared memory, 4 bytes a copy; K
+    split until the grid has about `PROGRAMS_PER_SM` programs an SM. Near, not at, the best settings an H200 sweep
+    found per shape (docs/benchmarks.md). Small tiles in the interpreter."""
     if device.type != "cuda":
         return interpreter_config(k, blocksize)
     block_n, tile, warps = tile_shape(rows, blocksize)
