@@ -108,10 +108,17 @@ def findings(cells: dict) -> dict:
         "plain_4bit_lengths_measured_to_fit": fits,
         "plain_4bit_lengths_failed_or_over_cap": [length for length, c in plain.items() if c and c["within_cap"] is False],
         "plain_4bit_lengths_not_measured": [length for length, c in plain.items() if not c],
-        "step_speedup_4bit": {length: cells[(length, "4bit", "plain")]["step_seconds"]
-                              / cells[(length, "4bit", "vlmrl")]["step_seconds"]
-                              for length in lengths if all(_ran(cells.get((length, "4bit", path))) for path in PATHS)},
+        "step_speedup_4bit": _speedups(cells, "4bit"),
+        "step_speedup_bf16": _speedups(cells, "bf16"),
+        "speedups_across_two_runs": [f"{length} {base}" for base in BASES for length in _speedups(cells, base)
+                                     if len({cells[(length, base, path)]["source"] for path in PATHS}) > 1],
     }
+
+
+def _speedups(cells: dict, base: str) -> dict[int, float]:
+    """Plain TRL's step time over vlmrl's, per length where both ran on `base`."""
+    return {length: cells[(length, base, "plain")]["step_seconds"] / cells[(length, base, "vlmrl")]["step_seconds"]
+            for length in _lengths(cells) if all(_ran(cells.get((length, base, path))) for path in PATHS)}
 
 
 def _lengths(cells: dict) -> list[int]:
@@ -151,10 +158,14 @@ def markdown(result: dict) -> str:
             f"| {_f(c['peak_gib'], 2)} ({_f(c['generation_peak_gib'], 2)} / {_f(c['training_peak_gib'], 2)}) "
             f"| {_f(c['predicted_peak_gib'], 2)} | {_f(c['measured_over_predicted'], 2)} | {c['source']} |")
     f = result["findings"]
-    lines += ["", "Findings: " + "; ".join(f"{k}: {v}" for k, v in f.items() if k != "step_speedup_4bit"),
-              "", "4-bit step, plain TRL over vlmrl (one run each): "
-              + (", ".join(f"{length} tokens {ratio:.2f}x" for length, ratio in f["step_speedup_4bit"].items())
-                 or "none measured")]
+    speedups = ("step_speedup_4bit", "step_speedup_bf16", "speedups_across_two_runs")
+    lines += ["", "Findings: " + "; ".join(f"{k}: {v}" for k, v in f.items() if k not in speedups), ""]
+    for base, label in (("4bit", "4-bit"), ("bf16", "bf16")):
+        ratios = [f"{length} tokens {ratio:.2f}x"
+                  + (" (vlmrl and plain TRL in two runs)" if f"{length} {base}" in f["speedups_across_two_runs"]
+                     else " (one run)")
+                  for length, ratio in f[f"step_speedup_{base}"].items()]
+        lines.append(f"{label} step, plain TRL over vlmrl: " + (", ".join(ratios) or "none measured"))
     return "\n".join(lines) + "\n"
 
 

@@ -268,8 +268,8 @@ def test_the_fast_path_routes_a_trainers_token_steps_for_its_life(launches, monk
     ("off", "bitsandbytes Linear4bit (vlmrl's nf4 kernel turned off by vlmrl.engine.experimental)", None),
     ("v1", "vlmrl nf4 kernel v1 (experimental) for token steps of 2-64 rows, bitsandbytes Linear4bit otherwise",
      ("vlmrl.engine.experimental.nf4_v1", False)),
-    ("by_rule", "vlmrl nf4 kernel with its settings by rule, not TUNED_SM90 (experimental) for token steps of 2-64 "
-     "rows, bitsandbytes Linear4bit otherwise", ("vlmrl.engine.rollout.nf4", True)),  # settings given to it
+    ("by_rule", ("vlmrl nf4 kernel with its settings by rule, not TUNED_SM90 (experimental) for token steps of 2-64 "
+                 "rows, bitsandbytes Linear4bit otherwise"), ("vlmrl.engine.rollout.nf4", True)),  # settings given
 ])
 def test_the_bench_variants_swap_the_products_kernel(variant, record, design, launches, monkeypatch):
     from vlmrl.engine.experimental.rollout import apply

@@ -11,7 +11,8 @@ output adds `round(round(xa @ B.T) * scale)` to its rounded base output and roun
 forward makes. The tiles then always write fp32 shares, and the epilogue reads the second factor a column of rank
 values at a time per output; both cost more than the launches they save.
 
-A second form, not measured yet: **the sum in the split pass** (`summed`). The branch runs as PEFT computes it, both
+A second form, which tied on an H200 (a few per cent faster per projection set, not end to end:
+docs/benchmarks.md): **the sum in the split pass** (`summed`). The branch runs as PEFT computes it, both
 factors as matmuls, and only the scale and the sum move into the split pass, which then reads one value per output
 (the branch's output) where the fold read a column of rank values. It saves the element-wise kernel a compiled
 token step runs per adapted projection (252 for Qwen3-VL-8B) and adds nothing the product's kernel does not

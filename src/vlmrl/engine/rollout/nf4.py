@@ -20,7 +20,7 @@ a launch on the model's first routed layer, and `failure(x, design)`, why a desi
 `TUNED_SM90` (measured, Qwen3-VL-8B's shapes on sm_90) or else `rule_config`, whose tiles `tile_shape` and
 `block_rows` give (benchmarks/nf4_sass.py builds them offline). `launch` can add a LoRA branch in its
 split sum, for the experiments in `vlmrl.engine.experimental.nf4_lora` (the fold lost to PEFT's own ops; the
-branch's scale and sum alone is not measured yet: docs/benchmarks.md).
+branch's scale and sum alone tied: docs/benchmarks.md).
 `vlmrl.engine.rollout.fast` turns it on for a 4-bit base's rollouts. Limits: nf4 (not fp4), blocksizes 32-256
 dividing in_features, bf16/fp16 activations, CUDA (Triton's interpreter on a CPU, for tests); on by default only on
 the GPUs where it was measured faster than bitsandbytes (`gpu_reason`). No maintained library fits (package index,
