@@ -132,6 +132,12 @@ def test_tiles_and_splits_give_the_same_values(rows, k, config, matmul):
     _check(got, x, packed, qs, bias)
 
 
+def test_the_record_counts_the_layers_that_take_measured_settings(monkeypatch):
+    monkeypatch.setitem(nf4.TUNED_SM90, (192, 256, 64, 16), [64, 64, 4, 1, 2])  # as if these shapes were measured
+    model = _model(_layer(256, 192), _layer(256, 192), _layer(192, 128))
+    assert nf4.measured_settings(model).startswith("tile settings measured on an H200 for 2 of 3 layers")
+
+
 def test_sm90_takes_the_measured_settings_of_its_shapes_and_the_rest_the_rule(monkeypatch):
     cuda = torch.device("cuda")
     monkeypatch.setattr(nf4, "_sms", lambda device: 132)  # an H200's
@@ -252,8 +258,9 @@ def test_the_fast_path_routes_a_trainers_token_steps_for_its_life(launches, monk
     step = torch.randn(4, 1, 256).to(DEVICE, torch.bfloat16)
     trainer = _rollout_trainer(model, step)
     fast = enable_fast_generation(trainer)
-    assert fast.weights == ("vlmrl nf4 kernel (vlmrl.engine.rollout.nf4) for token steps of 2-64 rows, "
-                            "bitsandbytes Linear4bit otherwise")
+    assert fast.weights == ("vlmrl nf4 kernel (vlmrl.engine.rollout.nf4) for token steps of 2-64 rows (tile "
+                            "settings measured on an H200 for 0 of 1 layers at 2-32 rows (nf4.TUNED_SM90), by rule "
+                            "otherwise), bitsandbytes Linear4bit otherwise")
     assert launches == [2]  # the probe
     trainer._generate_single_turn()
     trainer._generate_single_turn()

@@ -155,8 +155,8 @@ def nf4_token_steps(trainer: Any, *, wanted: bool = True) -> str | None:
     stack = contextlib.ExitStack()
     stack.enter_context(nf4.nf4_decode(model))
     trainer.vlmrl_nf4_decode = stack  # held with the trainer; an experiment may close it
-    return (f"vlmrl nf4 kernel (vlmrl.engine.rollout.nf4) for token steps of {nf4.MIN_ROWS}-{nf4.MAX_ROWS} rows, "
-            f"{BITSANDBYTES} otherwise")
+    return (f"vlmrl nf4 kernel (vlmrl.engine.rollout.nf4) for token steps of {nf4.MIN_ROWS}-{nf4.MAX_ROWS} rows "
+            f"({nf4.measured_settings(model)}), {BITSANDBYTES} otherwise")
 
 
 def _adapter_copies(trainer: Any, dtype: torch.dtype | None, *, wanted: bool) -> tuple[Any, str]:

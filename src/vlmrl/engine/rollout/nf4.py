@@ -17,8 +17,9 @@ training and unsupported layers stay on bitsandbytes, the fallback); `unsupporte
 record why a model stays there; `gpu_reason(device)`, the product's rule for where the kernel is on; `probe(model)`,
 a launch on the model's first routed layer, and `failure(x, design)`, why a design fell back; `is_linear4bit` and
 `layer_reason(layer)`, which layers it takes; `forwards_replaced`, its patching of forwards; its settings on a GPU:
-`TUNED_SM90` (measured, Qwen3-VL-8B's shapes on sm_90) or else `rule_config`, whose tiles `tile_shape` and
-`block_rows` give (benchmarks/nf4_sass.py builds them offline). `launch` can add a LoRA branch in its
+`TUNED_SM90` (measured, Qwen3-VL-8B's shapes on sm_90; `measured_settings(model)` says how many layers take them)
+or else `rule_config`, whose tiles `tile_shape` and `block_rows` give (benchmarks/nf4_sass.py builds them
+offline). `launch` can add a LoRA branch in its
 split sum, for the experiments in `vlmrl.engine.experimental.nf4_lora` (the fold lost to PEFT's own ops; the
 branch's scale and sum alone tied: docs/benchmarks.md).
 `vlmrl.engine.rollout.fast` turns it on for a 4-bit base's rollouts. Limits: nf4 (not fp4), blocksizes 32-256
@@ -307,6 +308,16 @@ def _config(rows: int, n: int, k: int, blocksize: int, device: torch.device) -> 
         if tuned is not None:
             return list(tuned)
     return rule_config(rows, n, k, blocksize, device)
+
+
+def measured_settings(model: torch.nn.Module) -> str:
+    """What the record says of the settings the routed layers of `model` take on sm_90: how many have their shape in
+    `TUNED_SM90` (at 2-32 rows), the rest by rule."""
+    routed = [layer for layer in _linear4bit_layers(model) if layer_reason(layer) is None]
+    states = [getattr(layer.weight, "quant_state", None) or layer.quant_state for layer in routed]
+    tuned = sum((*qs.shape, qs.blocksize, 16) in TUNED_SM90 for qs in states)
+    return (f"tile settings measured on an H200 for {tuned} of {len(routed)} layers at 2-32 rows (nf4.TUNED_SM90), "
+            "by rule otherwise")
 
 
 def rule_config(rows: int, n: int, k: int, blocksize: int, device: torch.device) -> list[int]:
