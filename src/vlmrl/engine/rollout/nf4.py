@@ -286,7 +286,8 @@ def _reference(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code
 
 
 # [block_n, block_kh, warps, stages, split] per (out_features, in_features, blocksize, block_rows(rows)) on sm_90:
-# the best settings of two H200 tile sweeps at 16 and 32 rows (they agree on every shape), timed as a whole token
+# the best settings of two H200 tile sweeps at 16 and 32 rows (the same in every cell, up to k/v's split count,
+# which `launch` caps at 16 either way), timed as a whole token
 # step beside `rule_config`'s in one run (benchmarks/results/h200_nf4_matmul_tuned.{json,md}). Qwen3-VL-8B's shapes.
 TUNED_SM90: dict[tuple[int, int, int, int], list[int]] = {
     (4096, 4096, 64, 16): [128, 64, 4, 1, 8],
