@@ -12,6 +12,7 @@ issues 4 warp instructions a clock per SM). It says nothing of latency or memory
 shows (benchmarks/nf4_matmul.py).
 
     python benchmarks/nf4_sass.py [--rows 32] [--blocksize 64] [--dtype bfloat16] [--top 12] [--json FILE]
+    python benchmarks/nf4_sass.py --tuned [--json FILE]    each tile of nf4.TUNED_SM90, a table row each
 
 Needs Triton with its NVIDIA backend (the CPU wheel carries ptxas and nvdisasm); exits 2 with one line without.
 """
@@ -45,7 +46,9 @@ def loop_opcodes(sass: str) -> collections.Counter:
     raise SystemExit("no loop found in the disassembly")
 
 
-def build(rows: int, blocksize: int, dtype: str) -> dict:
+def build(rows: int, blocksize: int, dtype: str, shape: tuple[int, int, int] | None = None) -> dict:
+    """The loop's counts for the rule's tile at `rows` (`nf4.tile_shape`), or `shape` = (block_n, packed bytes a
+    step, warps) given (one of `nf4.TUNED_SM90`'s)."""
     try:
         import triton
         from triton.backends.compiler import GPUTarget
@@ -56,7 +59,7 @@ def build(rows: int, blocksize: int, dtype: str) -> dict:
     from vlmrl.engine.rollout import nf4, nf4_triton
 
     tiles = nf4_triton.kernels(False)[0]
-    block_n, tile, warps = nf4.tile_shape(rows, blocksize)
+    block_n, tile, warps = shape or nf4.tile_shape(rows, blocksize)
     xt = {"bfloat16": "bf16", "float16": "fp16"}[dtype]
     signature = {"X": f"*{xt}", "Packed": "*u8", "Absmax": "*u8", "Code2": "*fp32", "Absmax2": "*fp32",
                  "Offset": "*fp32", "Lut": "*fp32", "Bias": f"*{xt}", "Out": "*fp32", "M": "i32", "N": "i32",
@@ -90,6 +93,18 @@ def build(rows: int, blocksize: int, dtype: str) -> dict:
             "instructions_per_weight": total / weights_per_thread, "opcodes": dict(opcodes.most_common())}
 
 
+def tuned() -> list[dict]:
+    """Each distinct tile of `nf4.TUNED_SM90` (the measured settings the product takes on sm_90), built in bf16, with
+    the projections that take it."""
+    from vlmrl.engine.rollout import nf4
+
+    tiles: dict[tuple, list[str]] = {}
+    for (n, k, blocksize, rows), (block_n, tile, warps, *_) in nf4.TUNED_SM90.items():
+        tiles.setdefault((rows, blocksize, block_n, tile, warps), []).append(f"{n} x {k}")
+    return [build(rows, blocksize, "bfloat16", (block_n, tile, warps)) | {"shapes": shapes}
+            for (rows, blocksize, block_n, tile, warps), shapes in tiles.items()]
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, default=32)
@@ -97,7 +112,20 @@ def main(argv: list[str]) -> int:
     p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     p.add_argument("--top", type=int, default=12, help="opcodes to print")
     p.add_argument("--json", type=Path, help="write the counts here too")
+    p.add_argument("--tuned", action="store_true", help="build each tile of nf4.TUNED_SM90 instead (bf16), a line each")
     args = p.parse_args(argv)
+    if args.tuned:
+        results = tuned()
+        print("| rows | blocksize | tile (block_n, packed bytes, warps) | projections | registers | spilled bytes "
+              "| instructions per weight |\n|---|---|---|---|---|---|---|")
+        for r in results:
+            t = r["tile"]
+            print(f"| {r['rows']} | {r['blocksize']} | {t['block_n']}, {t['packed_bytes']}, {t['warps']} | "
+                  f"{', '.join(r['shapes'])} | {r['registers']} | {r['spill_bytes']} | "
+                  f"{r['instructions_per_weight']:.1f} |")
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=1) + "\n")
+        return 0
     result = build(args.rows, args.blocksize, args.dtype)
     print(f"nf4_tiles for sm_90 (Triton {result['triton']}), {args.rows} rows, blocksize {args.blocksize}, "
           f"{args.dtype}: tile {result['tile']}, {result['registers']} registers, {result['spill_bytes']} bytes "

@@ -252,6 +252,11 @@ def test_the_products_tuned_nf4_settings_are_the_ones_the_record_timed():
     for t in record["tuned"]:
         assert (f"| {t['rows']} (bf16) | {t['default_ms']:.2f} | **{t['tuned_ms']:.2f}** | {t['default_again_ms']:.2f} "
                 f"| {t['tuned_units']:.2f} |") in section
+    built = json.loads((RESULTS / "cpu_nf4_sass_tuned.json").read_text())  # the same tiles, built offline
+    registers, per_weight = [r["registers"] for r in built], [r["instructions_per_weight"] for r in built]
+    assert all(r["spill_bytes"] == 0 for r in built)
+    assert f"({min(registers)}-{max(registers)} registers)" in section
+    assert f"{min(per_weight):.1f}-{max(per_weight):.1f} instructions per weight" in section
     paths = json.loads((RESULTS / "h200_nf4_tuned_rollouts.json").read_text())["paths"]
     tuned, rule = paths["vlmrl"], paths["vlmrl-nf4-by-rule"]
     assert (f"**{tuned['step_seconds']:.1f} s per step and {tuned['decode_ms_per_step']:.1f} ms per token step** with "

@@ -42,3 +42,26 @@ def test_the_kernel_built_for_sm90_reads_x_along_k(tmp_path):
     assert any(op.startswith("HGMMA") for op in opcodes)
     assert counts["spill_bytes"] == 0 and counts["weights_per_thread"] == 64
     assert counts["instructions_per_weight"] < 12  # the design before took 12.7 (results/cpu_nf4_sass.json)
+
+
+def test_each_measured_tile_builds_for_sm90_without_spilling(tmp_path):
+    """Every tile of nf4.TUNED_SM90 (the settings the product takes on sm_90) compiles offline to a loop on Hopper's
+    tensor-core instructions with x read in 16-byte loads, and no register spills (a Triton upgrade that made one
+    spill would slow the token step the table was measured for)."""
+    pytest.importorskip("triton.backends.nvidia")
+    from vlmrl.engine.rollout import nf4
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "tuned.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "nf4_sass.py"), "--tuned", "--json", str(out)],
+                         capture_output=True, text=True, env=env, timeout=600, check=False)
+    if run.returncode == 2:
+        pytest.skip(run.stderr.strip())
+    assert run.returncode == 0, run.stderr
+    built = json.loads(out.read_text())
+    shapes = {(n, k, rows) for n, k, _, rows in nf4.TUNED_SM90}
+    assert {(*map(int, s.split(" x ")), r["rows"]) for r in built for s in r["shapes"]} == shapes
+    for r in built:
+        assert r["spill_bytes"] == 0, r["tile"]
+        assert any(op.startswith("HGMMA") for op in r["opcodes"])
+        assert r["opcodes"].get("LDG.E.128", 0) >= 1 and not r["opcodes"].get("LDG.E.U16")  # x in 16-byte loads
