@@ -133,7 +133,9 @@ def test_tiles_and_splits_give_the_same_values(rows, k, config, matmul):
 
 
 def test_the_record_counts_the_layers_that_take_measured_settings(monkeypatch):
-    monkeypatch.setitem(nf4.TUNED_SM90, (192, 256, 64, 16), [64, 64, 4, 1, 2])  # as if these shapes were measured
+    for rows in (16, 32):  # as if these shapes were measured at both row tiles
+        monkeypatch.setitem(nf4.TUNED_SM90, (192, 256, 64, rows), [64, 64, 4, 1, 2])
+    monkeypatch.setitem(nf4.TUNED_SM90, (128, 192, 64, 16), [64, 64, 4, 1, 2])  # and this one at 16 rows only
     model = _model(_layer(256, 192), _layer(256, 192), _layer(192, 128))
     assert nf4.measured_settings(model).startswith("tile settings measured on an H200 for 2 of 3 layers")
 

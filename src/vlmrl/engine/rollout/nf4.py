@@ -19,9 +19,9 @@ a launch on the model's first routed layer, and `failure(x, design)`, why a desi
 `layer_reason(layer)`, which layers it takes; `forwards_replaced`, its patching of forwards; its settings on a GPU:
 `TUNED_SM90` (measured, Qwen3-VL-8B's shapes on sm_90; `measured_settings(model)` says how many layers take them)
 or else `rule_config`, whose tiles `tile_shape` and `block_rows` give (benchmarks/nf4_sass.py builds them
-offline). `launch` can add a LoRA branch in its
-split sum, for the experiments in `vlmrl.engine.experimental.nf4_lora` (the fold lost to PEFT's own ops; the
-branch's scale and sum alone tied: docs/benchmarks.md).
+offline). `launch` can add a LoRA branch in its split sum, for the experiments in
+`vlmrl.engine.experimental.nf4_lora` (the fold lost to PEFT's own ops; the branch's scale and sum alone tied:
+docs/benchmarks.md).
 `vlmrl.engine.rollout.fast` turns it on for a 4-bit base's rollouts. Limits: nf4 (not fp4), blocksizes 32-256
 dividing in_features, bf16/fp16 activations, CUDA (Triton's interpreter on a CPU, for tests); on by default only on
 the GPUs where it was measured faster than bitsandbytes (`gpu_reason`). No maintained library fits (package index,
@@ -147,7 +147,7 @@ def nf4_decode(model: torch.nn.Module, max_rows: int = MAX_ROWS, min_rows: int =
     is routed, else why none is (then nothing changes)."""
     reason = unsupported_reason(model)
     layers = _linear4bit_layers(model)
-    routed = [layer for layer in layers if layer_reason(layer) is None] if reason is None else []
+    routed = _routable(layers) if reason is None else []
     with forwards_replaced(routed, lambda layer, forward: _routed(layer, forward, min_rows, max_rows, matmul)):
         if reason is None:
             log.info("nf4 token-step kernel on for %d of %d Linear4bit layers", len(routed), len(layers))
@@ -195,11 +195,22 @@ def _linear4bit_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if is_linear4bit(m)]
 
 
+def _routable(layers: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The layers the kernel can take (`layer_reason` None)."""
+    return [layer for layer in layers if layer_reason(layer) is None]
+
+
+def _quant_state(layer: torch.nn.Module) -> Any:
+    """A `Linear4bit` layer's quant state, where bitsandbytes finds it (on its weight, else on the layer); None before
+    quantization."""
+    return getattr(layer.weight, "quant_state", None) or getattr(layer, "quant_state", None)
+
+
 def layer_reason(layer: torch.nn.Module) -> str | None:
     """Why the kernel cannot take `Linear4bit` layer `layer` (its quant state, shape, device or dtype); None when
     it can."""
     weight = layer.weight
-    qs = getattr(weight, "quant_state", None) or getattr(layer, "quant_state", None)
+    qs = _quant_state(layer)
     if qs is None:
         return "weights not quantized yet"
     if qs.quant_type != "nf4":
@@ -228,7 +239,7 @@ def _routed(layer: torch.nn.Module, fallback: Callable[..., torch.Tensor], min_r
         if (args or kwargs or not min_rows <= rows <= max_rows or dtype not in DTYPES or x.device != layer.weight.device
                 or (torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)))):
             return fallback(x, *args, **kwargs)
-        qs = getattr(layer.weight, "quant_state", None) or layer.quant_state  # as bitsandbytes finds it
+        qs = _quant_state(layer)
         return matmul(x.to(dtype), layer.weight, bias, quant_state=qs).to(x.dtype)
 
     return forward
@@ -287,8 +298,8 @@ def _reference(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code
 
 # [block_n, block_kh, warps, stages, split] per (out_features, in_features, blocksize, block_rows(rows)) on sm_90:
 # the best settings of two H200 tile sweeps at 16 and 32 rows (the same in every cell, up to k/v's split count,
-# which `launch` caps at 16 either way), timed as a whole token
-# step beside `rule_config`'s in one run (benchmarks/results/h200_nf4_matmul_tuned.{json,md}). Qwen3-VL-8B's shapes.
+# which `launch` caps at 16 either way), timed as a whole token step beside `rule_config`'s in one run
+# (benchmarks/results/h200_nf4_matmul_tuned.{json,md}). Qwen3-VL-8B's shapes.
 TUNED_SM90: dict[tuple[int, int, int, int], list[int]] = {
     (4096, 4096, 64, 16): [128, 64, 4, 1, 8],
     (1024, 4096, 64, 16): [64, 128, 4, 1, 64],
@@ -314,9 +325,9 @@ def _config(rows: int, n: int, k: int, blocksize: int, device: torch.device) -> 
 def measured_settings(model: torch.nn.Module) -> str:
     """What the record says of the settings the routed layers of `model` take on sm_90: how many have their shape in
     `TUNED_SM90` (at 2-32 rows), the rest by rule."""
-    routed = [layer for layer in _linear4bit_layers(model) if layer_reason(layer) is None]
-    states = [getattr(layer.weight, "quant_state", None) or layer.quant_state for layer in routed]
-    tuned = sum((*qs.shape, qs.blocksize, 16) in TUNED_SM90 for qs in states)
+    routed = _routable(_linear4bit_layers(model))
+    tuned = sum(all((*qs.shape, qs.blocksize, rows) in TUNED_SM90 for rows in (16, 32))
+                for qs in map(_quant_state, routed))
     return (f"tile settings measured on an H200 for {tuned} of {len(routed)} layers at 2-32 rows (nf4.TUNED_SM90), "
             "by rule otherwise")
 

@@ -5,9 +5,9 @@ Public: `kernels(interpret)` -> (`nf4_tiles`: 2-D tiles of packed bytes decoded 
 (high nibble first) against x's columns read along k, each program writing its fp32 share when K is split, else the
 rounded output; `nf4_splits`: the fixed-order sum of K splits, bias added and rounded once, and where asked a LoRA
 branch's second factor, scale and sum, or (`SUMMED`) the branch's given output scaled and summed, for the
-experiments in `vlmrl.engine.experimental.nf4_lora`). Building them also
-puts their device helpers (`rounded`, `dot_operand`, `store_tile`) in this module's globals, where the first
-design's kernel (`vlmrl.engine.experimental.nf4_v1`) takes them from. Limits: those of `nf4` (nf4 codes, bf16/fp16
+experiments in `vlmrl.engine.experimental.nf4_lora`). Building them also puts their device helpers (`rounded`,
+`dot_operand`, `store_tile`) in this module's globals, where the first design's kernel
+(`vlmrl.engine.experimental.nf4_v1`) takes them from. Limits: those of `nf4` (nf4 codes, bf16/fp16
 activations, CUDA or Triton's interpreter).
 """
 
