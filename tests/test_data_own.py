@@ -133,7 +133,9 @@ def test_mixed_answer_types_and_two_image_rows_are_all_accounted_for(tmp_path):
     assert max(order) < 20  # image 1 is b.png and image 2 is c.png: the row's order is kept
     assert items["mc"].choices == ("square", "circle")
     # extra columns, JSON-safe, and the kwargs every reward function receives
-    assert two.extra == {"difficulty": 1, "tags": ["pair"]}
+    # (mapped columns too, under their own names, as TRL passes every column; `unit` is an item field already)
+    assert two.extra == {"difficulty": 1, "tags": ["pair"], "uid": "two", "q": "Left minus right?", "gold": "2.50",
+                         "kind": "float"}
     columns = two.columns()
     assert columns["tags"] == ["pair"] and columns["answer"] == "2.50" and columns["unit"] == "cm"
     assert set(columns) >= {

@@ -23,6 +23,7 @@ from vlmrl.common.io import read_json, read_jsonl
 from vlmrl.config.schema import load_config
 from vlmrl.data.prepare import prepare_data
 from vlmrl.run import layout
+from vlmrl.run.claim import MARKER
 
 SMALL = ["model.name=tiny:qwen3_vl", "data.num_synthetic=24", "data.holdout_size=4",
          "train.per_device_train_batch_size=4", "train.gradient_accumulation_steps=1"]
@@ -43,10 +44,11 @@ def one_error_line(output: str) -> str:
 
 
 def claimed_by_another_config(tmp_path: Path) -> None:
-    from vlmrl.pipeline import claim_run_dir
+    from vlmrl.pipeline import claim_run_dir, settings_fingerprint
 
     config = load_config("demo", [*SMALL, f"run.output_dir={tmp_path}", "run.name=r", "train.learning_rate=0.1"])
     claim_run_dir(config, config.run_dir, force=False)
+    layout.mark_finished(config.run_dir, settings_fingerprint(config))  # a finished run: only --force replaces it
 
 
 def reward_config(tmp_path: Path, entry: str) -> str:
@@ -81,7 +83,7 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
     ("paths: a run folder vlmrl did not make",
      lambda t: ((t / "mine").mkdir(), (t / "mine" / "notes.txt").write_text("x"),
                 ["prepare", "demo", *sets(*SMALL), "--run-dir", str(t / "mine")])[2], "not a vlmrl run folder"),
-    ("OS: a name too long", lambda t: ["prepare", "demo", *sets(*SMALL, f"run.output_dir={t}", "run.name=" + "n" * 300)],
+    ("OS: a name too long", lambda t: ["prepare", "demo", *sets(*SMALL, f"run.output_dir={t / ('n' * 300)}")],
      "File name too long"),
 ]
 
@@ -107,6 +109,7 @@ def test_a_full_or_read_only_disk_is_one_line_exit_2_however_a_library_reports_i
         raise failure
 
     monkeypatch.setattr("vlmrl.compare.stage.compare_runs", write)
+    (tmp_path / MARKER).touch()  # a run folder
     result = invoke("compare", str(tmp_path))
     assert result.exit_code == 2, result.output
     assert "re-run the same command: it resumes where it stopped" in one_error_line(result.output)
@@ -117,6 +120,7 @@ def test_a_bug_exits_1_with_its_traceback(tmp_path, monkeypatch):
         return 1 / 0
 
     monkeypatch.setattr("vlmrl.compare.stage.compare_runs", bug)
+    (tmp_path / MARKER).touch()  # a run folder
     result = invoke("compare", str(tmp_path))
     assert result.exit_code == 1 and isinstance(result.exception, ZeroDivisionError)
 
@@ -126,6 +130,7 @@ def test_ctrl_c_exits_130_in_one_line(tmp_path, monkeypatch):
         raise KeyboardInterrupt
 
     monkeypatch.setattr("vlmrl.compare.stage.compare_runs", interrupted)
+    (tmp_path / MARKER).touch()  # a run folder
     result = invoke("compare", str(tmp_path))
     assert result.exit_code == 130 and "re-run the same command" in one_error_line(result.output)
 

@@ -14,6 +14,12 @@ minute or two each. Marked slow; CI runs them.
 
 from __future__ import annotations
 
+import io
+import itertools
+import json
+import re
+from pathlib import Path
+
 import pytest
 
 from vlmrl.config.schema import load_config
@@ -22,12 +28,14 @@ from vlmrl.pipeline import run_all
 pytestmark = pytest.mark.slow
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
 def _run(tmp_root, name: str, *overrides: str) -> dict:
     config = load_config("demo", [f"run.output_dir={tmp_root}", f"run.name={name}", *overrides])
     outcome = run_all(config, say=lambda message: None)
-    import json
-
-    return json.loads((outcome.run_dir / "comparison.json").read_text())
+    comparison = json.loads((outcome.run_dir / "comparison.json").read_text())
+    return {**comparison, "path": outcome.run_dir / "comparison.json"}
 
 
 @pytest.fixture(scope="module")
@@ -59,3 +67,43 @@ def test_flipped_correctness_sign_lowers_accuracy(runs):
     assert control["after"] < gspo["after"]
     correctness = runs["control"]["metrics"]["correctness_reward"]
     assert correctness["after"] < correctness["before"]
+
+
+def _printed_table(path: Path) -> str:
+    """What `vlmrl run` prints for comparison.json at `path`, as a pipe or a log receives it."""
+    from vlmrl.cli import show
+
+    buffer = io.StringIO()
+    original = show.console.file
+    show.console.file = buffer
+    try:
+        show.show_comparison(path)
+    finally:
+        show.console.file = original
+    return buffer.getvalue()
+
+
+def test_readme_shows_the_demo_table_a_fresh_machine_prints(runs):
+    """The README's example is the `gspo` run's table (the demo preset as `make run` runs it) digit for digit,
+    and its accuracy change is significant."""
+    block = re.search(r"<!-- demo-table -->\n```\n(.*?)```", (ROOT / "README.md").read_text(), re.DOTALL)
+    assert block, "README.md has no demo table block (<!-- demo-table --> then a ``` block)"
+    printed = _printed_table(runs["gspo"]["path"])
+    assert [line.rstrip() for line in printed.splitlines()] == [line.rstrip() for line in block.group(1).splitlines()], (
+        "README.md's demo table differs from what the demo prints now:\n" + printed)
+    assert runs["gspo"]["metrics"]["accuracy"]["mcnemar_p"] < 0.05
+
+
+def test_the_cpu_warm_start_curve_rises_without_collapse(runs):
+    """The demo policy's warm-start checks (greedy answers on figures kept apart), written beside the policy:
+    the structure, once learned, stays learned, and accuracy never falls back by more than the checks' noise."""
+    from vlmrl.models.demo import demo_policy_dir, recipe_for
+
+    info = json.loads((demo_policy_dir(recipe_for("demo-policy", 0)) / "demo_policy.json").read_text())
+    checks = info["reading_checks"]
+    assert len(checks) == info["recipe"]["sft_steps"] // info["recipe"]["check_every"]
+    tolerance = 4 / info["recipe"]["check_items"]  # a few items of the check set
+    for earlier, later in itertools.pairwise(checks):
+        assert later["format_rate"] >= earlier["format_rate"] - tolerance, checks
+        assert later["greedy_accuracy"] >= earlier["greedy_accuracy"] - tolerance, checks
+    assert checks[-1]["format_rate"] > 0.5 and checks[-1]["greedy_accuracy"] > 0, checks

@@ -41,7 +41,8 @@ from typer.testing import CliRunner
 from vlmrl.cli.app import app
 from vlmrl.common.io import read_jsonl, write_jsonl_atomic
 from vlmrl.config.schema import ConfigError, load_config
-from vlmrl.pipeline import claim_run_dir
+from vlmrl.pipeline import claim_run_dir, settings_fingerprint
+from vlmrl.run import layout
 from vlmrl.train.callbacks import trim_records_after
 from vlmrl.train.resume import last_complete_checkpoint
 
@@ -231,6 +232,7 @@ def test_run_dir_of_another_config_is_refused_without_force(tmp_path):
     claim_run_dir(config, config.run_dir, force=False)
     (config.run_dir / "baseline_records.jsonl").write_text('{"id": "x"}\n')
     claim_run_dir(config, config.run_dir, force=False)  # the same config may resume
+    layout.mark_finished(config.run_dir, settings_fingerprint(config))  # finished: only --force replaces it
     other = _cfg(tmp_path, "train.learning_rate=0.01")
     with pytest.raises(ConfigError) as info:
         claim_run_dir(other, other.run_dir, force=False)
@@ -254,12 +256,14 @@ def test_run_dir_with_a_damaged_config_yaml_is_refused(tmp_path):
 def test_vlmrl_run_refuses_another_configs_run_dir_before_any_work(tmp_path):
     config = _cfg(tmp_path)
     claim_run_dir(config, config.run_dir, force=False)
+    layout.mark_finished(config.run_dir, settings_fingerprint(config))  # a finished run
     args = ["run", "demo", *SET_ARGS, "--set", f"run.output_dir={tmp_path}", "--set", "train.max_steps=7"]
     result = CliRunner().invoke(app, args, terminal_width=300)
     assert result.exit_code == 2
     assert "different config" in result.output and "--force" in result.output
-    # nothing ran: only the run's mark, its lock file and the config are there
-    assert sorted(p.name for p in config.run_dir.iterdir()) == [".vlmrl-run", ".vlmrl.lock", "config.yaml"]
+    # nothing ran: only the run's mark, its lock file, the config and the stage record are there
+    assert sorted(p.name for p in config.run_dir.iterdir()) == [".vlmrl-run", ".vlmrl.lock", "config.yaml",
+                                                                "stages.json"]
 
 
 def test_vlmrl_train_refuses_a_train_set_that_contains_a_holdout_item(tmp_path):

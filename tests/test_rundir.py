@@ -132,15 +132,17 @@ def test_force_removes_only_what_vlmrl_wrote(tmp_path):
     assert load_config(str(run / "config.yaml")).train.learning_rate == 0.01
 
 
-def test_empty_and_pre_mark_run_folders_are_adopted(tmp_path):
+def test_only_empty_folders_are_adopted(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     assert ensure_marked(empty) and (empty / MARKER).is_file()
-    legacy = tmp_path / "legacy"  # a run written before the mark existed (or by the Python API)
+    legacy = tmp_path / "legacy"  # looks like a run written before the mark existed: not adopted, the fix named
     (legacy / "data").mkdir(parents=True)
     (legacy / "data" / "summary.json").write_text("{}")
     (legacy / "config.yaml").write_text("run: {}\n")
-    assert ensure_marked(legacy) and (legacy / MARKER).is_file()
+    with pytest.raises(RunDirError, match=f"touch {legacy / MARKER}"):
+        ensure_marked(legacy)
+    assert not (legacy / MARKER).exists()
     only_data = tmp_path / "only-data"  # a folder named like ours holds someone's data: not adopted
     (only_data / "data").mkdir(parents=True)
     with pytest.raises(RunDirError):

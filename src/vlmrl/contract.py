@@ -67,6 +67,7 @@ THINK_INSTRUCTIONS = {
     f"\\frac{{1}}{{2}} or 2\\sqrt{{3}}) {_BOXED}",
     "text": f"{_THINK_FIRST} Then give only the final answer, as short as possible, {_BOXED}",
 }
+TEMPLATE_FIELD = "{question}"  # where a prompt template puts the question (and its choices)
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"  # choice letters: A is the first choice (grading.choice_equal)
 
 
@@ -76,8 +77,13 @@ def build_prompt_text(
     answer_type: str | None = None,
     choices: Sequence[str] | None = None,
     contract: str = "seed",
+    template: str | None = None,
 ) -> str:
     """The user-turn text for one item: the question, the choices for `choice`, then the instruction.
+
+    With a `template` (`data.prompt_template`, as EasyR1's `format_prompt`), the question and its choices
+    replace `{question}` in it and vlmrl's instruction is left out: the template says what form to answer in,
+    and the rewards still read the `contract`'s.
 
     No type, `integer` and `float` give the numeric instruction; `choice` lists the choices with their
     letters (unless the question already does, as MathVista's `query` does) and asks for a letter or a
@@ -92,6 +98,8 @@ def build_prompt_text(
     (B) 60°
     <BLANKLINE>
     First think step by step ... Then give only the letter of the correct choice, or the choice's text, ...
+    >>> build_prompt_text("2+2?", template="{question} Answer in one word.")
+    '2+2? Answer in one word.'
     """
     check_contract(contract)
     text = question.strip()
@@ -102,6 +110,8 @@ def build_prompt_text(
         lines = [f"({LETTERS[i]}) {c}" if i < len(LETTERS) else f"- {c}" for i, c in enumerate(choices)]
         if not all(line in text for line in lines):
             text += "\nChoices:\n" + "\n".join(lines)
+    if template is not None:
+        return template.replace(TEMPLATE_FIELD, text)
     if contract == "think":
         return f"{text}\n\n{THINK_INSTRUCTIONS[kind]}"
     return f"{text}\n\n{INSTRUCTION if kind is None else ANSWER_INSTRUCTIONS[kind]}"

@@ -71,6 +71,11 @@ def _config(source: str | None, overrides: list[str] | None, run_dir: Path | Non
     return config
 
 
+def _names_a_preset(source: str | None) -> bool:
+    """Whether `_config` reads `source` as a preset (none given: the demo), not as a file or a run folder."""
+    return source is None or (source in PRESETS and not (Path(source) / layout.CONFIG).is_file())
+
+
 def _in_run_folder(source: str | None) -> bool:
     """A run folder's own config.yaml (vlmrl's mark beside it): written by this or an earlier release."""
     from vlmrl.run.claim import MARKER
@@ -143,12 +148,18 @@ def config_show(source: ConfigArg = None, set_: SetOpt = None,
 def config_validate(source: Annotated[str, typer.Argument(help="YAML file or preset.")], set_: SetOpt = None) -> None:
     """Validate a configuration as training would (names TRL and transformers know, trackers installed); exit 2
     with one line per problem when it is not usable."""
+    config = _config(source, set_)
+    _refuse_untrainable(source, config)
+    console.print(f"ok: {source} is valid (fingerprint {config.fingerprint()})", markup=False)
+
+
+def _refuse_untrainable(source: str, config: Config) -> None:
+    """Exit 2 with one line per problem training would find (`vlmrl.train.args.validation_problems`): what
+    `config validate` refuses, `run` refuses before its first stage."""
     from vlmrl.train.args import validation_problems
 
-    config = _config(source, set_)
     if problems := validation_problems(config):
         fail(f"{source}: not trainable\n" + "\n".join(f"  {p}" for p in problems), 2)
-    console.print(f"ok: {source} is valid (fingerprint {config.fingerprint()})", markup=False)
 
 
 @app.command("tiny-model")
@@ -168,20 +179,27 @@ def tiny_model(
 def run(
     source: ConfigArg = None,
     set_: SetOpt = None,
-    force: Annotated[bool, typer.Option("--force", help="Replace a run of another config in the run folder "
-                                        "(deletes only what vlmrl wrote there).")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace a finished run of another config in the run "
+                                        "folder (deletes only what vlmrl wrote there).")] = False,
+    run_dir: RunDirOpt = None,
+    resume: Annotated[bool, typer.Option("--resume/--no-resume", help="--no-resume: train again from step 0 (the "
+                                         "earlier training is moved aside), and redo what follows it.")] = True,
 ) -> None:
-    """Every stage in order into one run directory (skips stages already done with this config)."""
+    """Every stage in order into one run directory (skips stages done with this config and these inputs; after a
+    config change, redoes the stages it affects)."""
     from vlmrl.pipeline import run_all
 
     _one_process_only("run")
-    config = _config(source, set_)
+    config = _config(source, set_, run_dir)
+    _refuse_untrainable(source or "demo", config)
     check_needs(config)
     console.print(f"vlmrl run: [bold]{escape(config.run.name)}[/bold] -> {escape(str(config.run_dir))}")
+    if _names_a_preset(source) and not (resume and layout.is_trained(config, config.run_dir)):
+        show.show_preset_note(config)  # once, before the stages (a rank of training says nothing more)
     started = time.perf_counter()
     from vlmrl.train.callbacks import TrainProgress
 
-    outcome = guarded(lambda: run_all(config, force=force, say=say, progress_factory=eval_progress,
+    outcome = guarded(lambda: run_all(config, force=force, resume=resume, say=say, progress_factory=eval_progress,
                                       train_progress=TrainProgress(console, say)))
     show.show_run_done(outcome.run_dir, time.perf_counter() - started)
 
@@ -256,10 +274,12 @@ def train(
     with _claimed_on_host_0(config.run_dir, where):  # held by this process for the ranks it launches
         _relaunch_if_asked(gpus, strategy, [*_stage_argv("train", source, set_, run_dir),
                                             *([] if resume else ["--no-resume"])], where)
+        if is_main_process() and _names_a_preset(source) and not (resume and layout.is_trained(config, config.run_dir)):
+            show.show_preset_note(config)
         result = guarded(lambda: train_stage(config, config.run_dir, resume=resume, console_callback=say,
                                              progress=TrainProgress(console, say)))
     if is_main_process() and not result.already_done:
-        show.show_trained(result)
+        show.show_trained(result, config.run_dir)
 
 
 @app.command()
@@ -272,6 +292,7 @@ def compare(
     """Stage 7: before/after diff with paired statistics."""
     from vlmrl.compare.stage import compare_runs
 
+    _ours(run_dir)  # a folder vlmrl did not make, or a link out of it, is refused before anything is read
     seed = 0
     if visual_control:
         from vlmrl.evaluate.visual_control import evaluate_swapped
@@ -285,6 +306,7 @@ def compare(
         seed = _config(str(run_dir), None, run_dir).run.seed
     result = guarded(lambda: compare_runs(run_dir, seed=seed))
     show.show_comparison(result.path)
+    _refresh_report(run_dir)
 
 
 @app.command()
@@ -303,7 +325,10 @@ def export(
     _one_process_only("export")
     config = _config(source, set_, run_dir)
     with _claimed(config.run_dir, create=False):
-        show.show_export_checks(guarded(lambda: export_stage.export_adapter(config, config.run_dir, source=adapter)))
+        try:
+            show.show_export_checks(guarded(lambda: export_stage.export_adapter(config, config.run_dir, source=adapter)))
+        finally:  # export.json changed, passed or not: the page that shows it follows
+            _refresh_report(config.run_dir)
     if push_to_hub:
         url = guarded(lambda: export_stage.push_to_hub(config.run_dir, push_to_hub, private=private))
         console.print(f"uploaded {config.run_dir / 'adapter'} to {push_to_hub}: {url}", highlight=False)
@@ -316,7 +341,23 @@ def report(run_dir: Annotated[Path, typer.Argument(help="Run directory.")] = Pat
 
     if not run_dir.is_dir():
         fail(f"{run_dir}: no such run directory")
+    _ours(run_dir)
     console.print(f"wrote {write_report(run_dir)}", markup=False)
+
+
+def _refresh_report(run_dir: Path) -> None:
+    """Rewrite a run's report.html, when it has one, if a file the page read has changed since."""
+    from vlmrl import report
+
+    if (run_dir / layout.REPORT).is_file() and not report.is_current(run_dir):
+        console.print(f"refreshed {report.write_report(run_dir)}", markup=False)
+
+
+def _ours(run_dir: Path) -> None:
+    """`compare` and `report` write into a run without claiming it: the mark and the links are checked instead."""
+    from vlmrl.run.claim import require_mark
+
+    guarded(lambda: require_mark(run_dir))
 
 
 @app.command()

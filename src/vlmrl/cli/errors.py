@@ -13,7 +13,10 @@ here still ends in a traceback, which is what a bug report needs).
 from __future__ import annotations
 
 import errno
+import os
 import re
+import sys
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -93,6 +96,25 @@ class Commands(TyperGroup):
     and exit 2 (the traceback only with --debug): a full disk or a read-only folder is the user's to fix, also
     when a library (safetensors, PyTorch's checkpoint writer) reports it inside an exception of its own."""
 
+    def main(self, *args, **kwargs):
+        try:
+            return super().main(*args, **kwargs)
+        except SystemExit as exc:
+            _end_if_threads_left(exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1)
+            raise
+        except BaseException:
+            if _threads_left():
+                traceback.print_exc()
+                _end_if_threads_left(1)
+            raise
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        """`--debug` anywhere before a `--` is the global option: `vlmrl run --debug` as `vlmrl --debug run`."""
+        end = args.index("--") if "--" in args else len(args)
+        if "--debug" in args[:end]:
+            args = ["--debug", *(a for a in args[:end] if a != "--debug"), *args[end:]]
+        return super().parse_args(ctx, args)
+
     def invoke(self, ctx):
         from vlmrl.common.io import DamagedFileError
 
@@ -111,6 +133,25 @@ class Commands(TyperGroup):
             if debug():
                 raise
             fail("interrupted; re-run the same command: it resumes where it stopped", 130)
+
+
+def _threads_left() -> bool:
+    """Whether a reward that ran past its time limit left threads running that Python waits for at exit (a
+    ThreadPoolExecutor's workers, `asyncio.to_thread`); no reward ran when its module was never imported."""
+    reward_call = sys.modules.get("vlmrl.grading.reward_call")
+    return reward_call is not None and bool(reward_call.left_behind())
+
+
+def _end_if_threads_left(code: int) -> None:
+    """End the process now, its line printed, when a reward left such threads: Python would otherwise hang at exit
+    joining them, after the run folder's lock is released."""
+    if _threads_left():
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed or broken stream: nothing more can be said
+                pass
+        os._exit(code)
 
 
 def guarded(action: Callable[[], T]) -> T:

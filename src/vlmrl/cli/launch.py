@@ -82,7 +82,7 @@ def relaunch_if_asked(gpus: int, strategy: str, command: list[str], nodes: Nodes
     except LaunchError as exc:
         fail(str(exc), 2)
     if note:
-        console.print(f"[yellow]note:[/yellow] {escape(note)}")
+        console.print(f"[yellow]note:[/yellow] {escape(note)}", soft_wrap=True)  # one line, however long
     verbose = ["--verbose"] if logging.getLogger().level == logging.DEBUG else []
     argv = launch_command([*verbose, *command], gpus=gpus, strategy=strategy, nodes=nodes)
     console.print(f"launching: {shlex.join(argv)}", highlight=False, markup=False, soft_wrap=True)

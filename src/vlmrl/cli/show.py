@@ -9,10 +9,11 @@ progress while a stage runs (vlmrl.common.progress, vlmrl.train.callbacks.TrainP
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 from rich.markup import escape
 from rich.table import Table
 
@@ -23,7 +24,42 @@ if TYPE_CHECKING:
     from vlmrl.common.progress import EvalProgress
     from vlmrl.config.schema import Config
 
-console = Console()
+# Columns when stdout is a file or a pipe: rich's default there, 80, would cut help and tables (a log is read whole).
+WIDE = 160
+
+
+def pipe_width(stream: Any) -> int | None:
+    """WIDE for a stream that is not a terminal (unless COLUMNS says a width); None: the terminal's own width."""
+    try:
+        tty = stream.isatty()
+    except (AttributeError, ValueError, OSError):  # no isatty, or a closed stream
+        tty = False
+    return None if tty or os.environ.get("COLUMNS", "").isdigit() else WIDE
+
+
+class WideConsole(Console):
+    """A rich console as wide as the terminal it writes to, and WIDE columns when it writes to a file or a pipe
+    (decided at each print: the same console serves a terminal and a captured stdout)."""
+
+    def _size(self) -> ConsoleDimensions:
+        size = Console.size.fget(self)
+        width = pipe_width(self.file) if self._width is None else None
+        return size if width is None else ConsoleDimensions(width, size.height)
+
+    size = property(_size, Console.size.fset)
+
+
+def _table(title: str, columns: tuple[str, ...] = ("", ""), *, right: tuple[str, ...] = (),
+          show_header: bool = True) -> Table:
+    """A table at least as wide as its title (rich wraps a title at the table's width), whose cells fold onto the
+    next line when too long for the console, never ending in `…`."""
+    t = Table(title=title, min_width=len(title), show_header=show_header)
+    for name in columns:
+        t.add_column(name, justify="right" if name in right else "left", overflow="fold")
+    return t
+
+
+console = WideConsole()
 # What `vlmrl run` lists at its end, those that exist, in the order the stages write them.
 RUN_FILES = (layout.CONFIG, layout.DATA_SUMMARY, layout.records_file("baseline"), layout.METRICS,
              layout.ROLLOUTS, layout.records_file("after"), layout.COMPARISON, "adapter", layout.EXPORT,
@@ -43,7 +79,7 @@ def eval_progress(label: str) -> EvalProgress:
 
 def show_environment(env: dict) -> None:
     """`vlmrl doctor`'s table from vlmrl.run.doctor.collect_environment."""
-    table = Table(title="vlmrl doctor", show_header=False)
+    table = _table("vlmrl doctor", show_header=False)
     table.add_row("python", env["python"])
     for name, version in env["packages"].items():
         table.add_row(name, version or "[red]missing[/red]")
@@ -76,20 +112,28 @@ def show_preflight(config: Config, env: dict, prompt_tokens: int, *, gpus: int =
     estimate = estimate_memory(config, shapes, prompt_tokens=prompt_tokens,
                                fast_generation=config.train.rollout.fast != "never", gpus=gpus, strategy=strategy)
     where = "" if gpus == 1 else f", each of {gpus} GPUs, {strategy}"
-    table = Table(title=f"memory preflight: {config.model.name} (prompt {prompt_tokens} tokens{where})",
-                  show_header=False)
+    table = _table(f"memory preflight: {config.model.name} (prompt {prompt_tokens} tokens{where})", show_header=False)
     for key, value in estimate.as_dict().items():
         table.add_row(key.removesuffix("_gib").replace("_", " "), f"{value:.1f} GiB")
     console.print(table)
     devices = env["cuda"]["devices"]
     for line in advice(estimate, devices[0]["memory_gib"] if devices else None, config, shapes=shapes,
                        prompt_tokens=prompt_tokens):
-        console.print(f"[yellow]warning:[/yellow] {escape(line)}")
+        console.print(f"[yellow]warning:[/yellow] {escape(line)}", soft_wrap=True)
 
 
 def show_tiny_model(path: Path, summary: dict) -> None:
     console.print_json(json.dumps(summary))
     console.print(f"wrote {path}", markup=False)
+
+
+def show_preset_note(config: Config) -> None:
+    """Before a preset's training: why it pairs GSPO with a token-summing loss, in one line. Called once per
+    command, for a preset named on the command line only: a user's own config chose its loss itself."""
+    from vlmrl.train.args import gspo_loss_note
+
+    if note := gspo_loss_note(config):
+        say(f"note: {note}")
 
 
 def show_run_done(run_dir: Path, seconds: float) -> None:
@@ -102,26 +146,25 @@ def show_run_done(run_dir: Path, seconds: float) -> None:
 
 
 def show_prepared(run_dir: Path) -> None:
-    """`vlmrl prepare`'s data/summary.json (less the per-category counts), the drop table, and the warning the
-    summary may carry."""
-    summary = json.loads((run_dir / layout.DATA_SUMMARY).read_text())
-    console.print_json(json.dumps({k: v for k, v in summary.items() if k not in ("by_category", "drops")}))
+    """`vlmrl prepare`'s end: one line of counts naming data/summary.json, then the drops (one line per reason)
+    and the summary's warning, when there are any."""
+    path = run_dir / layout.DATA_SUMMARY
+    summary = json.loads(path.read_text())
+    counts = summary["counts"]
+    say(f"prepared {counts['train']} train and {counts['holdout']} held-out items from {counts['input_rows']} rows "
+        f"({counts.get('dropped', 0)} dropped): {path}")
     from vlmrl.data.drops import drop_lines
 
-    for line in drop_lines(summary.get("drops") or [], summary["counts"]["input_rows"]):  # one line per reason
-        console.print(line, markup=False, highlight=False, soft_wrap=True)
+    for line in drop_lines(summary.get("drops") or [], counts["input_rows"]):
+        say(line)
     if summary.get("comparable_to_published") is False:
-        console.print(f"[yellow]warning:[/yellow] {escape(str(summary.get('message')))}")
-    console.print(f"wrote {run_dir / 'data'}", markup=False)
+        console.print(f"[yellow]warning:[/yellow] {escape(str(summary.get('message')))}", soft_wrap=True)
 
 
 def show_eval(stage: str, result: Any) -> None:
     """An evaluation's summary (vlmrl.evaluate.stage's result): each metric with its 95% interval."""
     s = result.summary
-    table = Table(title=f"{stage} ({s['n']} items)")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    table.add_column("95% CI", justify="right")
+    table = _table(f"{stage} ({s['n']} items)", ("metric", "value", "95% CI"), right=("value", "95% CI"))
     for key in ("accuracy", "mathvista_accuracy", "format_compliance", "total_reward"):
         lo, hi = s[key]["ci95"]
         table.add_row(key, f"{s[key]['mean']:.3f}", escape(f"[{lo:.3f}, {hi:.3f}]"))
@@ -131,9 +174,13 @@ def show_eval(stage: str, result: Any) -> None:
     console.print(f"records: {result.records_path}", markup=False)
 
 
-def show_trained(result: Any) -> None:
-    console.print_json(json.dumps(result.summary, default=str))
-    console.print(f"adapter: {result.final_dir}", markup=False)
+def show_trained(result: Any, run_dir: Path) -> None:
+    """`vlmrl train`'s end: one line (steps, time, loss, the adapter) naming train/summary.json."""
+    s = result.summary
+    loss = s.get("train_loss")
+    say(f"trained {s.get('steps')} steps in {s.get('train_seconds') or 0:.0f} s"
+        + (f", loss {loss:.4f}" if isinstance(loss, int | float) else "")
+        + f": adapter {result.final_dir}, summary {run_dir / layout.TRAIN_SUMMARY}")
 
 
 def show_comparison(path: Path) -> None:
@@ -141,14 +188,18 @@ def show_comparison(path: Path) -> None:
     if not path.exists():
         return
     comparison = json.loads(path.read_text())
-    table = Table(title=f"before -> after ({comparison['n_paired']} held-out items)")
-    for column in ("metric", "before", "after", "delta", "95% CI", "McNemar p"):
-        table.add_column(column, justify="right" if column != "metric" else "left")
+    columns = ("metric", "before", "after", "delta", "95% CI", "McNemar p")
+    table = _table(f"before -> after ({comparison['n_paired']} held-out items)", columns, right=columns[1:])
+    from vlmrl.common.stats import finite
+
     for name, m in comparison["metrics"].items():
-        lo, hi = m["delta_ci95"]
+        if not all(finite(m.get(key)) for key in ("before", "after", "delta")):  # a reward that never scored
+            table.add_row(name, "no values", "", "", "", "")
+            continue
+        ci = m.get("delta_ci95") or []
         p = f"{m['mcnemar_p']:.3g}" if "mcnemar_p" in m else ""
         table.add_row(name, f"{m['before']:.3f}", f"{m['after']:.3f}", f"{m['delta']:+.3f}",
-                      escape(f"[{lo:+.3f}, {hi:+.3f}]"), p)
+                      escape(f"[{ci[0]:+.3f}, {ci[1]:+.3f}]") if len(ci) == 2 and all(map(finite, ci)) else "–", p)
     console.print(table)
     flips = comparison["flip_counts"]
     console.print(", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in flips.items()), highlight=False)
@@ -157,9 +208,8 @@ def show_comparison(path: Path) -> None:
 
 
 def _show_visual_control(control: dict) -> None:
-    table = Table(title="visual control: accuracy on true vs swapped images")
-    for column in ("family", "n", "before true", "before swapped", "after true", "after swapped", "visual gain", "95% CI"):
-        table.add_column(column, justify="right" if column != "family" else "left")
+    columns = ("family", "n", "before true", "before swapped", "after true", "after swapped", "visual gain", "95% CI")
+    table = _table("visual control: accuracy on true vs swapped images", columns, right=columns[1:])
     for name, b in [("all", control["overall"]), *sorted(control["by_family"].items())]:
         a, (lo, hi) = b["accuracy"], b["visual_gain_ci95"]
         table.add_row(name, str(b["n"]), *(f"{a[k]:.3f}" for k in ("before_true", "before_swapped", "after_true",
@@ -169,9 +219,7 @@ def _show_visual_control(control: dict) -> None:
 
 def show_export_checks(report: dict) -> None:
     """vlmrl.export.stage.export_adapter's checks: pass, FAIL or skipped, with the value measured."""
-    table = Table(title="export checks")
-    for column in ("check", "result", "value", "detail"):
-        table.add_column(column)
+    table = _table("export checks", ("check", "result", "value", "detail"))
     for c in report["checks"]:
         verdict = {True: "[green]pass[/green]", False: "[red]FAIL[/red]", None: "skipped"}[c["passed"]]
         table.add_row(c["name"], verdict, escape(str(c["value"])), escape(c["detail"]))

@@ -30,7 +30,9 @@ from vlmrl.config.load import (
     PRESETS,  # noqa: F401 (re-exported: `from vlmrl.config.schema import PRESETS`)
     ConfigError,
     apply_override,
+    clip,
     describe_errors,
+    quoted,
     read_source,
     refuse_reward_weights,
     upgrade_export_fields,
@@ -53,6 +55,8 @@ from vlmrl.config.sections import (  # noqa: F401 (re-exported: every stage impo
     _Section,
 )
 
+MAX_RUN_NAME = 128  # characters of run.name: one folder name, with room under the file system's 255 bytes
+
 # Fields that only change how a run is watched or how fast it runs, not what it produces: left out of every
 # fingerprint, so a run resumes (and a finished stage stays done) under another tracker or kernel setting. The
 # kernels and the removed trim/grouping/window switches change float summation order only (grouping also how TRL
@@ -66,7 +70,8 @@ _FIXED_TRAIN = {"rollout_merge": False, "rollout_adapter_copies": True, "rollout
                 "trim_padding": True, "group_by_length": True}
 # Fields added after runs existed, left out of fingerprints at these values so those runs keep theirs. A `split`
 # of None (follow the source) reads as "testmini", the default it replaced (both mean testmini for MathVista).
-_LATER_DATA = {"holdout_split": None, "choices_separator": None}
+_LATER_DATA = {"holdout_split": None, "choices_separator": None, "contamination": "auto",
+               "contamination_max_distance": 4, "system_prompt": None, "prompt_template": None}
 # Export fields of earlier releases as fingerprints see them: the removed one at the value it had, and
 # `gguf: off` as gguf false with the default quantization (any other value as gguf true with its quantization).
 _FIXED_EXPORT = {"logits_atol": 1e-3}
@@ -127,10 +132,16 @@ class Config(_Section):
         name = self.run.name
         if name in ("", ".", "..") or any(c in name for c in "/\\\0"):
             raise ValueError(
-                f"run.name={name!r} is not a plain folder name; the run directory is <output_dir>/<name> and "
+                f"run.name={quoted(name)} is not a plain folder name; the run directory is <output_dir>/<name> and "
                 "`--force` deletes it, so it must not be the output folder, its parent or a path. "
                 "Put parent folders in run.output_dir."
             )
+        if len(name) > MAX_RUN_NAME or not name.isprintable():
+            raise ValueError(f"run.name={quoted(name, 40)}: a folder name of at most {MAX_RUN_NAME} printable "
+                             "characters (no line breaks, tabs or control characters).")
+        if not self.run.output_dir.isprintable():
+            raise ValueError(f"run.output_dir={quoted(self.run.output_dir, 80)} holds a line break, tab or control "
+                             "character; name a plain folder.")
         return self
 
     def fingerprint(self, *sections: str) -> str:
@@ -200,7 +211,7 @@ def load_config(source: str | Path | None = None, overrides: list[str] | None = 
     upgrade_export_fields(raw, origin, migrate=migrate)
     for item in overrides or []:
         apply_override(raw, item)
-    upgrade_train_fields(raw, f"{origin} (--set)")
+    upgrade_train_fields(raw, f"{origin} (--set)", later_wins=True)
     upgrade_export_fields(raw, f"{origin} (--set)")
     config = validate_config(raw, origin)
     base = Path(origin).parent if Path(origin).is_file() else Path.cwd()
@@ -210,7 +221,7 @@ def load_config(source: str | Path | None = None, overrides: list[str] | None = 
             try:
                 spec.resolved = _resolved_reward(spec, base)
             except (OSError, RuntimeError) as exc:  # a path the OS cannot resolve (too long, a symlink loop)
-                raise ConfigError(f"{origin}: rewards: {spec.function!r}: {exc}") from None
+                raise ConfigError(f"{origin}: rewards: {quoted(spec.function)}: {clip(exc)}") from None
     return config
 
 

@@ -4,7 +4,9 @@ and `RewardSpec` (an entry of the top-level `rewards:` list). `vlmrl.config.sche
 `TRL_DEFAULTS` names the GRPOConfig fields vlmrl gives a value of its own but leaves to `train.trl_overrides`;
 `TrainConfig.trl_value` is the one way to read one.
 
-Every section refuses unknown keys and non-finite numbers; cross-field checks live on `Config`.
+Every section refuses unknown keys, non-finite numbers, anything but true/false in a true/false field and
+true/false in a number field (pydantic would read `"off"` as false and `true` as 1), and text over MAX_TEXT;
+cross-field checks live on `Config`. `COLUMN_ROLES` and `TRL_REWARD_ARGUMENTS` bound the column maps.
 """
 
 from __future__ import annotations
@@ -14,7 +16,18 @@ from typing import Annotated, Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 from pydantic_core import PydanticCustomError, ValidationError
 
+from vlmrl.config.load import clip, quoted  # the loading side never imports the sections: no cycle
+
 TRACKERS = ("tensorboard", "wandb", "trackio", "none")
+MAX_TEXT = 4096  # characters of a text field: a path (PATH_MAX on Linux), a hub id, a name
+MAX_WEIGHT = 1e6  # |weight| of a reward: far above any useful ratio, far below where the weighted sum overflows
+# What `data.columns` maps (its keys): the roles a dataset's columns play for vlmrl (docs/data.md).
+COLUMN_ROLES = ("id", "question", "answer", "image", "images", "choices", "answer_type", "precision", "unit",
+                "category")
+# Names TRL gives every reward function itself (and the row fields it keeps from them): a reward's `columns`
+# must neither hand a column under one of these names nor take one of these as a column.
+TRL_REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric",
+                        "environments", "prompt", "completion")
 # GRPOConfig fields vlmrl gives a value of its own (TRL's default differs for some: lr_scheduler_type is linear
 # there) but leaves to `train.trl_overrides`, under these names; read one with `TrainConfig.trl_value`.
 TRL_DEFAULTS = {"logging_steps": 1, "save_total_limit": 2, "mask_truncated_completions": False,
@@ -41,9 +54,18 @@ class _Section(BaseModel):
     @classmethod
     def _exact_in_float_fields(cls, value: Any, info: Any) -> Any:
         """An integer given to a float field arrives unchanged or is refused: pydantic would store 2**53 + 1 as
-        2**53 (found by tests/test_fuzz_config.py)."""
-        if _takes_float(cls.model_fields[info.field_name].annotation):
+        2**53 (found by tests/test_fuzz_config.py). A true/false field takes only true or false, and a number
+        field never does: pydantic would read `"off"` as false and `true` as 1. Text is bounded (MAX_TEXT)."""
+        annotation = cls.model_fields[info.field_name].annotation
+        if _takes_float(annotation):
             _exact_float(value)
+        if annotation in (bool, bool | None) and not isinstance(value, bool) and value is not None:
+            raise ValueError(f"{quoted(value)} is not true or false; write true or false")
+        if isinstance(value, bool) and _takes_number(annotation):
+            raise ValueError(f"{str(value).lower()} is not a number; write the number you mean")
+        if isinstance(value, str) and (len(value) > MAX_TEXT or "\0" in value):
+            raise ValueError(f"{len(value)} characters; at most {MAX_TEXT}" if len(value) > MAX_TEXT
+                             else "holds a NUL character (\\0)")
         return value
 
 
@@ -55,12 +77,21 @@ def _exact_float(value: Any) -> None:
         except OverflowError:
             exact = False
         if not exact:
-            raise ValueError(f"{value} has no exact floating-point value; write the number you mean as a float")
+            raise ValueError(f"{clip(str(value), 40)} has no exact floating-point value; write the number you mean "
+                             "as a float")
 
 
 def _takes_float(annotation: Any) -> bool:
     """True when a type is float, alone or in a union (float | None)."""
     return annotation is float or float in get_args(annotation)
+
+
+def _takes_number(annotation: Any) -> bool:
+    """True when a type is int or float, alone or in a union, and not also bool."""
+    types = {annotation, *get_args(annotation)}
+    return bool(types & {int, float}) and bool not in types
+
+
 
 
 class RunConfig(_Section):
@@ -165,6 +196,49 @@ class DataConfig(_Section):
         "(vlmrl.data.synthetic.DEFAULT_FAMILIES); bar_tallest and polygon_sides are drawn only when named."
     )
     max_items: int | None = Field(None, gt=0, le=10_000_000, description="Cap on source rows read (for quick runs).")
+    contamination: Literal["auto", "near", "exact", "off"] = Field(
+        "auto",
+        description="Training items showing a held-out picture are dropped: `near` copies too (re-encoded, resized, "
+        "brightened: dHash within contamination_max_distance bits, confirmed pixel by pixel), `exact` identical "
+        "pictures only, `off` none (held-out scores then may flatter the model). `auto`: near, but exact for "
+        "`synthetic` (its template figures differ only in small labels). docs/data.md.",
+    )
+    system_prompt: str | None = Field(
+        None, max_length=100_000, description="A system message for every item that has none of its own (a TRL "
+        "conversational `prompt` cell may carry one); None: no system message."
+    )
+    prompt_template: str | None = Field(
+        None, max_length=100_000, description="The user turn's text, `{question}` standing for the question (and its "
+        "choices), instead of the question followed by vlmrl's instruction (EasyR1's format_prompt). Say in it the "
+        "form the contract's rewards read. docs/data.md.",
+    )
+    contamination_max_distance: int = Field(
+        4, ge=0, le=64, description="Near mode: dHash bits (of 64) two pictures may differ by and still be compared "
+        "pixel by pixel as possible copies; 0 compares only pictures of equal hash."
+    )
+
+    @field_validator("columns")
+    @classmethod
+    def _column_roles(cls, value: dict[str, str]) -> dict[str, str]:
+        if unknown := [k for k in value if k not in COLUMN_ROLES]:
+            raise ValueError(f"{', '.join(quoted(k) for k in unknown[:5])} is no column role; the keys are vlmrl's "
+                             f"roles ({', '.join(COLUMN_ROLES)}) and the values your file's column names, e.g. "
+                             "{question: problem, answer: solution}; a reward's own argument names go in that "
+                             "reward's `columns:`")
+        return value
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _has_question(cls, value: str | None) -> str | None:
+        if value is not None and "{question}" not in value:
+            raise ValueError("has no {question}, so no prompt would show the question; put {question} where it goes")
+        return value
+
+    @field_validator("contamination", mode="before")
+    @classmethod
+    def _bare_off(cls, value: Any) -> Any:
+        """YAML reads a bare `off` as false."""
+        return "off" if value is False else value
 
 
 class EvalConfig(_Section):
@@ -211,7 +285,9 @@ class TrainConfig(_Section):
         "gspo", description="`gspo` = sequence-level importance ratio (arXiv:2507.18671); `grpo` = token level."
     )
     loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = Field("dr_grpo", description="TRL loss aggregation.")
-    learning_rate: float = Field(5e-6, gt=0.0, description="Peak learning rate of the LoRA parameters.")
+    learning_rate: float = Field(5e-6, gt=0.0, le=1.0, description="Peak learning rate of the LoRA parameters "
+                                 "(at most 1.0: LoRA's rates are about 1e-6 to 1e-3, and far above them the adapter "
+                                 "blows up in its first step).")
     optim: str = Field(
         "adamw_8bit",
         description="Optimizer; `adamw_8bit` needs bitsandbytes on CUDA and falls back to `adamw_torch` otherwise "
@@ -261,8 +337,10 @@ class TrainConfig(_Section):
     eval_subset: int = Field(32, gt=0, description="Held-out items (the first N) evaluated during training.")
     trl_overrides: dict[str, Any] = Field(
         default_factory=dict,
-        description="GRPOConfig fields passed to TRL as they are; a field vlmrl sets from its own config "
-        "(learning_rate, ...) is refused here: set it in its section. Where unset, vlmrl gives TRL its own values: "
+        description="GRPOConfig fields passed to TRL as they are, each value of its field's type (checked by "
+        "`vlmrl config validate` and `vlmrl run`); a field vlmrl sets itself (learning_rate, save_strategy, "
+        "generation_kwargs, push_to_hub, ...) is refused here, naming what to set instead. Where unset, vlmrl gives "
+        "TRL its own values: "
         "lr_scheduler_type cosine, warmup_ratio 0.0 (a fraction of the steps, TRL's warmup_steps), epsilon 0.2 "
         "(lower clip of the importance ratio), epsilon_high None (= epsilon), beta 0.0 (KL coefficient; 0 skips the "
         "reference model), num_iterations 1 (policy updates per generation batch), logging_steps 1, "
@@ -377,6 +455,24 @@ class RewardSpec(_Section):
         "folder beside the config holding a `module.path`'s package), so the run folder's copy still finds it.",
     )
 
+    @field_validator("weight")
+    @classmethod
+    def _bounded_weight(cls, value: float) -> float:
+        if abs(value) > MAX_WEIGHT:
+            raise ValueError(f"|weight| must be at most {MAX_WEIGHT:g}: the weighted total of the rewards must stay "
+                             "finite (only the ratios between weights matter)")
+        return value
+
+    @field_validator("columns")
+    @classmethod
+    def _not_trl_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for argument, column in value.items():
+            if taken := next((n for n in (argument, column) if n in TRL_REWARD_ARGUMENTS), None):
+                raise ValueError(
+                    f"{{{quoted(argument)}: {quoted(column)}}}: TRL passes `{taken}` to every reward itself; map an "
+                    "argument of your function to a column of the data, e.g. {solution: answer}")
+        return value
+
     @model_validator(mode="after")
     def _one_source(self) -> RewardSpec:
         if (self.name is None) == (self.function is None):
@@ -385,7 +481,7 @@ class RewardSpec(_Section):
             where, sep, attr = self.function.rpartition(":")
             if not sep or not where.strip() or not attr.isidentifier() or "\0" in where:
                 raise ValueError(
-                    f"function {self.function!r}: expected `file.py:name` or `module.path:name`, e.g. "
+                    f"function {quoted(self.function)}: expected `file.py:name` or `module.path:name`, e.g. "
                     "my_rewards.py:shortness."
                 )
         return self

@@ -9,6 +9,6 @@
 - `mapped.py`    any other dataset through `data.columns` (all answer types, several images, extra columns)
 - `values.py`    gold numbers kept exactly as written, cells made JSON-safe, nesting depth
 - `table.py`     the items as the columns of TRL's training dataset (what reward functions receive)
-- `splits.py`    the held-out split and the contamination guard
+- `splits.py`    the held-out split and the contamination guard (sha256, dHash, pixels)
 - `synthetic.py` procedural visual math (`canvas.py`, `charts.py`, `plots.py`, `geometry.py` draw it)
 """

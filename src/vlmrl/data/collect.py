@@ -105,7 +105,7 @@ def _keep(
     """Normalise and store the row's images, check the prompt budget; an Item, or why not."""
     data = config.data
     prompt = build_prompt_text(row.question, answer_type=row.answer_type, choices=row.choices,
-                               contract=config.contract)
+                               contract=config.contract, template=data.prompt_template)
     images = []
     for number, value in enumerate(row.images, start=1):
         try:
@@ -113,7 +113,7 @@ def _keep(
             images.append(normalize_image(opened, size=data.image_size, policy=data.resize))
         except ImageError as exc:
             where = f"image {number} of {len(row.images)}: " if len(row.images) > 1 else ""
-            return Dropped(row.id, exc.reason, where + exc.detail)
+            return Dropped(row.id, exc.reason, where + exc.detail, fix=exc.fix)
     if token_counter is not None:
         try:
             tokens = token_counter(prompt, images)
@@ -150,4 +150,5 @@ def _keep(
         image_sha256=tuple(shas),
         metadata=row.metadata,
         extra=row.extra,
+        system=row.system or data.system_prompt,
     )

@@ -20,10 +20,13 @@ from vlmrl.data.items import Dropped
 
 FIXES = {
     "bad_row": "make each line one JSON object (a CSV row: as many cells as the header)",
-    "bad_encoding": "save the file as UTF-8",
+    "bad_encoding": "save the file as UTF-8 (a lone surrogate such as \\ud800 in JSON is not text either)",
     "too_deeply_nested": "flatten the row (64 levels at most)",
-    "cell_too_large": "shorten the cell, or keep large values out of the CSV",
+    "cell_too_large": "shorten the cell (131,072 characters at most), or keep large values out of the data file",
+    "row_too_large": "keep each line under 8 MiB: store large values (images, documents) as files beside the data",
+    "too_many_columns": "keep the columns the task needs (1,000 at most)",
     "missing_question": "fill the question, or map another column (data.columns.question)",
+    "bad_prompt": "give the prompt one system and one user turn (few-shot turns belong in the user text)",
     "missing_answer": "fill the answer, or map another column (data.columns.answer)",
     "bad_answer": "make the answer text or a number",
     "non_numeric_answer": "fix the answer, or declare its type (data.answer_type or an answer_type column)",
@@ -32,7 +35,7 @@ FIXES = {
     "missing_choices": "map the choices column (data.columns.choices)",
     "bad_choices": "write choices as a JSON or Python list, or set data.choices_separator",
     "answer_not_in_choices": "make the gold answer the text of one of the choices",
-    "missing_image": "map the column holding the image (data.columns.image or images)",
+    "missing_image": "map the column holding the image (data.columns.image or images), or fill it",
     "bad_images": "write the images cell as a JSON list of paths",
     "image_and_images": "keep each row's images in one of the two columns",
     "image_url": "download the image and give its path",
@@ -44,7 +47,9 @@ FIXES = {
     "duplicate_id": "make ids unique (or map no id: rows are then named by file and row)",
     "prompt_too_long": "raise data.max_prompt_tokens, or lower data.image_size",
     "token_count_failed": "see the detail: the model's processor failed on this row",
-    "contaminated_holdout": "nothing: this keeps held-out images out of training",
+    "contaminated_holdout": "nothing if the pictures are copies (this keeps held-out images out of training); for "
+    "distinct pictures, set data.contamination: exact (identical pictures only) or lower "
+    "data.contamination_max_distance",
     "beyond_holdout_size": "raise data.holdout_size to evaluate on more of the held-out split",
 }
 EXAMPLE_CHARS = 160  # an example's detail is cut here in the table (dropped.jsonl keeps it whole)

@@ -8,8 +8,11 @@ A file is measured (stat) before it is read and read no further than `MAX_FILE_B
 file costs nothing either. The pixel check happens after `Image.open` has read only the header and before any
 pixel is decoded, so a decompression bomb (a small file claiming 20000x20000 pixels) costs nothing.
 
-`image_sha256` (exact identity of the stored PNG) and `dhash` (a 64-bit perceptual hash that survives
-re-encoding, small brightness changes and resizing) feed the train/holdout contamination guard.
+`image_sha256` (exact identity of the stored PNG, so of its pixels), `dhash` (a 64-bit perceptual hash that
+survives re-encoding, small brightness changes and resizing) and `pixel_difference` feed the train/holdout
+contamination guard. dHash alone is too coarse for simple drawings (a small circle on white moved elsewhere
+keeps the hash), so a near copy is confirmed pixel by pixel on 32x32 colour thumbnails, each pixel allowed to
+match any of its 8 neighbours (resizing shifts edges by a fraction of a pixel).
 """
 
 from __future__ import annotations
@@ -30,15 +33,19 @@ MAX_FILE_BYTES = 4 * MAX_PIXELS  # an uncompressed 8-bit RGBA picture at the pix
 MIN_SIDE = 2  # zero-size and one-pixel-wide images carry no picture
 PNG_COMPRESS_LEVEL = 3  # smaller files than 1, several times faster than the default 6 on flat charts
 WHITE = (255, 255, 255)
+THUMB_SIDE = 32  # the pixel check's thumbnail side
+PIXEL_TOLERANCE = 48  # levels (of 255) a near copy's thumbnail may differ by; re-encodes and resizes stay well under
 
 
 class ImageError(ValueError):
-    """An image that cannot be used. `reason` is a stable code for dropped.jsonl."""
+    """An image that cannot be used. `reason` is a stable code for dropped.jsonl; `fix`, when set, is this
+    case's own fix (a missing file: put it at its path), shown instead of the reason's usual one."""
 
-    def __init__(self, reason: str, detail: str) -> None:
+    def __init__(self, reason: str, detail: str, fix: str = "") -> None:
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
+        self.fix = fix
 
 
 def open_image(source: Any, *, base_dir: Path | None = None) -> Image.Image:
@@ -205,11 +212,40 @@ def hamming(a: int, b: int) -> int:
     return (a ^ b).bit_count()
 
 
+def thumbnail(img: Image.Image) -> np.ndarray:
+    """The pixel check's view of a picture: THUMB_SIDE x THUMB_SIDE RGB, box-averaged."""  # [S, S, 3]
+    small = img.convert("RGB").resize((THUMB_SIDE, THUMB_SIDE), Image.Resampling.BOX)
+    return np.asarray(small, dtype=np.int16)
+
+
+def pixel_difference(a: np.ndarray, b: np.ndarray) -> int:
+    """The largest difference (levels of 255) between two thumbnails, each pixel compared with the range of
+    the other's 3x3 neighbourhood, both ways: a copy re-encoded or resized differs by little, a moved or
+    refilled shape by its full contrast somewhere.
+
+    >>> white = np.full((32, 32, 3), 255, dtype=np.int16)
+    >>> dot = white.copy(); dot[10, 10] = 0
+    >>> pixel_difference(white, white), pixel_difference(white, dot)
+    (0, 255)
+    """
+    return max(_outside(a, b), _outside(b, a))
+
+
+def _outside(a: np.ndarray, b: np.ndarray) -> int:
+    """How far any pixel of `a` lies outside the range of `b` over its 3x3 neighbourhood."""
+    height, width = b.shape[:2]
+    padded = np.pad(b, ((1, 1), (1, 1), (0, 0)), mode="edge")
+    shifted = np.stack([padded[dy : dy + height, dx : dx + width] for dy in range(3) for dx in range(3)])  # [9, H, W, 3]
+    low, high = shifted.min(axis=0), shifted.max(axis=0)
+    return int(np.maximum(a - high, low - a).max(initial=0))
+
+
 def _read_limited(path: Path) -> bytes:
     """The file's bytes, refused as `too_large` by its size before reading (a 64 GiB sparse file would
     otherwise be read whole) and, should it grow meanwhile, after reading `MAX_FILE_BYTES` + 1 bytes."""
     if not path.is_file():
-        raise ImageError("missing_image", f"no image file at {path}")
+        raise ImageError("missing_image", f"no image file at {path}",
+                         fix=f"the image file {path} is missing: put it there, or correct the row's path")
     size = path.stat().st_size
     if size > MAX_FILE_BYTES:
         raise ImageError("too_large", f"{path} is {size:,} bytes, over {MAX_FILE_BYTES:,}")

@@ -2,7 +2,8 @@
 
 An `Item` is one kept example: the question, the prompt the model sees, the gold answer as a string, how to
 grade it (answer_type, precision, unit, choices), where it came from, its images (one or more, in the row's
-order) as paths inside the run directory plus each one's sha256, and the user's unmapped columns (`extra`).
+order) as paths inside the run directory plus each one's sha256, and the user's columns under their own names
+(`extra`: the unmapped ones, and the mapped ones whose name is not an item field, as TRL would pass them).
 Manifests written before several images per item (`image`/`image_sha256` strings) still read back.
 `Dropped` is one row that did not make it, with a reason code and a human detail.
 
@@ -47,7 +48,8 @@ class Item:
     images: tuple[str, ...]  # paths relative to the run directory, e.g. data/images/<sha256[:16]>.png
     image_sha256: tuple[str, ...]  # one per image, same order
     metadata: dict[str, Any] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)  # the source's unmapped columns, JSON-safe
+    extra: dict[str, Any] = field(default_factory=dict)  # the source's columns by their own names, JSON-safe
+    system: str | None = None  # the system message before `prompt` (the row's own, else data.system_prompt)
 
     @property
     def image(self) -> str:
@@ -81,13 +83,15 @@ class Item:
         record["choices"] = list(self.choices) if self.choices is not None else None
         record["images"] = list(self.images)
         record["image_sha256"] = list(self.image_sha256)
+        if record["system"] is None:  # manifests without a system message read as before
+            del record["system"]
         return record
 
     @classmethod
     def from_json(cls, record: dict[str, Any]) -> Item:
         record = _upgrade(record)
         names = {f.name for f in fields(cls)}
-        missing = sorted(names - set(record) - {"metadata", "extra"})
+        missing = sorted(names - set(record) - {"metadata", "extra", "system"})
         if missing:
             raise ValueError(f"missing field(s) {', '.join(missing)}")
         unknown = sorted(set(record) - names)
@@ -198,6 +202,7 @@ class Candidate:
     images: tuple[Any, ...] = field(repr=False)  # one or more, in the row's order
     base_dir: Path | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    system: str | None = None  # the row's own system message (a conversational prompt's)
 
 
 def read_items(path: Path) -> list[Item]:

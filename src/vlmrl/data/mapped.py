@@ -3,9 +3,14 @@
 `data.columns` maps vlmrl's keys to the file's column names: `question` and `answer` are required, and
 `image` (one image, or a list) and/or `images` (a list, kept in order): a row may have its image(s) in either,
 not in both; `id`, `choices`, `answer_type`, `precision`, `unit` and `category` are optional. An `imagefolder`
-source needs no image mapping: its `file_name` column is the image. Every column that is not mapped is kept,
-JSON-safe, in `Candidate.extra` (reward functions get it). A row's id is its `id` cell, else where it was read
+source needs no image mapping: its `file_name` column is the image. Every column but the image ones is kept,
+JSON-safe and under its own name, in `Candidate.extra`: reward functions get it, as TRL passes every dataset
+column (with `answer: solution`, a reward may take `solution`, the cell as written, or `answer`). A row's id is its `id` cell, else where it was read
 (`train.parquet:12`: file name and row number, the line number for JSONL and CSV).
+
+The question cell may be TRL's conversational prompt, a list of `{"role", "content"}` messages (or its JSON
+text): the user turn's text is the question (`<image>` placeholders and image parts left out: the images come
+from the image column), a system turn is kept as the item's system message; any other turn drops the row.
 
 The answer type of a row: its `answer_type` cell when mapped and non-empty, else `data.answer_type`, else read
 off the gold: a number is `integer` or `float` (from its text: "3.0" is a float with precision 1, a float64
@@ -25,6 +30,7 @@ from typing import Any
 
 from vlmrl.config.schema import DataConfig
 from vlmrl.data.items import ANSWER_TYPES, Candidate, DataError, Dropped
+from vlmrl.data.table import MAPPED
 from vlmrl.data.values import (
     decimals_of,
     integer_text,
@@ -87,7 +93,9 @@ def convert_mapped(
     cols = mapping(data, row)
     cell = {key: row.get(column) for key, column in cols.items()}
     item_id = _id_text(cell.get("id")) or row.get("__where__") or f"{name}-{index}"
-    question = cell["question"]
+    question, system = _conversation(cell["question"])
+    if isinstance(system, Dropped):
+        return Dropped(item_id, system.reason, system.detail)
     if not isinstance(question, str) or not question.replace("<image>", "").strip():
         return Dropped(
             item_id, "missing_question", f"column {cols['question']!r} is missing, empty or not text"
@@ -106,8 +114,9 @@ def convert_mapped(
     metadata: dict[str, Any] = {"row": index, "answer_type_from": typed_by}
     if row.get("__split__"):
         metadata["split"] = row["__split__"]
-    mapped_columns = set(cols.values())
-    extra = {k: json_safe(v) for k, v in row.items() if k not in mapped_columns and not k.startswith("__")}
+    # images: TRL hands them over itself; a column named like an item field: that field is what rewards get
+    skip = {cols[k] for k in ("image", "images") if k in cols} | set(MAPPED)
+    extra = {k: json_safe(v) for k, v in row.items() if k not in skip and not k.startswith("__")}
     return Candidate(
         id=item_id,
         question=question.replace("<image>", "").strip(),
@@ -122,7 +131,43 @@ def convert_mapped(
         images=tuple(images),
         base_dir=row.get("__base_dir__"),
         extra=extra,
+        system=system,
     )
+
+
+def _conversation(cell: Any) -> tuple[Any, str | None | Dropped]:
+    """(question, system message) of a question cell: a TRL conversational prompt gives its user turn's text
+    and its system turn's; any other cell is the question as it is, without a system message.
+
+    >>> _conversation([{"role": "system", "content": "Be brief."},
+    ...                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "How many?"}]}])
+    ('How many?', 'Be brief.')
+    """
+    messages = cell
+    if isinstance(cell, str) and cell.lstrip().startswith("[{"):  # a CSV or JSONL cell holding the list as text
+        try:
+            messages = json.loads(cell)
+        except (json.JSONDecodeError, RecursionError):
+            return cell, None
+    if not (isinstance(messages, list) and messages and all(isinstance(m, dict) and "role" in m for m in messages)):
+        return cell, None
+    texts: dict[str, list[str]] = {"user": [], "system": []}
+    for message in messages:
+        if message["role"] not in texts:
+            return None, Dropped("", "bad_prompt", f"the prompt has a {str(message['role'])[:40]!r} turn; vlmrl keeps "
+                                 "one system and one user turn")
+        texts[message["role"]].append(_message_text(message.get("content")))
+    system = "\n".join(t for t in texts["system"] if t.strip()) or None
+    return "\n".join(t for t in texts["user"] if t.strip()), system
+
+
+def _message_text(content: Any) -> str:
+    """A message's text: its string, or its text parts joined (image parts left out)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(str(p.get("text") or "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return ""
 
 
 def _gold(

@@ -12,7 +12,8 @@ Other datasets (e.g. hiyouga/geometry3k) go through `data.columns` (mapped.py).
 
 Every row that is not kept comes back as a `Dropped` with a reason, so input rows = kept + dropped: a row
 nested too deeply, or one whose cells have types no converter expected, is dropped (`too_deeply_nested`,
-`bad_row`) instead of stopping the stage. Gold numbers keep their digits (values.py), never through float.
+`bad_row`) instead of stopping the stage; so is one with an over-long text cell, too many columns or a lone
+surrogate (`values.cell_problem`). Gold numbers keep their digits (values.py), never through float.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from vlmrl.data.items import Candidate, DataError, Dropped
 from vlmrl.data.mapped import check_columns_seen, check_mapping, convert_mapped
 from vlmrl.data.values import (
     MAX_DEPTH,
+    cell_problem,
     decimals_of,
     depth,
     integer_text,
@@ -56,6 +58,9 @@ def convert_rows(
             continue
         if depth(row) > MAX_DEPTH:
             yield Dropped(where, "too_deeply_nested", f"nested more than {MAX_DEPTH} levels deep")
+            continue
+        if problem := cell_problem(row):  # before anything reads a cell: tokenizers, ids, the manifests
+            yield Dropped(where, *problem)
             continue
         if not checked:  # the first readable row decides the schema
             _check_schema(row, data, name)

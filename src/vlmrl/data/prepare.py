@@ -6,7 +6,7 @@ Steps, in order:
      `data.max_prompt_tokens`), each with a reason; normalise and store every kept image once, by sha256;
   3. choose the holdout (reusing the previous one when the data config is unchanged), from the training split
      or, with `data.holdout_split`, from that split (its items past `data.holdout_size` are dropped);
-  4. remove from train any item any of whose images is (nearly) a holdout item's image;
+  4. remove from train any item any of whose images is (nearly) a holdout item's image (`data.contamination`);
   5. write train.jsonl, holdout.jsonl, dropped.jsonl, then summary.json last (its presence means "complete").
 
 Every input row ends up in exactly one of train, holdout or dropped, and summary.json says so, with the drop
@@ -28,6 +28,7 @@ from vlmrl.common.io import write_json_atomic, write_jsonl_atomic
 from vlmrl.config.schema import Config
 from vlmrl.data.collect import TokenCounter, collect_items
 from vlmrl.data.drops import drop_table
+from vlmrl.data.images import PIXEL_TOLERANCE, THUMB_SIDE, pixel_difference, thumbnail
 from vlmrl.data.items import DataError, Dropped, Item, read_items
 from vlmrl.data.splits import ImageKey, check_no_overlap, choose_holdout, find_contamination
 
@@ -76,7 +77,10 @@ def prepare_data(
     `token_counter(prompt_text, images)` counts a prompt's tokens with the model's processor (image tokens
     included); without one, prompt lengths are not checked and summary.json says so.
     """
+    from vlmrl.run.claim import mark_if_new
+
     data, run_dir = config.data, Path(run_dir)
+    mark_if_new(run_dir)  # a folder the Python API starts is a run folder, as one `vlmrl prepare` starts
     data_dir = run_dir / "data"
     fingerprint = config.data_fingerprint()
     previous_holdout = _previous_holdout(data_dir, fingerprint)
@@ -103,22 +107,25 @@ def prepare_data(
     reused = bool(previous_holdout) and set(previous_holdout) <= holdout_ids
 
     # step 4: no holdout image, nor a near-copy of one, in train
-    near = data.source != "synthetic"  # template figures (a circle labelled r = 7 vs r = 8) share dHashes
+    mode = contamination_mode(config)
     keys = {i.id: [ImageKey(i.id, s, h) for s, h in zip(i.image_sha256, hashes[i.id])] for i in kept}
-    found = find_contamination(
-        [k for i in train for k in keys[i.id]], [k for i in holdout for k in keys[i.id]], near_duplicates=near
+    found = [] if mode == "off" else find_contamination(
+        [k for i in train for k in keys[i.id]], [k for i in holdout for k in keys[i.id]],
+        near_duplicates=mode == "near", max_distance=data.contamination_max_distance,
+        pixels=_stored_pixels(data_dir / "images"),
     )
     found = list({c.train_id: c for c in reversed(found)}.values())[::-1]  # one drop per item: its first image
     dropped += [Dropped(c.train_id, "contaminated_holdout", c.detail()) for c in found]
     contaminated = {c.train_id for c in found}
     train = [i for i in train if i.id not in contaminated]
-    check_no_overlap(train, holdout)
+    check_no_overlap(train, holdout, images=mode != "off")
     _check_trainable(config, data_dir, len(train), len(holdout), dropped)
 
     # step 5: manifests, then the summary last
     summary = _summary(config, fingerprint, train, holdout, dropped, converted)
     summary["holdout"]["reused"] = reused
-    summary["contamination_check"] = "sha256 + dHash <= 4 bits" if near else "sha256 (synthetic figures)"
+    summary["contamination"] = mode
+    summary["contamination_check"] = _contamination_note(config, mode)
     summary["token_budget"] = _budget_note(token_counter is not None, data.max_prompt_tokens)
     write_jsonl_atomic(data_dir / "train.jsonl", (i.to_json() for i in train))
     write_jsonl_atomic(data_dir / "holdout.jsonl", (i.to_json() for i in holdout))
@@ -143,11 +150,53 @@ def prepare_data(
 
 
 def load_prepared(run_dir: Path) -> tuple[list[Item], list[Item]]:
-    """A run's (train, holdout) items, refusing a pair that overlaps (see `check_no_overlap`)."""
+    """A run's (train, holdout) items, refusing a pair that overlaps (see `check_prepared`)."""
     data_dir = Path(run_dir) / "data"
     train, holdout = read_items(data_dir / "train.jsonl"), read_items(data_dir / "holdout.jsonl")
-    check_no_overlap(train, holdout)
+    check_prepared(run_dir, train, holdout)
     return train, holdout
+
+
+def check_prepared(run_dir: Path, train: list[Item], holdout: list[Item]) -> None:
+    """`check_no_overlap` as the run's data were prepared: shared ids always refused, shared images unless
+    prepared with `data.contamination: off` (summary.json says)."""
+    try:
+        mode = json.loads((Path(run_dir) / "data" / "summary.json").read_text()).get("contamination")
+    except (OSError, ValueError, AttributeError):
+        mode = None
+    check_no_overlap(train, holdout, images=mode != "off")
+
+
+def contamination_mode(config: Config) -> str:
+    """`data.contamination` with `auto` resolved: exact for synthetic figures, near for everything else."""
+    mode = config.data.contamination
+    if mode == "auto":  # template figures (a circle labelled r = 7 vs r = 8) differ in a few pixels only
+        return "exact" if config.data.source == "synthetic" else "near"
+    return mode
+
+
+def _contamination_note(config: Config, mode: str) -> str:
+    if mode == "near":
+        return (f"sha256 + dHash <= {config.data.contamination_max_distance} bits, confirmed by pixels "
+                f"({THUMB_SIDE}x{THUMB_SIDE}, within {PIXEL_TOLERANCE} levels)")
+    if mode == "exact":
+        return "sha256 (synthetic figures)" if config.data.source == "synthetic" else "sha256 (data.contamination: exact)"
+    return "off (data.contamination: off): training items may show held-out pictures"
+
+
+def _stored_pixels(images_dir: Path) -> Callable[[str, str], int]:
+    """`images.pixel_difference` of two stored pictures, named by sha256 (thumbnails cached: the pairs the
+    hash picks are few, and a holdout picture is compared again and again)."""
+    from functools import lru_cache
+
+    from PIL import Image
+
+    @lru_cache(maxsize=4096)
+    def thumb(sha: str) -> Any:
+        with Image.open(images_dir / f"{sha[:16]}.png") as img:
+            return thumbnail(img)
+
+    return lambda a, b: pixel_difference(thumb(a), thumb(b))
 
 
 def _set_aside(kept: list[Item], ids: set[str]) -> tuple[list[Item], list[Item]]:
@@ -168,6 +217,10 @@ def _check_enough(config: Config, data_dir: Path, kept: list[Item], dropped: lis
     if kept and (len(kept) > data.holdout_size or data.holdout_split is not None):
         return
     write_jsonl_atomic(data_dir / "dropped.jsonl", (d.to_json() for d in dropped))
+    if not kept and not dropped:
+        split = f" (split {data.split!r})" if data.split else ""
+        raise DataError(f"data.source {data.source!r}{split} has no rows: the file is empty or holds only a header "
+                        "line. Add rows, or point data.source at the data.")
     if not kept:
         raise DataError(
             f"data.source {data.source!r}: all {len(dropped)} rows were dropped. {_top_reasons(dropped)} "

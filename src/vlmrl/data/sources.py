@@ -6,7 +6,10 @@ behind its size guard. Local rows carry `__base_dir__` so relative image paths r
 
 A bad line becomes a row `{"__error__": ..., "__reason__": ...}` that the stage drops with that reason
 (`bad_row`: not JSON or not an object; `bad_encoding`: not UTF-8; `too_deeply_nested`; `cell_too_large`: a
-CSV cell over `MAX_CSV_CELL` characters): it never stops a run.
+CSV cell over `MAX_CELL_CHARS` characters; `row_too_large`: a JSONL line over `MAX_LINE_BYTES`, which is never
+read whole): it never stops a run. Every format's cells are bounded again, after reading, by
+`values.cell_problem`. A source with more than `MAX_COLUMNS` columns (a CSV header, a Parquet or datasets
+schema) is refused in one line before any row is read.
 A UTF-8 byte-order mark is skipped. A file that cannot be read at all (a corrupt Parquet or CSV file) is one
 `DataError` naming the file and the cause. A folder in the Hugging Face `imagefolder` layout is read through
 its `metadata.jsonl`/`metadata.csv` (the `file_name` column names each image, relative to that file).
@@ -34,13 +37,16 @@ from typing import Any
 
 from vlmrl.config.schema import DataConfig
 from vlmrl.data.items import DataError
+from vlmrl.data.values import MAX_CELL_CHARS, MAX_COLUMNS
 
 BATCH = 64
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 ROW_FILES = (".parquet", ".jsonl", ".json", ".csv")
 BOM = b"\xef\xbb\xbf"
 DEFAULT_SPLITS = ("testmini", "train")  # the split read when data.split is unset, the first the source has
-MAX_CSV_CELL = 131_072  # characters: the csv module's own default limit; no question or answer comes near it
+MAX_CSV_CELL = MAX_CELL_CHARS  # the csv module's own default limit
+MAX_LINE_BYTES = 8 * 1024 * 1024  # a JSONL line longer than this is dropped unread (64 cells at the cell limit)
+CHUNK = 1024 * 1024  # bytes read at a time while skipping an over-long line
 
 
 @dataclass
@@ -105,7 +111,7 @@ def _open_file(path: Path) -> RowSource:
         return RowSource(path.stem, _parquet_rows_count(path), _parquet_rows(path))
     if suffix == ".jsonl":
         with path.open("rb") as handle:
-            total = sum(1 for line in handle if line.strip() and line.strip() != BOM)
+            total = sum(1 for _, raw in _bounded_lines(handle) if raw is None or (raw.strip() and raw.strip() != BOM))
         return RowSource(path.stem, total, _jsonl_rows(path))
     if suffix == ".json":
         rows = _json_rows(path)
@@ -163,7 +169,9 @@ def _open_saved(folder: Path, split: str) -> RowSource:
             raise DataError(f"{folder}: no split {split!r} (splits: {', '.join(loaded)}); set data.split "
                             "(and data.holdout_split, to hold out another split).")
         loaded = loaded[split]
+        _check_width(len(loaded.column_names), str(folder))
         return RowSource(folder.name, len(loaded), _dataset_rows(loaded, folder, f"{folder.name}/{split}"), split)
+    _check_width(len(loaded.column_names), str(folder))
     return RowSource(folder.name, len(loaded), _dataset_rows(loaded, folder, folder.name))
 
 
@@ -187,6 +195,7 @@ def _open_hub(repo_id: str, split: str | None) -> RowSource:
             "Check the id and split, your network and HF_TOKEN, or point data.source at a local copy."
         ) from exc
     name = repo_id.split("/")[-1]
+    _check_width(len(loaded.column_names), f"data.source {repo_id!r}")
     return RowSource(name, len(loaded), _dataset_rows(loaded, None, f"{name}/{split}"), split)
 
 
@@ -204,9 +213,33 @@ def _parquet_rows_count(path: Path) -> int:
     import pyarrow.parquet as pq
 
     try:
-        return pq.ParquetFile(path).metadata.num_rows
+        parquet = pq.ParquetFile(path)
+        width, rows = len(parquet.schema_arrow.names), parquet.metadata.num_rows
     except Exception as exc:  # noqa: BLE001  pyarrow raises several types for a damaged file
         raise DataError(f"{path}: not a readable Parquet file ({_one_line(exc)}).") from None
+    _check_width(width, str(path))
+    return rows
+
+
+def _check_width(columns: int, where: str) -> None:
+    """Refuse a source wider than MAX_COLUMNS before a row is read: each row would carry every column."""
+    if columns > MAX_COLUMNS:
+        raise DataError(f"{where}: {columns:,} columns, more than vlmrl reads ({MAX_COLUMNS:,}); keep the columns "
+                        "the task needs (question, answer, image and those your rewards take).")
+
+
+def _bounded_lines(handle: Any) -> Iterator[tuple[int, bytes | None]]:
+    """(line number, the line's bytes) for each line of a binary file; None for a line over MAX_LINE_BYTES,
+    which is skipped a chunk at a time, so no more than MAX_LINE_BYTES of it is ever in memory."""
+    number = 0
+    while raw := handle.readline(MAX_LINE_BYTES + 1):
+        number += 1
+        if len(raw) <= MAX_LINE_BYTES:
+            yield number, raw
+            continue
+        while not raw.endswith(b"\n") and (raw := handle.readline(CHUNK)):
+            pass
+        yield number, None
 
 
 def _parquet_rows(path: Path) -> Iterator[dict[str, Any]]:
@@ -228,7 +261,11 @@ def _parquet_rows(path: Path) -> Iterator[dict[str, Any]]:
 def _jsonl_rows(path: Path) -> Iterator[dict[str, Any]]:
     # Bytes, decoded line by line: one undecodable byte costs its own row, not the file.
     with path.open("rb") as handle:
-        for number, raw in enumerate(handle, start=1):
+        for number, raw in _bounded_lines(handle):
+            if raw is None:
+                yield _error(f"{path.name}:{number}", "row_too_large",
+                             f"a line of more than {MAX_LINE_BYTES:,} bytes (not read)")
+                continue
             if number == 1 and raw.startswith(BOM):
                 raw = raw[len(BOM) :]
             if not raw.strip():
@@ -264,6 +301,8 @@ def _csv_rows(path: Path) -> list[dict[str, Any]]:
     with path.open(encoding="utf-8-sig", errors="surrogateescape", newline="") as handle:
         reader = csv.DictReader(handle)
         try:
+            if reader.fieldnames is not None:  # reads the header line
+                _check_width(len(reader.fieldnames), str(path))
             for record in reader:
                 where = f"{path.name}:{reader.line_num}"
                 longest = max((len(v) for v in (*record.keys(), *record.values()) if isinstance(v, str)), default=0)

@@ -4,7 +4,10 @@ A gold answer never goes through `float`: "12345678901234567890" stays those 20 
 decimals, and a float64 cell (Parquet, hub data) is written back as the shortest text that reads back to the
 same double, with an integral value losing its ".0" (a float64 column turns the gold 3 into 3.0; the data
 meant 3). `json_safe` turns whatever a column holds (bytes, Decimal, dates, NaN, numpy scalars, nesting) into
-plain JSON so a manifest line can always be written; `depth` finds rows nested too deeply to keep.
+plain JSON so a manifest line can always be written; `depth` finds rows nested too deeply to keep, and
+`cell_problem` rows no later step should see: a text cell over `MAX_CELL_CHARS` (a tokenizer given a 200 MB
+question needs tens of GB), more than `MAX_COLUMNS` columns, or a lone surrogate (valid JSON, not writable
+as UTF-8) in a column's name or value.
 Left out: locale number formats ("1.000,5"), fractions and scientific notation in gold answers (those are
 `expression` answers).
 """
@@ -19,6 +22,8 @@ import re
 from typing import Any
 
 MAX_DEPTH = 64  # nesting kept in a row; deeper rows are dropped (`too_deeply_nested`)
+MAX_CELL_CHARS = 131_072  # characters in one text cell (the csv module's own limit); no question comes near it
+MAX_COLUMNS = 1000  # columns of a row; a wider file is refused or its rows dropped (`too_many_columns`)
 _PLAIN = re.compile(r"^[-+]?(\d+(\.\d*)?|\.\d+)$")
 _THOUSANDS = re.compile(r"^[-+]?\d{1,3}(,\d{3})+(\.\d+)?$")
 _WITH_UNIT = re.compile(r"^\$?\s*([-+]?(?:\d+(?:\.\d*)?|\.\d+))\s*[^\d]*$")  # "6cm", "135°", "$4"
@@ -128,6 +133,54 @@ def depth(value: Any, limit: int = MAX_DEPTH) -> int:
                 return deepest
             stack.extend((child, level) for child in (node.values() if isinstance(node, dict) else node))
     return deepest
+
+
+def cell_problem(row: dict[str, Any]) -> tuple[str, str] | None:
+    """(reason, detail) for a row no later step should see, else None; columns named `__...` are vlmrl's own.
+
+    Call it on rows whose `depth` is within MAX_DEPTH. The detail names the column with `ascii()`, so a lone
+    surrogate in it can still be written.
+
+    >>> cell_problem({"q": "x" * (MAX_CELL_CHARS + 1)})
+    ('cell_too_large', "column 'q' holds 131,073 characters (limit 131,072)")
+    >>> cell_problem({"id": "a\\ud800"}), cell_problem({"q": ["ok", {"deep": "fine"}]})
+    (('bad_encoding', "column 'id' holds a lone surrogate ('a\\\\ud800'), not valid Unicode"), None)
+    """
+    names = [k for k in row if not (isinstance(k, str) and k.startswith("__"))]
+    if len(names) > MAX_COLUMNS:
+        return "too_many_columns", f"{len(names):,} columns (limit {MAX_COLUMNS:,})"
+    for name in names:
+        if isinstance(name, str) and not _writable(name):
+            return "bad_encoding", f"the column name {ascii(name)[:80]} holds a lone surrogate, not valid Unicode"
+        stack = [row[name]]
+        while stack:
+            value = stack.pop()
+            if isinstance(value, str):
+                if len(value) > MAX_CELL_CHARS:
+                    return ("cell_too_large",
+                            f"column {ascii(name)[:80]} holds {len(value):,} characters (limit {MAX_CELL_CHARS:,})")
+                if not _writable(value):
+                    return ("bad_encoding",
+                            f"column {ascii(name)[:80]} holds a lone surrogate ({ascii(value)[:80]}), not valid Unicode")
+            elif isinstance(value, dict):
+                for key in value:
+                    if isinstance(key, str) and not _writable(key):
+                        return "bad_encoding", f"column {ascii(name)[:80]} has a key with a lone surrogate"
+                stack.extend(value.values())
+            elif isinstance(value, (list, tuple)):
+                stack.extend(value)
+    return None
+
+
+def _writable(text: str) -> bool:
+    """Whether `text` encodes as UTF-8 (a lone surrogate, valid in JSON, does not)."""
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def json_safe(value: Any) -> Any:

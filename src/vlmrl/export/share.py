@@ -17,6 +17,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from vlmrl.common.stats import finite
 from vlmrl.config.schema import Config
 from vlmrl.models.loading import is_local_only
 from vlmrl.run import layout
@@ -94,8 +95,12 @@ def _results(run_dir: Path) -> str:
     lines = [f"## Held-out results ({comparison['n_paired']} paired items)\n",
              "| metric | before | after | delta | 95% CI of delta |", "|---|---|---|---|---|"]
     for name, m in comparison["metrics"].items():
-        lo, hi = m["delta_ci95"]
-        lines.append(f"| {name} | {m['before']:.3f} | {m['after']:.3f} | {m['delta']:+.3f} | [{lo:+.3f}, {hi:+.3f}] |")
+        if not all(finite(m.get(key)) for key in ("before", "after", "delta")):  # a reward that never scored
+            lines.append(f"| {name} | no values | | | |")
+            continue
+        ci = m.get("delta_ci95") or []
+        shown = f"[{ci[0]:+.3f}, {ci[1]:+.3f}]" if len(ci) == 2 and all(map(finite, ci)) else "–"
+        lines.append(f"| {name} | {m['before']:.3f} | {m['after']:.3f} | {m['delta']:+.3f} | {shown} |")
     return "\n".join(lines) + "\n\nIntervals: paired bootstrap over held-out items (vlmrl compare).\n"
 
 

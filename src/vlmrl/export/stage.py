@@ -55,23 +55,23 @@ def export_adapter(config: Config, run_dir: Path, *, source: Path | None = None)
 
     chosen = _chosen_checkpoint(config, run_dir) if source is None else {"choice": "given", "source": str(source)}
     source = Path(chosen["source"])
-    if problem := adapter_base_problem(source, config.model.name, run_dir):
+    if problem := adapter_base_problem(source, config.model.name, run_dir, config.run.seed):
         raise ExportError(problem)
     out = run_dir / layout.ADAPTER
-    trained = load_with_adapter(config.model, run_dir, source)
+    trained = load_with_adapter(config.model, run_dir, source, config.run.seed)
     if out.exists():
         shutil.rmtree(out)
     trained.model.save_pretrained(str(out))
     match_umask(out)  # safetensors writes the weights 0600
     if (source / BASE_RECORD).is_file():
         shutil.copyfile(source / BASE_RECORD, out / BASE_RECORD)
-    checks = verify_adapter_weights(out)
-    expected_base = resolve_model_source(config.model.name, run_dir)
-    checks.append(check_base_model(out, config.model.name, run_dir))
+    checks = verify_adapter_weights(out, untrained=_reward_never_varied(run_dir))
+    expected_base = resolve_model_source(config.model.name, run_dir, config.run.seed)
+    checks.append(check_base_model(out, config.model.name, run_dir, config.run.seed))
 
     items = _probe_items(run_dir)
     reference = em.logits(trained, run_dir, items[0])
-    reloaded = load_with_adapter(config.model, run_dir, out)
+    reloaded = load_with_adapter(config.model, run_dir, out, config.run.seed)
     diff = (reference - em.logits(reloaded, run_dir, items[0])).abs().max().item()
     checks.append(Check("reload_reproduces_logits", diff <= em.LOGITS_ATOL, diff,
                         f"max |logit difference| on item {items[0]['id']}, tolerance {em.LOGITS_ATOL}"))
@@ -129,8 +129,17 @@ def push_to_hub(run_dir: Path, repo_id: str, *, private: bool, folder: str = "ad
         raise ExportError(f"upload to {repo_id} failed: {first} (a token: `hf auth login` or $HF_TOKEN)") from None
 
 
-def verify_adapter_weights(adapter_dir: Path) -> list[Check]:
-    """Non-zero B and finite A/B, read from the saved safetensors file."""
+def _reward_never_varied(run_dir: Path) -> bool:
+    """The training said no reward varied (train/summary.json), so an adapter unchanged from its start is expected."""
+    try:
+        return json.loads((run_dir / layout.TRAIN_SUMMARY).read_text()).get("reward_never_varied") is True
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def verify_adapter_weights(adapter_dir: Path, *, untrained: bool = False) -> list[Check]:
+    """Non-zero B and finite A/B, read from the saved safetensors file. `untrained`: the training said no reward
+    varied, so an all-zero B is the expected untrained adapter, said as such (skipped), not a failure."""
     from safetensors.torch import load_file
 
     path = adapter_dir / "adapter_model.safetensors"
@@ -140,6 +149,11 @@ def verify_adapter_weights(adapter_dir: Path) -> list[Check]:
     b_mats = {k: v for k, v in tensors.items() if "lora_B" in k}
     zero_b = sorted(k for k, v in b_mats.items() if not torch.any(v != 0))
     non_finite = sorted(k for k, v in tensors.items() if "lora_" in k and not torch.isfinite(v).all())
+    if untrained and b_mats and len(zero_b) == len(b_mats):
+        unchanged = Check("lora_b_nonzero", None, f"0/{len(b_mats)}", "the adapter is unchanged from its "
+                          "initialisation (every B is zero): no reward varied in training (train/summary.json)")
+        return [unchanged, Check("lora_finite", not non_finite, len(non_finite),
+                                 "all A/B values finite" if not non_finite else "non-finite: " + ", ".join(non_finite[:5]))]
     return [
         Check("lora_b_nonzero", bool(b_mats) and not zero_b, f"{len(b_mats) - len(zero_b)}/{len(b_mats)}",
               ("zero B (never trained): " + ", ".join(zero_b[:5])) if zero_b else "every B matrix has non-zero entries"),
@@ -148,9 +162,9 @@ def verify_adapter_weights(adapter_dir: Path) -> list[Check]:
     ]
 
 
-def check_base_model(adapter_dir: Path, model_name: str, run_dir: Path | None = None) -> Check:
+def check_base_model(adapter_dir: Path, model_name: str, run_dir: Path | None = None, seed: int = 0) -> Check:
     """The exported adapter belongs on the configured base (`vlmrl.models.loading.adapter_base_problem`)."""
-    problem = adapter_base_problem(adapter_dir, model_name, run_dir)
+    problem = adapter_base_problem(adapter_dir, model_name, run_dir, seed)
     recorded = json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
     if recorded and run_dir is not None:  # a base inside the run (a tiny model): relative, as every path stored
         recorded = relative_to_run(recorded, run_dir)

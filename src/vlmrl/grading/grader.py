@@ -10,6 +10,8 @@ Three jobs live here because all decide whether an answer is right:
   ``$30^\\circ$``, ``50%``) and compare it with the gold answer at the gold answer's own precision: only
   short texts are considered (a 1 MB "number" is not one number), and every regex is anchored and free of
   nested quantifiers. An integer gold is compared exactly, whatever its number of digits.
+* ``latex_plain`` reads away the LaTeX that only dresses an answer (``\\text{Paris}``, ``\\textbf{B}``, ``{4}``,
+  ``1{,}000``, ``140^\\circ``), as math-verify does, before numbers, choices and text are compared.
 * ``normalize_mathvista`` / ``mathvista_correct`` reproduce MathVista's official
   ``normalize_extracted_answer`` and ``safe_equal`` (evaluation/calculate_score.py) so our benchmark numbers
   are comparable with published ones. They are checked row by row against an oracle computed with the
@@ -84,6 +86,10 @@ def grade(
         raise ValueError(f"answer_type must be one of {', '.join(ANSWER_TYPES)}, got {answer_type!r}")
     if not isinstance(prediction, str) or not isinstance(gold, str):
         return False
+    if answer_type in ("choice", "text"):  # numbers read it in parse_number, math-verify in expressions
+        prediction, gold = latex_plain(prediction), latex_plain(gold)
+        if choices is not None and not isinstance(choices, str):
+            choices = [latex_plain(c) if isinstance(c, str) else c for c in choices]
     if answer_type == "integer":
         return numeric_equal(prediction, gold)
     if answer_type == "float":
@@ -93,6 +99,48 @@ def grade(
     if answer_type == "expression":
         return expression_equal(prediction, gold)
     return text_equal(prediction, gold)
+
+
+# LaTeX that dresses an answer without changing it (math-verify, behind TRL's accuracy_reward, reads it away too):
+# text and font commands around plain text, the degree written `^\circ`, the thousands separator `{,}`, the
+# LaTeX space `\ ` before a unit.
+_STYLED_RE = re.compile(r"\\(?:text(?:bf|it|rm|sf|normal)?|math(?:bf|rm|it|sf)|mbox|operatorname)\s*\{([^{}]*)\}")
+_DEGREE_RE = re.compile(r"\^\s*\{\s*\\(?:circ|degree)\s*\}|\^\s*\\(?:circ|degree)|\\(?:circ|degree)\b")
+_PLAIN_PASSES = 8  # nested commands peeled per call (`\textbf{\text{B}}` takes two)
+
+
+def latex_plain(text: str) -> str:
+    r"""``text`` with the LaTeX that only dresses an answer read away: ``\text{}``, ``\textbf{}``, ``\mathbf{}``,
+    ``\mathrm{}`` and their kin around plain text, braces around the whole answer, ``{,}`` as ``,``,
+    ``^\circ`` / ``\degree`` as ``°``, ``\ `` as a space. Texts over ``MAX_TEXT_CHARS`` are left as they are
+    (no answer that long is right).
+
+    >>> latex_plain("\\text{Paris}"), latex_plain("\\textbf{\\text{B}}"), latex_plain("{4}"), latex_plain("1{,}000")
+    ('Paris', 'B', '4', '1,000')
+    >>> latex_plain("140^\\circ"), latex_plain("4\\ \\text{apples}"), latex_plain("\\frac{1}{2}")
+    ('140°', '4 apples', '\\frac{1}{2}')
+    """
+    if len(text) > MAX_TEXT_CHARS or ("\\" not in text and "{" not in text):
+        return text
+    text = _DEGREE_RE.sub("°", text.replace("{,}", ",").replace("\\ ", " "))
+    for _ in range(_PLAIN_PASSES):
+        peeled = _outer_group(_STYLED_RE.sub(r"\1", text).strip())
+        if peeled == text:
+            break
+        text = peeled
+    return text
+
+
+def _outer_group(text: str) -> str:
+    r"""``{...}`` around the whole text, peeled once: ``{4}`` -> ``4``; ``{1}{2}`` and ``\{1\}`` stay."""
+    if not (text.startswith("{") and text.endswith("}")):
+        return text
+    depth = 0
+    for position, char in enumerate(text):
+        depth += {"{": 1, "}": -1}.get(char, 0)
+        if depth == 0:
+            return text[1:-1].strip() if position == len(text) - 1 else text
+    return text
 
 
 _TRAILING = ".,;:!? "
@@ -248,7 +296,7 @@ def _parse_exact(text: str) -> Fraction | None:
     """The exact value of the one number in ``text`` (exact so that rounding 2.675 is not a float accident)."""
     if not isinstance(text, str) or len(text) > MAX_NUMBER_CHARS:
         return None
-    core = _unwrap(_strip_unit(_unwrap(text)))
+    core = _number_core(text)
     frac = _FRAC_RE.fullmatch(core)
     if frac:
         return _ratio(frac["num"], frac["den"], negate=frac["sign"] in ("-", "\u2212"))
@@ -256,6 +304,11 @@ def _parse_exact(text: str) -> Fraction | None:
         numerator, denominator = core.split("/")
         return _ratio(numerator, denominator, negate=False)
     return _parse_plain(core)
+
+
+def _number_core(text: str) -> str:
+    """The number's own text: wrappers, its LaTeX dress (``latex_plain``) and one trailing unit taken away."""
+    return _unwrap(_strip_unit(_unwrap(latex_plain(_unwrap(text)))))
 
 
 def _unwrap(text: str) -> str:
@@ -311,7 +364,7 @@ def _parse_plain(text: str) -> Fraction | None:
 
 def _decimals_written(gold: str) -> int:
     """How many decimals the gold answer states (``12.50`` -> 2, ``1.5e3`` -> 0, ``1/3`` -> 0)."""
-    match = _PLAIN_RE.fullmatch(_unwrap(_strip_unit(_unwrap(gold))))
+    match = _PLAIN_RE.fullmatch(_number_core(gold))
     if not match:
         return 0
     value = Decimal(match["mantissa"].replace(",", "")).scaleb(int(match["exp"] or 0), context=_EXACT)

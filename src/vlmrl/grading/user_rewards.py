@@ -3,12 +3,15 @@
 `load_rewards(config)` turns the `rewards:` list into `Reward`s (name, weight, a guarded TRL-style callable),
 refusing with one line a function that cannot be imported, is not callable or has a signature TRL could not
 call (every argument comes by keyword, so `**kwargs` is needed; `completion_ids`-only and async functions are
-fine). A reward's `columns` hands it dataset columns under its own argument names (`solution: answer` for
+fine). A reward file is imported once per process and version of the file, within the entry's `timeout_s`
+(`reward_call.bounded_import`): a hang, any exception or `os._exit()` at import is one line too. A reward's
+`columns` hands it dataset columns under its own argument names (`solution: answer` for
 `trl.rewards.accuracy_reward`). `check_rewards` calls every reward once on real held-out items, with the
 keyword arguments TRL passes (`trainer_state` a state at step 0), so a function that raises, returns the
 wrong length or non-numbers fails before any training or evaluation rather than mid-run; a reward that gives
 a correct, well-formed completion no more than an empty one is one warning naming the contract it seems to
-expect. The guard stays on during training: a reward that fails later is one line too.
+expect, once per run, and none for a reward whose scores only follow the completions' length. The guard
+stays on during training: a reward that fails later is one line too.
 
 A reward's name is its function's `__name__` (TRL names its log columns `rewards/<name>/mean` after it):
 `format_reward` and `correctness_reward` for the built-ins. Left out: reward models (TRL takes them; vlmrl's
@@ -22,7 +25,9 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
+import itertools
 import logging
+import math
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -34,7 +39,7 @@ from typing import Any
 from vlmrl.config.schema import Config, RewardSpec
 from vlmrl.contract import CONTRACTS, render_answer
 from vlmrl.grading import rewards as builtin_rewards
-from vlmrl.grading.reward_call import RewardError, call_reward
+from vlmrl.grading.reward_call import RewardError, bounded_import, call_reward
 from vlmrl.run.layout import reward_source_file, rewards_fingerprint  # noqa: F401 (rewards_fingerprint: re-exported)
 
 # Names that already are before/after metrics or record fields; a user reward with one would overwrite it.
@@ -105,24 +110,33 @@ def call_rewards(
 
 
 def weighted_total(values: dict[str, float | None], loaded: Sequence[Reward]) -> float:
-    """Sum of weight x value over the rewards that scored (None = this reward skips the item, as in TRL).
+    """Sum of weight x value over the rewards that scored (None = this reward skips the item, as in TRL);
+    RewardError when it is not a finite number (a check after summing; each value is within +-MAX_REWARD).
 
     >>> weighted_total({"a": 1.0, "b": None}, [Reward("a", 0.5, print, ""), Reward("b", 2.0, print, "")])
     0.5
     """
-    return sum(r.weight * values[r.name] for r in loaded if values.get(r.name) is not None)
+    scored = [r for r in loaded if values.get(r.name) is not None]
+    total = sum(r.weight * values[r.name] for r in scored)
+    if not math.isfinite(total):
+        terms = " + ".join(f"{r.weight:g} x {values[r.name]:g} ({r.name})" for r in scored)
+        raise RewardError(f"the weighted total of the rewards, {terms}, is {total:g}, not a finite number; lower "
+                          "the weights.")
+    return total
 
 
 PROBES = ("well_formed", "empty", "untagged", "other_contract")  # the check's fake completions, per item
 
 
 def check_rewards(loaded: Sequence[Reward], items: Sequence[dict], columns: Sequence[dict], images: Sequence[Any],
-                  *, contract: str = "seed") -> dict[str, dict[str, float | None]]:
+                  *, contract: str = "seed", run: str | None = None) -> dict[str, dict[str, float | None]]:
     """Call every reward once on real held-out items with four fake completions each (`PROBES`: a correct,
     well-formed answer under `contract`, an empty string, untagged text, and the same answer well-formed
     under the other contract); raises RewardError on the first failure. Returns each reward's mean per probe
     (None where it scored nothing) and warns, one line each, about a reward that gives the well-formed answer
-    no more than the empty completion."""
+    no more than the empty completion, unless its scores only follow the completions' length (a length reward
+    does so by design); given `run` (its folder), a warning is said once per run in this process (the baseline,
+    training and the final evaluation each check)."""
     if not items:
         return {}
     _check_arguments(loaded, columns[0])
@@ -138,10 +152,32 @@ def check_rewards(loaded: Sequence[Reward], items: Sequence[dict], columns: Sequ
     values = call_rewards(loaded, prompts, completions, rows)
     means = {name: {probe: _mean(scores[k::len(PROBES)]) for k, probe in enumerate(PROBES)}
              for name, scores in values.items()}
+    lengths = {probe: sum(map(len, completions[k::len(PROBES)])) for k, probe in enumerate(PROBES)}
     for reward in loaded:
-        if warning := _unrewarded(reward, means[reward.name], contract, other):
+        warning = _unrewarded(reward, means[reward.name], contract, other)
+        if warning and not _by_length(means[reward.name], lengths) and (run, warning) not in _WARNED:
             log.warning(warning)
+            if run is not None:
+                _WARNED.add((run, warning))
     return means
+
+
+_WARNED: set[tuple[str, str]] = set()  # (run folder, warning) already said by this process
+
+
+def _by_length(means: dict[str, float | None], lengths: dict[str, int]) -> bool:
+    """Whether a reward's probe scores only follow the probes' lengths, shorter scoring higher and not all equal:
+    a length reward, for which a well-formed answer scoring below an empty one is the design.
+
+    >>> _by_length({"a": 1.0, "b": 0.5, "c": 0.0}, {"a": 0, "b": 14, "c": 40})
+    True
+    >>> _by_length({"a": 0.0, "b": 0.0, "c": 0.0}, {"a": 0, "b": 14, "c": 40})  # flat: it reads nothing
+    False
+    """
+    if any(value is None for value in means.values()):
+        return False
+    ordered = [means[probe] for probe in sorted(means, key=lengths.__getitem__)]
+    return ordered[0] > ordered[-1] and all(a >= b for a, b in itertools.pairwise(ordered))
 
 
 def _check_arguments(loaded: Sequence[Reward], columns: dict) -> None:
@@ -154,6 +190,17 @@ def _check_arguments(loaded: Sequence[Reward], columns: dict) -> None:
                 f"{reward.label}: {reward.name} takes {', '.join(map(repr, missing))}, which is no column of the "
                 f"data (columns: {', '.join(sorted(columns))}); give it one under that name with this reward's "
                 f"`columns`, e.g. columns: {{{missing[0]}: answer}}.")
+
+
+def check_data_columns(config: Config, loaded: Sequence[Reward]) -> None:
+    """`vlmrl config validate`'s form of the check `check_rewards` makes on prepared items: every argument a
+    reward requires is one TRL passes or a column the data will give (`vlmrl.data.table.expected_columns`;
+    skipped where that cannot be told before preparing). Raises RewardError."""
+    from vlmrl.data.table import expected_columns
+
+    names = expected_columns(config.data)
+    if names is not None:
+        _check_arguments(loaded, dict.fromkeys(names))
 
 
 def _unrewarded(reward: Reward, means: dict[str, float | None], contract: str, other: str) -> str | None:
@@ -208,33 +255,72 @@ def _import_function(spec: RewardSpec, label: str) -> Callable[..., Any]:
         path = Path(spec.resolved or spec.file)
         if not _is_file(path):
             raise RewardError(f"{label}: no such file {path} (a reward file is found relative to the config file).")
-        module_name = f"vlmrl_user_rewards_{hashlib.sha256(str(path).encode()).hexdigest()[:12]}"
-        try:
-            module_spec = importlib.util.spec_from_file_location(module_name, path)
-            module = importlib.util.module_from_spec(module_spec)  # type: ignore[arg-type]
-            sys.modules[module_name] = module
-            module_spec.loader.exec_module(module)  # type: ignore[union-attr]
-        except (Exception, SystemExit) as exc:  # noqa: BLE001  the user's file (sys.exit() too): its error, not ours
-            sys.modules.pop(module_name, None)
-            if isinstance(exc, ImportError) and (dotted := _package_module(path)):
-                raise RewardError(
-                    f"{label}: {path} belongs to the package {dotted.split('.')[0]!r} and imports from it; name it "
-                    f"as a module instead: `function: {dotted}:{attr}` (its package beside the config file or on "
-                    "PYTHONPATH).") from None
-            raise RewardError(f"{label}: importing {path} failed: {_one_line(exc, path)}") from None
+        module = _file_module(path, attr, label, spec.timeout_s)
     else:
         if spec.resolved and spec.resolved not in sys.path:  # the package beside the config file
             sys.path.append(spec.resolved)
-        try:
-            module = importlib.import_module(where)
-        except (Exception, SystemExit) as exc:  # noqa: BLE001  sys.exit() at import too
-            raise RewardError(f"{label}: importing module {where!r} failed: {_one_line(exc)}") from None
+        module = _named_module(where, label, spec.timeout_s)
     if not hasattr(module, attr):
         raise RewardError(f"{label}: {where} has no {attr!r}.")
     fn = getattr(module, attr)
     if not callable(fn):
         raise RewardError(f"{label}: {where}:{attr} is a {type(fn).__name__}, not a function.")
     return fn
+
+
+# A reward file's module (or why it cannot be imported) per (path, sha256 of its bytes): a process imports each
+# version of a file once, however many stages load the rewards; a changed file is imported again.
+_IMPORTED: dict[tuple[str, str], Any] = {}
+
+
+def _file_module(path: Path, attr: str, label: str, timeout_s: float | None) -> Any:
+    key = (str(path.resolve()), hashlib.sha256(path.read_bytes()).hexdigest())
+    if key not in _IMPORTED:
+        _IMPORTED[key] = _import_file(path, attr, label, timeout_s)
+    if isinstance(_IMPORTED[key], RewardError):
+        raise _IMPORTED[key]
+    return _IMPORTED[key]
+
+
+def _import_file(path: Path, attr: str, label: str, timeout_s: float | None) -> Any:
+    """The module of `path`, or the RewardError that says why not (kept: the same file fails the same way)."""
+    module_name = f"vlmrl_user_rewards_{hashlib.sha256(str(path).encode()).hexdigest()[:12]}"
+
+    def load() -> Any:
+        module_spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(module_spec)  # type: ignore[arg-type]
+        sys.modules[module_name] = module
+        module_spec.loader.exec_module(module)  # type: ignore[union-attr]
+        return module
+
+    try:
+        module, exc = bounded_import(load, f"{label}: importing {path}", timeout_s)
+    except RewardError as late:
+        sys.modules.pop(module_name, None)
+        return late
+    if exc is not None:  # the user's file (sys.exit(), GeneratorExit too): its error, not ours
+        sys.modules.pop(module_name, None)
+        if isinstance(exc, ImportError) and (dotted := _package_module(path)):
+            return RewardError(
+                f"{label}: {path} belongs to the package {dotted.split('.')[0]!r} and imports from it; name it "
+                f"as a module instead: `function: {dotted}:{attr}` (its package beside the config file or on "
+                "PYTHONPATH).")
+        return RewardError(f"{label}: importing {path} failed: {_one_line(exc, path)}")
+    return module
+
+
+def _named_module(where: str, label: str, timeout_s: float | None) -> Any:
+    if isinstance(_IMPORTED.get(("module", where)), RewardError):  # it timed out: its import lock is still held
+        raise _IMPORTED[("module", where)]
+    try:
+        module, exc = bounded_import(lambda: importlib.import_module(where), f"{label}: importing module {where!r}",
+                                     timeout_s)
+    except RewardError as late:
+        _IMPORTED[("module", where)] = late
+        raise
+    if exc is not None:  # sys.exit() at import too
+        raise RewardError(f"{label}: importing module {where!r} failed: {_one_line(exc)}")
+    return module
 
 
 def _check_signature(fn: Callable[..., Any], label: str) -> tuple[str, ...]:
@@ -339,7 +425,7 @@ def reward_check(config: Config, run_dir: Path, *, items: int = 4) -> tuple[list
     rows = read_jsonl(run_dir / "data" / "holdout.jsonl")[:items]
     images = [open_record_images(run_dir, row) for row in rows]
     columns = [item_columns(row, image) for row, image in zip(rows, images)]
-    return loaded, check_rewards(loaded, rows, columns, images, contract=config.contract)
+    return loaded, check_rewards(loaded, rows, columns, images, contract=config.contract, run=str(run_dir.resolve()))
 
 
 def item_columns(row: dict, image: Any = None) -> dict[str, Any]:

@@ -54,8 +54,9 @@ class LoadedModel:
         return next(self.model.parameters()).device
 
 
-def resolve_model_source(name: str, run_dir: Path | None = None) -> str:
-    """Turn `tiny:<arch>` / `demo-policy` into a folder (building it offline once); anything else is unchanged."""
+def resolve_model_source(name: str, run_dir: Path | None = None, seed: int = 0) -> str:
+    """Turn `tiny:<arch>` / `demo-policy` into a folder (building it offline once; a demo policy's build is
+    seeded by the run's `seed`); anything else is unchanged."""
     if name.startswith("tiny:"):
         from vlmrl.models.tiny import TINY_ARCHS, build_tiny_model
 
@@ -67,9 +68,9 @@ def resolve_model_source(name: str, run_dir: Path | None = None) -> str:
             build_tiny_model(arch, folder, seed=0)
         return str(folder.resolve())
     if name in DEMO_POLICIES:
-        from vlmrl.models.demo import RECIPES, ensure_demo_policy
+        from vlmrl.models.demo import ensure_demo_policy, recipe_for
 
-        return str(ensure_demo_policy(RECIPES[name]))
+        return str(ensure_demo_policy(recipe_for(name, seed)))
     return name
 
 
@@ -86,12 +87,14 @@ def choose_backend(config: ModelConfig) -> str:
     return config.backend
 
 
-def load_model(config: ModelConfig, run_dir: Path | None = None, *, for_training: bool = False) -> LoadedModel:
-    """Load the base model and processor as configured (no adapter)."""
+def load_model(config: ModelConfig, run_dir: Path | None = None, *, for_training: bool = False,
+               seed: int = 0) -> LoadedModel:
+    """Load the base model and processor as configured (no adapter); `seed` is the run's (a demo policy's
+    build follows it)."""
     if config.load_in_4bit and (reason := four_bit_unsupported_reason()):
         raise ModelLoadError(f"model.load_in_4bit=true cannot work here: {reason}.")
     backend = choose_backend(config)  # before resolving: a wrong backend should not cost a build or download
-    source = resolve_model_source(config.name, run_dir)
+    source = resolve_model_source(config.name, run_dir, seed)
     family = detect_family(source)
     if backend == "unsloth":
         model, processor = _load_unsloth(config, source)
@@ -116,16 +119,65 @@ def base_identity(config_name: str, source: str) -> dict:
     return {"model_name": config_name, "config_sha256": digest}
 
 
-def adapter_base_problem(adapter: Path, model_name: str, run_dir: Path | None = None) -> str | None:
-    """Why `adapter` does not belong on the base `model_name` names (None when it does): no adapter there, or
-    trained on another base. `vlmrl train` records the base exactly (`vlmrl_base.json`: the name and a hash of
-    its config.json); an adapter without that record is matched by PEFT's `base_model_name_or_path`, where a
-    run folder copied or moved elsewhere keeps the same folder name."""
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # PEFT's weights file, beside its adapter_config.json
+
+
+def adapter_files_problem(folder: Path, *, require_weights: bool = True) -> str | None:
+    """Why the adapter saved in `folder` cannot be trusted (None when it can): `adapter_config.json` must parse
+    as a JSON object and `adapter_model.safetensors` be whole (its header parses and the file is as long as the
+    header says; absent, it is a problem only when `require_weights`). Nothing is loaded: a save cut short by a
+    kill or a full disk is found before a load trips on it. A folder holding PEFT's older `adapter_model.bin`
+    instead is not checked beyond its config."""
+    config = folder / "adapter_config.json"
+    try:
+        parsed = json.loads(config.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return f"{config.name} missing"
+    except (OSError, ValueError) as exc:
+        return f"{config.name} is not valid JSON ({str(exc).splitlines()[0]})"
+    if not isinstance(parsed, dict):
+        return f"{config.name} is not a JSON object"
+    weights = folder / ADAPTER_WEIGHTS
+    if not weights.exists() and ((folder / "adapter_model.bin").exists() or not require_weights):
+        return None
+    return safetensors_problem(weights)
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """Why the safetensors file `path` is not whole (None when it is), from its header alone: 8 bytes of header
+    length, the JSON header, then the tensors' bytes up to the largest end offset the header names."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            head = f.read(8)
+            length = int.from_bytes(head, "little") if len(head) == 8 else None
+            if length is None or length > size - 8:
+                return f"{path.name} is truncated ({size} bytes: its header is cut off)"
+            header = json.loads(f.read(length))
+        ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
+    except FileNotFoundError:
+        return f"{path.name} missing"
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+        return f"{path.name} has an unreadable header ({type(exc).__name__})"
+    need = 8 + length + max(ends, default=0)
+    if size < need:
+        return f"{path.name} is truncated ({size} bytes; its header describes {need})"
+    return None
+
+
+def adapter_base_problem(adapter: Path, model_name: str, run_dir: Path | None = None, seed: int = 0) -> str | None:
+    """Why `adapter` does not belong on the base `model_name` names (None when it does): no adapter there, a
+    damaged one (`adapter_files_problem`), or one trained on another base. `vlmrl train` records the base exactly
+    (`vlmrl_base.json`: the name and a hash of its config.json); an adapter without that record is matched by
+    PEFT's `base_model_name_or_path`, where a run folder copied or moved elsewhere keeps the same folder name."""
     adapter_config = adapter / "adapter_config.json"
     if not adapter_config.is_file():
         return f"{adapter}: no adapter here (adapter_config.json missing); train first or pass --adapter DIR."
+    if damage := adapter_files_problem(adapter, require_weights=False):  # missing weights: PEFT says so itself
+        return (f"{adapter}: damaged adapter ({damage}); if it is a run's train/final, `vlmrl train` or `vlmrl run` "
+                "rebuilds it from the last good checkpoint.")
     recorded = json.loads(adapter_config.read_text()).get("base_model_name_or_path")
-    expected = resolve_model_source(model_name, run_dir)
+    expected = resolve_model_source(model_name, run_dir, seed)
     identity_file = adapter / BASE_RECORD
     if identity_file.is_file():  # exact, and independent of where the run lives
         trained_on = json.loads(identity_file.read_text())
@@ -211,9 +263,9 @@ def nf4_config(compute_dtype: torch.dtype) -> Any:
     )
 
 
-def load_with_adapter(config: ModelConfig, run_dir: Path | None, adapter: Path | None) -> LoadedModel:
+def load_with_adapter(config: ModelConfig, run_dir: Path | None, adapter: Path | None, seed: int = 0) -> LoadedModel:
     """The base model with a saved LoRA adapter on top (or none), in eval mode."""
-    loaded = load_model(config, run_dir)
+    loaded = load_model(config, run_dir, seed=seed)
     if adapter is not None:
         from peft import PeftModel
 

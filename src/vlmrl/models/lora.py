@@ -58,8 +58,19 @@ def target_modules_regex(config: LoraConfig) -> str:
     return language
 
 
+def seed_all(seed: int) -> None:
+    """Seed every generator a model build or a training draws from: Python's, NumPy's and torch's on every
+    device (transformers' `set_seed`). PEFT draws LoRA's A matrices from torch's global generator."""
+    from transformers import set_seed
+
+    set_seed(seed)
+
+
 def apply_lora(model: Any, config: LoraConfig, *, backend: str = "transformers", seed: int = 0) -> tuple[Any, LoraReport]:
-    """Wrap `model` with LoRA as configured and verify the layout. Returns the PEFT model and its report."""
+    """Wrap `model` with LoRA as configured and verify the layout. Returns the PEFT model and its report. The
+    initialisation is drawn from `seed` (run.seed) on either backend: the same seed gives the same adapter, bit
+    for bit."""
+    seed_all(seed)  # PEFT's path has no seed argument; Unsloth's gets random_state too
     if backend == "unsloth":
         from unsloth import FastVisionModel
 

@@ -20,6 +20,6 @@ Left out on purpose: computing statistics (that is `compare.py`'s job; the repor
 full-size images (96 px thumbnails keep a 100-item report well under a few megabytes).
 """
 
-from vlmrl.report.page import build_report, write_report
+from vlmrl.report.page import build_report, is_current, write_report
 
-__all__ = ["build_report", "write_report"]
+__all__ = ["build_report", "is_current", "write_report"]

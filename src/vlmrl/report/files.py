@@ -43,6 +43,11 @@ class RunFiles:
     def text(self, name: str) -> str | None:
         return self._read(name, lambda path: path.read_text(encoding="utf-8", errors="replace"))
 
+    @property
+    def read(self) -> list[str]:
+        """The names the page asked for (found or not): its inputs."""
+        return list(self._cache)
+
     def _read(self, name: str, reader: Callable[[Path], Any]) -> Any:
         if name not in self._cache:
             self._cache[name] = None

@@ -3,12 +3,17 @@
 What lives here: the section order, the header (navigation, input-file inventory), the inline CSS and the one
 inline script (sample filtering), and the Content-Security-Policy that pins that script by its hash. Left out:
 the sections' content (`sections`, `samples`, `visual`) and any external asset.
+
+The page names its inputs: a `vlmrl-inputs` meta tag holds the hash of every run-folder file it read (`-` for
+one that was absent), so `is_current` tells whether a later command (an export, a comparison) changed what
+it shows.
 """
 
 from __future__ import annotations
 
 import base64
 import hashlib
+import re
 from pathlib import Path
 
 from vlmrl.common.io import write_text_atomic
@@ -35,6 +40,25 @@ def write_report(run_dir: Path) -> Path:
     return path
 
 
+_INPUTS = re.compile(r'<meta name="vlmrl-inputs" content="([^"]*)">')
+
+
+def is_current(run_dir: Path) -> bool:
+    """Whether `run_dir/report.html` exists and every file it read is as it was when it was written."""
+    try:
+        found = _INPUTS.search((Path(run_dir) / layout.REPORT).read_text(encoding="utf-8", errors="replace"))
+    except OSError:
+        return False
+    if found is None:  # written before pages named their inputs
+        return False
+    pairs = [item.rpartition("=") for item in found.group(1).split()]
+    return all((layout.file_digest(Path(run_dir) / name) or "-") == digest for name, _, digest in pairs)
+
+
+def _inputs(files: RunFiles) -> str:
+    return " ".join(f"{esc(name)}={layout.file_digest(files.run_dir / name) or '-'}" for name in sorted(files.read))
+
+
 def build_report(run_dir: Path) -> str:
     """The whole page, as a string."""
     files = RunFiles(Path(run_dir))
@@ -57,6 +81,7 @@ def build_report(run_dir: Path) -> str:
     return (
         f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
         f'<meta http-equiv="Content-Security-Policy" content="{csp}">'
+        f'<meta name="vlmrl-inputs" content="{_inputs(files)}">'
         f'<meta name="viewport" content="width=device-width, initial-scale=1"><link rel="icon" href="data:,">'
         f"<title>vlmrl report: {name}</title><style>{_CSS}</style></head><body>"
         f"<header><h1>vlmrl report <span>{name}</span></h1><nav>{nav}</nav>{files.inventory()}</header>"

@@ -1,9 +1,12 @@
 """Who may write a run folder: one vlmrl process at a time, and only into folders vlmrl made.
 
 - **The mark.** vlmrl writes `.vlmrl-run` into every run folder it creates. A folder without it is not a run:
-  vlmrl never writes into it nor deletes it, with or without `--force`. Two kinds of unmarked folder are adopted
-  (marked) instead of refused: an empty one, and one whose entries are all names vlmrl writes and that holds a
-  run's `config.yaml` or `data/summary.json` (a run made before the mark existed, or by the Python API).
+  vlmrl never adopts it, writes into it nor deletes from it, whatever it holds, with or without `--force`. The
+  one exception is an empty folder (a user's `mkdir` for the run): it holds nothing to lose, so it is marked and
+  used. A run made before the mark existed is refused like any other folder; the message says how to mark it.
+- **No links out.** A vlmrl name at the top of a run folder that is a symbolic link to somewhere outside it
+  (`report.html -> /etc/...`, `adapter -> ~/models`) is refused before anything is written: a write through it
+  would land outside the run.
 - **The claim.** A command holds an OS lock (`fcntl.flock`, exclusive, non-blocking) on `.vlmrl.lock` for as
   long as it runs; a second command on the same folder fails at once, naming the holder's pid. The kernel drops
   the lock when the holder exits, however it exits, so a kill -9 leaves no stale claim. Processes started by
@@ -12,8 +15,10 @@
 - **`--force`** removes only what vlmrl writes (`VLMRL_ENTRIES`, their shard/temp siblings and the trainings a
   fresh start moved aside, `train.replaced-*`); anything else in the folder stays.
 
-Left out: locks on network filesystems where flock is advisory-only or unsupported (NFS without lockd), and
-claims for `compare` / `report`, which read a finished run and write one file each atomically.
+`compare` and `report` take no claim (they read a run, perhaps one still training, and write one file each
+atomically) but check the mark and the links like every other command (`require_mark`).
+
+Left out: locks on network filesystems where flock is advisory-only or unsupported (NFS without lockd).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ CLAIM_ENV = "VLMRL_RUN_CLAIM"
 # their stem in `is_vlmrl_entry`).
 VLMRL_ENTRIES = frozenset({
     layout.CONFIG, layout.ENV, layout.DATA, "base-model", layout.TRAIN, layout.COMPARISON, layout.ADAPTER,
-    layout.EXPORT, "merged-16bit", "merged-4bit", "gguf", layout.REPORT, MARKER, LOCK,
+    layout.EXPORT, "merged-16bit", "merged-4bit", "gguf", layout.REPORT, layout.STAGES_FILE, MARKER, LOCK,
     *(layout.records_file(s + swap) for s in layout.STAGES for swap in ("", layout.SWAPPED)),
     *(layout.summary_file(s + swap) for s in layout.STAGES for swap in ("", layout.SWAPPED)),
 })
@@ -76,31 +81,62 @@ def relative_to_run(path: str | Path, run_dir: Path | None) -> str:
 
 
 def ensure_marked(run_dir: Path, *, create: bool = True) -> bool:
-    """Make sure `run_dir` is a vlmrl run folder (creating and marking it, or adopting it); raise RunDirError
-    for a folder vlmrl did not make. Returns False (touching nothing) when it is missing and not `create`."""
+    """Make sure `run_dir` is a vlmrl run folder (creating and marking it, or marking an empty one); raise
+    RunDirError for any other folder. Returns False (touching nothing) when it is missing and not `create`."""
     run_dir = Path(run_dir)
-    marker = run_dir / MARKER
-    if marker.is_file():
+    if (run_dir / MARKER).is_file():
+        check_no_links_out(run_dir)
         return True
     if run_dir.exists() and not run_dir.is_dir():
         raise RunDirError(f"{run_dir} is a file, not a folder; choose another run.name or run.output_dir.")
     if run_dir.is_dir():
-        names = [p.name for p in run_dir.iterdir()]
-        ours = all(is_vlmrl_entry(n) for n in names)
-        looks_like_a_run = (run_dir / "config.yaml").is_file() or (run_dir / "data" / "summary.json").is_file()
-        if names and not (ours and looks_like_a_run):
-            strangers = sorted(n for n in names if not is_vlmrl_entry(n))[:3]
-            raise RunDirError(
-                f"{run_dir} exists and is not a vlmrl run folder (no {MARKER} mark"
-                + (f"; it holds {', '.join(strangers)}" if strangers else "")
-                + "); vlmrl never writes into nor deletes such a folder, --force included. "
-                "Choose another run.name or run.output_dir."
-            )
+        if names := sorted(p.name for p in run_dir.iterdir()):
+            raise RunDirError(_not_a_run(run_dir, names))
     elif not create:
         return False
     run_dir.mkdir(parents=True, exist_ok=True)
-    marker.write_text("This folder is a vlmrl run; `vlmrl run --force` may delete what vlmrl wrote here.\n")
+    (run_dir / MARKER).write_text("This folder is a vlmrl run; `vlmrl run --force` may delete what vlmrl wrote here.\n")
     return True
+
+
+def mark_if_new(run_dir: Path) -> None:
+    """Mark `run_dir` when it is missing (creating it) or empty; leave any other folder as it is. For the
+    Python API's stage functions, which write where they are told: the commands' claim still refuses a
+    non-empty folder without the mark."""
+    run_dir = Path(run_dir)
+    if not run_dir.exists() or (run_dir.is_dir() and not any(run_dir.iterdir())):
+        ensure_marked(run_dir)
+
+
+def require_mark(run_dir: Path) -> None:
+    """For a command that writes into an existing run without claiming it (`compare`, `report`): the folder
+    exists, carries the mark, and no vlmrl name in it links out of it; else RunDirError."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise RunDirError(f"{run_dir}: no such run folder (give the folder `vlmrl run` wrote, e.g. runs/demo).")
+    if not (run_dir / MARKER).is_file():
+        raise RunDirError(_not_a_run(run_dir, sorted(p.name for p in run_dir.iterdir())))
+    check_no_links_out(run_dir)
+
+
+def check_no_links_out(run_dir: Path) -> None:
+    """Refuse a run folder where a name vlmrl writes is a symbolic link leading outside the folder."""
+    inside = Path(run_dir).resolve()
+    for path in sorted(Path(run_dir).iterdir()):
+        if path.is_symlink() and is_vlmrl_entry(path.name):
+            target = path.resolve()
+            if target != inside and inside not in target.parents:
+                raise RunDirError(f"{path} is a link to {target}, outside the run folder; vlmrl writes only inside "
+                                  "its run folders: remove the link, or choose another run.name.")
+
+
+def _not_a_run(run_dir: Path, names: list[str]) -> str:
+    held = f"; it holds {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}" if names else ""
+    hint = (f" Only if it is a run an older vlmrl made, mark it (touch {run_dir / MARKER}): vlmrl then owns "
+            "every name it writes there."
+            if layout.CONFIG in names or layout.DATA in names else "")
+    return (f"{run_dir} exists and is not a vlmrl run folder (no {MARKER} mark{held}); vlmrl never writes into "
+            f"nor deletes from such a folder, --force included. Choose another run.name or run.output_dir.{hint}")
 
 
 def remove_vlmrl_outputs(run_dir: Path) -> list[str]:

@@ -10,12 +10,21 @@ the "is this stage done?" checks. Stages ask here; no stage imports another to l
       train.replaced-<UTC time>/   an earlier training, moved aside by a fresh start
       after_records.jsonl  after_summary.json  comparison.json
       adapter/  export.json  report.html
+      stages.json  per stage: the settings and the input hashes its outputs were made from
 ```
 
 Public: the file-name constants, `records_file`, `summary_file`, `train_fingerprint`, `export_fingerprint`,
 `rewards_fingerprint`, `checkpoint_fingerprint`, `read_holdout`, `is_prepared`, `eval_done`, `is_trained`,
-`is_exported`, `best_checkpoint`, `set_aside_name`.
+`is_exported`, `best_checkpoint`, `set_aside_name`; the stage record: `stage_identity`, `record_stage`,
+`stage_changes`, `made_from_current_inputs`, `run_finished`, `mark_finished`, `train_change`, `file_digest`,
+`folder_digest`.
 A fingerprint leaves out where the run lives (its name and folder), so a moved run folder resumes.
+
+A done-check asks two things: were the outputs made by this config's settings (its fingerprints), and from
+the inputs the folder holds now (the hash of the adapter an evaluation or export used, of the data manifests
+the baseline and the training read). `stages.json` records both for each stage `vlmrl run` runs. A stage run
+by its own command since (or a run folder from before `stages.json`) falls back to file times: its outputs
+must be newer than every input, so a new training is never followed by an old evaluation.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ from collections.abc import Container
 from pathlib import Path
 from typing import Any
 
-from vlmrl.common.io import read_json, read_jsonl
+from vlmrl.common.io import read_json, read_jsonl, write_json_atomic
 from vlmrl.config.schema import OBSERVATION_FIELDS, Config, RewardSpec
 
 CONFIG = "config.yaml"
@@ -54,6 +63,7 @@ COMPARISON = "comparison.json"
 ADAPTER = "adapter"  # the exported adapter
 EXPORT = "export.json"
 REPORT = "report.html"
+STAGES_FILE = "stages.json"  # per stage: its settings' fingerprint and its inputs' hashes (record_stage)
 ADAPTER_CONFIG = "adapter_config.json"  # PEFT's file: its presence makes a folder an adapter
 
 STAGES = ("baseline", "after")  # the two evaluations
@@ -114,10 +124,14 @@ RESUMABLE_CHANGES = ("max_steps", "num_train_epochs", "save_steps", "save_total_
 def checkpoint_fingerprint(config: Config) -> str:
     """What a checkpoint (and the kept best step) belongs to: the training config without RESUMABLE_CHANGES,
     so a run given more steps resumes its checkpoints while one with another learning rate does not."""
-    train = {k: v for k, v in config.flat_train().items() if k not in RESUMABLE_CHANGES}
-    data = {"train": train, "model": config.model.model_dump(mode="json"), "lora": config.lora.model_dump(mode="json"),
-            "data": config.data_fingerprint(), "seed": config.run.seed, "rewards": rewards_fingerprint(config)}
+    data = {**_training_settings(config), "rewards": rewards_fingerprint(config)}
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _training_settings(config: Config) -> dict:
+    train = {k: v for k, v in config.flat_train().items() if k not in RESUMABLE_CHANGES}
+    return {"train": train, "model": config.model.model_dump(mode="json"), "lora": config.lora.model_dump(mode="json"),
+            "data": config.data_fingerprint(), "seed": config.run.seed}
 
 
 def set_aside_name(stamp: str, taken: Container[str] = ()) -> str:
@@ -161,23 +175,36 @@ def is_prepared(config: Config, run_dir: Path) -> bool:
             and read_json(summary).get("fingerprint") == config.data_fingerprint())
 
 
-def eval_done(config: Config, run_dir: Path, stage: str) -> bool:
-    """The stage's summary covers every held-out item, scored by this config's rewards."""
+def eval_done(config: Config, run_dir: Path, stage: str, settings: dict | None = None) -> bool:
+    """The stage's summary covers every held-out item, scored by this config's rewards, from the inputs the
+    folder holds now (the holdout; after training, the adapter); with `settings`, its records were generated
+    with those generation settings."""
     summary = run_dir / summary_file(stage)
     if not summary.exists():
         return False
     try:
         made = read_json(summary)  # by these rewards too: else evaluate() rescores its records
-        return made.get("n") == len(read_holdout(config, run_dir)) and made.get(
-            "rewards_fingerprint") == rewards_fingerprint(config)
+        if made.get("n") != len(read_holdout(config, run_dir)) or made.get(
+                "rewards_fingerprint") != rewards_fingerprint(config):
+            return False
+        if settings is not None and records_settings(run_dir, stage) not in (None, settings):
+            return False
+        return made_from_current_inputs(config, run_dir, stage)
     except (OSError, ValueError, AttributeError, RunFolderError):  # unreadable or not ours: evaluate (again)
         return False
+
+
+def records_settings(run_dir: Path, stage: str) -> dict | None:
+    """The generation settings of the stage's first record (None: no record)."""
+    records = read_jsonl(run_dir / records_file(stage))
+    return records[0].get("generation") if records else None
 
 
 def is_trained(config: Config, run_dir: Path) -> bool:
     summary = run_dir / TRAIN_SUMMARY
     return ((run_dir / FINAL / ADAPTER_CONFIG).exists() and summary.exists()
-            and read_json(summary).get("fingerprint") == train_fingerprint(config))
+            and read_json(summary).get("fingerprint") == train_fingerprint(config)
+            and made_from_current_inputs(config, run_dir, "train"))
 
 
 def is_exported(config: Config, run_dir: Path) -> bool:
@@ -185,7 +212,152 @@ def is_exported(config: Config, run_dir: Path) -> bool:
     if not path.exists() or not (run_dir / ADAPTER / ADAPTER_CONFIG).exists():
         return False
     report = json.loads(path.read_text())
-    return bool(report.get("all_passed")) and report.get("fingerprint") == export_fingerprint(config)
+    return (bool(report.get("all_passed")) and report.get("fingerprint") == export_fingerprint(config)
+            and made_from_current_inputs(config, run_dir, "export"))
+
+
+# --- the stage record (stages.json) ------------------------------------------------------------------------
+
+# The file whose bytes stand for a stage's outputs: the record holds its digest, so a stage re-run by its own
+# command since (which rewrites this file) is told apart from the outputs the record describes.
+STAGE_OUTPUT = {"train": TRAIN_SUMMARY, "export": EXPORT,
+                **{s + swap: summary_file(s + swap) for s in STAGES for swap in ("", SWAPPED)}}
+# What each part of a stage's identity is, in the words a console line uses.
+_PARTS = {"settings": "its settings", "rewards": "the rewards (an entry or the file behind one)",
+          "holdout": "the held-out set (data/holdout.jsonl)",
+          "train_items": "the training set (data/train.jsonl)", "adapter": "the adapter"}
+
+
+def eval_fingerprint(config: Config) -> str:
+    """What an evaluation's generations depend on besides its inputs: the model and eval sections, the seed,
+    the output contract (the rewards are not part of it: records scored under others are rescored, not made again)."""
+    return config.fingerprint("model", "eval") + str(config.run.seed) + config.contract
+
+
+def stage_identity(config: Config, run_dir: Path, stage: str) -> dict[str, str | None]:
+    """The settings fingerprint and the hash of every input `stage` reads: train, export, or an evaluation
+    (baseline, after, and their _swapped twins)."""
+    holdout = file_digest(run_dir / HOLDOUT)
+    if stage == "train":  # checkpoint_fingerprint's parts: a run given more steps resumes, so it is the same training
+        settings = hashlib.sha256(json.dumps(_training_settings(config), sort_keys=True).encode()).hexdigest()[:16]
+        return {"settings": settings, "rewards": rewards_fingerprint(config),
+                "train_items": file_digest(run_dir / TRAIN_ITEMS), "holdout": holdout}
+    if stage == "export":
+        source = run_dir / (FINAL if config.export.checkpoint == "last" else BEST)
+        return {"settings": export_fingerprint(config), "adapter": folder_digest(source)}
+    identity = {"settings": eval_fingerprint(config), "holdout": holdout}
+    if stage.startswith("after"):
+        identity["adapter"] = folder_digest(run_dir / FINAL)
+    return identity
+
+
+def record_stage(config: Config, run_dir: Path, stage: str, *, done: bool) -> None:
+    """Write `stage`'s identity into stages.json: when it starts (`done` False: its partial outputs belong to
+    these inputs) and when it ends (with the digest of its output file)."""
+    record = read_stages(run_dir)
+    record[stage] = {"identity": stage_identity(config, run_dir, stage),
+                     "output": file_digest(run_dir / STAGE_OUTPUT[stage]) if done else None}
+    write_json_atomic(run_dir / STAGES_FILE, record)
+
+
+def read_stages(run_dir: Path) -> dict:
+    try:
+        record = read_json(run_dir / STAGES_FILE)
+    except (OSError, ValueError):  # none yet, or damaged: every stage falls back to file times
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def stage_changes(config: Config, run_dir: Path, stage: str) -> list[str]:
+    """What differs between the inputs `stage` last started or finished from (stages.json) and those of now:
+    `["the adapter", ...]`; empty when nothing does or nothing is recorded."""
+    entry = read_stages(run_dir).get(stage)
+    if not isinstance(entry, dict) or not isinstance(entry.get("identity"), dict):
+        return []
+    old, new = entry["identity"], stage_identity(config, run_dir, stage)
+    return [_PARTS.get(k, k) for k in new if old.get(k) != new[k]]
+
+
+def made_from_current_inputs(config: Config, run_dir: Path, stage: str, *, partial: bool = False) -> bool:
+    """Whether `stage`'s outputs were made from this config's settings and the inputs the folder holds now:
+    by stages.json while it describes those outputs; else (a stage re-run by its own command, a folder from
+    before stages.json) by file times, the output newer than every input. `partial`: outputs of a stage that
+    did not finish count too (its records file stands for them when it has no summary yet)."""
+    entry = read_stages(run_dir).get(stage)
+    output = file_digest(run_dir / STAGE_OUTPUT[stage])
+    if isinstance(entry, dict) and (entry.get("output") == output is not None or partial and output is None):
+        return entry.get("identity") == stage_identity(config, run_dir, stage)
+    made = run_dir / STAGE_OUTPUT[stage]
+    if partial and output is None and stage not in ("train", "export"):  # an evaluation's records so far
+        made = run_dir / records_file(stage)
+    return made.is_file() and _newer_than_inputs(config, run_dir, stage, made)
+
+
+def _newer_than_inputs(config: Config, run_dir: Path, stage: str, made: Path) -> bool:
+    inputs = [run_dir / HOLDOUT]
+    if stage == "train":
+        inputs.append(run_dir / TRAIN_ITEMS)
+    if stage == "export":
+        inputs = [run_dir / (FINAL if config.export.checkpoint == "last" else BEST)]
+    elif stage.startswith("after"):
+        inputs.append(run_dir / FINAL)
+    files = [p for path in inputs for p in ([path] if path.is_file() else path.glob("*")) if p.is_file()]
+    return all(p.stat().st_mtime_ns <= made.stat().st_mtime_ns for p in files)
+
+
+def run_finished(run_dir: Path, settings: str) -> bool:
+    """Whether every stage of the run whose settings fingerprint is `settings` finished (`vlmrl run` got to its
+    end); a run folder from before stages.json counts as finished when it holds a report."""
+    if not (run_dir / STAGES_FILE).exists():
+        return (run_dir / REPORT).is_file()
+    return read_stages(run_dir).get("finished") == settings
+
+
+def mark_finished(run_dir: Path, settings: str) -> None:
+    record = read_stages(run_dir)
+    record["finished"] = settings
+    write_json_atomic(run_dir / STAGES_FILE, record)
+
+
+def train_change(config: Config, run_dir: Path) -> str | None:
+    """What differs between the finished training in `run_dir` and `config`'s, in words; None when nothing
+    does (or nothing finished). Read from the parts of `train_fingerprint`."""
+    try:
+        recorded = str(read_json(run_dir / TRAIN_SUMMARY).get("fingerprint") or "")
+    except (OSError, ValueError, AttributeError):
+        return None
+    mine = train_fingerprint(config)
+    if not recorded or recorded == mine:
+        return None
+    if recorded[:16] != mine[:16]:
+        return "its model, lora, data or train settings differ from this config's"
+    if recorded[16:20] != mine[16:20]:
+        return "its prepared data differs from this config's"
+    if recorded[20:24] != mine[20:24]:
+        return "it used other rewards (a reward entry or the file behind it changed)"
+    return "it used another run.seed"
+
+
+def file_digest(path: Path) -> str | None:
+    """The sha256 (16 hex digits) of a file's bytes; None when it is missing or unreadable."""
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as handle:
+            while chunk := handle.read(1 << 20):
+                digest.update(chunk)
+    except OSError:
+        return None
+    return digest.hexdigest()[:16]
+
+
+def folder_digest(folder: Path) -> str | None:
+    """An adapter folder's identity: the names and bytes of its files (top level); None when it holds no adapter."""
+    if not (folder / ADAPTER_CONFIG).is_file():
+        return None
+    digest = hashlib.sha256()
+    for path in sorted(p for p in folder.iterdir() if p.is_file()):
+        digest.update(f"{path.name}\0{file_digest(path)}\0".encode())
+    return digest.hexdigest()[:16]
 
 
 def best_checkpoint(run_dir: Path, config: Config | None = None) -> dict | None:

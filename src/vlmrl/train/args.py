@@ -12,8 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
+import typing
+
+from pydantic import ConfigDict, TypeAdapter, ValidationError
 
 from vlmrl.common.provenance import package_version
+from vlmrl.config.load import quoted
 from vlmrl.config.schema import TRL_NAMES, Config, TrainConfig
 from vlmrl.train.trackers import missing_packages
 
@@ -28,6 +33,22 @@ RENAMED = {
     "output_dir": "the run directory",
     "reward_weights": "the top-level rewards: list (each entry's weight)",
     "report_to": "train.report_to (vlmrl runs the trackers itself)",
+    "save_strategy": "train.save_steps (vlmrl resumes from those checkpoints)",
+    "eval_strategy": "train.eval_every_steps (vlmrl's own validation)",
+    "eval_steps": "train.eval_every_steps (vlmrl's own validation)",
+    "do_eval": "train.eval_every_steps (vlmrl's own validation)",
+}
+# GRPOConfig fields vlmrl sets under no field of its own (and `hub_*`, as push_to_hub): why, and what to do instead.
+OWNED = {
+    "generation_kwargs": "it holds the image tokens a completion must not contain; sample with train.temperature, "
+                         "train.max_completion_length or trl_overrides top_p, top_k, min_p, repetition_penalty",
+    "push_to_hub": "vlmrl uploads the verified adapter after training: `vlmrl export RUN --push-to-hub REPO`",
+    "resume_from_checkpoint": "vlmrl resumes from the last complete checkpoint when the same command is re-run",
+    "use_cpu": "vlmrl trains on CUDA when present, else on the CPU",
+    "logging_nan_inf_filter": "vlmrl logs a NaN loss as NaN, so its health checks see it",
+    "log_completions": "vlmrl records the completions itself, under train/",
+    "disable_tqdm": "vlmrl shows its own progress",
+    "dataloader_num_workers": "vlmrl reads its prepared files in the main process",
 }
 
 
@@ -56,33 +77,86 @@ def validation_problems(config: Config) -> list[str]:
     """training_problems for `vlmrl config validate`, plus the rewards (each user function imported and its
     signature checked, as training would: vlmrl.grading.user_rewards); a checker that breaks is one more problem
     line, never a traceback (the command must answer in one line per problem)."""
-    from vlmrl.grading.user_rewards import RewardError, load_rewards
+    from vlmrl.grading.user_rewards import RewardError, check_data_columns, load_rewards
 
     try:
         problems = training_problems(config)
     except Exception as exc:  # noqa: BLE001  a checker that breaks must still answer in one line
         problems = [f"could not check the training settings: {type(exc).__name__}: {exc}".splitlines()[0]]
     try:
-        load_rewards(config)
+        check_data_columns(config, load_rewards(config))  # each reward's arguments: columns the data will give
     except RewardError as exc:
         problems.append(str(exc))
     return problems
 
 
 def override_problems(overrides: dict) -> list[str]:
+    """One line per `train.trl_overrides` entry TRL would refuse late or vlmrl would lose: a field vlmrl sets
+    itself (naming the field to use), an unknown name, a value of the wrong type for the GRPOConfig field (read
+    off the dataclass's annotations, no GRPOConfig built: that needs the device), vLLM asked for but absent."""
     from trl import GRPOConfig
 
     grpo = {f.name for f in dataclasses.fields(GRPOConfig)}
     first = first_class_fields()
     problems = []
     for key in sorted(overrides):
+        field = TRL_NAMES.get(key, key)
         if key in first:
             problems.append(f"train.trl_overrides.{key}: set by vlmrl from {first[key]}; set it there instead")
-        elif TRL_NAMES.get(key, key) not in grpo:
+        elif key in OWNED or key.startswith("hub_"):
+            problems.append(f"train.trl_overrides.{key}: set by vlmrl ({OWNED.get(key, OWNED['push_to_hub'])}); "
+                            "delete it")
+        elif field not in grpo:
             close = difflib.get_close_matches(key, sorted(grpo), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             problems.append(f"train.trl_overrides.{key}: not a GRPOConfig field (TRL {package_version('trl')}){hint}")
+        elif problem := _value_problem(field, overrides[key], GRPOConfig):
+            problems.append(f"train.trl_overrides.{key}={quoted(overrides[key])}: {problem}")
+    if overrides.get("use_vllm") is True and importlib.util.find_spec("vllm") is None:
+        problems.append("train.trl_overrides.use_vllm: vLLM is not installed; drop use_vllm: vlmrl's own rollouts "
+                        "(train.rollout: a static KV cache and compiled decoding on CUDA) need no vLLM")
     return problems
+
+
+# GRPOConfig fields whose annotation is wider or narrower than the values TRL accepts: the values it accepts.
+_CHOICES = {"scale_rewards": ("group", "batch", "none", True, False), "vllm_mode": ("server", "colocate")}
+_STRICT = ConfigDict(strict=True, allow_inf_nan=False, arbitrary_types_allowed=True)
+
+
+def _value_problem(field: str, value: object, grpo: type) -> str | None:
+    """Why `value` does not fit GRPOConfig's `field`, or None. Strict: a true/false field takes only true or
+    false and a number field takes no true/false, no text (TRL passes values on unconverted).
+
+    >>> from trl import GRPOConfig
+    >>> _value_problem("top_p", "x", GRPOConfig), _value_problem("top_p", 0.9, GRPOConfig)
+    ('GRPOConfig.top_p is float: Input should be a valid number', None)
+    >>> _value_problem("scale_rewards", 42, GRPOConfig)
+    "GRPOConfig.scale_rewards takes one of 'group', 'batch', 'none', True, False"
+    """
+    if field in _CHOICES:
+        choices = _CHOICES[field]
+        if any(value is c or (type(value) is type(c) and value == c) for c in choices):
+            return None
+        return f"GRPOConfig.{field} takes one of {', '.join(map(repr, choices))}"
+    hint = typing.get_type_hints(grpo)[field]
+    try:
+        TypeAdapter(hint, config=_STRICT).validate_python(value)
+    except ValidationError as exc:
+        name = getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+        message = exc.errors(include_url=False)[0]["msg"]
+        return f"GRPOConfig.{field} is {name}: {message}{_number_text(value)}"
+    except Exception:  # noqa: BLE001  an annotation pydantic cannot check (a class of TRL's): TRL judges it
+        return None
+    return None
+
+
+def _number_text(value: object) -> str:
+    """The fix for a number YAML read as text (`1e-5`: YAML 1.1 wants a dot), else ''."""
+    try:
+        float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return ""
+    return " (YAML reads 1e-5 as text: write 1.0e-5)" if isinstance(value, str) else ""
 
 
 def scheduler_names() -> list[str]:

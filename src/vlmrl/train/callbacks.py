@@ -6,6 +6,9 @@
 - `HealthMonitor`   -> `train/health.jsonl`: per-step gibberish / format / truncation / zero-variance rates and
   NaN checks, against the thresholds in `config.health`; crossing one warns, NaN/Inf saves and stops; and the
   rollout engine's mismatch with the loss pass (`vlmrl.engine.rollout.mismatch.MismatchWatch`: a jump or drift warns).
+  Divergence stops in one line naming its cause: a non-finite loss or gradient norm, trainable weights that are
+  not finite or beyond `WEIGHT_LIMIT` after an optimizer step, and (`divergence_line`, for the train stage) the
+  errors a blown-up step raises later (non-finite sampling probabilities, an optimizer update that overflows).
 
 Rollouts are read from TRL's own per-batch log (`trainer._logs`, filled for every generation batch whether or
 not completions are printed) plus three columns our wrapped format reward adds through TRL's `log_extra`
@@ -16,11 +19,13 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 from transformers import TrainerCallback
 
 from vlmrl.common.io import append_jsonl, read_jsonl, write_jsonl_atomic
@@ -135,6 +140,52 @@ class RolloutRecorder(TrainerCallback):
 
 
 MAX_FP16_OVERFLOWS = 8  # skipped fp16 steps in a row before a halt: each halves the scale, 2^8 in all
+WEIGHT_LIMIT = 1e6  # |trainable weight| beyond this after a step is a blown-up update (LoRA's entries sit far below 1)
+# a reward's log_metric("loss", nan): TRL logs an all-NaN metric as None, and a metric replaces the trainer's loss
+REWARD_LOSS = ("a reward logged a non-finite metric named 'loss' through log_metric, which replaces the trainer's "
+               "loss; give that metric another name")
+# (what torch says, what it means) for the errors a blown-up step raises in the next step
+DIVERGED = (("probability tensor contains either `inf`, `nan` or element < 0",
+             "the policy's sampling probabilities are not finite (inf/nan): its weights blew up"),
+            ("value cannot be converted to type float without overflow", "the optimizer's update overflowed"))
+
+
+def too_high(learning_rate: float | None) -> str:
+    """The likely cause of a divergence, and what to change."""
+    now = f" (now {learning_rate:g})" if isinstance(learning_rate, float | int) else ""
+    return f"learning rate too high? lower train.learning_rate{now}, or clip harder with a smaller train.max_grad_norm"
+
+
+def trainable_weight_peak(model: Any) -> float:
+    """The largest |value| among `model`'s trainable weights on this process (nan or inf when one is not finite)."""
+    peaks = [p.detach().abs().amax().float() for p in model.parameters() if p.requires_grad and p.numel()]
+    if not peaks:
+        return 0.0
+    return torch.stack([p.to(peaks[0].device) for p in peaks]).amax().item()
+
+
+def _any_process(flag: bool, device: Any) -> bool:
+    """`flag` on any process (FSDP shards the weights: every process must stop alike, or the others wait forever)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag
+    value = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def divergence_line(exc: BaseException, step: int, learning_rate: float) -> str | None:
+    """One line for an error a diverged training raises (None: not one of those), naming the cause and the fix.
+
+    >>> divergence_line(RuntimeError("value cannot be converted to type float without overflow"), 3, 1e300)[:62]
+    "training diverged at step 3: the optimizer's update overflowed"
+    """
+    text = str(exc)
+    for sign, cause in DIVERGED:
+        if sign in text:
+            return f"training diverged at step {step}: {cause}; {too_high(learning_rate)}."
+    return None
 
 
 class HealthMonitor(TrainerCallback):
@@ -150,9 +201,26 @@ class HealthMonitor(TrainerCallback):
         self._gibberish_streak = 0
         self._overflow_streak = 0  # fp16 steps in a row whose gradients overflowed (the loss scaler skipped them)
         self._mismatch = MismatchWatch()  # the rollout engine against the loss pass (vlmrl.engine.rollout.mismatch)
+        self._weights: str | None = None  # the trainable weights' state after this step's update, when broken
 
     def attach(self, recorder: RolloutRecorder) -> None:
         self.recorder = recorder
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        """After the optimizer step, before the next generation samples from the weights it wrote."""
+        if model is None:
+            return control
+        peak = trainable_weight_peak(model)
+        bad = not math.isfinite(peak) or peak > WEIGHT_LIMIT
+        if _any_process(bad, next(model.parameters()).device):
+            self._weights = (f"non-finite trainable weights ({peak:g})" if not math.isfinite(peak) else
+                             f"trainable weights blew up (|w| up to {peak:.3g}, beyond {WEIGHT_LIMIT:g})" if bad
+                             else "trainable weights blew up on another process")
+            # on_log, next, says it, unless a non-finite loss or gradient norm of the same step is the cause
+            self.halted = f"{self._weights} after the update; {too_high(getattr(args, 'learning_rate', None))}"
+            control.should_training_stop = True
+            control.should_save = False  # not even a scheduled one: these weights are no state to resume
+        return control
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         logs = logs or {}
@@ -166,10 +234,12 @@ class HealthMonitor(TrainerCallback):
             if key in logs:
                 row[key] = logs[key]
         warnings = self._check(row, fp16=bool(getattr(args, "fp16", False))) + self._mismatch.check(logs)
+        warnings += [self._weights] if self._weights else []  # found at the step's end (on_step_end)
         row["warnings"] = warnings
-        if fatal := [w for w in warnings if w.startswith("non-finite")]:
-            self.halted = (fatal[0] + ("" if "cannot recover" in fatal[0] else "; lower train.learning_rate, or "
-                                       "clip harder with a smaller train.max_grad_norm"))
+        if fatal := [w for w in warnings if w.startswith("non-finite") and w != self._weights]:
+            cause = (REWARD_LOSS if "loss" in logs and logs["loss"] is None and fatal[0].startswith("non-finite loss")
+                     else "" if "cannot recover" in fatal[0] else too_high(getattr(args, "learning_rate", None)))
+            self.halted = f"{fatal[0]}; {cause}" if cause else fatal[0]
             control.should_save = True
             control.should_training_stop = True
         if self.config.stop_on_gibberish_steps and self._gibberish_streak >= self.config.stop_on_gibberish_steps:
@@ -216,6 +286,21 @@ class HealthMonitor(TrainerCallback):
             if row["zero_variance_groups"] > c.max_zero_variance_groups:
                 warnings.append(f"zero-variance groups {row['zero_variance_groups']:.2f} > {c.max_zero_variance_groups}")
         return warnings
+
+
+def reward_never_varied(health_path: Path) -> bool:
+    """Every recorded step's every group scored its completions alike (health.jsonl's zero_variance_groups 1.0):
+    every advantage was zero, so nothing trained. False when no step recorded a batch."""
+    rows = [r for r in read_jsonl(health_path) if r.get("n")] if health_path.exists() else []
+    return bool(rows) and all(r.get("zero_variance_groups") == 1.0 for r in rows)
+
+
+def nothing_learned_line(contract: str) -> str:
+    """The one line said when no reward varied: why nothing trained, and what to change."""
+    return ("train: no reward varied within any group at any step (zero-variance groups 1.00), so every advantage "
+            "was zero and nothing trained: the adapter is unchanged from its initialisation. Use a reward that "
+            "varies between a prompt's completions (partial credit), and check that the policy writes the answer "
+            f"form the rewards read (contract: {contract}; see {layout.ROLLOUTS}).")
 
 
 def batch_health(rows: list[dict], *, group_size: int, weights: list[float] | None = None,
@@ -275,7 +360,9 @@ class TrainProgress(TrainerCallback):
             return
         done = state.global_step - self._first_step
         per_step = (time.perf_counter() - self._started) / done if done > 0 else None
-        line = step_line(state.global_step, state.max_steps, per_step, logs, self._format_rate(args))
+        # a value TRL logs as null (an all-NaN metric) or a reward's odd one is shown as nan, never a traceback
+        shown = {k: v if isinstance(v, numbers.Real) else math.nan for k, v in logs.items() if k in ("reward", "loss")}
+        line = step_line(state.global_step, state.max_steps, per_step, shown, self._format_rate(args))
         if self._bar is not None:
             self._bar.update(self._task, completed=state.global_step, line=line.split(")", 1)[-1].strip())
         elif self.say:

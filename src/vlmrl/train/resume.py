@@ -12,6 +12,11 @@
   instead, `CheckpointStamp` refuses at the start of training a resumed step past the last one.
 - **Nothing from the discarded steps.** `discard_after` removes the checkpoints past the resume point and a
   kept best step (`best/`) past it or kept by another training.
+- **A checkpoint at the last step is the end, not a start.** Killed after its last checkpoint and before
+  `train/summary.json`, a training is done: `ends_training` says so and `final_from_checkpoint` makes `final/`
+  from that checkpoint, so nothing trains (transformers would take one step past `max_steps` before checking it).
+- **A damaged adapter is never resumed.** A checkpoint whose adapter files do not parse
+  (`vlmrl.models.loading.adapter_files_problem`) is passed over for the one before it.
 
 A checkpoint killed between transformers' `trainer_state.json` and the stamp (a few milliseconds) has no stamp
 and is not resumed: training goes back to the one before it.
@@ -28,6 +33,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from vlmrl.common.io import read_json, write_json_atomic
+from vlmrl.models.loading import adapter_files_problem
 from vlmrl.run import layout
 
 log = logging.getLogger(__name__)
@@ -69,8 +75,41 @@ def resume_point(checkpoints: Path, fingerprint: str, max_steps: int) -> Path | 
             )
         if max_steps > 0 and step > max_steps:
             continue  # this training's, but past its end: never resumed (discard_after removes it)
+        if _holds_adapter(folder) and (damage := adapter_files_problem(folder)):
+            log.warning("%s: damaged adapter (%s); not resumed", folder, damage)
+            continue
         return folder
     return None
+
+
+def checkpoint_step(folder: Path) -> int:
+    """N of `checkpoint-N`."""
+    return int(folder.name.removeprefix("checkpoint-"))
+
+
+def ends_training(checkpoint: Path | None, max_steps: int) -> bool:
+    """Whether resuming `checkpoint` has nothing left to train: it is at `max_steps` (when positive). With an
+    epoch count instead, transformers itself trains nothing from the last step."""
+    return checkpoint is not None and max_steps > 0 and checkpoint_step(checkpoint) >= max_steps
+
+
+TRAINING_STATE = ("optimizer.pt", "scheduler.pt", "scaler.pt", "trainer_state.json", layout.CHECKPOINT_STAMP)
+
+
+def final_from_checkpoint(checkpoint: Path, final_dir: Path) -> None:
+    """Make `final_dir` what `trainer.save_model` writes at the checkpoint's step: the checkpoint's files less the
+    optimizer's and trainer's state (a checkpoint is that save plus its state). Written beside and renamed, so a
+    kill never leaves a half-copied `final/` (at worst none, which the next run makes again)."""
+    if damage := adapter_files_problem(checkpoint):
+        raise ResumeError(f"{checkpoint}: damaged adapter ({damage}); pass --no-resume to train again from step 0.")
+    partial = final_dir.with_name(final_dir.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    for path in checkpoint.iterdir():
+        if path.is_file() and path.name not in TRAINING_STATE and not path.name.startswith("rng_state"):
+            shutil.copy2(path, partial / path.name)
+    shutil.rmtree(final_dir, ignore_errors=True)
+    partial.rename(final_dir)
 
 
 def last_complete_checkpoint(checkpoints: Path) -> Path | None:
@@ -136,6 +175,11 @@ def _complete(folder: Path) -> bool:
     except (OSError, ValueError):
         return False
     return True
+
+
+def _holds_adapter(folder: Path) -> bool:
+    """PEFT's adapter files are in the folder (a checkpoint saved in shards by FSDP may hold none of them)."""
+    return (folder / layout.ADAPTER_CONFIG).exists() or any(folder.glob("adapter_model.*"))
 
 
 def _stamp(folder: Path) -> dict | None:

@@ -8,10 +8,11 @@ by the callbacks in `vlmrl.train.callbacks`.
     step 1  data      train.jsonl -> datasets.Dataset (prompt, images: a list per item, every Item.columns());
                       each reward called once on held-out items (vlmrl.grading.user_rewards); GRPOConfig from the
                       config (+ trl_overrides), checked before any model loads
-    step 2  model     base model + LoRA, layout verified
+    step 2  model     base model + LoRA (initialised from run.seed), layout verified
     step 3  trainer   GRPOTrainer with our rewards and callbacks
-    step 4  train     resume from the last checkpoint when one exists
-    step 5  save      train/final/ (the adapter) + train/summary.json
+    step 4  train     resume from the last checkpoint when one exists (one at max_steps: training was done, so
+                      final/ is made from it and nothing trains; a damaged final/ is not done: see final_damage)
+    step 5  save      train/final/ (the adapter) + train/summary.json, which says when no reward ever varied
 
 Launched as several processes (`vlmrl train --gpus N`, on one host or `--nodes M`), every rank runs these steps
 (TRL shards the prompts, transformers the checkpoints) after checking that all of them read the same
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,20 +89,26 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
     from vlmrl.engine.rollout.mismatch import enable_rollout_mismatch
     from vlmrl.engine.rollout.sharded import gather_root_in_rollouts
     from vlmrl.models.loading import BASE_RECORD, base_identity, load_model
-    from vlmrl.models.lora import apply_lora
+    from vlmrl.models.lora import apply_lora, seed_all
     from vlmrl.train.args import gspo_loss_note, quiet_trl_gspo_warning
     from vlmrl.train.callbacks import (
         HealthMonitor,
         MetricsRecorder,
         RolloutRecorder,
         TrainProgress,
+        divergence_line,
+        nothing_learned_line,
+        reward_never_varied,
     )
-    from vlmrl.train.resume import CheckpointStamp, ResumeError, set_aside
+    from vlmrl.train.resume import CheckpointStamp, ResumeError, ends_training, set_aside
     from vlmrl.train.trackers import TrackerError, build_tracker_callbacks, resume_trackers
     from vlmrl.train.validation import ValidationCallback
 
     train_dir = run_dir / layout.TRAIN
     checkpoints = run_dir / layout.CHECKPOINTS
+    if resume and (damage := final_damage(config, run_dir)):
+        (console_callback or log.warning)(f"train: {run_dir / layout.FINAL} is damaged ({damage}); training is not "
+                                          "done: it resumes from the last good checkpoint (step 0 if none)")
     if resume and is_finished(config, run_dir):
         summary = read_json(run_dir / layout.TRAIN_SUMMARY)
         if console_callback:
@@ -122,17 +130,22 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
         raise TrainError(problem)
     _same_file_on_every_rank(run_dir / "data" / "train.jsonl")
     last = _start_point(config, run_dir, resume=resume)  # the checkpoint to resume, or None
+    if ends_training(last, config.train.max_steps):  # killed after the last checkpoint, before the summary
+        return _finish_from(last, config, run_dir, args=args, notes=notes, n_train=len(dataset),
+                            started_at=started_at, say=console_callback)
     try:
         trackers = build_tracker_callbacks(config.train.report_to, train_dir)
     except TrackerError as exc:
         raise TrainError(str(exc)) from None
     if note := gspo_loss_note(config):
         notes.append(note)
-        quiet_trl_gspo_warning()  # ours, above, says it once and why; TRL's would repeat it per trainer
-        (console_callback or log.warning)(f"note: {notes[-1]}")
+        quiet_trl_gspo_warning()  # ours says it once and why; TRL's would repeat it per trainer
+        if console_callback is None:  # the CLI says it itself, for the presets that choose it (cli.show.preset_note)
+            log.warning(f"note: {notes[-1]}")
     compile_cache = use_compile_cache()  # before anything compiles: the first step's compile, cached across runs
-    # step 2: model
-    loaded = load_model(config.model, run_dir, for_training=True)
+    # step 2: model (every draw seeded from run.seed: the same seed gives the same LoRA initialisation)
+    seed_all(config.run.seed)
+    loaded = load_model(config.model, run_dir, for_training=True, seed=config.run.seed)
     model, lora_report = apply_lora(loaded.model, config.lora, backend=loaded.backend, seed=config.run.seed)
     try:  # a full disk found at the first save would cost every step before it
         check_disk_space(checkpoints, checkpoint_bytes(lora_report.trainable_params), what="one checkpoint")
@@ -179,10 +192,17 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
         output = trainer.train(resume_from_checkpoint=str(last) if last else None)
     except ResumeError as exc:  # a resumed step past the last one (an epoch count, not max_steps)
         raise TrainError(str(exc)) from None
+    except (RuntimeError, OverflowError) as exc:  # a step that blew up, met by the next one (sampling, the update)
+        if line := divergence_line(exc, trainer.state.global_step + 1, config.train.learning_rate):
+            raise TrainError(line) from None
+        raise
     seconds = time.perf_counter() - started
     if health.halted:
         raise TrainError(f"training stopped at step {trainer.state.global_step}: {health.halted} "
-                         f"(checkpoint saved under {checkpoints}; see {run_dir / layout.HEALTH}).")
+                         f"(checkpoints under {checkpoints}; see {run_dir / layout.HEALTH}).")
+    never_varied = distributed.is_main_process() and reward_never_varied(run_dir / layout.HEALTH)
+    if never_varied:
+        (console_callback or log.warning)(nothing_learned_line(config.contract))
     # step 5: save
     final_dir = run_dir / layout.FINAL
     # resumed: TRL's figure covers only this process's steps; metrics.jsonl holds them all
@@ -205,6 +225,7 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
         "base_model": loaded.source,
         "notes": notes,
         "health_warnings": health.warning_count,
+        "reward_never_varied": never_varied,  # every group tied at every step: the adapter is its initialisation
         "fast_generation": fast.as_dict(),
         "loss_pass": loss_pass.as_dict(),  # this process's log-prob passes and how its micro-batches were formed
         "rollout_correction": mismatch.as_dict(),  # the sampler's log-probs, what they are compared with, TIS
@@ -222,6 +243,68 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
         write_json_atomic(run_dir / layout.TRAIN_SUMMARY, summary)
     distributed.barrier()  # no rank returns (and maybe starts evaluating) before the adapter is complete
     return TrainResult(final_dir, summary)
+
+
+def _finish_from(checkpoint: Path, config: Config, run_dir: Path, *, args: Any, notes: list[str], n_train: int,
+                 started_at: str, say: Any) -> TrainResult:
+    """The training whose last checkpoint is `checkpoint` is done: `final/` from it and the summary, no step
+    trained. The summary says what the files tell without loading the model (the steps, the loss from
+    metrics.jsonl, the adapter's size); what only the trainer measured (fast_generation, loss_pass) is absent."""
+    from vlmrl.common.provenance import provenance, utc_now
+    from vlmrl.models.loading import BASE_RECORD, base_identity, resolve_model_source
+    from vlmrl.train.callbacks import reward_never_varied
+    from vlmrl.train.resume import ResumeError, checkpoint_step, final_from_checkpoint
+
+    step = checkpoint_step(checkpoint)
+    final_dir = run_dir / layout.FINAL
+    (say or log.warning)(f"train: {checkpoint.name} is the last step (train.max_steps={config.train.max_steps}): "
+                         f"training was done; saving it as {final_dir} and writing the summary, training nothing")
+    source = resolve_model_source(config.model.name, run_dir, config.run.seed)
+    summary = {
+        "fingerprint": train_fingerprint(config),
+        "algorithm": config.train.algorithm,
+        "importance_sampling_level": args.importance_sampling_level,
+        "loss_type": args.loss_type,
+        "optimizer": args.optim,
+        "steps": step,
+        "resumed_from_step": step,
+        "finished_from_checkpoint": checkpoint.name,
+        "train_seconds": 0.0,
+        "train_loss": total_train_loss(run_dir / layout.METRICS, step),
+        "train_items": n_train,
+        "world_size": distributed.world_size(),
+        "lora": _adapter_size(checkpoint),
+        "backend": None,
+        "base_model": source,
+        "notes": notes,
+        "health_warnings": sum(len(r.get("warnings") or []) for r in read_jsonl(run_dir / layout.HEALTH)),
+        "reward_never_varied": reward_never_varied(run_dir / layout.HEALTH),
+        "report_to": list(config.train.report_to),
+        "provenance": provenance(started_at=started_at, finished_at=utc_now()),
+    }
+    if distributed.is_main_process():
+        try:
+            final_from_checkpoint(checkpoint, final_dir)
+        except ResumeError as exc:
+            raise TrainError(str(exc)) from None
+        match_umask(final_dir)
+        write_json_atomic(final_dir / BASE_RECORD, base_identity(config.model.name, source))
+        write_json_atomic(run_dir / layout.TRAIN_SUMMARY, summary)
+    distributed.barrier()
+    return TrainResult(final_dir, summary)
+
+
+def _adapter_size(folder: Path) -> dict:
+    """The LoRA counts an adapter's safetensors header gives: its parameters (all of them train) and modules."""
+    import json
+
+    from vlmrl.models.loading import ADAPTER_WEIGHTS
+
+    with (folder / ADAPTER_WEIGHTS).open("rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    shapes = {k: v["shape"] for k, v in header.items() if k != "__metadata__"}
+    params = sum(math.prod(shape) for shape in shapes.values())
+    return {"trainable_params": params, "lora_modules": sum(".lora_A" in k for k in shapes)}
 
 
 def _start_point(config: Config, run_dir: Path, *, resume: bool) -> Path | None:
@@ -253,11 +336,11 @@ def build_train_dataset(run_dir: Path):
         raise TrainError(f"{path}: no training set; run `vlmrl prepare` for this config first.")
     rows = read_jsonl(path)
     from vlmrl.data.items import Item
-    from vlmrl.data.splits import check_no_overlap
+    from vlmrl.data.prepare import check_prepared
     from vlmrl.data.table import train_table
 
     holdout = read_jsonl(run_dir / layout.HOLDOUT)
-    check_no_overlap([Item.from_json(r) for r in rows], [Item.from_json(r) for r in holdout])
+    check_prepared(run_dir, [Item.from_json(r) for r in rows], [Item.from_json(r) for r in holdout])
     items = [Item.from_json(r) for r in rows]
     table = train_table(items, run_dir)  # prompt, images (a list per item) and every column rewards receive
     datasets.disable_progress_bars()  # its cast bar has no newline: our one-line messages would follow it
@@ -389,15 +472,23 @@ def _multimodal_ids(config: Config, run_dir: Path) -> list[int]:
 
     from vlmrl.models.loading import multimodal_token_ids, resolve_model_source
 
-    return multimodal_token_ids(AutoConfig.from_pretrained(resolve_model_source(config.model.name, run_dir)))
+    return multimodal_token_ids(AutoConfig.from_pretrained(resolve_model_source(config.model.name, run_dir, config.run.seed)))
+
+
+def final_damage(config: Config, run_dir: Path) -> str | None:
+    """Why this config's finished training's `final/` cannot be trusted (None: it can, or there is none)."""
+    from vlmrl.models.loading import adapter_files_problem
+
+    return adapter_files_problem(run_dir / layout.FINAL) if layout.is_trained(config, run_dir) else None
 
 
 def is_finished(config: Config, run_dir: Path) -> bool:
-    """Trained with this config, and no checkpoint is missing the last step (a kill after the summary was written
-    but mid-save would leave the last checkpoint behind the summary's step count: then training resumes)."""
+    """Trained with this config, `final/` whole (`final_damage`), and no checkpoint is missing the last step (a
+    kill after the summary was written but mid-save would leave the last checkpoint behind the summary's step
+    count: then training resumes)."""
     from vlmrl.train.resume import last_complete_checkpoint
 
-    if not layout.is_trained(config, run_dir):
+    if not layout.is_trained(config, run_dir) or final_damage(config, run_dir):
         return False
     last = last_complete_checkpoint(run_dir / layout.CHECKPOINTS)
     steps = read_json(run_dir / layout.TRAIN_SUMMARY).get("steps") or 0

@@ -123,6 +123,7 @@ class ValidationCallback(TrainerCallback):
                     generations = generate_batch(
                         model, self.processor, [i["prompt"] for i in batch], images,
                         max_new_tokens=self.config.eval.max_new_tokens, do_sample=False,
+                        systems=[i.get("system") for i in batch],
                     )
                     seconds = (time.perf_counter() - t0) / len(batch)
                     records += [make_record(item, gens, self.settings, seconds, "validation", rewards=self.rewards,

@@ -1,6 +1,7 @@
 """Batched image+question generation with Hugging Face `generate`, shared by evaluation and the SFT check.
 
-One prompt layout for every family: a user turn holding the item's images (in order) and the prompt text,
+One prompt layout for every family: the item's system message when it has one, then a user turn holding the
+item's images (in order) and the prompt text,
 rendered by the processor's own chat template (so Qwen's `<|vision_start|><|image_pad|>...` and Gemma's
 `<start_of_image>` land where each family expects them).
 
@@ -30,15 +31,17 @@ class Generation:
 PromptImages = Image.Image | list[Image.Image]  # one prompt's image, or its images in order
 
 
-def build_messages(prompt: str, num_images: int = 1) -> list[dict]:
-    """The user turn: the item's images in order, then the text (TRL's layout for dataset images)."""
+def build_messages(prompt: str, num_images: int = 1, system: str | None = None) -> list[dict]:
+    """The system turn (when given), then the user turn: the item's images in order, then the text (TRL's layout
+    for dataset images)."""
     content = [{"type": "image"}] * num_images + [{"type": "text", "text": prompt}]
-    return [{"role": "user", "content": content}]
+    head = [{"role": "system", "content": [{"type": "text", "text": system}]}] if system else []
+    return head + [{"role": "user", "content": content}]
 
 
-def render_prompt(processor: Any, prompt: str, num_images: int = 1) -> str:
+def render_prompt(processor: Any, prompt: str, num_images: int = 1, system: str | None = None) -> str:
     return processor.apply_chat_template(
-        build_messages(prompt, num_images), add_generation_prompt=True, tokenize=False
+        build_messages(prompt, num_images, system), add_generation_prompt=True, tokenize=False
     )
 
 
@@ -54,9 +57,11 @@ def encode_batch(
     device: torch.device,
     *,
     bucket: int | None = None,
+    systems: list[str | None] | None = None,
 ) -> dict:
     lists = per_prompt_images(images)
-    texts = [render_prompt(processor, p, len(imgs)) for p, imgs in zip(prompts, lists, strict=True)]
+    systems = systems or [None] * len(prompts)
+    texts = [render_prompt(processor, p, len(imgs), s) for p, imgs, s in zip(prompts, lists, systems, strict=True)]
     extra = {"pad_to_multiple_of": bucket} if bucket else {}
     batch = processor(text=texts, images=lists, padding=True, return_tensors="pt", **extra)
     return {k: v.to(device) if hasattr(v, "to") else v for k, v in batch.items()}
@@ -83,8 +88,10 @@ def generate_batch(
     num_return_sequences: int = 1,
     compiled: bool = False,
     compile_all_devices: bool = False,
+    systems: list[str | None] | None = None,
 ) -> list[list[Generation]]:
-    """Generate for each prompt; returns one list of `num_return_sequences` generations per prompt."""
+    """Generate for each prompt (after its system message, if `systems` gives one); returns one list of
+    `num_return_sequences` generations per prompt."""
     device = next(model.parameters()).device
     tokenizer = processor.tokenizer
     stop_ids = _stop_token_ids(model, tokenizer)
@@ -121,7 +128,7 @@ def generate_batch(
         stop_check.enter_context(deferred_stop_check())
         stop_check.enter_context(compile_over_4bit(model))
         stop_check.enter_context(decode_kernel())
-    batch = encode_batch(processor, prompts, images, device, bucket=bucket)
+    batch = encode_batch(processor, prompts, images, device, bucket=bucket, systems=systems)
     with stop_check:
         output = model.generate(**batch, **kwargs)
     new_tokens = output[:, batch["input_ids"].shape[1] :]  # [B*k, T]
