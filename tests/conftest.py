@@ -16,6 +16,10 @@ import zlib
 from pathlib import Path
 
 import pytest
+
+import vlmrl  # noqa: F401  (pins the CPU kernels before torch first computes: vlmrl.common.cpu_numerics)
+
+# isort: split
 import torch  # (does not import Triton)
 from PIL import Image, ImageDraw, ImageFont
 

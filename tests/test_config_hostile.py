@@ -35,6 +35,8 @@ CASES = [
     ("push_to_hub", "train:\n  trl_overrides: {push_to_hub: true}\n", "--push-to-hub"),
     ("save_strategy", "train:\n  trl_overrides: {save_strategy: 'no'}\n", "train.save_steps"),
     ("generation_kwargs", "train:\n  trl_overrides: {generation_kwargs: {top_k: 5}}\n", "train.temperature"),
+    ("remove_unused_columns", "train:\n  trl_overrides: {remove_unused_columns: true}\n",
+     "rewards take every data column"),
     # wrong configs accepted silently before
     ("duplicate key", "train:\n  max_steps: 3\n  max_steps: 4\n",  # line 1 of the file is run.output_dir
      "line 4: key 'max_steps' given twice in one mapping (first on line 3)"),

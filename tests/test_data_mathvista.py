@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from tests.conftest import mathvista_dataset, placeholder_image
-from vlmrl.config.schema import load_config
+from vlmrl.config.schema import ConfigError, load_config
 from vlmrl.data.items import DataError, read_items
 from vlmrl.data.mathvista import parse_number
 from vlmrl.data.prepare import prepare_data
@@ -231,7 +231,6 @@ def test_column_mapping_errors(tmp_path):
     cases = {
         "{image: images, question: question, answer: answer}": "names column",
         "{image: images, question: problem}": "map answer",
-        "{image: images, question: problem, answer: answer, picture: x}": "unknown key",
     }
     for mapping, message in cases.items():
         config = load_config(
@@ -239,6 +238,10 @@ def test_column_mapping_errors(tmp_path):
         )
         with pytest.raises(DataError, match=message):
             prepare_data(config, tmp_path / "run")
+    # A key that is no column role is refused when the config loads, before any data is read.
+    with pytest.raises(ConfigError, match="'picture' is no column role"):
+        picture = "data.columns={image: images, question: problem, answer: answer, picture: x}"
+        load_config("demo", [f"data.source={path}", picture, "data.holdout_size=2"])
     unmapped = load_config("demo", [f"data.source={path}", "data.holdout_size=2"])
     with pytest.raises(DataError, match="not in MathVista's schema.*data.columns"):
         prepare_data(unmapped, tmp_path / "run")

@@ -146,8 +146,10 @@ def schema_problems(record: dict, sampled: bool = False) -> list[str]:
             problems.append(f"{key}: bool where {types} expected")
         elif not isinstance(value, types):
             problems.append(f"{key}: {type(value).__name__} where {types} expected")
-    if isinstance(record.get("generation"), dict) and set(record["generation"]) != GENERATION_KEYS:
-        problems.append(f"generation keys {sorted(record['generation'])}")
+    generation = record.get("generation")
+    if isinstance(generation, dict) and set(generation) != GENERATION_KEYS | (
+            {"adapter_digest"} if generation.get("adapter") else set()):  # an adapter's content identity
+        problems.append(f"generation keys {sorted(generation)}")
     for sample in record.get("samples", []) if sampled else []:
         if set(sample) != SAMPLE_KEYS:
             problems.append(f"sample keys {sorted(set(sample) ^ SAMPLE_KEYS)}")

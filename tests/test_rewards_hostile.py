@@ -270,6 +270,32 @@ def test_a_reward_with_no_values_shows_as_no_values(tmp_path, capsys):
     assert "| format_reward | 2.000 | 2.000 | +0.000 | [+0.000, +0.000] |" in card
 
 
+def test_a_reward_with_no_values_shows_as_no_values_in_the_report(tmp_path):
+    """Before: report.html showed such a reward as "–", as it shows a file that is missing."""
+    import re
+
+    from vlmrl.common.io import write_json_atomic, write_jsonl_atomic
+    from vlmrl.compare.stage import compare_runs
+    from vlmrl.report import build_report
+
+    def record(item_id: str) -> dict:
+        return {"id": item_id, "correct": False, "mathvista_correct": False, "format_ok": True,
+                "format_reward": 2.0, "correctness_reward": 0.0, "total_reward": 0.6, "prompt_sha256": "p",
+                "image_sha256": "i" + item_id, "category": "c", "rewards": {"format_reward": 2.0, "silent": None}}
+
+    for stage in ("baseline", "after"):
+        write_jsonl_atomic(tmp_path / f"{stage}_records.jsonl", [record(f"i{k}") for k in range(4)])
+        write_json_atomic(tmp_path / f"{stage}_summary.json", {"stage": stage, "n": 4, "rewards": {
+            "format_reward": {"mean": 2.0, "ci95": [2.0, 2.0]}, "silent": {"mean": None, "ci95": [None, None]}}})
+    compare_runs(tmp_path)
+    page = build_report(tmp_path)
+    headline, summary = re.findall(r'<tr data-metric="silent">.*?</tr>', page)
+    assert re.findall(r"<td[^>]*>([^<]*)</td>", headline) == ["no values", "no values", "", "", "", ""]
+    assert re.findall(r"<td[^>]*>([^<]*)</td>", summary) == ["no values", "", "no values", ""]
+    shown = re.search(r'<tr data-metric="format_reward">.*?</tr>', page).group(0)
+    assert "2.000" in shown and "no values" not in shown
+
+
 SHAPING = '''
 def shortness(completions, **kwargs):
     return [max(0.0, 1.0 - 0.02 * len(c[0]["content"])) for c in completions]

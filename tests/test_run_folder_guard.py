@@ -202,6 +202,24 @@ def test_a_new_adapter_makes_the_evaluation_after_training_and_the_export_stale(
     assert layout.eval_done(config, run, "after")
 
 
+def test_eval_after_on_its_own_does_not_resume_the_records_of_an_earlier_adapter(tmp_path, monkeypatch):
+    """`vlmrl run`, `vlmrl train --no-resume`, `vlmrl eval --stage after`: before, the old adapter's records were
+    taken as done (their settings held the adapter's path only) and the summary was rebuilt from them."""
+    from vlmrl.evaluate.stage import EvalError, evaluate
+
+    config, run = fake_run(tmp_path)
+    monkeypatch.setattr("vlmrl.evaluate.stage.reward_check", lambda config, run_dir: ([], {}))
+    monkeypatch.setattr("vlmrl.evaluate.stage.adapter_base_problem", lambda *args: None)
+    monkeypatch.setattr("vlmrl.evaluate.stage.load_with_adapter", lambda *a: pytest.fail("a model was loaded"))
+    new_adapter(run, b"weights of a training run again from step 0")  # same path, same config
+    with pytest.raises(EvalError, match="holds records of another adapter: the files of train/final changed"):
+        evaluate(config, run, "after")
+    assert [r["id"] for r in read_jsonl(run / "after_records.jsonl")] == ["a", "b"]  # refused, not rebuilt
+    said: list[str] = []  # `vlmrl run` deletes them, naming the adapter once
+    _drop_stale_records(config, run, "after", _settings(config, run, "after"), said.append)
+    assert said == ["[note] after: the adapter changed since its records were made; evaluating again"]
+
+
 def test_without_stages_json_outputs_older_than_their_inputs_are_stale(tmp_path):
     """A run folder from before stages.json, or a stage run by its own command: file times decide."""
     config, run = fake_run(tmp_path)

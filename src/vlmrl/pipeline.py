@@ -136,9 +136,11 @@ def _drop_stale_records(config: Config, run_dir: Path, key: str, settings: dict,
     shards = sorted(run_dir.glob(f"{key}_records.rank*.jsonl"))
     if not (records.exists() or shards or summary.exists()):
         return
+    from vlmrl.evaluate.stage import only_the_adapter_differs
+
     why = layout.stage_changes(config, run_dir, key)
-    if layout.records_settings(run_dir, key) not in (None, settings):
-        why.append("the generation settings")
+    if (made := layout.records_settings(run_dir, key)) not in (None, settings):
+        why.append("the adapter" if only_the_adapter_differs(made, settings) else "the generation settings")
     if not why and not layout.made_from_current_inputs(config, run_dir, key, partial=True):
         why.append("an input newer than its records")
     if why:

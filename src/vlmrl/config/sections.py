@@ -6,7 +6,8 @@ and `RewardSpec` (an entry of the top-level `rewards:` list). `vlmrl.config.sche
 
 Every section refuses unknown keys, non-finite numbers, anything but true/false in a true/false field and
 true/false in a number field (pydantic would read `"off"` as false and `true` as 1), and text over MAX_TEXT;
-cross-field checks live on `Config`. `COLUMN_ROLES` and `TRL_REWARD_ARGUMENTS` bound the column maps.
+cross-field checks live on `Config`. `COLUMN_ROLES` and `TRL_TAKEN_NAMES` bound the column maps (the one copy of
+each list: data/ and grading/ import them from here).
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ MAX_WEIGHT = 1e6  # |weight| of a reward: far above any useful ratio, far below 
 # What `data.columns` maps (its keys): the roles a dataset's columns play for vlmrl (docs/data.md).
 COLUMN_ROLES = ("id", "question", "answer", "image", "images", "choices", "answer_type", "precision", "unit",
                 "category")
-# Names TRL gives every reward function itself (and the row fields it keeps from them): a reward's `columns`
-# must neither hand a column under one of these names nor take one of these as a column.
-TRL_REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric",
-                        "environments", "prompt", "completion")
+# The arguments TRL passes every reward function besides the dataset's columns.
+TRL_REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
+# Those plus the names TRL keeps for itself (an environment's, the row fields it drops from a reward's
+# arguments): a reward's `columns` must neither hand a column under one of these names nor take one as a column.
+TRL_TAKEN_NAMES = (*TRL_REWARD_ARGUMENTS, "environments", "prompt", "completion")
 # GRPOConfig fields vlmrl gives a value of its own (TRL's default differs for some: lr_scheduler_type is linear
 # there) but leaves to `train.trl_overrides`, under these names; read one with `TrainConfig.trl_value`.
 TRL_DEFAULTS = {"logging_steps": 1, "save_total_limit": 2, "mask_truncated_completions": False,
@@ -467,7 +469,7 @@ class RewardSpec(_Section):
     @classmethod
     def _not_trl_names(cls, value: dict[str, str]) -> dict[str, str]:
         for argument, column in value.items():
-            if taken := next((n for n in (argument, column) if n in TRL_REWARD_ARGUMENTS), None):
+            if taken := next((n for n in (argument, column) if n in TRL_TAKEN_NAMES), None):
                 raise ValueError(
                     f"{{{quoted(argument)}: {quoted(column)}}}: TRL passes `{taken}` to every reward itself; map an "
                     "argument of your function to a column of the data, e.g. {solution: answer}")

@@ -29,6 +29,7 @@ import json
 from typing import Any
 
 from vlmrl.config.schema import DataConfig
+from vlmrl.config.sections import COLUMN_ROLES
 from vlmrl.data.items import ANSWER_TYPES, Candidate, DataError, Dropped
 from vlmrl.data.table import MAPPED
 from vlmrl.data.values import (
@@ -40,8 +41,6 @@ from vlmrl.data.values import (
     number_text,
 )
 
-COLUMN_KEYS = ("id", "question", "answer", "image", "images", "choices", "answer_type", "precision", "unit",
-               "category")
 IMAGEFOLDER_COLUMN = "file_name"
 CHOICE_FORMS = ('write choices as a JSON list ["red", "green"] or a Python list [\'red\', \'green\'], or set '
                 'data.choices_separator to split text such as red|green')
@@ -75,10 +74,10 @@ def mapping(data: DataConfig, row: dict[str, Any]) -> dict[str, str]:
 def check_mapping(data: DataConfig, row: dict[str, Any], name: str) -> None:
     """Refuse a mapping with unknown keys or required keys missing (the columns: `check_columns_seen`)."""
     cols = mapping(data, row)
-    unknown = sorted(set(cols) - set(COLUMN_KEYS))
+    unknown = sorted(set(cols) - set(COLUMN_ROLES))
     if unknown:
         raise DataError(
-            f"data.columns: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(COLUMN_KEYS)}."
+            f"data.columns: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(COLUMN_ROLES)}."
         )
     missing = [k for k in ("question", "answer") if k not in cols]
     if "image" not in cols and "images" not in cols:

@@ -3,7 +3,9 @@
 A record keeps the raw completion *and* everything derived from it (extracted answer, each reward, our
 verdict and MathVista's), plus the ids and hashes that join a baseline record to its after-training twin.
 An interrupted evaluation resumes at the first batch with a missing id; records from a different evaluation
-setting are refused rather than mixed.
+setting are refused rather than mixed. The adapter is one of those settings by its content (its files'
+digest, as stages.json records it), not only its path: a training run again into the same `train/final`
+makes the records of the old adapter another setting's.
 
 Checks that need no model (holdout present, non-empty and from this config; adapter folder present and
 made for this base model) run first, so a mistake costs seconds, not a model load.
@@ -50,6 +52,8 @@ from vlmrl.run.claim import relative_to_run
 from vlmrl.run.layout import STAGES, read_holdout, rewards_fingerprint
 
 log = logging.getLogger(__name__)
+# The generation settings' key for the adapter's content (with an adapter only: baseline records keep their keys).
+ADAPTER_DIGEST = "adapter_digest"
 
 
 class EvalError(RuntimeError):
@@ -197,9 +201,10 @@ def merge_shards(records_path: Path, shards: list[Path], order: list[str]) -> No
 
 def generation_settings(config: Config, adapter: Path | None, run_dir: Path | None = None) -> dict:
     """What a record's generation depended on; an adapter inside `run_dir` is stored relative to it, so a moved
-    or copied run keeps its records (they are matched against these settings on resume)."""
+    or copied run keeps its records (they are matched against these settings on resume), and with an adapter,
+    its content's digest (`layout.folder_digest`), so records of an earlier adapter at that path are not."""
     e = config.eval
-    return {
+    settings = {
         "max_new_tokens": e.max_new_tokens,
         "do_sample": e.do_sample,
         "temperature": e.temperature if e.do_sample else None,
@@ -207,6 +212,16 @@ def generation_settings(config: Config, adapter: Path | None, run_dir: Path | No
         "model": config.model.name,
         "adapter": relative_to_run(adapter, run_dir) if adapter else None,
     }
+    if adapter:
+        settings[ADAPTER_DIGEST] = layout.folder_digest(Path(adapter))
+    return settings
+
+
+def only_the_adapter_differs(made: object, settings: dict) -> bool:
+    """Whether records made with the settings `made` differ from `settings` by the adapter's content alone
+    (records from before the digest was kept count as another adapter's)."""
+    return (isinstance(made, dict) and made != settings
+            and {**made, ADAPTER_DIGEST: None} == {**settings, ADAPTER_DIGEST: None})
 
 
 
@@ -375,7 +390,12 @@ def _existing_records(paths: list[Path], settings: dict) -> set[str]:
     ids: set[str] = set()
     for path in paths:
         for record in read_jsonl(path):
-            if record.get("generation") != settings:
+            made = record.get("generation")
+            if only_the_adapter_differs(made, settings):
+                raise EvalError(
+                    f"{path}: holds records of another adapter: the files of {settings['adapter']} changed since "
+                    "they were made (say, a training run again); delete the file to evaluate this adapter.")
+            if made != settings:
                 raise EvalError(
                     f"{path}: holds records made with other generation settings ({record.get('generation')}); "
                     "delete the file or restore the settings to resume."

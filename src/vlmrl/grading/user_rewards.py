@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmrl.config.schema import Config, RewardSpec
+from vlmrl.config.sections import TRL_REWARD_ARGUMENTS
 from vlmrl.contract import CONTRACTS, render_answer
 from vlmrl.grading import rewards as builtin_rewards
 from vlmrl.grading.reward_call import RewardError, bounded_import, call_reward
@@ -44,8 +45,6 @@ from vlmrl.run.layout import reward_source_file, rewards_fingerprint  # noqa: F4
 
 # Names that already are before/after metrics or record fields; a user reward with one would overwrite it.
 RESERVED_NAMES = ("accuracy", "mathvista_accuracy", "format_compliance", "total_reward", "exact_match")
-# What TRL passes every reward besides the dataset's columns.
-TRL_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +181,7 @@ def _by_length(means: dict[str, float | None], lengths: dict[str, int]) -> bool:
 
 def _check_arguments(loaded: Sequence[Reward], columns: dict) -> None:
     """A reward requiring an argument that neither TRL nor any column provides: one line, with the fix."""
-    available = set(TRL_ARGUMENTS) | set(columns)
+    available = set(TRL_REWARD_ARGUMENTS) | set(columns)
     for reward in loaded:
         missing = [arg for arg in reward.needs if arg not in available]
         if missing:
@@ -356,8 +355,9 @@ class _Adapted:
     def __call__(self, **kwargs: Any) -> Any:
         for argument, column in self.columns.items():
             if column not in kwargs:
+                given = sorted(k for k in kwargs if k not in TRL_REWARD_ARGUMENTS)
                 raise RewardError(f"{self.label}: columns: {{{argument}: {column}}} names no column of the data "
-                                  f"(columns: {', '.join(sorted(k for k in kwargs if k not in TRL_ARGUMENTS))}).")
+                                  f"(columns: {', '.join(given)}).")
             kwargs[argument] = kwargs[column]
         out = self.fn(**kwargs)
         return _awaited(out) if inspect.isawaitable(out) else out

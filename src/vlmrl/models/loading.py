@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from vlmrl.common.cpu_numerics import pin_cpu_threads
 from vlmrl.config.builtin_models import DEMO_POLICIES, is_local_only  # noqa: F401 (re-exported)
 from vlmrl.config.schema import ModelConfig
 from vlmrl.models.lora import VISION_MARKERS
@@ -57,6 +58,8 @@ class LoadedModel:
 def resolve_model_source(name: str, run_dir: Path | None = None, seed: int = 0) -> str:
     """Turn `tiny:<arch>` / `demo-policy` into a folder (building it offline once; a demo policy's build is
     seeded by the run's `seed`); anything else is unchanged."""
+    if not torch.cuda.is_available():  # a CPU run: the same digits whatever the host's core count
+        pin_cpu_threads()
     if name.startswith("tiny:"):
         from vlmrl.models.tiny import TINY_ARCHS, build_tiny_model
 

@@ -7,6 +7,7 @@ the page around them (`page`).
 
 from __future__ import annotations
 
+from vlmrl.common.stats import finite
 from vlmrl.report.cells import delta_td, esc, id_link, interval, kv_table, num_td, short, table
 from vlmrl.report.files import RunFiles
 from vlmrl.report.plots import figure, step_series
@@ -48,6 +49,10 @@ def headline_section(files: RunFiles) -> str:
             if isinstance(m, dict):
                 flips = f"+{esc(m['gained'])} / −{esc(m.get('lost'))}" if "gained" in m else ""
                 p = num_td(m["mcnemar_p"], ".3g") if "mcnemar_p" in m else "<td></td>"
+                if not finite(m.get("delta")):  # a reward that gave no value on one side: no delta either
+                    rows.append(f'<tr data-metric="{key}"><th>{label}</th>{_value_td(m.get("before"))}'
+                                f'{_value_td(m.get("after"))}<td></td><td></td><td></td><td></td></tr>')
+                    continue
                 rows.append(f'<tr data-metric="{key}"><th>{label}</th>{num_td(m.get("before"))}'
                             f'{num_td(m.get("after"))}{num_td(m.get("delta"), signed=True)}'
                             f'<td>{interval(m.get("delta_ci95"))}</td>{p}<td>{flips}</td></tr>')
@@ -81,6 +86,9 @@ def _eval_summary_table(summaries: dict[str, dict]) -> str:
             stat = summary.get(key) if isinstance(summary.get(key), dict) else {}
             if key not in summary and isinstance(summary.get("rewards"), dict):  # a user reward
                 stat = summary["rewards"].get(key) if isinstance(summary["rewards"].get(key), dict) else {}
+            if stat and not finite(stat.get("mean")):  # scored, but every item's value was None
+                cells += f"{_value_td(None)}<td></td>"
+                continue
             cells += f'{num_td(stat.get("mean"))}<td>{interval(stat.get("ci95"))}</td>'
         rows.append(f'<tr data-metric="{key}"><th>{label}</th>{cells}</tr>')
     for key, fmt in EVAL_EXTRAS:
@@ -90,6 +98,12 @@ def _eval_summary_table(summaries: dict[str, dict]) -> str:
     source = " and ".join(f"{stage}_summary.json" for stage in summaries)
     return (f'<h3>Evaluation summaries</h3><p class="src">From {source}: each stage alone, means with '
             f"bootstrap intervals.</p>{table(head, rows, 'summary')}")
+
+
+def _value_td(value: object) -> str:
+    """A before/after cell: the number, or "no values" where a reward returned None for every item (its mean
+    is null in the file; "–" would read as a missing file)."""
+    return num_td(value) if finite(value) else '<td class="num">no values</td>'
 
 
 def training_section(files: RunFiles) -> str:

@@ -49,6 +49,7 @@ OWNED = {
     "log_completions": "vlmrl records the completions itself, under train/",
     "disable_tqdm": "vlmrl shows its own progress",
     "dataloader_num_workers": "vlmrl reads its prepared files in the main process",
+    "remove_unused_columns": "rewards take every data column as a keyword argument, so vlmrl keeps them all",
 }
 
 
