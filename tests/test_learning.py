@@ -8,22 +8,21 @@ From the same warm-started demo policy, seed and held-out set:
     weight is off in the control because the format reward alone raises accuracy (answers become extractable,
     and some are right by chance): with [0.3, -1.0] that pull masked the flipped signal (0.141 vs 0.125).
 
-These run the real stages (prepare, baseline eval, TRL training, eval after, compare) on the CPU, about a
-minute or two each. Marked slow; CI runs them.
+These run `vlmrl run` as `make run` does (a subprocess, the CPU kernels pinned: the suite's own process runs
+the host's fastest ones), through every stage on the CPU, about a minute or two each. Marked slow; CI runs them.
 """
 
 from __future__ import annotations
 
-import io
 import itertools
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-
-from vlmrl.config.schema import load_config
-from vlmrl.pipeline import run_all
 
 pytestmark = pytest.mark.slow
 
@@ -32,10 +31,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(tmp_root, name: str, *overrides: str) -> dict:
-    config = load_config("demo", [f"run.output_dir={tmp_root}", f"run.name={name}", *overrides])
-    outcome = run_all(config, say=lambda message: None)
-    comparison = json.loads((outcome.run_dir / "comparison.json").read_text())
-    return {**comparison, "path": outcome.run_dir / "comparison.json"}
+    """`vlmrl run demo` with the CPU kernels pinned, as a user's shell runs it; its comparison and its stdout."""
+    sets = [arg for value in (f"run.output_dir={tmp_root}", f"run.name={name}", *overrides) for arg in ("--set", value)]
+    env = {k: v for k, v in os.environ.items() if k != "VLMRL_CPU_KERNELS"}
+    done = subprocess.run([sys.executable, "-m", "vlmrl.cli", "run", "demo", *sets], env=env, capture_output=True,
+                          text=True, timeout=1800, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    path = Path(tmp_root) / name / "comparison.json"
+    return {**json.loads(path.read_text()), "path": path, "stdout": done.stdout}
 
 
 @pytest.fixture(scope="module")
@@ -69,18 +72,12 @@ def test_flipped_correctness_sign_lowers_accuracy(runs):
     assert correctness["after"] < correctness["before"]
 
 
-def _printed_table(path: Path) -> str:
-    """What `vlmrl run` prints for comparison.json at `path`, as a pipe or a log receives it."""
-    from vlmrl.cli import show
-
-    buffer = io.StringIO()
-    original = show.console.file
-    show.console.file = buffer
-    try:
-        show.show_comparison(path)
-    finally:
-        show.console.file = original
-    return buffer.getvalue()
+def _printed_table(stdout: str) -> str:
+    """The before/after table and its flips line, as `vlmrl run` printed them."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if "before -> after (" in line)
+    end = next(i for i in range(start, len(lines)) if lines[i].startswith("wrong to right:"))
+    return "\n".join(lines[start : end + 1])
 
 
 def test_readme_shows_the_demo_table_a_fresh_machine_prints(runs):
@@ -88,17 +85,18 @@ def test_readme_shows_the_demo_table_a_fresh_machine_prints(runs):
     and its accuracy change is significant."""
     block = re.search(r"<!-- demo-table -->\n```\n(.*?)```", (ROOT / "README.md").read_text(), re.DOTALL)
     assert block, "README.md has no demo table block (<!-- demo-table --> then a ``` block)"
-    printed = _printed_table(runs["gspo"]["path"])
+    printed = _printed_table(runs["gspo"]["stdout"])
     assert [line.rstrip() for line in printed.splitlines()] == [line.rstrip() for line in block.group(1).splitlines()], (
         "README.md's demo table differs from what the demo prints now:\n" + printed)
     assert runs["gspo"]["metrics"]["accuracy"]["mcnemar_p"] < 0.05
 
 
-def test_the_cpu_warm_start_curve_rises_without_collapse(runs):
+def test_the_cpu_warm_start_curve_rises_without_collapse(runs, monkeypatch):
     """The demo policy's warm-start checks (greedy answers on figures kept apart), written beside the policy:
     the structure, once learned, stays learned, and accuracy never falls back by more than the checks' noise."""
     from vlmrl.models.demo import demo_policy_dir, recipe_for
 
+    monkeypatch.delenv("VLMRL_CPU_KERNELS")  # the folder of the pinned kernels' build, which the runs used
     info = json.loads((demo_policy_dir(recipe_for("demo-policy", 0)) / "demo_policy.json").read_text())
     checks = info["reading_checks"]
     assert len(checks) == info["recipe"]["sft_steps"] // info["recipe"]["check_every"]

@@ -168,7 +168,7 @@ def test_two_hosts_train_one_data_parallel_run_written_once(prepared):
     train_dir = run_dir / "train"
     summary = read_json(train_dir / "summary.json")
     assert summary["world_size"] == 2 and summary["steps"] == 1
-    assert "adapter:" in out0 and "adapter:" not in out1  # host 0's rank 0 reports, host 1 stays quiet
+    assert ": adapter " in out0 and ": adapter " not in out1  # host 0's rank 0 reports, host 1 stays quiet
     # one data-parallel step: its generation batch holds both ranks' completions (2 x per-device), logged once
     assert Counter(r["step"] for r in read_jsonl(train_dir / "rollouts.jsonl")) == {1: 2 * PER_DEVICE}
     metrics = read_jsonl(train_dir / "metrics.jsonl")

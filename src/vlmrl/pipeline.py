@@ -156,8 +156,10 @@ def _listed(parts: list[str]) -> str:
 def prepare_with_budget(config: Config, run_dir: Path):
     """Prepare data, counting each prompt's tokens with the model's own processor."""
     from vlmrl.data.prepare import prepare_data
+    from vlmrl.run.claim import mark_if_new
 
     check_source_outside(config, run_dir)
+    mark_if_new(run_dir)  # before the token counter, which may build a tiny base model inside it
     return prepare_data(config, run_dir, token_counter=prompt_token_counter(config, run_dir))
 
 

@@ -102,6 +102,12 @@ def recipe_for(name: str, seed: int = 0) -> dict:
 
 
 def demo_policy_dir(recipe: dict = DEMO_RECIPE) -> Path:
+    """The cache folder of `recipe`'s build. A CPU build with the host's own kernels (VLMRL_CPU_KERNELS=native)
+    gets a folder of its own: its weights differ from the pinned kernels' build (`vlmrl.common.cpu_numerics`)."""
+    from vlmrl.common.cpu_numerics import native
+
+    if recipe.get("device", "cpu") == "cpu" and native():
+        recipe = {**recipe, "cpu_kernels": "native"}
     digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:10]
     return cache_root() / f"demo-policy-{digest}"
 
