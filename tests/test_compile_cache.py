@@ -20,7 +20,16 @@ def clean_env(monkeypatch, tmp_path):
     monkeypatch.delenv(INDUCTOR_ENV, raising=False)
     monkeypatch.delenv(TRITON_ENV, raising=False)
     monkeypatch.setenv("VLMRL_CACHE", str(tmp_path / "vlmrl-cache"))
+    monkeypatch.delenv("VLMRL_CPU_KERNELS", raising=False)  # the pinned kernels, as a user runs vlmrl
     return tmp_path
+
+
+def test_the_hosts_own_kernels_compile_into_a_folder_of_their_own(clean_env, monkeypatch):
+    """Inductor's cache does not tell AVX2 builds from the host's own: a kernel built under one aborted a process
+    running the other, so each gets its folder."""
+    monkeypatch.setenv("VLMRL_CPU_KERNELS", "native")
+    use_compile_cache()
+    assert os.environ[INDUCTOR_ENV] == str(clean_env / "vlmrl-cache" / "compile-native" / "inductor")
 
 
 def test_default_goes_under_the_vlmrl_cache(clean_env):
@@ -65,7 +74,7 @@ SCRIPT = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_a_second_process_compiles_from_the_cache(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in (INDUCTOR_ENV, TRITON_ENV)}
+    env = {k: v for k, v in os.environ.items() if k not in (INDUCTOR_ENV, TRITON_ENV, "VLMRL_CPU_KERNELS")}
     env["VLMRL_CACHE"] = str(tmp_path / "vlmrl-cache")
 
     def run() -> dict:

@@ -42,9 +42,13 @@ class CompileCache:
 
 
 def default_compile_dir() -> Path:
+    """`<vlmrl cache>/compile`, or `compile-native` under VLMRL_CPU_KERNELS=native: inductor's CPU kernels are
+    built for the instruction set torch dispatches to, and its cache does not tell the two apart (a kernel
+    built under one and loaded under the other aborted the process)."""
+    from vlmrl.common.cpu_numerics import native
     from vlmrl.common.paths import cache_root
 
-    return cache_root() / "compile"
+    return cache_root() / ("compile-native" if native() else "compile")
 
 
 def use_compile_cache(directory: Path | None = None) -> CompileCache:
