@@ -3,8 +3,8 @@ that needs some GPUs, maybe after other jobs), started in order as soon as their
 exit status and log kept in a state folder that later commands read, and packed for the trip back.
 
 What `benchmarks/gpu_scaling.py` runs its plan with (the device tool gives a command 10 minutes, a machine 30);
-unlike `gpu_parallel.sh`'s one queue per GPU, a job here may take several GPUs at once. Tested on the CPU with shell
-jobs: tests/test_gpu_scaling.py. Left out: estimating durations to let a later, smaller job jump the queue.
+unlike `gpu_parallel.sh`'s one queue per GPU, a job here may take several GPUs at once. Lab tooling: no tests with
+the product. Left out: estimating durations to let a later, smaller job jump the queue.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@
 # `start` may be called again (e.g. after a second carry of wheels): a queue for a GPU that already has one waits
 # until that one has finished (a lock folder per GPU), so one GPU never runs two jobs at once.
 # The state folder is $VLMRL_PARALLEL_STATE (default /tmp/vlmrl-parallel). The plan of issue 21:
-# benchmarks/gpu_issue21.plan (its header has the device calls). Tested on the CPU: tests/test_gpu_parallel.py.
+# benchmarks/gpu_issue21.plan (its header has the device calls). Lab tooling: no tests with the product.
 set -uo pipefail
 STATE=${VLMRL_PARALLEL_STATE:-/tmp/vlmrl-parallel}
 cmd=${1:?usage: gpu_parallel.sh start PLAN [ONLY] | wait SECONDS OUT | status}

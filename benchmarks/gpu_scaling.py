@@ -12,7 +12,7 @@ Entry point: benchmarks/gpu_scaling.sh (its header has the device calls). Subcom
   combine DIR... --out PREFIX       PREFIX.{json,md} from unpacked scaling.tar.gz folders (later folders win per job)
   rehearse OUT                      the whole plan on the CPU for a pretend 2-GPU host: the scheduler, the evaluation
                                     jobs for real (tiny model, 2 gloo processes), bench jobs replaced by a stand-in
-                                    that writes a bench.json; then combine (tests/test_gpu_scaling.py)
+                                    that writes a bench.json; then combine
 
 What each configuration measures is `vlmrl bench --paths vlmrl` (the seed recipe: 8 prompts x 4 generations per
 GPU, LoRA r=16, GSPO) under `accelerate launch` with the shipped config of its strategy; with several GPUs one more

@@ -219,6 +219,26 @@ def vlmrl_cache(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def demo_run(tmp_path_factory, vlmrl_cache) -> dict:
+    """`vlmrl run` with no argument, as `make run` runs it: a subprocess, the CPU kernels pinned (the suite itself
+    runs the host's own), the demo policy built into `vlmrl_cache`. Shared by the e2e test of the default run and
+    the learning test, which compares its printed table with the README's."""
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path_factory.mktemp("demo-run")
+    script = Path(sys.executable).parent / "vlmrl"
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "vlmrl.cli"]
+    env = {k: v for k, v in os.environ.items() if k != "VLMRL_CPU_KERNELS"}
+    env.update(VLMRL_CACHE=str(vlmrl_cache), COLUMNS="200")
+    started = time.perf_counter()
+    result = subprocess.run([*command, "run", "--set", f"run.output_dir={out}"], env=env, capture_output=True,
+                            text=True, timeout=1200, cwd=out, check=False)
+    return {"result": result, "seconds": time.perf_counter() - started, "run_dir": out / "demo", "env": env}
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen3_vl(tmp_path_factory) -> Path:
     """A tiny random Qwen3-VL (hidden 64, 2 layers), saved once for the session (the fast-path tests)."""
     from vlmrl.models.tiny import build_tiny_model

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import re
 import subprocess
 import sys
@@ -30,24 +29,30 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(tmp_root, name: str, *overrides: str) -> dict:
-    """`vlmrl run demo` with the CPU kernels pinned, as a user's shell runs it; its comparison and its stdout."""
+def _run(tmp_root, env: dict, name: str, *overrides: str) -> dict:
+    """`vlmrl run demo` as a user's shell runs it (the CPU kernels pinned); its comparison and its stdout."""
     sets = [arg for value in (f"run.output_dir={tmp_root}", f"run.name={name}", *overrides) for arg in ("--set", value)]
-    env = {k: v for k, v in os.environ.items() if k != "VLMRL_CPU_KERNELS"}
     done = subprocess.run([sys.executable, "-m", "vlmrl.cli", "run", "demo", *sets], env=env, capture_output=True,
                           text=True, timeout=1800, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    path = Path(tmp_root) / name / "comparison.json"
-    return {**json.loads(path.read_text()), "path": path, "stdout": done.stdout}
+    return _outcome(Path(tmp_root) / name, done.stdout)
+
+
+def _outcome(run_dir: Path, stdout: str) -> dict:
+    return {**json.loads((run_dir / "comparison.json").read_text()), "stdout": stdout}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, demo_cache):
+def runs(tmp_path_factory, demo_run):
+    """The default run (GSPO: `make run`'s, shared with the e2e test), GRPO and the sign-flipped control, all from
+    the same demo policy build, seed and held-out set."""
+    assert demo_run["result"].returncode == 0, demo_run["result"].stdout[-3000:] + demo_run["result"].stderr[-3000:]
     root = tmp_path_factory.mktemp("learning")
     return {
-        "gspo": _run(root, "gspo", "train.algorithm=gspo"),
-        "grpo": _run(root, "grpo", "train.algorithm=grpo", "train.loss_type=grpo"),
-        "control": _run(root, "control", "train.algorithm=gspo", "rewards=[{name: format, weight: 0.0}, {name: correctness, weight: -1.0}]"),
+        "gspo": _outcome(demo_run["run_dir"], demo_run["result"].stdout),
+        "grpo": _run(root, demo_run["env"], "grpo", "train.algorithm=grpo", "train.loss_type=grpo"),
+        "control": _run(root, demo_run["env"], "control", "train.algorithm=gspo",
+                        "rewards=[{name: format, weight: 0.0}, {name: correctness, weight: -1.0}]"),
     }
 
 
@@ -91,12 +96,13 @@ def test_readme_shows_the_demo_table_a_fresh_machine_prints(runs):
     assert runs["gspo"]["metrics"]["accuracy"]["mcnemar_p"] < 0.05
 
 
-def test_the_cpu_warm_start_curve_rises_without_collapse(runs, monkeypatch):
+def test_the_cpu_warm_start_curve_rises_without_collapse(runs, monkeypatch, vlmrl_cache):
     """The demo policy's warm-start checks (greedy answers on figures kept apart), written beside the policy:
     the structure, once learned, stays learned, and accuracy never falls back by more than the checks' noise."""
     from vlmrl.models.demo import demo_policy_dir, recipe_for
 
     monkeypatch.delenv("VLMRL_CPU_KERNELS")  # the folder of the pinned kernels' build, which the runs used
+    monkeypatch.setenv("VLMRL_CACHE", str(vlmrl_cache))
     info = json.loads((demo_policy_dir(recipe_for("demo-policy", 0)) / "demo_policy.json").read_text())
     checks = info["reading_checks"]
     assert len(checks) == info["recipe"]["sft_steps"] // info["recipe"]["check_every"]

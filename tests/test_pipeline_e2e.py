@@ -9,10 +9,7 @@ default, `vlmrl run` with nothing but an output folder, as a user on a fresh mac
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -152,19 +149,11 @@ def test_a_bad_override_exits_2_before_anything_runs(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_default_run_on_a_fresh_machine(tmp_path: Path, vlmrl_cache: Path) -> None:
-    script = Path(sys.executable).parent / "vlmrl"
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "vlmrl.cli"]
-    env = {**os.environ, "VLMRL_CACHE": str(vlmrl_cache), "COLUMNS": "200"}
-    started = time.perf_counter()
-    result = subprocess.run(
-        [*command, "run", "--set", f"run.output_dir={tmp_path}"],
-        env=env, capture_output=True, text=True, timeout=1200, cwd=tmp_path, check=False,
-    )
-    seconds = time.perf_counter() - started
+def test_default_run_on_a_fresh_machine(demo_run: dict, vlmrl_cache: Path) -> None:
+    result, seconds = demo_run["result"], demo_run["seconds"]
     print(f"vlmrl run (default): {seconds:.0f} s")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    run_dir = tmp_path / "demo"
+    run_dir = demo_run["run_dir"]
     assert re.search(rf"done in \d+ s: {re.escape(str(run_dir))}", flat(result.stdout))
     check_artifacts(run_dir)
     assert read_json(run_dir / "train" / "summary.json")["steps"] == load_config("demo").train.max_steps

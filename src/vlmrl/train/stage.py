@@ -209,11 +209,7 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
     resumed_loss = total_train_loss(run_dir / layout.METRICS, trainer.state.global_step) if start_step else None
     trainer.save_model(str(final_dir))  # every rank: FSDP/ZeRO-3 gather the weights; rank 0 writes them
     summary = {
-        "fingerprint": train_fingerprint(config),
-        "algorithm": config.train.algorithm,
-        "importance_sampling_level": args.importance_sampling_level,
-        "loss_type": args.loss_type,
-        "optimizer": args.optim,
+        **_summary_head(config, args),
         "steps": trainer.state.global_step,
         "resumed_from_step": start_step,
         "train_seconds": round(seconds, 2),
@@ -261,11 +257,7 @@ def _finish_from(checkpoint: Path, config: Config, run_dir: Path, *, args: Any, 
                          f"training was done; saving it as {final_dir} and writing the summary, training nothing")
     source = resolve_model_source(config.model.name, run_dir, config.run.seed)
     summary = {
-        "fingerprint": train_fingerprint(config),
-        "algorithm": config.train.algorithm,
-        "importance_sampling_level": args.importance_sampling_level,
-        "loss_type": args.loss_type,
-        "optimizer": args.optim,
+        **_summary_head(config, args),
         "steps": step,
         "resumed_from_step": step,
         "finished_from_checkpoint": checkpoint.name,
@@ -493,3 +485,10 @@ def is_finished(config: Config, run_dir: Path) -> bool:
     last = last_complete_checkpoint(run_dir / layout.CHECKPOINTS)
     steps = read_json(run_dir / layout.TRAIN_SUMMARY).get("steps") or 0
     return last is None or int(last.name.split("-")[-1]) >= steps
+
+
+def _summary_head(config: Config, args) -> dict:
+    """The first fields of train/summary.json: what trained, and how."""
+    return {"fingerprint": train_fingerprint(config), "algorithm": config.train.algorithm,
+            "importance_sampling_level": args.importance_sampling_level, "loss_type": args.loss_type,
+            "optimizer": args.optim}
