@@ -105,7 +105,7 @@ def prompt_token_counter(config: Config, run_dir: Path):
     from vlmrl.engine.rollout.generation import count_prompt_tokens
     from vlmrl.models.loading import resolve_model_source
 
-    processor = AutoProcessor.from_pretrained(resolve_model_source(config.model.name, run_dir))
+    processor = AutoProcessor.from_pretrained(resolve_model_source(config.model.name, run_dir, config.run.seed))
     return lambda prompt, images: count_prompt_tokens(processor, prompt, images)
 
 

@@ -94,7 +94,7 @@ def evaluate(
     rewards_key = rewards_fingerprint(config)
     if stage == "after":
         adapter = adapter or run_dir / layout.FINAL
-    if adapter is not None and (problem := adapter_base_problem(adapter, config.model.name, run_dir)):
+    if adapter is not None and (problem := adapter_base_problem(adapter, config.model.name, run_dir, config.run.seed)):
         raise EvalError(problem)
     records_path = run_dir / layout.records_file(name)
     settings = generation_settings(config, adapter, run_dir)
@@ -125,7 +125,7 @@ def evaluate(
 
     # step 2: generate this rank's missing batches, appending records as each batch finishes
     if mine:
-        loaded = load_with_adapter(config.model, run_dir, adapter)
+        loaded = load_with_adapter(config.model, run_dir, adapter, config.run.seed)
         compiled = fast.wanted(config.eval.compile)
         if compiled:
             use_compile_cache()  # before the first compile: kept with vlmrl's cache across runs

@@ -113,7 +113,7 @@ def write_merged_16bit(config: Config, run_dir: Path, trained: Any, adapter_dir:
     from vlmrl.models.loading import load_model
 
     if config.model.load_in_4bit:
-        base = load_model(config.model, run_dir).model
+        base = load_model(config.model, run_dir, seed=config.run.seed).model
         base = base.dequantize()  # transformers' bnb dequantization: Linear4bit -> Linear in the compute dtype
         model = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     else:

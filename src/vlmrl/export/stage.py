@@ -55,10 +55,10 @@ def export_adapter(config: Config, run_dir: Path, *, source: Path | None = None)
 
     chosen = _chosen_checkpoint(config, run_dir) if source is None else {"choice": "given", "source": str(source)}
     source = Path(chosen["source"])
-    if problem := adapter_base_problem(source, config.model.name, run_dir):
+    if problem := adapter_base_problem(source, config.model.name, run_dir, config.run.seed):
         raise ExportError(problem)
     out = run_dir / layout.ADAPTER
-    trained = load_with_adapter(config.model, run_dir, source)
+    trained = load_with_adapter(config.model, run_dir, source, config.run.seed)
     if out.exists():
         shutil.rmtree(out)
     trained.model.save_pretrained(str(out))
@@ -66,12 +66,12 @@ def export_adapter(config: Config, run_dir: Path, *, source: Path | None = None)
     if (source / BASE_RECORD).is_file():
         shutil.copyfile(source / BASE_RECORD, out / BASE_RECORD)
     checks = verify_adapter_weights(out)
-    expected_base = resolve_model_source(config.model.name, run_dir)
-    checks.append(check_base_model(out, config.model.name, run_dir))
+    expected_base = resolve_model_source(config.model.name, run_dir, config.run.seed)
+    checks.append(check_base_model(out, config.model.name, run_dir, config.run.seed))
 
     items = _probe_items(run_dir)
     reference = em.logits(trained, run_dir, items[0])
-    reloaded = load_with_adapter(config.model, run_dir, out)
+    reloaded = load_with_adapter(config.model, run_dir, out, config.run.seed)
     diff = (reference - em.logits(reloaded, run_dir, items[0])).abs().max().item()
     checks.append(Check("reload_reproduces_logits", diff <= em.LOGITS_ATOL, diff,
                         f"max |logit difference| on item {items[0]['id']}, tolerance {em.LOGITS_ATOL}"))
@@ -148,9 +148,9 @@ def verify_adapter_weights(adapter_dir: Path) -> list[Check]:
     ]
 
 
-def check_base_model(adapter_dir: Path, model_name: str, run_dir: Path | None = None) -> Check:
+def check_base_model(adapter_dir: Path, model_name: str, run_dir: Path | None = None, seed: int = 0) -> Check:
     """The exported adapter belongs on the configured base (`vlmrl.models.loading.adapter_base_problem`)."""
-    problem = adapter_base_problem(adapter_dir, model_name, run_dir)
+    problem = adapter_base_problem(adapter_dir, model_name, run_dir, seed)
     recorded = json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
     if recorded and run_dir is not None:  # a base inside the run (a tiny model): relative, as every path stored
         recorded = relative_to_run(recorded, run_dir)

@@ -54,7 +54,7 @@ class LoadedModel:
         return next(self.model.parameters()).device
 
 
-def resolve_model_source(name: str, run_dir: Path | None = None) -> str:
+def resolve_model_source(name: str, run_dir: Path | None = None, seed: int = 0) -> str:
     """Turn `tiny:<arch>` / `demo-policy` into a folder (building it offline once); anything else is unchanged."""
     if name.startswith("tiny:"):
         from vlmrl.models.tiny import TINY_ARCHS, build_tiny_model
@@ -67,9 +67,9 @@ def resolve_model_source(name: str, run_dir: Path | None = None) -> str:
             build_tiny_model(arch, folder, seed=0)
         return str(folder.resolve())
     if name in DEMO_POLICIES:
-        from vlmrl.models.demo import RECIPES, ensure_demo_policy
+        from vlmrl.models.demo import ensure_demo_policy, recipe_for
 
-        return str(ensure_demo_policy(RECIPES[name]))
+        return str(ensure_demo_policy(recipe_for(name, seed)))
     return name
 
 
@@ -86,12 +86,13 @@ def choose_backend(config: ModelConfig) -> str:
     return config.backend
 
 
-def load_model(config: ModelConfig, run_dir: Path | None = None, *, for_training: bool = False) -> LoadedModel:
+def load_model(config: ModelConfig, run_dir: Path | None = None, *, for_training: bool = False,
+               seed: int = 0) -> LoadedModel:
     """Load the base model and processor as configured (no adapter)."""
     if config.load_in_4bit and (reason := four_bit_unsupported_reason()):
         raise ModelLoadError(f"model.load_in_4bit=true cannot work here: {reason}.")
     backend = choose_backend(config)  # before resolving: a wrong backend should not cost a build or download
-    source = resolve_model_source(config.name, run_dir)
+    source = resolve_model_source(config.name, run_dir, seed)
     family = detect_family(source)
     if backend == "unsloth":
         model, processor = _load_unsloth(config, source)
@@ -116,7 +117,7 @@ def base_identity(config_name: str, source: str) -> dict:
     return {"model_name": config_name, "config_sha256": digest}
 
 
-def adapter_base_problem(adapter: Path, model_name: str, run_dir: Path | None = None) -> str | None:
+def adapter_base_problem(adapter: Path, model_name: str, run_dir: Path | None = None, seed: int = 0) -> str | None:
     """Why `adapter` does not belong on the base `model_name` names (None when it does): no adapter there, or
     trained on another base. `vlmrl train` records the base exactly (`vlmrl_base.json`: the name and a hash of
     its config.json); an adapter without that record is matched by PEFT's `base_model_name_or_path`, where a
@@ -125,7 +126,7 @@ def adapter_base_problem(adapter: Path, model_name: str, run_dir: Path | None = 
     if not adapter_config.is_file():
         return f"{adapter}: no adapter here (adapter_config.json missing); train first or pass --adapter DIR."
     recorded = json.loads(adapter_config.read_text()).get("base_model_name_or_path")
-    expected = resolve_model_source(model_name, run_dir)
+    expected = resolve_model_source(model_name, run_dir, seed)
     identity_file = adapter / BASE_RECORD
     if identity_file.is_file():  # exact, and independent of where the run lives
         trained_on = json.loads(identity_file.read_text())
@@ -211,9 +212,9 @@ def nf4_config(compute_dtype: torch.dtype) -> Any:
     )
 
 
-def load_with_adapter(config: ModelConfig, run_dir: Path | None, adapter: Path | None) -> LoadedModel:
+def load_with_adapter(config: ModelConfig, run_dir: Path | None, adapter: Path | None, seed: int = 0) -> LoadedModel:
     """The base model with a saved LoRA adapter on top (or none), in eval mode."""
-    loaded = load_model(config, run_dir)
+    loaded = load_model(config, run_dir, seed=seed)
     if adapter is not None:
         from peft import PeftModel
 

@@ -132,7 +132,7 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
         (console_callback or log.warning)(f"note: {notes[-1]}")
     compile_cache = use_compile_cache()  # before anything compiles: the first step's compile, cached across runs
     # step 2: model
-    loaded = load_model(config.model, run_dir, for_training=True)
+    loaded = load_model(config.model, run_dir, for_training=True, seed=config.run.seed)
     model, lora_report = apply_lora(loaded.model, config.lora, backend=loaded.backend, seed=config.run.seed)
     try:  # a full disk found at the first save would cost every step before it
         check_disk_space(checkpoints, checkpoint_bytes(lora_report.trainable_params), what="one checkpoint")
@@ -389,7 +389,7 @@ def _multimodal_ids(config: Config, run_dir: Path) -> list[int]:
 
     from vlmrl.models.loading import multimodal_token_ids, resolve_model_source
 
-    return multimodal_token_ids(AutoConfig.from_pretrained(resolve_model_source(config.model.name, run_dir)))
+    return multimodal_token_ids(AutoConfig.from_pretrained(resolve_model_source(config.model.name, run_dir, config.run.seed)))
 
 
 def is_finished(config: Config, run_dir: Path) -> bool:
