@@ -244,6 +244,13 @@ def test_the_dress_read_away_never_makes_a_wrong_answer_right(pred, gold, answer
     assert not grade(pred, gold, answer_type, choices=choices)
 
 
+def silent_record(item_id: str) -> dict:
+    """An evaluation record whose reward `silent` gave no value (None)."""
+    return {"id": item_id, "correct": False, "mathvista_correct": False, "format_ok": True,
+            "format_reward": 2.0, "correctness_reward": 0.0, "total_reward": 0.6, "prompt_sha256": "p",
+            "image_sha256": "i" + item_id, "category": "c", "rewards": {"format_reward": 2.0, "silent": None}}
+
+
 def test_a_reward_with_no_values_shows_as_no_values(tmp_path, capsys):
     """Before: a reward that returned None for every item made `vlmrl compare` and the model card fail with
     `TypeError: unsupported format string passed to NoneType.__format__`, exit 1."""
@@ -253,13 +260,8 @@ def test_a_reward_with_no_values_shows_as_no_values(tmp_path, capsys):
     from vlmrl.config.schema import Config
     from vlmrl.export.share import write_model_card
 
-    def record(item_id: str) -> dict:
-        return {"id": item_id, "correct": False, "mathvista_correct": False, "format_ok": True,
-                "format_reward": 2.0, "correctness_reward": 0.0, "total_reward": 0.6, "prompt_sha256": "p",
-                "image_sha256": "i" + item_id, "category": "c", "rewards": {"format_reward": 2.0, "silent": None}}
-
     for stage in ("baseline", "after"):
-        write_jsonl_atomic(tmp_path / f"{stage}_records.jsonl", [record(f"i{k}") for k in range(4)])
+        write_jsonl_atomic(tmp_path / f"{stage}_records.jsonl", [silent_record(f"i{k}") for k in range(4)])
     result = compare_runs(tmp_path)
     show_comparison(result.path)
     rows = {line.split()[1]: line for line in capsys.readouterr().out.splitlines() if line.count("│") > 3}
@@ -278,13 +280,8 @@ def test_a_reward_with_no_values_shows_as_no_values_in_the_report(tmp_path):
     from vlmrl.compare.stage import compare_runs
     from vlmrl.report import build_report
 
-    def record(item_id: str) -> dict:
-        return {"id": item_id, "correct": False, "mathvista_correct": False, "format_ok": True,
-                "format_reward": 2.0, "correctness_reward": 0.0, "total_reward": 0.6, "prompt_sha256": "p",
-                "image_sha256": "i" + item_id, "category": "c", "rewards": {"format_reward": 2.0, "silent": None}}
-
     for stage in ("baseline", "after"):
-        write_jsonl_atomic(tmp_path / f"{stage}_records.jsonl", [record(f"i{k}") for k in range(4)])
+        write_jsonl_atomic(tmp_path / f"{stage}_records.jsonl", [silent_record(f"i{k}") for k in range(4)])
         write_json_atomic(tmp_path / f"{stage}_summary.json", {"stage": stage, "n": 4, "rewards": {
             "format_reward": {"mean": 2.0, "ci95": [2.0, 2.0]}, "silent": {"mean": None, "ci95": [None, None]}}})
     compare_runs(tmp_path)
