@@ -200,15 +200,16 @@ def retrain(config: Config, run_dir: Path, say: Say, progress=None, *, fresh: bo
     data changed since the last training (stages.json), or when what train/ holds is another training's (a
     finished one, or checkpoints); the console says which. Else it resumes. The old adapter's after-training
     records go."""
+    from vlmrl.train.resume import checkpoints_of, holds_own_checkpoint
     from vlmrl.train.stage import train
 
     why = layout.stage_changes(config, run_dir, "train")
     if why:
         why = [f"{_listed(why)} changed since the last training"]
-    elif not _own_checkpoints(config, run_dir):
+    elif not holds_own_checkpoint(run_dir / layout.CHECKPOINTS, layout.checkpoint_fingerprint(config)):
         if change := layout.train_change(config, run_dir):
             why = [f"the finished training in {run_dir / layout.TRAIN} is not this config's: {change}"]
-        elif _checkpoints(run_dir):
+        elif checkpoints_of(run_dir / layout.CHECKPOINTS):
             why = [f"{run_dir / layout.CHECKPOINTS} holds another training's checkpoints"]
     if fresh:
         why = why or ["--no-resume"]
@@ -220,27 +221,6 @@ def retrain(config: Config, run_dir: Path, say: Say, progress=None, *, fresh: bo
                  *run_dir.glob("after_records*.jsonl"), *run_dir.glob("after_swapped_records*.jsonl")]:
         path.unlink(missing_ok=True)  # made with an adapter that is about to be replaced
     train(config, run_dir, resume=not why, console_callback=say, progress=progress)
-
-
-def _checkpoints(run_dir: Path) -> list[Path]:
-    return sorted((run_dir / layout.CHECKPOINTS).glob("checkpoint-*"))
-
-
-def _own_checkpoints(config: Config, run_dir: Path) -> bool:
-    """Whether a checkpoint in train/ is stamped by this config's training (so it resumes)."""
-    from vlmrl.common.io import read_json as read
-
-    mine = layout.checkpoint_fingerprint(config)
-    legacy = run_dir / layout.CHECKPOINTS / layout.LEGACY_STAMP
-    for folder in _checkpoints(run_dir):
-        stamp = folder / layout.CHECKPOINT_STAMP
-        try:
-            recorded = read(stamp if stamp.is_file() else legacy).get("fingerprint")
-        except (OSError, ValueError, AttributeError):
-            continue
-        if recorded == mine:
-            return True
-    return False
 
 
 def claim_run_dir(config: Config, run_dir: Path, *, force: bool) -> list[str]:

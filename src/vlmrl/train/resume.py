@@ -82,6 +82,19 @@ def resume_point(checkpoints: Path, fingerprint: str, max_steps: int) -> Path | 
     return None
 
 
+def checkpoints_of(checkpoints: Path) -> list[Path]:
+    """The `checkpoint-N` folders under `checkpoints`, in step order."""
+    return [folder for _, folder in _numbered(checkpoints)]
+
+
+def holds_own_checkpoint(checkpoints: Path, fingerprint: str) -> bool:
+    """Whether a checkpoint under `checkpoints` is stamped by the training of `fingerprint` (its own stamp, or
+    the folder-wide one of a run saved before checkpoints carried theirs)."""
+    legacy = _legacy_fingerprint(checkpoints)
+    return any((stamp.get("fingerprint") if (stamp := _stamp(folder)) is not None else legacy) == fingerprint
+               for folder in checkpoints_of(checkpoints))
+
+
 def checkpoint_step(folder: Path) -> int:
     """N of `checkpoint-N`."""
     return int(folder.name.removeprefix("checkpoint-"))
