@@ -135,19 +135,22 @@ def sft_train(
     warmup_steps: int = 0,
     schedule: str = "constant",
     ema: Ema | None = None,
+    adam_beta2: float = 0.999,
 ) -> list[float]:
     """Train `model` in place for `steps` AdamW steps on random batches of `examples`; returns the losses.
     `on_step(step, loss)` is called after each step; a true return stops training there.
     `bf16_autocast` runs forward and backward under bfloat16 autocast (weights and optimizer stay float32).
     `prefetch` builds the next batch on a worker thread while this one trains (on a GPU the processor, not the
     model, is the bottleneck); the batches and their order are the same either way. `warmup_steps` and
-    `schedule` shape the learning rate (`lr_factor`); `ema`, when given, is updated after every step."""
+    `schedule` shape the learning rate (`lr_factor`); `ema`, when given, is updated after every step.
+    `adam_beta2` below the default (e.g. 0.95) lets AdamW's second moment follow a sudden large gradient within
+    a few steps, instead of taking one outsized step on it (the loss spikes a from-scratch warm start shows)."""
     if not examples:
         raise ValueError("sft_train: no examples")
     rng = random.Random(seed)
     torch.manual_seed(seed)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=learning_rate, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(params, lr=learning_rate, betas=(0.9, adam_beta2), weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, steps=steps, warmup_steps=warmup_steps, schedule=schedule))
     device = next(model.parameters()).device
