@@ -1,5 +1,5 @@
 """Does a compiled, CUDA-graphed step slow down when a static-address input is re-allocated before every batch
-of calls? (diagnostic; docs/benchmarks.md, "Over many steps")
+of calls? (diagnostic; benchmarks/NOTES.md, "Over many steps")
 
 That is the rollout's situation: transformers builds a new static KV cache (tensors marked as static addresses)
 for every `generate` call, and the CUDA graphs of the compiled decode step are re-recorded whenever it lands at

@@ -1,5 +1,5 @@
 """Where the 4-bit rollout's decode time goes, and whether compiling over bitsandbytes keeps its numerics
-(diagnostic for the seed's 4-bit recipe; docs/benchmarks.md).
+(diagnostic for the seed's 4-bit recipe; benchmarks/NOTES.md).
 
 Outside TRL, random-weight Qwen3-VL-8B shapes loaded in bitsandbytes nf4, batch 32 (8 prompts x 4), LoRA r=16
 with a trained-looking B, under the rollout contexts vlmrl uses (vlmrl_sdpa, bf16 autocast, deferred stop check,

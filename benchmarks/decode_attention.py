@@ -1,4 +1,4 @@
-"""Decode-step attention at the seed recipe's shapes, one layer (diagnostic for docs/benchmarks.md).
+"""Decode-step attention at the seed recipe's shapes, one layer (diagnostic for benchmarks/NOTES.md).
 
 Qwen3-VL-8B decoding 32 sequences: 32 query heads over 8 KV heads (folded: 4 query rows per KV head), a static
 cache of 1,408 positions of which `filled` are written. Times each formulation per call (CUDA events, 200 calls)

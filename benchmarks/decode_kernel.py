@@ -6,7 +6,7 @@ and kernel settings, with each one's error against a float32 reference. Each var
     python benchmarks/decode_kernel.py OUTDIR     (one CUDA GPU; ~1 minute)
 
 Writes OUTDIR/decode_kernel.json and .md; exits 1 when the kernel's error is over twice SDPA's (+1e-3), so a
-job queued after it (benchmarks/gpu_decode_kernel.plan) can wait for a kernel that computes the right thing.
+job queued after it can wait for a kernel that computes the right thing.
 """
 
 from __future__ import annotations

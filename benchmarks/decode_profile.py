@@ -1,10 +1,10 @@
-"""Where a compiled decode step goes (diagnostic, not a benchmark of record; docs/benchmarks.md).
+"""Where a compiled decode step goes (diagnostic, not a benchmark of record; benchmarks/NOTES.md).
 
 Outside TRL, on the same random-weight Qwen3-VL-8B shapes, batch 32 (8 prompts x 4), static cache +
 torch.compile(reduce-overhead) + vlmrl_sdpa + the prompt pass on a dynamic cache, as in vlmrl's rollouts.
 Measures, each from its own generate call (warmed up at the measured length, so no call includes a compile):
   - ms per decode step with the LoRA adapter (r=16) active, sampling with the rollout logits processors;
-  - the same with the adapter merged (`vlmrl.engine.experimental.merge.RolloutMerge`, an experiment);
+  - the same with the adapter merged (`benchmarks/variants/merge.py`'s `RolloutMerge`, an experiment);
   - on the merged path: GPU busy time per decode step from torch.profiler (kernel time / wall time) and the top
     kernels; peak memory in the prompt pass vs in decoding (a logits processor reads the allocator).
 Usage (CUDA): python benchmarks/decode_profile.py OUTDIR [TOKENS]
@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 from decode_setup import profile_summary, profile_tables, shaped_model_and_batch, timed_generate
 from transformers import LogitsProcessor, LogitsProcessorList
+from variants.merge import RolloutMerge
 
 from vlmrl.bench import GIB
-from vlmrl.engine.experimental.merge import RolloutMerge
 from vlmrl.engine.rollout.attention import use_packed_gqa
 
 

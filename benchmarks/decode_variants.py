@@ -1,4 +1,4 @@
-"""What each rollout decode setting is worth, and where the host still waits (diagnostic; docs/benchmarks.md).
+"""What each rollout decode setting is worth, and where the host still waits (diagnostic; benchmarks/NOTES.md).
 
 Outside TRL, random-weight Qwen3-VL-8B shapes, batch 32 (8 prompts x 4), LoRA r=16, the compiled static-cache
 path of vlmrl's rollouts (vlmrl_sdpa, prompt pass on a dynamic cache, cache bucketed), sampling. Each variant
@@ -7,7 +7,7 @@ is warmed up at the measured length, so no timed call includes a compile. Varian
   lora+deferred   the same, with transformers' stop check read one step late (`rollout.fast.deferred_stop_check`)
   bf16            the adapters' bf16 copies swapped in (`vlmrl.engine.rollout.adapter_cast`), under the same autocast
   bf16+deferred   both
-  merged+deferred adapter merged into the weights (`vlmrl.engine.experimental.merge`, an experiment)
+  merged+deferred adapter merged into the weights (benchmarks/variants/merge.py, an experiment)
   bf16+deferred+kernel, merged+deferred+kernel   those two with token steps' attention through vlmrl's Triton
                   kernel (`vlmrl.engine.rollout.decode_attention`; rollouts' default now)
   stacked+deferred+kernel   the stacked projections (`vlmrl.engine.rollout.stacked`, rollouts' default) instead
@@ -15,7 +15,7 @@ is warmed up at the measured length, so no timed call includes a compile. Varian
                   weights are stacked (once) when this variant is asked for, before any variant runs; the
                   prompt pass's last-position logits are then compared with the copies' (`stacked_logits`)
   stacked+deferred+kernel+guards-once   the same, dynamo's guards checked at each call's first token step only
-                  (`vlmrl.engine.experimental.rollout.guards_once`, an experiment)
+                  (`guards_once`, benchmarks/variants/rollout.py, an experiment)
 Then, on bf16+deferred: the host syncs per token step that remain (torch.cuda sync debug mode, with the Python
 frames that caused them), and on PROFILE (default bf16+deferred) a profile of 256 tokens (GPU kernel time per
 step, top kernels; PROFILE=none skips it). VARIANTS=a,b,... runs those variants only (the host syncs then only
@@ -37,9 +37,9 @@ from pathlib import Path
 
 import torch
 from decode_setup import profile_summary, profile_tables, shaped_model_and_batch, timed_generate
+from variants.merge import RolloutMerge
+from variants.rollout import guards_once
 
-from vlmrl.engine.experimental.merge import RolloutMerge
-from vlmrl.engine.experimental.rollout import guards_once
 from vlmrl.engine.rollout.adapter_cast import LowPrecisionAdapters
 from vlmrl.engine.rollout.attention import decode_kernel, packed_gqa, use_packed_gqa
 from vlmrl.engine.rollout.fast import bucket_static_cache, deferred_stop_check

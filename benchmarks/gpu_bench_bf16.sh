@@ -1,4 +1,4 @@
-# The bf16 benchmark of record (docs/benchmarks.md): plain TRL vs vlmrl's default rollout path, and plain TRL vs
+# The bf16 benchmark of record (benchmarks/NOTES.md): plain TRL vs vlmrl's default rollout path, and plain TRL vs
 # the merged path (an experiment: benchmarks/engine_variants.py), each pair in one process. With two GPUs the pairs run side by side (one GPU each; the
 # bench wants one GPU per process); with one, one after the other (about 8 minutes each on an H200).
 # Run from the repository root: bash benchmarks/gpu_bench_bf16.sh OUTDIR (wheels carried in .whl/ are installed

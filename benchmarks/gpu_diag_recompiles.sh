@@ -1,4 +1,4 @@
-# Diagnostic for the remaining decode gap (docs/benchmarks.md): vlmrl path only, short completions,
+# Diagnostic for the remaining decode gap (benchmarks/NOTES.md): vlmrl path only, short completions,
 # with torch.compile's recompile log. Not a benchmark of record.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD/src || exit 1
 export PYTHONUNBUFFERED=1 VLMRL_CACHE=/tmp/vc TORCH_LOGS=recompiles,graph_breaks

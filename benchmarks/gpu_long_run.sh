@@ -1,4 +1,4 @@
-# Does the compiled rollout stay fast over many steps? (docs/benchmarks.md, "Over many steps")
+# Does the compiled rollout stay fast over many steps? (benchmarks/NOTES.md, "Over many steps")
 # transformers builds a new static KV cache for every rollout; the CUDA graphs of the compiled decode step are
 # recorded against its addresses, and are re-recorded when a new cache lands elsewhere. This runs vlmrl's
 # path for 12 steps (short completions, so the run is mostly rollouts), counts the CUDA graphs recorded in each
@@ -22,7 +22,7 @@ def counted(self, *args, **kwargs):  # every CUDA-graph recording, the first one
     recordings[0] += 1
     return record(self, *args, **kwargs)
 trees.CUDAGraphTreeManager.record_function = counted
-generate = bench._StepClock.wrap_generation
+generate = bench.StepClock.wrap_generation
 def wrap(clock, trainer):  # recordings made during each rollout
     generate(clock, trainer)
     inner = trainer._generate_single_turn
@@ -33,7 +33,7 @@ def wrap(clock, trainer):  # recordings made during each rollout
         finally:
             per_step.append(recordings[0] - before)
     trainer._generate_single_turn = rollout
-bench._StepClock.wrap_generation = wrap
+bench.StepClock.wrap_generation = wrap
 sys.argv = ["vlmrl", "bench", "--paths", "vlmrl", "--steps", "12", "--completion", "256", "--out", os.environ["OUT"]]
 try:
     app()

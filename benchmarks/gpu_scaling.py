@@ -1,44 +1,34 @@
-"""Issue 41's plan: vlmrl's training step on 1, 2, 4 and 8 GPUs of one host (DDP, FSDP2, ZeRO-2), a model too big
-for one 80 GB card under FSDP, and evaluation sharded over N GPUs against one GPU; run detached, packed, combined.
+"""vlmrl's training step on 1, 2, 4 and 8 GPUs of one host (DDP, FSDP2, ZeRO-2), the Qwen3-VL-32B shapes under FSDP,
+and evaluation sharded over N GPUs against one GPU; then the multi-GPU record from what ran.
 
-Entry point: benchmarks/gpu_scaling.sh (its header has the device calls). Subcommands:
+    python benchmarks/gpu_scaling.py plan [--gpus N]          the configurations for a host of N GPUs, in run order
+    python benchmarks/gpu_scaling.py run OUT [--gpus N] [--only P]   run them one after the other into OUT/<job>/
+                                                              (P: comma-separated name patterns), then the record
+    python benchmarks/gpu_scaling.py combine OUT --out PREFIX  PREFIX.{json,md} from OUT/<job>/ folders
 
-  plan [--gpus N]                   the jobs for a host of N GPUs (default: the GPUs seen here), in start order
-  start [--gpus N] [--only P] [--skip P]   start them detached (setsid): jobs run as soon as their GPUs are free,
-                                    in order (a job never jumps the queue); P: comma-separated name patterns
-  wait SECONDS OUT                  until every job ended or SECONDS passed; then the status table, OUT/scaling.tar.gz
-                                    (every job's record, bench.json/md, eval records, log tails) and the record so far,
-                                    OUT/h200_multi_gpu.{json,md}; exit 0 once every job has ended
-  combine DIR... --out PREFIX       PREFIX.{json,md} from unpacked scaling.tar.gz folders (later folders win per job)
-  rehearse OUT                      the whole plan on the CPU for a pretend 2-GPU host: the scheduler, the evaluation
-                                    jobs for real (tiny model, 2 gloo processes), bench jobs replaced by a stand-in
-                                    that writes a bench.json; then combine
-
-What each configuration measures is `vlmrl bench --paths vlmrl` (the seed recipe: 8 prompts x 4 generations per
-GPU, LoRA r=16, GSPO) under `accelerate launch` with the shipped config of its strategy; with several GPUs one more
-step is profiled for the NCCL kernel time (`--comm-profile`, vlmrl.bench.comm). The figures and the record:
-vlmrl.bench.scaling. State lives in $VLMRL_SCALING_STATE (default /tmp/vlmrl-scaling); the scheduler: gpu_jobs.py.
+Each configuration is `vlmrl bench --paths vlmrl` (the seed recipe: 8 prompts x 4 generations per GPU, LoRA r=16,
+GSPO) under `accelerate launch` with the shipped config of its strategy; with several GPUs one more step is
+profiled for the NCCL kernel time (`--comm-profile`, vlmrl.bench.comm). ZeRO-2 needs DeepSpeed installed (its jobs
+are skipped, and say so, without it). Per configuration the record has samples/s, the scaling efficiency against
+one GPU, step seconds, the peak of every GPU beside the preflight's prediction, and the communication share.
 """
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import hashlib
+import importlib.util
 import json
+import math
 import os
 import shlex
 import shutil
 import subprocess
 import sys
-import tarfile
-import tempfile
-import time
-from dataclasses import asdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_jobs beside it, also when imported by a test
-from gpu_jobs import ROOT, Job, alive, order, pack, schedule, select, state_dir, table, tail, write_json
-
+ROOT = Path(__file__).resolve().parents[1]
 COUNTS = (1, 2, 4, 8)
 # Steps per configuration (the first compiles and is set apart; with several GPUs one more is profiled) and the
 # completion length: the seed's 1024 tokens; the 32B rows 256, since FSDP gathers every block at every token step.
@@ -51,7 +41,7 @@ EVAL = ("--set model.backend=transformers --set model.dtype=auto --set model.max
 
 
 def bench_job(strategy: str, gpus: int, tier: int, *, shapes: str = "qwen3_vl_8b", four_bit: bool = False,
-              cap: float | None = None, python: str = "python3") -> Job:
+              cap: float | None = None, python: str = "python3") -> dict:
     from vlmrl.common.distributed import launch_command
 
     big = shapes != "qwen3_vl_8b"
@@ -66,49 +56,31 @@ def bench_job(strategy: str, gpus: int, tier: int, *, shapes: str = "qwen3_vl_8b
         argv = [python, *launch_command(args, gpus=gpus, strategy=strategy)[1:]]
     precision = "4bit" if four_bit else "bf16"
     name = f"{strategy}_{'32b' if big else precision}_g{gpus}" + (f"_cap{cap:g}" if cap else "")
-    minutes = {"ddp": 3.5, "fsdp": 7.0, "zero2": 4.5}[strategy] + (1.5 if four_bit else 0) + (2 if big else 0)
     env = "DS_ACCELERATOR=cuda " if strategy.startswith("zero") else ""
-    return Job(name, gpus, tier, f'{env}{shlex.join(argv)} --out "$JOB_OUT"', minutes,
-               meta={"kind": "bench", "strategy": strategy, "gpus": gpus, "shapes": shapes, "load_in_4bit": four_bit,
-                     "completion": completion, "steps": steps, "memory_cap_gib": cap},
-               needs="deepspeed" if strategy.startswith("zero") else None,
-               timeout_minutes=25 if strategy == "fsdp" else 15)
+    return {"job": name, "kind": "bench", "tier": tier, "command": f'{env}{shlex.join(argv)} --out "$JOB_OUT"',
+            "strategy": strategy, "gpus": gpus, "shapes": shapes, "load_in_4bit": four_bit, "completion": completion,
+            "steps": steps, "memory_cap_gib": cap, "needs": "deepspeed" if strategy.startswith("zero") else None}
 
 
-def plan(total: int, python: str = "python3") -> list[Job]:
-    """Every job for a host of `total` GPUs, in start order (see `order`)."""
+def plan(total: int, python: str = "python3") -> list[dict]:
+    """Every configuration for a host of `total` GPUs, in run order: tier 1 (DDP bf16 at every count, FSDP and
+    ZeRO-2 at the largest, the 32B rows, the evaluation), then 4-bit, then the counts in between."""
     counts = [c for c in COUNTS if c <= total]
     top = counts[-1]
     me = "benchmarks/gpu_scaling.py"
-    jobs = [Job("eval_prep", 1, 1, f"{python} {me} eval-prep", 3.0, meta={"kind": "eval_prep"})]
+    jobs = [{"job": "eval_prep", "kind": "eval_prep", "tier": 1, "gpus": 1, "command": f"{python} {me} eval-prep"}]
     jobs += [bench_job("ddp", n, 1, python=python) for n in counts]
     if top > 1:
         jobs += [bench_job("fsdp", top, 1, python=python), bench_job("zero2", top, 1, python=python),
                  bench_job("fsdp", 2, 1, shapes="qwen3_vl_32b", cap=CAP_32B, python=python)]
     jobs.append(bench_job("ddp", 1, 1, shapes="qwen3_vl_32b", python=python))  # fits one H200 (141 GB)
-    jobs += [Job(f"eval_g{n}", n, 1, f"{python} {me} eval --gpus {n}", 2.5, after=["eval_prep"],
-                 meta={"kind": "eval", "gpus": n}) for n in sorted({1, top})]
+    jobs += [{"job": f"eval_g{n}", "kind": "eval", "tier": 1, "gpus": n, "command": f"{python} {me} eval --gpus {n}"}
+             for n in sorted({1, top})]
     jobs += [bench_job("ddp", n, 2, four_bit=True, python=python) for n in sorted({1, top})]
     for n in counts[1:-1]:
         jobs += [bench_job("fsdp", n, 3, python=python), bench_job("zero2", n, 3, python=python),
                  bench_job("ddp", n, 3, four_bit=True, python=python)]
-    return order(jobs, total)
-
-
-def source_digest() -> str:
-    """A short hash of src/vlmrl's files: names the code a record ran, also where no git is (the device)."""
-    digest = hashlib.sha256()
-    for path in sorted((ROOT / "src" / "vlmrl").rglob("*")):
-        if path.is_file() and "__pycache__" not in path.parts:
-            digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()[:12]
-
-
-def commit() -> str:
-    if os.environ.get("VLMRL_COMMIT"):
-        return os.environ["VLMRL_COMMIT"]
-    done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False)
-    return done.stdout.strip() or "unknown"
+    return jobs
 
 
 def gpu_count() -> int:
@@ -120,129 +92,76 @@ def gpu_count() -> int:
         return 0
 
 
-def start(total: int, only: str | None, skip: str | None, *, detach: bool = True) -> int:
-    state = state_dir()
-    pid = state / "scheduler.pid"
-    if pid.exists() and alive(int(pid.read_text())):
-        print(f"a scheduler is already running (pid {pid.read_text()}, state {state})", file=sys.stderr)
-        return 2
-    jobs = select(plan(total), state, only, skip)
-    if not jobs:
-        print(f"nothing to start (state {state})", file=sys.stderr)
-        return 2
-    for sub in ("jobs", "logs", "out"):
-        (state / sub).mkdir(parents=True, exist_ok=True)
-    for j in jobs:
-        write_json(state / "jobs" / f"{j.name}.json", {"job": j.name, **j.meta, "gpus": j.gpus, "status": "queued"})
-    write_json(state / "plan.json", [asdict(j) for j in jobs])  # type: ignore[arg-type]
-    write_json(state / "meta.json", {"commit": commit(), "source_digest": source_digest(), "gpus": total,
-                                     "device": _device(), "versions": _versions()})
-    print(f"starting {len(jobs)} jobs on {total} GPUs (state {state}); estimated {sum(j.minutes for j in jobs):.0f} "
-          "GPU-job minutes:")
-    for j in jobs:
-        print(f"  {j.name:<24} {j.gpus} GPU(s)  ~{j.minutes:.0f} min  tier {j.tier}")
-    if not detach:
-        schedule(state, total)
-        return 0
-    with open(state / "scheduler.log", "a") as log:
-        proc = subprocess.Popen([sys.executable, __file__, "_schedule", str(total)], cwd=ROOT, stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                                env={**os.environ, "VLMRL_SCALING_STATE": str(state)})
-    pid.write_text(str(proc.pid))
-    return 0
+def source_digest() -> str:
+    """A short hash of src/vlmrl's files: names the code a record ran, also where no git is."""
+    digest = hashlib.sha256()
+    for path in sorted((ROOT / "src" / "vlmrl").rglob("*")):
+        if path.is_file() and "__pycache__" not in path.parts:
+            digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
 
 
-def _device() -> str | None:
+def commit() -> str | None:
+    if os.environ.get("VLMRL_COMMIT"):
+        return os.environ["VLMRL_COMMIT"]
+    done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False)
+    return done.stdout.strip() or None
+
+
+def run(out: Path, total: int, only: str | None) -> int:
+    """Every configuration (or those matching `only`), one after the other, each into out/<job>/; then the record."""
+    from vlmrl.bench.summary import versions
+
+    jobs = plan(total)
+    if only:
+        patterns = only.split(",")
+        jobs = [j for j in jobs if j["kind"] == "eval_prep" or any(fnmatch.fnmatch(j["job"], p) for p in patterns)]
+    out.mkdir(parents=True, exist_ok=True)
+    device = None
     try:
         import torch
 
-        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+        device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     except ImportError:
-        return None
+        pass
+    (out / "meta.json").write_text(json.dumps({"commit": commit(), "source_digest": source_digest(), "gpus": total,
+                                               "device": device, "versions": versions()}, indent=2))
+    for job in jobs:
+        folder = out / job["job"]
+        folder.mkdir(exist_ok=True)
+        if job.get("needs") and importlib.util.find_spec(job["needs"]) is None:
+            record = job | {"rc": None, "error": f"{job['needs']} is not installed"}
+        else:
+            print(f"+ {job['job']}: {job['command']}", flush=True)
+            with open(folder / "log.txt", "w") as log:
+                rc = subprocess.run(job["command"], shell=True, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                    env={**os.environ, "JOB_OUT": str(folder)}, check=False).returncode
+            record = job | {"rc": rc}
+        (folder / "job.json").write_text(json.dumps(record, indent=2))
+    combine(out, out / "h200_multi_gpu")
+    return 0
 
 
-def _versions() -> dict:
-    from vlmrl.bench.summary import versions
-
-    return {**versions(), "accelerate": _version("accelerate"), "deepspeed": _version("deepspeed")}
-
-
-def _version(name: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return None
-
-
-# --- wait and combine ------------------------------------------------------------------------------------------------
-
-def wait(seconds: float, out: Path) -> int:
-    """Until every job ended, SECONDS passed or the scheduler is gone; then the table, the pack, the record so far."""
-    state = state_dir()
-    pid = state / "scheduler.pid"
-    end = time.time() + seconds
-    while not table(state)[1] and time.time() < end:
-        if pid.exists() and not alive(int(pid.read_text())):
-            print(f"the scheduler (pid {pid.read_text()}) is gone: {state / 'scheduler.log'} says why")
-            break
-        time.sleep(5)
-    text, finished = table(state)
-    print(text)
-    for path in (state / "jobs").glob("*.json"):
-        r = json.loads(path.read_text())
-        if r["status"] == "ended" and r.get("rc") != 0:
-            log = state / "logs" / f"{r['job']}.log"
-            print(f"--- {r['job']} (rc {r['rc']}), last lines:\n" + "\n".join(tail(log, 15)))
-    out.mkdir(parents=True, exist_ok=True)
-    pack(state, out / "scaling.tar.gz")
-    with tempfile.TemporaryDirectory() as tmp:
-        with tarfile.open(out / "scaling.tar.gz") as tar:
-            tar.extractall(tmp, filter="data")
-        try:  # the pack above comes back whatever happens here
-            combine([Path(tmp)], out / "h200_multi_gpu")
-        except Exception as exc:  # noqa: BLE001
-            print(f"combine failed ({type(exc).__name__}: {exc}); the pack holds every job's files")
-    return 0 if finished else 1
-
-
-def combine(folders: list[Path], prefix: Path) -> dict:
-    """The record from unpacked packs: one row per bench job, the evaluation check, what did not run."""
-    from vlmrl.bench.scaling import (
-        add_efficiency,
-        add_prediction,
-        beside,
-        compare_records,
-        configuration_row,
-        markdown,
-    )
+def combine(out: Path, prefix: Path) -> dict:
+    """The record from out/<job>/{job.json, bench.json, records.jsonl}: one row per bench job, the evaluation
+    check, what did not run."""
     from vlmrl.common.io import read_jsonl
 
-    jobs: dict[str, tuple[dict, Path]] = {}
-    meta: dict = {}
-    for folder in folders:
-        meta = json.loads((folder / "meta.json").read_text()) if (folder / "meta.json").exists() else meta
-        for path in sorted((folder / "jobs").glob("*.json")):
-            record = json.loads(path.read_text()) | {"commit": meta.get("commit"),
-                                                     "source_digest": meta.get("source_digest")}
-            if record["job"] not in jobs or record.get("rc") == 0:
-                jobs[record["job"]] = (record, folder / "out" / record["job"])
-    records = [r for r, _ in jobs.values()]
+    meta = json.loads((out / "meta.json").read_text()) if (out / "meta.json").exists() else {}
+    records = [json.loads(p.read_text()) | {"commit": meta.get("commit"), "source_digest": meta.get("source_digest")}
+               for p in sorted(out.glob("*/job.json"))]
     rows = []
-    for record, out in jobs.values():
-        if record.get("kind") != "bench":
-            continue
-        record["beside"] = beside(record, records)
-        bench = json.loads((out / "bench.json").read_text()) if (out / "bench.json").exists() else None
-        rows.append(configuration_row(record, bench))
+    for record in records:
+        if record.get("kind") == "bench":
+            bench = out / record["job"] / "bench.json"
+            rows.append(configuration_row(record, json.loads(bench.read_text()) if bench.exists() else None))
     strategies = ("ddp", "fsdp", "zero2", "zero3")
     rows.sort(key=lambda r: (r["shapes"], bool(r["load_in_4bit"]), strategies.index(r["strategy"]), r["gpus"]))
     rows = add_prediction(add_efficiency(rows))
     evaluation = None
     evals = sorted((r for r in records if r.get("kind") == "eval" and r.get("rc") == 0), key=lambda r: r["gpus"])
     if len(evals) >= 2 and evals[0]["gpus"] == 1:
-        one, many = (read_jsonl(jobs[r["job"]][1] / "records.jsonl") for r in (evals[0], evals[-1]))
+        one, many = (read_jsonl(out / r["job"] / "records.jsonl") for r in (evals[0], evals[-1]))
         evaluation = compare_records(list(one), list(many)) | {"gpus": evals[-1]["gpus"]}
     meta["not_run"] = sorted(r["job"] for r in records if r.get("rc") != 0)
     result = {"meta": meta, "rows": rows, "evaluation": evaluation, "jobs": records}
@@ -254,6 +173,10 @@ def combine(folders: list[Path], prefix: Path) -> dict:
 
 # --- the evaluation jobs ----------------------------------------------------------------------------------------------
 
+def _work() -> Path:
+    return Path(os.environ.get("VLMRL_SCALING_WORK", "/tmp/vlmrl-scaling"))
+
+
 def eval_settings(model: str, work: Path, name: str) -> list[str]:
     return [*shlex.split(EVAL), "--set", f"model.name={model}", "--set", f"run.output_dir={work / 'runs'}",
             "--set", f"run.name={name}"]
@@ -261,7 +184,7 @@ def eval_settings(model: str, work: Path, name: str) -> list[str]:
 
 def eval_prep() -> int:
     """The random-weight Qwen3-VL-8B model (or $MODEL), a prepared run, and a copy of it for the N-GPU evaluation."""
-    work = state_dir() / "eval"
+    work = _work() / "eval"
     model = os.environ.get("MODEL") or str(work / "shaped")
     if not os.environ.get("MODEL") and not (Path(model) / "config.json").exists():
         _vlmrl(["bench", "--save-model", model])
@@ -274,12 +197,12 @@ def eval_prep() -> int:
 
 def evaluate(gpus: int) -> int:
     """`vlmrl eval --stage baseline` on the prepared run (1 GPU) or its copy (N GPUs); the records to $JOB_OUT."""
-    work = state_dir() / "eval"
-    run = work / "runs" / ("one" if gpus == 1 else "many")
+    work = _work() / "eval"
+    folder = work / "runs" / ("one" if gpus == 1 else "many")
     # the copy keeps the prepared run's config (run.name one) and is named by --run-dir
-    _vlmrl(["eval", "demo", *eval_settings((work / "model").read_text(), work, "one"), "--run-dir", str(run),
+    _vlmrl(["eval", "demo", *eval_settings((work / "model").read_text(), work, "one"), "--run-dir", str(folder),
             *(["--gpus", str(gpus)] if gpus > 1 else [])])
-    found = sorted(run.rglob("baseline_records.jsonl"))
+    found = sorted(folder.rglob("baseline_records.jsonl"))
     shutil.copy(found[0], Path(os.environ["JOB_OUT"]) / "records.jsonl")
     return 0
 
@@ -289,95 +212,162 @@ def _vlmrl(args: list[str]) -> None:
     subprocess.run([sys.executable, "-m", "vlmrl.cli", *args], cwd=ROOT, check=True)
 
 
-# --- the CPU rehearsal ------------------------------------------------------------------------------------------------
+# --- the record -------------------------------------------------------------------------------------------------------
 
-def fake_bench(out: Path, gpus: int) -> int:
-    """A stand-in for `vlmrl bench` on the CPU: a bench.json with made-up seconds in the bench's own format."""
-    from vlmrl.bench import BenchSettings, load_shapes, summarize
-
-    settings = BenchSettings(paths=["vlmrl"], steps=2)
-    steps = [{"seconds": 60.0, "generate_seconds": 50.0}, {"seconds": 10.0 + gpus / 10, "generate_seconds": 6.0},
-             {"seconds": 11.0, "generate_seconds": 6.0, "profiled": True}]
-    comm = {"comm_seconds": 0.05 * gpus, "exposed_seconds": 0.01 * gpus, "seconds_by_collective": {"AllReduce": 0.1}}
-    raw = {"path": "vlmrl", "error": None, "fast_generation": None, "peak_memory_gib": 20.0, "peak_reserved_gib": 21.0,
-           "steps": steps, "world_size": gpus, "peak_memory_gib_per_rank": [20.0] * gpus,
-           "communication_per_rank": [comm] * gpus if gpus > 1 else None}
-    summary = summarize(settings, load_shapes("qwen3_vl_8b"), {"matmul_tflops": 800, "copy_bandwidth_tbs": 4.0}, [raw],
-                        prompt_tokens=310)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps(summary, indent=2, default=str))
-    return 0
+EVAL_KEYS = ("completion", "pred", "correct", "format_ok")  # what must match between the two evaluations
 
 
-def rehearse(out: Path, total: int = 2) -> int:
-    """The plan for a pretend host of `total` GPUs on the CPU: every job's command swapped for its CPU stand-in
-    (evaluation: the tiny model, `--gpus N` as N gloo processes), run by the same scheduler, packed and combined."""
-    state = state_dir()
-    shutil.rmtree(state, ignore_errors=True)
-    os.environ["MODEL"] = "tiny:qwen3_vl"  # vlmrl's built-in tiny Qwen3-VL, built offline
-    jobs = plan(total, python=sys.executable)
-    for j in jobs:
-        j.needs = None
-        if j.meta["kind"] == "bench":
-            j.command = f'{shlex.quote(sys.executable)} {__file__} fake-bench "$JOB_OUT" {j.gpus}'
-    for sub in ("jobs", "logs", "out"):
-        (state / sub).mkdir(parents=True, exist_ok=True)
-    write_json(state / "plan.json", [asdict(j) for j in jobs])  # type: ignore[arg-type]
-    write_json(state / "meta.json", {"commit": commit(), "source_digest": source_digest(), "gpus": total,
-                                     "device": "cpu (rehearsal)", "versions": _versions()})
-    schedule(state, total)
-    return wait(0, out)
+def configuration_row(job: dict, bench: dict | None) -> dict:
+    """One configuration's figures from its job record and its bench.json (None when the bench wrote none)."""
+    from vlmrl.bench.comm import comm_share
+
+    row = {key: job.get(key) for key in ("job", "strategy", "gpus", "shapes", "load_in_4bit", "completion",
+                                         "memory_cap_gib", "rc", "commit", "source_digest")}
+    path = (bench or {}).get("paths", {}).get("vlmrl", {})
+    if "step_seconds" not in path:
+        row["error"] = path.get("error") or job.get("error") or f"no bench record (exit {job.get('rc')})"
+        return row
+    peaks = path["peak_memory_gib_per_rank"]
+    row.update({
+        "error": path.get("error"),
+        "world_size": path["world_size"],
+        "samples_per_second": path["samples_per_second"],
+        "step_seconds": path["step_seconds"],
+        "generate_seconds": path["generate_seconds"],
+        "steps_measured": path["steps_measured"],
+        "peak_gib_per_gpu": peaks,
+        "peak_gib_max": max(peaks),
+        "prompt_tokens": bench.get("prompt_tokens"),
+        "versions": bench.get("versions"),
+    })
+    ranks = [r for r in path.get("communication_per_rank") or [] if r and "comm_seconds" in r]
+    if ranks:
+        shares = [comm_share(r, path["step_seconds"]) for r in ranks]
+        row["comm_share"] = max(s["comm_share"] for s in shares)
+        row["exposed_share"] = max(s["exposed_share"] for s in shares)
+        row["comm_seconds_by_collective"] = ranks[0].get("seconds_by_collective")
+    return row
+
+
+def add_efficiency(rows: list[dict]) -> list[dict]:
+    """Scaling efficiency of every row against the one-GPU DDP row of the same shapes, precision and completion:
+    samples/s / (N x one GPU's samples/s). A row without such a reference gets None.
+
+    >>> rows = [{"strategy": "ddp", "gpus": 1, "shapes": "s", "load_in_4bit": False, "completion": 8,
+    ...          "samples_per_second": 2.0},
+    ...         {"strategy": "fsdp", "gpus": 4, "shapes": "s", "load_in_4bit": False, "completion": 8,
+    ...          "samples_per_second": 7.0}]
+    >>> [r["efficiency"] for r in add_efficiency(rows)]
+    [1.0, 0.875]
+    """
+    def key(row: dict) -> tuple:
+        return row.get("shapes"), bool(row.get("load_in_4bit")), row.get("completion")
+
+    one = {key(r): r["samples_per_second"] for r in rows
+           if r.get("strategy") == "ddp" and r.get("gpus") == 1 and r.get("samples_per_second")}
+    for r in rows:
+        reference = one.get(key(r))
+        r["efficiency"] = (r["samples_per_second"] / (r["gpus"] * reference)
+                           if reference and r.get("samples_per_second") else None)
+    return rows
+
+
+def add_prediction(rows: list[dict]) -> list[dict]:
+    """The preflight's per-GPU peak for each row's configuration (the seed recipe as the bench runs it: bf16 with
+    AdamW, 4-bit with 8-bit Adam) and the measured peak's ratio to it."""
+    from vlmrl.bench.shaped import seed_overrides
+    from vlmrl.config.schema import load_config
+    from vlmrl.run.preflight import estimate_memory, load_shapes
+
+    for r in rows:
+        if not r.get("peak_gib_max") or not r.get("prompt_tokens"):
+            continue
+        overrides = seed_overrides({"load_in_4bit": r["load_in_4bit"], "completion": r["completion"]})
+        estimate = estimate_memory(load_config("seed", overrides), load_shapes(r["shapes"]),
+                                   prompt_tokens=r["prompt_tokens"], fast_generation=True, gpus=r["gpus"],
+                                   strategy=r["strategy"])
+        r["predicted_peak_gib"] = estimate.peak_gib
+        r["measured_over_predicted"] = r["peak_gib_max"] / estimate.peak_gib
+    return rows
+
+
+def compare_records(one: list[dict], many: list[dict]) -> dict:
+    """One GPU's evaluation records against N GPUs': the same ids, and completion, extracted answer, grade and
+    format verdict equal per id.
+
+    >>> compare_records([{"id": "a", "completion": "x"}], [{"id": "a", "completion": "x"}])["identical"]
+    1
+    """
+    a, b = {r["id"]: r for r in one}, {r["id"]: r for r in many}
+    same = [i for i in a if i in b and all(a[i].get(k) == b[i].get(k) for k in EVAL_KEYS)]
+    return {"records_one_gpu": len(a), "records_n_gpus": len(b), "ids_equal": sorted(a) == sorted(b),
+            "identical": len(same), "differing_ids": sorted((set(a) ^ set(b)) | (set(a) & set(b)) - set(same))}
+
+
+def markdown(rows: list[dict], evaluation: dict | None, meta: dict) -> str:
+    """The record's table: one line per configuration, then the evaluation check and what did not run."""
+    lines = [(f"Measured at commit {meta.get('commit')} (source digest {meta.get('source_digest')}) on "
+              f"{meta.get('device')}; versions {meta.get('versions')}."), "",
+             ("| configuration | GPUs | samples/s | efficiency | step s | generate s | peak GiB per GPU "
+              "| predicted GiB (measured / predicted) | comm share (exposed) |"),
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        label = (f"{r['strategy']} {r['shapes']} {'4-bit' if r['load_in_4bit'] else 'bf16'} {r['completion']} tok"
+                 + (f", cap {r['memory_cap_gib']:g} GiB" if r.get("memory_cap_gib") else ""))
+        if "samples_per_second" not in r:
+            lines.append(f"| {label} | {r['gpus']} | failed: {str(r['error'])[:160]} | | | | | | |")
+            continue
+        peaks = ", ".join(f"{p:.1f}" for p in r["peak_gib_per_gpu"])
+        comm = (f"{r['comm_share']:.1%} ({r['exposed_share']:.1%})" if r.get("comm_share") is not None else "")
+        predicted = (f"{r['predicted_peak_gib']:.1f} ({r['measured_over_predicted']:.2f}x)"
+                     if r.get("predicted_peak_gib") else "")
+        lines.append(
+            f"| {label} | {r['gpus']} | {r['samples_per_second']:.2f} | {_fmt(r.get('efficiency'), '.2f')} | "
+            f"{r['step_seconds']:.1f} | {r['generate_seconds']:.1f} | {peaks} | {predicted} | {comm} |")
+    lines += ["", ("Efficiency: samples/s over N x the one-GPU DDP row of the same shapes, precision and completion. "
+                   "Comm share: NCCL kernel time of the profiled step over the steady step (largest rank); in brackets "
+                   "the part no other kernel overlapped.")]
+    if evaluation:
+        lines.append(f"Evaluation: {evaluation['records_one_gpu']} records on 1 GPU, {evaluation['records_n_gpus']} on "
+                     f"{evaluation.get('gpus', 'N')} GPUs, ids equal: {evaluation['ids_equal']}, identical "
+                     f"(completion, extraction, grade, format): {evaluation['identical']} of "
+                     f"{evaluation['records_one_gpu']}.")
+    if meta.get("not_run"):
+        lines.append(f"Not run: {', '.join(meta['not_run'])}.")
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in ("plan", "start"):
-        p = sub.add_parser(name)
-        p.add_argument("--gpus", type=int, default=None)
-        if name == "start":
-            p.add_argument("--only")
-            p.add_argument("--skip")
-    p = sub.add_parser("wait")
-    p.add_argument("seconds", type=float)
+    p = sub.add_parser("plan")
+    p.add_argument("--gpus", type=int)
+    p = sub.add_parser("run")
     p.add_argument("out", type=Path)
+    p.add_argument("--gpus", type=int)
+    p.add_argument("--only")
     p = sub.add_parser("combine")
-    p.add_argument("folders", type=Path, nargs="+")
-    p.add_argument("--out", type=Path, required=True)
-    sub.add_parser("rehearse").add_argument("out", type=Path)
+    p.add_argument("out", type=Path)
+    p.add_argument("--out", dest="prefix", type=Path, required=True)
     sub.add_parser("eval-prep")
     sub.add_parser("eval").add_argument("--gpus", type=int, required=True)
-    p = sub.add_parser("fake-bench")
-    p.add_argument("out", type=Path)
-    p.add_argument("gpus", type=int)
-    sub.add_parser("_schedule").add_argument("total", type=int)
-    a = parser.parse_args(argv)
-    if a.command in ("plan", "start"):
-        total = a.gpus or gpu_count()
-        if total < 1:
-            print("no CUDA GPU here: give --gpus N (plan) or run on the GPU host", file=sys.stderr)
-            return 2
-        if a.command == "plan":
-            for j in plan(total):
-                print(f"{j.name:<24} gpus={j.gpus} tier={j.tier} ~{j.minutes:.0f} min  after={','.join(j.after) or '-'}\n"
-                      f"    {j.command}")
-            return 0
-        return start(total, a.only, a.skip)
-    if a.command == "wait":
-        return wait(a.seconds, a.out)
-    if a.command == "combine":
-        combine(a.folders, a.out)
+    args = parser.parse_args(argv)
+    if args.command == "plan":
+        for job in plan(args.gpus or gpu_count() or 1):
+            print(f"{job['job']:<24} tier {job['tier']}  {job['command']}")
         return 0
-    if a.command == "rehearse":
-        return rehearse(a.out)
-    if a.command == "eval-prep":
+    if args.command == "run":
+        return run(args.out, args.gpus or gpu_count(), args.only)
+    if args.command == "combine":
+        combine(args.out, args.prefix)
+        return 0
+    if args.command == "eval-prep":
         return eval_prep()
-    if a.command == "eval":
-        return evaluate(a.gpus)
-    if a.command == "fake-bench":
-        return fake_bench(a.out, a.gpus)
-    schedule(state_dir(), a.total)
-    return 0
+    return evaluate(args.gpus)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
 # precision; a batch that runs out of memory is recorded and the larger ones skipped.
 # Run from the repository root: bash benchmarks/gpu_throughput.sh OUTDIR [bf16|4bit|both]   (BATCHES=32,64 to run
 # fewer at once: each batch takes a compile plus two steps, several minutes at 256). One precision per GPU:
-# benchmarks/gpu_issue21.plan runs them side by side through gpu_parallel.sh.
+# two GPUs can run the two precisions side by side.
 OUT=${1:-${OUT:-bench-throughput}}
 MODE=${2:-both}
 BATCHES=${BATCHES:-32,64,128,256}

@@ -18,7 +18,7 @@
 # Paths run in separate calls are on two machines of one kind, not in one process: the table lists each record
 # apart. Without a third argument both paths run in one call (unsloth first) -> h200_unsloth_{bf16,4bit}.json.
 # BENCH_TIMEOUT (seconds, default 570) lifts the cut where the bench runs detached, beyond one call
-# (gpu_parallel.sh, benchmarks/gpu_issue21.plan); `install` only installs the site (once, before parallel jobs).
+# (several at once on one host); `install` only installs the site (once, before parallel jobs).
 # Afterwards, here: copy the h200_unsloth_*.json/.md into benchmarks/results/ and run
 #   bash benchmarks/gpu_unsloth.sh benchmarks/results combine   # h200_unsloth.json/.md, every record
 set -uo pipefail

@@ -1,5 +1,5 @@
 """Host time TorchDynamo spends checking guards before each compiled token step, and what checking them at the
-first step of each `generate` call only (`vlmrl.engine.experimental.rollout.guards_once`, an experiment) leaves of
+first step of each `generate` call only (`guards_once`, benchmarks/variants/rollout.py, an experiment) leaves of
 it, on the CPU.
 
 On an H200 at Qwen3-VL-8B shapes the check took 6.1 ms of host time per token step (`TorchDynamo Cache Lookup` in
@@ -8,7 +8,7 @@ run it: tiny random Qwen3-VL models (hidden 64) of a few depths with LoRA on the
 stacked projections, decoding compiled (static cache, bucketed; dynamo with an eager backend, so only dynamo's
 own host work is added), one warm-up `generate` call and then one profiled call each way. It reports the
 profiler's `TorchDynamo Cache Lookup` time per token step, and the greedy tokens of both ways (they must agree).
-What it is worth on a GPU, where the host and the device overlap, is `benchmarks/gpu_guards.plan`'s to measure.
+What it is worth on a GPU, where the host and the device overlap, is for a GPU run to measure (benchmarks/NOTES.md has the one that ran).
 Usage: python benchmarks/guard_checks.py OUTDIR [TOKENS]
 """
 
@@ -24,9 +24,9 @@ import torch
 from peft import LoraConfig, get_peft_model
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForImageTextToText, AutoProcessor
+from variants.rollout import guards_once
 
 from vlmrl.data.synthetic import generate_items
-from vlmrl.engine.experimental.rollout import guards_once
 from vlmrl.engine.rollout.fast import bucket_static_cache, compile_settings, prefill_into_dynamic_cache
 from vlmrl.engine.rollout.generation import encode_batch
 from vlmrl.engine.rollout.stacked import StackedProjections

@@ -3,7 +3,7 @@ time, the time per token position, the peak and the preflight's prediction, or w
 
     python benchmarks/long_context.py OUTDIR BENCH.json... [--partial LENGTH:BASE:FILE]... [--note TEXT]
 
-BENCH.json: a `vlmrl bench` record (benchmarks/gpu_long_context.plan, gpu_issue39_long.plan). --partial: a
+BENCH.json: a `vlmrl bench` record (the commands: benchmarks/suites/h200-long-context.json). --partial: a
 bench.partial.json, the raw list a bench writes after each path, for a job that did not finish; it carries no
 settings, so LENGTH (completion tokens) and BASE (`4bit` under the 24 GiB cap, or `bf16` uncapped, as the plans
 run them) say what it ran, with the rest of the settings the plans' defaults. Every cell of the issue's grid

@@ -1,5 +1,5 @@
 """A 4-bit token step's projections at Qwen3-VL-8B's language shapes: bitsandbytes' `Linear4bit` forward, its
-dequantize + matmul, and vlmrl's nf4 kernels (the first design, `vlmrl.engine.experimental.nf4_v1.nf4_matmul_v1`,
+dequantize + matmul, and vlmrl's nf4 kernels (the first design, `nf4_matmul_v1` in benchmarks/variants/nf4_v1.py,
 "nf4 kernel", and the product's, `vlmrl.engine.rollout.nf4.nf4_matmul`, "nf4 kernel v2"), beside the weight-read
 floor.
 
@@ -61,7 +61,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    "design, nf4_v1.nf4_matmul_v1; v2: the product's, nf4.nf4_matmul), comma-separated")
     p.add_argument("--lora", type=int, default=0, help="a LoRA branch of this rank on every projection (0: none): "
                    "the product's kernel then also runs with the branch as PEFT's ops, folded into its last "
-                   "pass, and with only its scale and sum there (vlmrl.engine.experimental.nf4_lora)")
+                   "pass, and with only its scale and sum there (benchmarks/variants/nf4_lora.py)")
     return p.parse_args(argv)
 
 
@@ -154,7 +154,7 @@ def weight_bytes(module: torch.nn.Module) -> int:
 
 
 # per kernel: its label, module, function and config chooser
-KERNELS = {"v1": ("nf4 kernel", "vlmrl.engine.experimental.nf4_v1", "nf4_matmul_v1", "_config"),
+KERNELS = {"v1": ("nf4 kernel", "variants.nf4_v1", "nf4_matmul_v1", "_config"),
            "v2": ("nf4 kernel v2", "vlmrl.engine.rollout.nf4", "nf4_matmul", "_config")}
 # per kernel: packed bytes per weight row per step, and pipeline stages (1: Triton's pipeliner off, which
 # otherwise stages every table lookup through shared memory, 4 bytes a copy: nf4._config)
@@ -183,7 +183,7 @@ def step_methods(layers: list, inputs: dict[int, torch.Tensor], dense: list | No
     for name in kernels:
         methods[KERNELS[name][0]] = kernel(_kernel(name)[0])
     if branches:
-        from vlmrl.engine.experimental.nf4_lora import nf4_lora_matmul, nf4_summed_matmul
+        from variants.nf4_lora import nf4_lora_matmul, nf4_summed_matmul
 
         # PEFT's branch as a compiled decode step runs it: two matmuls, then the scale and sum in one kernel
         add = torch.compile(lambda base, lora: base + lora * LORA_SCALE) if torch.cuda.is_available() else (
@@ -284,10 +284,10 @@ def tuned(a: argparse.Namespace, layers: list, swept: list[dict], dtype: torch.d
 
             entry = {"kernel": kernel, "rows": rows, "dtype": str(dtype).removeprefix("torch."),
                      "configs": {f"{n} x {k}": c for (n, k), c in best.items()}}
-            nf4._failed.clear()
+            _fallbacks(nf4).clear()
             for name, configs in (("default_ms", {}), ("tuned_ms", best), ("default_again_ms", {})):
                 entry[name] = timed_ms(lambda configs=configs: step(configs), a.replays, graph=device.type == "cuda")
-            entry["fell_back"] = bool(nf4._failed)
+            entry["fell_back"] = bool(_fallbacks(nf4))
             with fp32_reductions():
                 entry["tuned_units"] = max(
                     units(got, *reference(m, inputs[m.in_features], dtype, bnb)[1:])
@@ -295,6 +295,29 @@ def tuned(a: argparse.Namespace, layers: list, swept: list[dict], dtype: torch.d
             rows_done.append(entry)
             print(json.dumps(entry), flush=True)
     return rows_done
+
+
+class _fallbacks:
+    """The fallbacks the product's kernel recorded (`nf4._failed`) and the variants' (`variants.nf4_launch._failed`:
+    the first design's, the LoRA branch's), as one record to read and clear."""
+
+    def __init__(self, nf4: object):
+        from variants import nf4_launch
+
+        self.records = (nf4._failed, nf4_launch._failed)
+
+    def clear(self) -> None:
+        for record in self.records:
+            record.clear()
+
+    def items(self) -> list:
+        return [item for record in self.records for item in record.items()]
+
+    def values(self) -> list:
+        return [why for _, why in self.items()]
+
+    def __bool__(self) -> bool:
+        return any(self.records)
 
 
 def _kernel(name: str) -> tuple[Callable, Callable]:
@@ -306,14 +329,14 @@ def _kernel(name: str) -> tuple[Callable, Callable]:
 
 def _time_config(modules: list, x: torch.Tensor, config: list[int], replays: int, nf4: object,
                  matmul: Callable) -> dict:
-    nf4._failed.clear()
+    _fallbacks(nf4).clear()
     try:
         ms = timed_ms(lambda: [matmul(x, m.weight, config=config) for m in modules], replays,
                       graph=x.is_cuda)
     except Exception as error:  # noqa: BLE001 (a setting Triton cannot build: recorded, the sweep goes on)
         return {"error": f"{type(error).__name__}: {str(error)[:200]}"}
-    if nf4._failed:  # the op fell back to torch: not the kernel's time
-        return {"error": next(iter(nf4._failed.values()))[:200]}
+    if _fallbacks(nf4):  # the op fell back to torch: not the kernel's time
+        return {"error": next(iter(_fallbacks(nf4).values()))[:200]}
     return {"ms": ms}
 
 
@@ -321,7 +344,7 @@ def main(argv: list[str]) -> int:
     a = parse(argv)
     import bitsandbytes as bnb
 
-    from vlmrl.engine.rollout import nf4  # its _failed records both designs' fallbacks
+    from vlmrl.engine.rollout import nf4
 
     a.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -372,7 +395,7 @@ def main(argv: list[str]) -> int:
                     print(json.dumps(entry), flush=True)
                 result["numerics"].append(numerics(layers[:7], inputs, dtype, rows, bnb, nf4, kernels,
                                                    branches and branches[:7]))
-            result["fallbacks"] = {str(where): why for where, why in nf4._failed.items()}  # JSON keys
+            result["fallbacks"] = {str(where): why for where, why in _fallbacks(nf4).items()}  # JSON keys
         result["sweep"] = [entry for kernel in kernels
                            for entry in sweep(a, layers, rows_list, dtypes[0], bandwidth, nf4, device, kernel)]
         result["tuned"] = tuned(a, layers, result["sweep"], dtypes[0], bnb, nf4, device)
@@ -391,7 +414,8 @@ def numerics(layers: list, inputs: dict, dtype: torch.dtype, rows: int, bnb: obj
     """Largest ulps over one layer's projections: the kernels ("kernel": v1, "kernel_v2"), and `Linear4bit` itself,
     against dequantize + matmul (summed in fp32: cuBLAS's reduced-precision split-K reductions off); with
     `branches`, the folded LoRA branch ("folded") and the one summed in the split pass ("summed") against PEFT's
-    eager sum over dequantize + matmul, its unit taken at the larger term too (tests/test_nf4_lora.py)."""
+    eager sum over dequantize + matmul, its unit taken at the larger term too (as the CPU tests of the fold did,
+    tests/test_nf4_lora.py in git history)."""
     names = {"v1": "kernel", "v2": "kernel_v2"}
     found = {f"{names[k]}_{what}": zero for k in kernels for what, zero in (("ulps", 0), ("units", 0.0))}
     found |= {"linear4bit_ulps": 0, "linear4bit_units": 0.0}
@@ -416,7 +440,7 @@ def _numerics_of(found: dict, m: torch.nn.Module, x: torch.Tensor, dtype: torch.
     for name, got in [*outputs, ("dequantize", expected)]:
         found[f"{name}_exact_units"] = max(found.get(f"{name}_exact_units", 0.0), units(got, exact, scale))
     if branch:
-        from vlmrl.engine.experimental.nf4_lora import nf4_lora_matmul, nf4_summed_matmul
+        from variants.nf4_lora import nf4_lora_matmul, nf4_summed_matmul
 
         first, second = branch
         xa = F.linear(x, first)

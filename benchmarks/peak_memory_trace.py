@@ -1,11 +1,11 @@
-"""What is allocated at each phase's memory peak, plain TRL vs vlmrl (diagnostic for docs/benchmarks.md).
+"""What is allocated at each phase's memory peak, plain TRL vs vlmrl (diagnostic for benchmarks/NOTES.md).
 
 Runs `vlmrl bench`'s paths with the CUDA allocator's history recorded (python stacks), replays the trace and,
 for the rollout phase (between markers set around each TRL generation call) and for the rest, lists the live
 bytes at the phase's peak grouped by the innermost allocation site outside torch. Usage (CUDA):
     python benchmarks/peak_memory_trace.py OUTDIR [COMPLETION] [PROMPTS] [PATHS]
 PROMPTS per step (x 4 generations; default 8) and PATHS (default plain,vlmrl): e.g. `OUT 1024 32 vlmrl` looks for
-what holds the compiled decode phase's excess over weights + static cache at 128 completions (docs/benchmarks.md,
+what holds the compiled decode phase's excess over weights + static cache at 128 completions (benchmarks/NOTES.md,
 "Memory preflight": about one prompt-sized KV cache, not explained yet).
 """
 
@@ -65,7 +65,7 @@ def main(out: Path, completion: int, prompts: int = 8, paths: list[str] | None =
     shapes = bench.load_shapes(settings.shapes)
     processor_dir = bench.build_processor(work, settings.image_size)
     dataset = bench.bench_dataset(settings)
-    original_wrap = bench._StepClock.wrap_generation
+    original_wrap = bench.StepClock.wrap_generation
 
     def wrap_with_markers(self, trainer):
         inner = trainer._generate_single_turn
@@ -80,7 +80,7 @@ def main(out: Path, completion: int, prompts: int = 8, paths: list[str] | None =
         trainer._generate_single_turn = generate
         return original_wrap(self, trainer)
 
-    bench._StepClock.wrap_generation = wrap_with_markers
+    bench.StepClock.wrap_generation = wrap_with_markers
     report = {}
     for path in paths or ["plain", "vlmrl"]:
         torch.cuda.memory._record_memory_history(max_entries=3_000_000, stacks="python")

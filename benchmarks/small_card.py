@@ -6,11 +6,11 @@ the same in bf16 beside it, and the preflight's prediction for those settings.
                                     [--note TEXT]
 
 --fp16 / --bf16: `vlmrl bench --paths vlmrl --load-in-4bit --micro-batch 4 --steps-per-generation 4
---memory-cap-gib 15 --dtype float16|bfloat16` (benchmarks/gpu_issue39_40.plan); --varied: a run with
+--memory-cap-gib 15 --dtype float16|bfloat16`; --varied: a run with
 `--varied-reward`, whose steps have non-zero advantages (a random-weight model earns nothing from the seed's
 rewards, so without it every gradient is exactly zero); --alone: the --fp16 settings run again alone on the host
-(benchmarks/gpu_small_card_alone.plan), for a step time that no other job slowed; --bf16-alone: the --bf16
-settings alone on the host (benchmarks/gpu_issue39_next.plan); --record: the 24 GiB 4-bit record, for its step
+for a step time that no other job slowed; --bf16-alone: the --bf16
+settings alone on the host; --record: the 24 GiB 4-bit record, for its step
 time. fp16_over_bf16_step compares --fp16 with --bf16, which ran under the same conditions, and
 fp16_over_bf16_step_alone the two alone runs.
 Writes OUTDIR/h200_small_card.json and .md. The criteria are read off the numbers; nothing is tuned to pass them.

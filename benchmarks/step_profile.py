@@ -1,5 +1,5 @@
 """Where the rest of a steady bf16 step goes (everything but the rollout: the loss pass, the optimizer, TRL's
-bookkeeping), for docs/benchmarks.md ("What limits the remaining gap"). Diagnostic, CUDA only.
+bookkeeping), for benchmarks/NOTES.md ("What limits the remaining gap"). Diagnostic, CUDA only.
 
 Runs `vlmrl bench`'s vlmrl path (seed recipe, Qwen3-VL-8B shapes, random weights) for two steps and profiles the
 second step from the end of its rollout to the end of the step with torch.profiler. Writes OUTDIR/step_profile.json:
@@ -37,7 +37,7 @@ def kind(name: str) -> str:
 def main(out: Path, completion: int) -> None:
     out.mkdir(parents=True, exist_ok=True)
     state: dict = {"calls": 0, "prof": None, "start": 0.0}
-    wrap, make_callback = bench._StepClock.wrap_generation, bench._StepClock.callback
+    wrap, make_callback = bench.StepClock.wrap_generation, bench.StepClock.callback
 
     def wrap_generation(self, trainer):
         wrap(self, trainer)
@@ -81,7 +81,7 @@ def main(out: Path, completion: int) -> None:
         clock.on_step_end = on_step_end
         return clock
 
-    bench._StepClock.wrap_generation, bench._StepClock.callback = wrap_generation, callback
+    bench.StepClock.wrap_generation, bench.StepClock.callback = wrap_generation, callback
     settings = bench.BenchSettings(paths=["vlmrl"], steps=2, completion=completion)
     with tempfile.TemporaryDirectory() as work:
         summary = bench.run_bench(settings, out / "bench", Path(work))

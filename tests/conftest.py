@@ -238,6 +238,36 @@ def demo_run(tmp_path_factory, vlmrl_cache) -> dict:
     return {"result": result, "seconds": time.perf_counter() - started, "run_dir": out / "demo", "env": env}
 
 
+# The small run (tests/helpers.py: quick_config), prepared and trained once for the session. Never written to: a
+# test that writes works on a copy (`copy_run(quick_trained, tmp_path)` with `quick_config(tmp_path, ...)`).
+
+
+@pytest.fixture(scope="session")
+def quick_prepared(tmp_path_factory) -> Path:
+    """The small run prepared (its data and base model; nothing evaluated or trained)."""
+    from tests.helpers import quick_config
+    from vlmrl.pipeline import prepare_with_budget
+
+    config = quick_config(tmp_path_factory.mktemp("quick_prepared"))
+    prepare_with_budget(config, config.run_dir)
+    return config.run_dir
+
+
+@pytest.fixture(scope="session")
+def quick_trained(quick_prepared, tmp_path_factory) -> Path:
+    """A copy of `quick_prepared` trained by `train(quick_config(...))` for its 2 steps, a checkpoint each, with
+    `varied_reward` for the correctness reward so that LoRA B moves."""
+    from tests.helpers import copy_run, quick_config, varied_reward
+    from vlmrl.train.stage import train
+
+    output_dir = tmp_path_factory.mktemp("quick_trained")
+    run_dir = copy_run(quick_prepared, output_dir)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("vlmrl.grading.rewards.correctness_reward", varied_reward)
+        train(quick_config(output_dir), run_dir)
+    return run_dir
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen3_vl(tmp_path_factory) -> Path:
     """A tiny random Qwen3-VL (hidden 64, 2 layers), saved once for the session (the fast-path tests)."""

@@ -5,26 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
 
-from tests.test_fastgen import fake_trainer
-from tests.test_merge import _Net
+from tests.helpers import adapted, fake_trainer
 from vlmrl.engine.rollout.adapter_cast import LowPrecisionAdapters
 
 
-def _adapted(seed: int = 0):
-    torch.manual_seed(seed)
-    model = get_peft_model(_Net(32).to(torch.bfloat16), LoraConfig(r=4, target_modules=["up", "down"]))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(std=0.1)
-    assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {torch.float32}  # peft's default
-    return model
-
-
 def test_the_copies_compute_what_the_autocast_path_computes():
-    model = _adapted()
+    model = adapted()
     x = torch.randn(5, 32, dtype=torch.bfloat16)
     copies = LowPrecisionAdapters(model, torch.bfloat16)
     assert len(copies) == 4 and copies.nbytes == sum(p.numel() * 2 for n, p in model.named_parameters() if "lora_" in n)
@@ -40,7 +27,7 @@ def test_the_copies_compute_what_the_autocast_path_computes():
 
 
 def test_the_trained_float32_weights_are_back_after_the_block_and_refreshed_at_the_next():
-    model = _adapted()
+    model = adapted()
     before = {n: p for n, p in model.named_parameters()}
     copies = LowPrecisionAdapters(model, torch.bfloat16)
     with copies.active():
@@ -64,7 +51,7 @@ def test_the_trained_float32_weights_are_back_after_the_block_and_refreshed_at_t
 
 
 def test_adapters_already_in_low_precision_get_no_copies():
-    model = _adapted().to(torch.bfloat16)  # e.g. QLoRA, where TRL casts the adapters
+    model = adapted().to(torch.bfloat16)  # e.g. QLoRA, where TRL casts the adapters
     assert len(LowPrecisionAdapters(model, torch.bfloat16)) == 0
 
 
@@ -116,30 +103,33 @@ def test_the_deferred_stop_check_generates_the_same_tokens(stop, tmp_path, monke
     assert built == [1]
 
 
-def test_fast_generation_swaps_the_copies_in_for_rollouts_where_they_are_the_fallback():
+def test_fast_generation_swaps_the_copies_in_for_rollouts_where_they_are_the_fallback(monkeypatch):
+    from types import SimpleNamespace
+
     import transformers.generation.utils as generation
 
+    from vlmrl.engine.rollout import stacked
     from vlmrl.engine.rollout.fast import enable_fast_generation
 
     original_check = generation.DeferredStopCheck.__dict__["is_supported"]
-    for asked in (False, True):
-        model = _adapted()
-        seen = []
+    # stacking refused (as for a LoRA with dropout): the copies are the fallback
+    monkeypatch.setattr(stacked, "StackedProjections", lambda model: SimpleNamespace(groups=[], reason="refused"))
+    model = adapted()
+    seen = []
 
-        def rollout(*args, model=model, seen=seen):
-            seen.append(({p.dtype for n, p in model.named_parameters() if "lora_" in n},
-                         generation.DeferredStopCheck.__dict__["is_supported"] is not original_check))
-            return args
+    def rollout(*args):
+        seen.append(({p.dtype for n, p in model.named_parameters() if "lora_" in n},
+                     generation.DeferredStopCheck.__dict__["is_supported"] is not original_check))
+        return args
 
-        trainer = fake_trainer(model, rollout)
-        fast = enable_fast_generation(trainer, stacked=False, adapter_copies=asked)  # as where stacking is refused
-        assert trainer._generate_single_turn(1) == (1,)
-        expected = torch.bfloat16 if asked else torch.float32
-        assert seen == [({expected}, True)], "adapter dtype in the rollout; stop check deferred there"
-        assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {torch.float32}
-        assert fast.stop_check == "deferred one step on CUDA"
-        assert fast.adapters.startswith("bfloat16 copies made per rollout" if asked else "float32, cast to bfloat16")
-        assert ("optimizer state waits on the host" in fast.adapters) == asked
+    trainer = fake_trainer(model, rollout)
+    fast = enable_fast_generation(trainer)
+    assert trainer._generate_single_turn(1) == (1,)
+    assert seen == [({torch.bfloat16}, True)], "adapter dtype in the rollout; stop check deferred there"
+    assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {torch.float32}
+    assert fast.stop_check == "deferred one step on CUDA"
+    assert fast.adapters.startswith("not stacked (refused); bfloat16 copies made per rollout")
+    assert "optimizer state waits on the host" in fast.adapters
     assert generation.DeferredStopCheck.__dict__["is_supported"] is original_check
 
 
@@ -167,8 +157,8 @@ def test_the_deferred_check_keeps_transformers_own_conditions_and_is_undone_on_e
 def test_no_copies_for_sharded_parameters_and_stale_copies_are_refused():
     from vlmrl.engine.rollout.fast import enable_fast_generation
 
-    model = _adapted()
-    fast = enable_fast_generation(fake_trainer(model, lambda: None, is_fsdp_enabled=True), adapter_copies=True)
+    model = adapted()
+    fast = enable_fast_generation(fake_trainer(model, lambda: None, is_fsdp_enabled=True))
     assert fast.adapters.endswith("(no copies: parameters are sharded by FSDP / DeepSpeed)")
 
     copies = LowPrecisionAdapters(model, torch.bfloat16)

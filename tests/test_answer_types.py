@@ -239,7 +239,7 @@ def test_grading_columns_reach_the_reward_inside_trl(tmp_path):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from tests.test_rewards import _tiny_text_policy
+    from tests.helpers import tiny_text_policy
 
     # The random policy cannot write answers; the wrapper scores fixed ones with the columns TRL passed.
     fixed = {"4": solution("\\frac{8}{2}"), "140°": solution("(B)"), "7": solution("7.0")}
@@ -252,7 +252,7 @@ def test_grading_columns_reach_the_reward_inside_trl(tmp_path):
         return scores
 
     graded.__name__ = "correctness_reward"
-    model, tokenizer = _tiny_text_policy()
+    model, tokenizer = tiny_text_policy()
     args = GRPOConfig(
         output_dir=str(tmp_path), per_device_train_batch_size=9, num_generations=3, max_completion_length=4,
         max_steps=1, report_to="none", use_cpu=True, logging_steps=1, save_strategy="no", seed=0,

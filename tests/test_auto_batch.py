@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.test_train import quick_config
+from tests.helpers import quick_config
 from vlmrl.common.io import read_json
 from vlmrl.config.schema import load_config
 from vlmrl.pipeline import prepare_with_budget

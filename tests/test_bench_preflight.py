@@ -1,5 +1,5 @@
 """Benchmark bookkeeping and the memory preflight arithmetic (the GPU runs themselves are reproduced by
-`benchmarks/gpu_bench_bf16.sh`; their tables are in docs/benchmarks.md)."""
+`benchmarks/gpu_bench_bf16.sh`; their tables are in benchmarks/NOTES.md)."""
 
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ def test_a_failed_path_is_reported_not_hidden():
     assert "failed: RuntimeError: boom" in markdown_table(s)
 
 
-# Peaks measured on an H200 (benchmarks/results/, docs/benchmarks.md), prompt 310 tokens, seed recipe:
+# Peaks measured on an H200 (benchmarks/results/, benchmarks/NOTES.md), prompt 310 tokens, seed recipe:
 # bf16 + adamw_torch, 1024 tokens, two steps: plain TRL 23.87 GiB, vlmrl 23.87 GiB with the adapter merged or
 # not (h200_qwen3_vl_8b_bf16_default, _merged_deferred);
 # 4-bit + 8-bit Adam, three steps: vlmrl 13.23 GiB (h200_qwen3_vl_8b_4bit_cap24);
@@ -171,7 +171,7 @@ def test_preflight_is_within_8_percent_of_the_measured_peaks(overrides, adapters
 ])
 def test_preflight_is_within_10_percent_of_the_long_completion_peaks(completion, micro, rollout_steps, measured):
     """The batching `fit_batching` proposes for a 24 GiB card, 4-bit. The prediction is over the peak here (8.1% at
-    8192 tokens): it counts the loss pass as the larger phase where the rollouts are (docs/benchmarks.md, "Long
+    8192 tokens): it counts the loss pass as the larger phase where the rollouts are (benchmarks/NOTES.md, "Long
     completions"), so this bound is looser than the 8% above."""
     overrides = seed_overrides({"load_in_4bit": True, "completion": completion, "micro_batch": micro,
                                 "steps_per_generation": rollout_steps})
@@ -245,7 +245,7 @@ def test_step_clock_splits_peaks_into_rollouts_and_the_rest(monkeypatch):
     reserved peak survives the resets."""
     from types import SimpleNamespace
 
-    from vlmrl.bench import _StepClock
+    from vlmrl.bench import StepClock
 
     allocated = iter([10, 30, 12, 25, 11])  # before rollout 1, after it, before rollout 2, after it, at the end
     reserved = iter([40, 50, 45, 44, 41])
@@ -254,7 +254,7 @@ def test_step_clock_splits_peaks_into_rollouts_and_the_rest(monkeypatch):
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: next(allocated))
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: next(reserved))
-    clock = _StepClock()
+    clock = StepClock()
     trainer = SimpleNamespace(_generate_single_turn=lambda x: x * 2)
     clock.wrap_generation(trainer)
     assert trainer._generate_single_turn(1) == 2 and trainer._generate_single_turn(2) == 4
@@ -295,16 +295,17 @@ def test_plain_may_run_fewer_steps_and_its_only_step_is_its_steady_one():
 
 def test_the_vlmrl_bench_path_runs_vlmrl_trains_defaults():
     """`vlmrl bench`'s vlmrl path is the engine's defaults, which are `vlmrl train`'s config defaults; the variants
-    of the engine are benchmarks/engine_variants.py's (tests/test_benchmark_scripts.py)."""
+    of the engine are bench plugins, benchmarks/variants/ (tests/test_variants.py)."""
     import inspect
 
-    from vlmrl.bench import VARIANTS
+    from vlmrl.bench import VARIANTS, vlmrl_engine
     from vlmrl.config.schema import Config
     from vlmrl.engine.loss_pass import enable_loss_pass
     from vlmrl.engine.rollout.fast import enable_fast_generation
 
     rollout = Config().train.rollout
     assert VARIANTS == {}
+    assert list(inspect.signature(vlmrl_engine).parameters) == ["trainer", "settings"]
     assert inspect.signature(enable_fast_generation).parameters["kernels"].default is rollout.kernels
     assert inspect.signature(enable_loss_pass).parameters["kernels"].default is rollout.kernels
     assert BenchSettings().prompt_bucket == rollout.prompt_bucket

@@ -1,15 +1,24 @@
-"""The multi-GPU record's rows (vlmrl.bench.scaling) from bench records made by the bench's own `summarize`:
+"""The multi-GPU record's rows (benchmarks/gpu_scaling.py) from bench records made by the bench's own `summarize`:
 efficiency against the one-GPU DDP row, the communication share of the worst rank, the preflight beside the
 measured peak, a failed configuration kept as a row, and the evaluation check."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
+from pathlib import Path
 
 from vlmrl.bench import BenchSettings, load_shapes, summarize
-from vlmrl.bench.scaling import add_efficiency, add_prediction, compare_records, configuration_row, markdown
 from vlmrl.config.schema import load_config
 from vlmrl.run.preflight import estimate_memory
+
+_spec = importlib.util.spec_from_file_location(
+    "gpu_scaling", Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_scaling.py")
+gpu_scaling = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpu_scaling)
+add_efficiency, add_prediction, compare_records, configuration_row, markdown = (
+    gpu_scaling.add_efficiency, gpu_scaling.add_prediction, gpu_scaling.compare_records, gpu_scaling.configuration_row,
+    gpu_scaling.markdown)
 
 
 def _bench(gpus: int, step: float, peaks: list[float], comm: list[dict] | None = None) -> dict:
@@ -76,3 +85,11 @@ def test_evaluation_records_compared_per_id():
     table = markdown([], same | {"gpus": 8}, {})
     assert "2 records on 1 GPU, 2 on 8 GPUs, ids equal: True, identical (completion, extraction, grade, format): " \
            "2 of 2." in table
+
+
+def test_the_plan_for_eight_gpus_runs_each_configuration_once():
+    jobs = gpu_scaling.plan(8)
+    names = [j["job"] for j in jobs]
+    assert len(names) == len(set(names)) and names[0] == "eval_prep"
+    assert {"ddp_bf16_g1", "ddp_bf16_g8", "fsdp_bf16_g8", "zero2_bf16_g8", "fsdp_32b_g2_cap80", "eval_g8"} <= set(names)
+    assert all(j["command"].endswith('--out "$JOB_OUT"') for j in jobs if j["kind"] == "bench")

@@ -2,7 +2,7 @@
 table, and one-line refusals. Unsloth itself needs CUDA, so a stand-in `unsloth` package (written to a temporary
 folder) records the import order and the LoRA it is asked for, loads the tiny model with transformers and wraps it
 with PEFT; the child then really trains it for two steps on the CPU. The GPU rows come from
-benchmarks/gpu_unsloth.sh (docs/benchmarks.md, "Unsloth")."""
+benchmarks/gpu_unsloth.sh (benchmarks/NOTES.md, "Unsloth")."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The scripts in benchmarks/, on the CPU: each imports (so a module that moved is found where it went), the ones
-with a command line answer `--help`, and engine_variants.py turns the engine's A/B variants into bench paths that
-plain `vlmrl bench` does not offer. What they measure needs a GPU; that is their own business."""
+with a command line answer `--help`, and engine_variants.py turns the engine's A/B variants (the bench plugins in
+benchmarks/variants/, tests/test_variants.py) into bench paths that plain `vlmrl bench` does not offer. What they measure needs a GPU; that is their own business."""
 
 from __future__ import annotations
 
@@ -74,33 +74,3 @@ def test_variant_paths_run_through_the_script_only(variants, monkeypatch):
     _load(ROOT / "benchmarks" / "engine_variants.py", monkeypatch).register()
     result = runner.invoke(app, ["bench", "--paths", "vlmrl,vlmrl-merged,vlmrl-nope"], terminal_width=200)
     assert result.exit_code != 0 and "unknown bench path(s) vlmrl-nope;" in result.output  # the variant is known
-
-
-def test_each_variant_changes_only_its_own_setting(variants, monkeypatch):
-    """What the bench paths of the config switches that went away run now (their names stay in committed plans)."""
-    from functools import partial
-
-    from vlmrl.bench import Variant
-
-    module = _load(ROOT / "benchmarks" / "engine_variants.py", monkeypatch)
-    table = module.engine_variants()
-
-    def experiment(name: str) -> dict:
-        after = table[name].after
-        assert isinstance(after, partial) and after.func.__module__ == "vlmrl.engine.experimental.rollout"
-        inspect.signature(after.func).bind("trainer", "fast", **after.keywords)  # apply takes these keywords
-        return after.keywords
-
-    assert table["vlmrl-stacked"] == table["vlmrl-stacked-kernel"] == table["vlmrl-nf4-v2"] == Variant()  # defaults now
-    assert table["vlmrl-copies"] == Variant(fast={"stacked": False})
-    assert table["vlmrl-merged"].fast == {"stacked": False, "adapter_copies": False}
-    assert experiment("vlmrl-merged") == {"merge": True}
-    assert experiment("vlmrl-filled") == {"filled_window": module.FILLED_WINDOW} == {"filled_window": 128}
-    assert table["vlmrl-filled-copies"].fast == {"stacked": False}
-    assert experiment("vlmrl-filled-copies") == {"filled_window": 128}
-    assert experiment("vlmrl-sdpa-decode") == {"sdpa_decode": True}
-    assert experiment("vlmrl-second-cublas") == {"second_cublas": True}
-    assert experiment("vlmrl-bnb") == {"nf4_kernel": "off"} and experiment("vlmrl-nf4-v1") == {"nf4_kernel": "v1"}
-    assert experiment("vlmrl-guards-once") == {"guards_once": True}
-    assert table["vlmrl-input-cast"] == Variant(loss_pass={"adapter_input_cast": True})
-    assert table["vlmrl-own-kernels"] == Variant(loss_pass={"kernels": False})

@@ -13,30 +13,14 @@ import sys
 import time
 
 import pytest
-from typer.testing import CliRunner
 
-from vlmrl.cli.app import app
+from tests.helpers import invoke, one_error_line, sets
 from vlmrl.common.io import DamagedFileError, write_jsonl_atomic
 from vlmrl.config.schema import load_config
 from vlmrl.train.stage import total_train_loss
 
-runner = CliRunner()
 SMALL = ["model.name=tiny:qwen3_vl", "data.num_synthetic=24", "data.holdout_size=4",
          "train.per_device_train_batch_size=4", "train.gradient_accumulation_steps=1"]
-
-
-def invoke(*args: str):
-    return runner.invoke(app, list(args), terminal_width=300)
-
-
-def sets(*items: str) -> list[str]:
-    return [a for s in items for a in ("--set", s)]
-
-
-def one_error_line(output: str) -> str:
-    lines = [line for line in output.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1 and "Traceback" not in output, output
-    return lines[0]
 
 
 # --- printing and OS errors -------------------------------------------------------------------------------
@@ -154,6 +138,7 @@ def test_train_refuses_too_few_items_before_loading_a_model(tmp_path, kept):
 # --- a preset's requirements ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # ~7 s: a `vlmrl run seed` subprocess
 @pytest.mark.timeout(120)
 def test_run_seed_without_the_hub_fails_in_seconds_naming_what_is_missing(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE"))}

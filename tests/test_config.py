@@ -9,9 +9,6 @@ import yaml
 
 from vlmrl.config.schema import PRESETS, ConfigError, load_config, validate_config
 
-# The demo preset's data before its held-out set grew to 128: the fingerprints recorded by earlier code use them.
-OLD_DEMO_DATA = ["data.num_synthetic=480", "data.holdout_size=64"]
-
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_shipped_preset_loads(preset):
@@ -71,11 +68,11 @@ def test_generation_batch_must_hold_whole_groups():
         load_config("seed", ["train.num_generations=3"])
 
 
-def test_old_reward_weights_are_refused_with_the_new_form():
+def test_trls_reward_weights_are_refused_with_the_rewards_list():
     with pytest.raises(ConfigError) as info:
         load_config("seed", ["train.reward_weights=[0.5, 2.0]"])
     message = str(info.value)
-    assert "\n" not in message and "replaced by a top-level `rewards:` list" in message
+    assert "\n" not in message and "the top-level `rewards:` list" in message
     assert "{name: format, weight: 0.5}, {name: correctness, weight: 2.0}" in message
 
 
@@ -133,114 +130,177 @@ def test_the_loading_side_is_importable_alone_and_its_doctests_pass():
     assert vlmrl.config.load.ConfigError is ConfigError and vlmrl.config.load.PRESETS is PRESETS
 
 
-# --- fields of earlier releases --------------------------------------------------------------------------------
+# --- train.trl_overrides ---------------------------------------------------------------------------------------
 
 
-def test_a_removed_speed_switch_is_refused_naming_where_it_went(tmp_path):
-    path = tmp_path / "c.yaml"
-    path.write_text("train:\n  rollout_stacked: true\n")
-    with pytest.raises(ConfigError) as info:
-        load_config(str(path))
-    message = str(info.value)
-    assert "\n" not in message and "train.rollout_stacked was removed" in message and "automatically" in message
-    with pytest.raises(ConfigError, match="train.rollout_merge was removed: an experiment.*benchmarks/"):
-        load_config("demo", ["train.rollout_merge=true"])
-    with pytest.raises(ConfigError, match="train.loss_kernels was removed: see train.rollout.kernels"):
-        load_config("demo", ["train.loss_kernels=false"])
-
-
-def test_renamed_and_trl_fields_are_moved(tmp_path):
-    path = tmp_path / "c.yaml"
-    path.write_text("train:\n  fast_generation: never\n  logging_steps: 5\n  generation_backend: hf\n")
-    config = load_config(str(path), ["train.prompt_bucket=32"])
-    assert (config.train.rollout.fast, config.train.rollout.prompt_bucket) == ("never", 32)
-    assert config.train.trl_overrides == {"logging_steps": 5}
-    assert load_config("demo", ["train.fast_generation=always"]).train.rollout.fast == "always"  # --set wins
-
-
-def test_a_run_folder_written_before_keeps_its_fingerprints():
-    """A run folder's config.yaml from before `train.rollout` (every field written out, a kernel switched off,
-    logging_steps and fast_generation set) loads, and gives the fingerprints that release recorded: the run
-    resumes instead of training again. The expected values were computed by the code of commit d9d356d."""
-    from vlmrl.run.layout import checkpoint_fingerprint, export_fingerprint, train_fingerprint
-
-    old = Path(__file__).parent / "fixtures" / "config_before_rollout_section.yaml"
-    with pytest.raises(ConfigError, match="was removed"):
-        load_config(str(old))  # as a config file of one's own: the removed fields are named
-    config = load_config(str(old), migrate=True)
-    assert config.train.rollout.fast == "never" and config.train.rollout.kernels is False
-    assert config.train.trl_overrides == {"logging_steps": 3, "save_total_limit": 2, "mask_truncated_completions": False,
-                                          "lr_scheduler_type": "constant", "warmup_ratio": 0.0, "num_iterations": 1,
-                                          "epsilon": 0.2, "epsilon_high": None, "beta": 0.0}
-    assert config.export.gguf == "off" and "logits_atol" not in config.export.model_dump()
-    assert config.fingerprint() == "7ecbb038f25a08d0"
-    assert train_fingerprint(config) == "6bfdf509b637c6116ddabed10"
-    assert export_fingerprint(config) == "6bfdf509b637c6116ddabed10e6d5b64a"
-    assert checkpoint_fingerprint(config) == "01727d15a92a5d11"
-    assert config.data_fingerprint() == "6dda366e21ceafff"
-    # the presets' runs resume too (the demo's data as they were then: 480 items, 64 held out)
-    for preset, extra, expected in (("demo", OLD_DEMO_DATA, "eec369f58bb3ffae6ddabed10"),
-                                    ("seed", [], "724298fc143a3bad0f17bed13407")):
-        assert train_fingerprint(load_config(preset, extra)) == expected
-
-
-def test_train_fields_that_were_trl_names_move_to_trl_overrides_with_their_ranges(tmp_path):
-    """train.beta, epsilon, epsilon_high, num_iterations, warmup_ratio and lr_scheduler_type of earlier releases
-    land in train.trl_overrides (same run, same fingerprint), where their ranges still hold, named by entry."""
+def test_the_trl_values_vlmrl_sets_keep_their_ranges_in_trl_overrides():
+    """beta, epsilon, epsilon_high, num_iterations, warmup_ratio and lr_scheduler_type in train.trl_overrides are
+    checked for type and range, each error named by its entry; a --set mapping adds to the preset's entries."""
     from vlmrl.config.schema import dump_config
 
-    path = tmp_path / "c.yaml"
-    path.write_text("train:\n  beta: 0.04\n  epsilon: 3.0e-4\n")
-    config = load_config(str(path))
-    assert config.train.trl_overrides == {"beta": 0.04, "epsilon": 3e-4}
+    config = load_config("demo", ["train.trl_overrides={beta: 0.04, epsilon: 3.0e-4}"])
     assert (config.train.trl_value("beta"), config.train.trl_value("epsilon_high")) == (0.04, None)
-    old = load_config("demo", [*OLD_DEMO_DATA, "train.beta=0.04", "train.epsilon=3e-4"])
-    assert old.fingerprint() == "90ae550e0a7bfff4"  # computed by the code of commit 2d22fd8
-    assert load_config("demo", [*OLD_DEMO_DATA, "train.trl_overrides.beta=0.04",
-                                "train.trl_overrides.epsilon=3e-4"]).fingerprint() == "90ae550e0a7bfff4"
     shown = yaml.safe_load(dump_config(config, changed_only=True))  # what `vlmrl config show` prints
-    assert shown["train"] == {"trl_overrides": {"beta": 0.04, "epsilon": 3e-4}}
-    assert load_config("demo", ["train.epsilon=1"]).train.trl_overrides["epsilon"] == 1.0  # a float, as the field was
-    # a --set mapping adds to the preset's entries: gspo-paper keeps its clip range, as when it was train.epsilon
+    assert shown["train"]["trl_overrides"] == {**load_config("demo").train.trl_overrides, "beta": 0.04, "epsilon": 3e-4}
+    assert load_config("demo", ["train.trl_overrides.epsilon=1"]).train.trl_overrides["epsilon"] == 1.0  # a float
     assert load_config("gspo-paper", ["train.trl_overrides={top_p: 0.9}"]).train.trl_overrides == {
         "epsilon": 3e-4, "epsilon_high": 4e-4, "beta": 0.0, "lr_scheduler_type": "cosine", "top_p": 0.9}
-    for override, named in (("train.epsilon=0", "train.trl_overrides.epsilon: Input should be greater than 0"),
+    for override, named in (("train.trl_overrides.epsilon=0", "train.trl_overrides.epsilon: Input should be greater than 0"),
                             ("train.trl_overrides.beta=-1", "train.trl_overrides.beta: Input should be greater than"),
-                            ("train.num_iterations=0", "train.trl_overrides.num_iterations"),
-                            ("train.warmup_ratio=1.0", "train.trl_overrides.warmup_ratio: Input should be less than 1"),
-                            ("train.epsilon_high=0.1", "train.trl_overrides.epsilon_high=0.1 must be >= epsilon=0.2")):
+                            ("train.trl_overrides.num_iterations=0", "train.trl_overrides.num_iterations"),
+                            ("train.trl_overrides.warmup_ratio=1.0",
+                             "train.trl_overrides.warmup_ratio: Input should be less than 1"),
+                            ("train.trl_overrides.epsilon_high=0.1",
+                             "train.trl_overrides.epsilon_high=0.1 must be >= epsilon=0.2")):
         with pytest.raises(ConfigError) as info:
             load_config("demo", [override])
         assert [line for line in str(info.value).splitlines() if named in line], str(info.value)
 
 
-def test_gguf_and_its_quantization_are_one_field(tmp_path):
-    """`export.gguf: true` + `gguf_quantization` of earlier releases become `export.gguf: <weights>` (`none` wrote
-    f16), in a config file, a --set and a run folder; the export fingerprints are those the earlier code recorded
-    (computed by the code of commit 2d22fd8)."""
-    from vlmrl.run.layout import export_fingerprint
-
-    def gguf(export: dict, *overrides: str, migrate: bool = False) -> str:
-        path = tmp_path / "c.yaml"
-        path.write_text(yaml.safe_dump({"export": export}))
-        return load_config(str(path), list(overrides), migrate=migrate).export.gguf
-
-    assert gguf({"gguf": True, "gguf_quantization": "q8_0"}) == "q8_0"
-    assert gguf({"gguf": True, "gguf_quantization": "none"}) == "f16"
-    assert gguf({"gguf": True}) == "q8_0" and gguf({"gguf": False, "gguf_quantization": "q4_k_m"}) == "off"
-    assert gguf({"gguf": True, "gguf_quantization": "q4_k_m", "logits_atol": 1e-3}, migrate=True) == "q4_k_m"
-    assert gguf({}, "export.gguf=off") == "off" and gguf({"gguf": "f16"}, "export.gguf=false") == "off"
-    for old, expected in ((["export.gguf=true", "export.gguf_quantization=none"], "bb184e0e"),
-                          (["export.gguf=true", "export.gguf_quantization=q4_k_m"], "1937f995"),
-                          (["export.gguf=true"], "223a550d"), ([], "e6d5b64a")):
-        assert export_fingerprint(load_config("demo", [*OLD_DEMO_DATA, *old])) == "eec369f58bb3ffae6ddabed10" + expected
+def test_a_field_of_an_earlier_development_version_is_an_unknown_key():
+    """No migration: a renamed or removed field is refused like any unknown key, with the closest valid one."""
+    with pytest.raises(ConfigError, match="unknown key 'train.beta'"):
+        load_config("demo", ["train.beta=0.04"])
+    with pytest.raises(ConfigError, match="unknown key 'export.gguf_quantization'"):
+        load_config("demo", ["export.gguf_quantization=q8_0"])
 
 
-def test_export_logits_atol_is_refused_in_a_config_file_and_dropped_in_a_run_folder(tmp_path):
-    path = tmp_path / "c.yaml"
-    path.write_text("export:\n  logits_atol: 0.001\n")
-    with pytest.raises(ConfigError) as info:
-        load_config(str(path))
-    assert str(info.value) == (f"{path}: export.logits_atol was removed: the adapter reload check's tolerance is "
-                               "fixed (vlmrl.export.merge.LOGITS_ATOL); delete the line.")
-    assert "logits_atol" not in load_config(str(path), migrate=True).export.model_dump()  # a run folder's
+# --- schema_version -------------------------------------------------------------------------------------------
+
+
+def run_folder(tmp_path: Path, text: str) -> Path:
+    from vlmrl.run.claim import MARKER
+
+    folder = tmp_path / "run"
+    folder.mkdir(parents=True)
+    (folder / MARKER).touch()
+    (folder / "config.yaml").write_text(text)
+    return folder
+
+
+def test_a_run_folders_config_carries_the_schema_version_and_one_without_it_is_refused(tmp_path):
+    from vlmrl.config.load import SCHEMA_VERSION
+    from vlmrl.config.schema import dump_config
+
+    written = dump_config(load_config("demo"))
+    assert written.startswith(f"schema_version: {SCHEMA_VERSION}\n")  # the first line of every run's config.yaml
+    assert load_config(str(run_folder(tmp_path / "a", written) / "config.yaml"), run_folder=True) == load_config("demo")
+    for text, found in (("run: {name: old}\n", "no schema_version"),
+                        ("schema_version: 99\nrun: {name: old}\n", "schema_version 99")):
+        path = run_folder(tmp_path / found.replace(" ", "_"), text) / "config.yaml"
+        with pytest.raises(ConfigError) as info:
+            load_config(str(path), run_folder=True)
+        message = str(info.value)
+        assert "\n" not in message and message.startswith(f"{path}: {found}, this vlmrl reads schema_version 1")
+        assert "another run.name" in message and "--force" in message
+    # a config file of one's own may leave it out, but not name another version
+    own = tmp_path / "own.yaml"
+    own.write_text("run: {name: mine}\n")
+    assert load_config(str(own)).schema_version == SCHEMA_VERSION
+    own.write_text("schema_version: 2\n")
+    with pytest.raises(ConfigError, match="schema_version 2, this vlmrl reads schema_version 1: delete the line"):
+        load_config(str(own))
+
+
+def test_the_cli_refuses_a_run_folder_without_a_schema_version_in_one_line_exit_2(tmp_path):
+    from typer.testing import CliRunner
+
+    from vlmrl.cli.app import app
+
+    folder = run_folder(tmp_path, "run: {name: old}\n")
+    for command in (["config", "show", str(folder)], ["run", "demo", "--set", f"run.output_dir={tmp_path}",
+                                                      "--set", "run.name=run"]):
+        result = CliRunner().invoke(app, command, terminal_width=100_000)
+        assert result.exit_code == 2, result.output
+        line = " ".join(result.output.split())
+        assert "no schema_version, this vlmrl reads schema_version 1" in line and "another run.name" in line, line
+    assert (folder / "config.yaml").read_text() == "run: {name: old}\n"  # nothing rewritten
+
+
+# --- fingerprints ---------------------------------------------------------------------------------------------
+
+
+def test_every_field_is_classified_for_the_fingerprints():
+    """Each field of the schema either decides some stage's outputs (STAGE_FIELDS) or none (NO_OUTPUT_FIELDS),
+    never both, and neither list names a field that is gone: a field added to a section fails here until it is
+    classified in vlmrl.config.fingerprints."""
+    from vlmrl.config.fingerprints import NO_OUTPUT_FIELDS, RESUMABLE_FIELDS, STAGE_FIELDS, schema_fields
+    from vlmrl.config.schema import Config
+
+    fields = schema_fields(Config)
+    listed = {path for paths in STAGE_FIELDS.values() for path in paths}
+    unclassified = [f for f in fields if f not in listed and f not in NO_OUTPUT_FIELDS]
+    assert not unclassified, (f"classify {unclassified} in vlmrl.config.fingerprints: a stage's list in STAGE_FIELDS "
+                              "(its value decides that stage's outputs) or NO_OUTPUT_FIELDS (with why it decides none)")
+    assert not [f for f in fields if f in listed and f in NO_OUTPUT_FIELDS]
+    assert not [f for f in [*listed, *NO_OUTPUT_FIELDS] if f not in fields], "a listed field is not in the schema"
+    assert all(len(set(paths)) == len(paths) for paths in STAGE_FIELDS.values())
+    assert all(f in STAGE_FIELDS["train"] or f.rpartition(".")[0] in STAGE_FIELDS["train"] for f in RESUMABLE_FIELDS)
+
+
+def _prints(config) -> dict[str, str]:
+    from vlmrl.config.fingerprints import STAGE_FIELDS
+    from vlmrl.run.layout import (
+        checkpoint_fingerprint,
+        eval_fingerprint,
+        export_fingerprint,
+        train_fingerprint,
+    )
+
+    return {**{stage: config.fingerprint(stage) for stage in STAGE_FIELDS}, "all": config.fingerprint(),
+            "train_fingerprint": train_fingerprint(config), "checkpoint": checkpoint_fingerprint(config),
+            "export_fingerprint": export_fingerprint(config), "eval_fingerprint": eval_fingerprint(config)}
+
+
+@pytest.mark.parametrize(("override", "changed"), [
+    ("data.holdout_size=7", {"data", "train", "all", "train_fingerprint", "checkpoint", "export_fingerprint"}),
+    ("contract=think", {"data", "eval", "all", "train_fingerprint", "checkpoint", "export_fingerprint",
+                        "eval_fingerprint"}),
+    ("model.dtype=bfloat16", {"eval", "train", "all", "train_fingerprint", "checkpoint", "export_fingerprint",
+                             "eval_fingerprint"}),
+    ("eval.max_new_tokens=7", {"eval", "all", "eval_fingerprint"}),
+    ("lora.r=8", {"train", "all", "train_fingerprint", "checkpoint", "export_fingerprint"}),
+    ("train.trl_overrides.beta=0.04", {"train", "all", "train_fingerprint", "checkpoint", "export_fingerprint"}),
+    ("train.rollout.prompt_bucket=32", {"train", "all", "train_fingerprint", "checkpoint", "export_fingerprint"}),
+    # a change a resumed training may make: the training runs on from its checkpoints
+    ("train.max_steps=9", {"train", "all", "train_fingerprint", "export_fingerprint"}),
+    ("train.trl_overrides.logging_steps=5", {"train", "all", "train_fingerprint", "export_fingerprint"}),
+    ("health.stop_on_gibberish_steps=3", {"train", "all", "train_fingerprint", "export_fingerprint"}),
+    ("export.gguf=f16", {"export", "all", "export_fingerprint"}),
+    ("rewards=[{name: format, weight: 0.5}, {name: correctness}]",
+     {"rewards", "all", "train_fingerprint", "checkpoint", "export_fingerprint"}),
+    # decides no stage's output: no fingerprint moves
+    ("run.name=elsewhere", set()),
+    ("run.output_dir=/tmp/elsewhere", set()),
+    ("train.report_to=[tensorboard]", set()),
+    ("train.rollout.kernels=false", set()),
+    ("health.max_gibberish_rate=0.5", set()),
+    ("rewards=[{name: format, weight: 0.3, timeout_s: 5}, {name: correctness}]", set()),
+    # vlmrl's own value of a TRL field written out is the same run
+    ("train.trl_overrides.epsilon=0.2", set()),
+])
+def test_a_field_moves_exactly_the_fingerprints_of_the_stages_it_decides(override, changed):
+    base = _prints(load_config("demo"))
+    after = _prints(load_config("demo", [override]))
+    assert {name for name in base if base[name] != after[name]} == changed
+
+
+def test_a_field_added_to_a_section_changes_no_fingerprint_until_it_is_listed():
+    """The schema edit needs no compatibility entry: fingerprints read only the listed fields."""
+    from pydantic import Field
+
+    from vlmrl.config.fingerprints import STAGE_FIELDS, fingerprint
+    from vlmrl.config.schema import Config, DataConfig, TrainConfig
+
+    class WiderData(DataConfig):
+        new_knob: int = Field(3, description="a field added later")
+
+    class WiderTrain(TrainConfig):
+        new_switch: bool = Field(False, description="another")
+
+    class Wider(Config):
+        data: WiderData = Field(default_factory=WiderData)
+        train: WiderTrain = Field(default_factory=WiderTrain)
+
+    for stage in [*STAGE_FIELDS, None]:
+        assert fingerprint(Wider(), stage) == fingerprint(Config(), stage)

@@ -41,9 +41,7 @@ CASES = [
     ("duplicate key", "train:\n  max_steps: 3\n  max_steps: 4\n",  # line 1 of the file is run.output_dir
      "line 4: key 'max_steps' given twice in one mapping (first on line 3)"),
     ("duplicate section", "run: {name: a}\nrun: {name: b}\n", "line 2: key 'run' given twice"),
-    ("old beside new", "train:\n  beta: 0.1\n  trl_overrides: {beta: 0.04}\n",
-     "train.beta=0.1 and train.trl_overrides.beta"),
-    ("trl_overrides list", "train:\n  beta: 0.1\n  trl_overrides: [1, 2]\n", "train.trl_overrides must be a mapping"),
+    ("trl_overrides list", "train:\n  trl_overrides: [1, 2]\n", "train.trl_overrides must be a mapping"),
     ("max_steps true", "train:\n  max_steps: true\n", "train.max_steps: true is not a number"),
     ("load_in_4bit off text", "model:\n  load_in_4bit: 'off'\n", "model.load_in_4bit: 'off' is not true or false"),
     # sizes
@@ -84,7 +82,7 @@ def test_validate_and_run_refuse_in_one_line(tmp_path, monkeypatch, command, tex
 def test_use_vllm_without_vllm_is_refused_naming_vlmrls_own_rollouts(tmp_path, monkeypatch):
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
-    for setting in ("train.trl_overrides.use_vllm=true", "train.generation_backend=vllm"):
+    for setting in ("train.trl_overrides.use_vllm=true",):
         for command in (["config", "validate", "demo"], ["run", "demo", "--set", f"run.output_dir={tmp_path}"]):
             result = runner.invoke(app, [*command, "--set", setting], terminal_width=100_000)
             assert result.exit_code == 2, result.output
@@ -120,13 +118,11 @@ def test_set_overrides_typed_on_the_command_line_still_load():
                                   "train.learning_rate=1e-5", "train.trl_overrides.top_p=0.9", "run.name=my-run_2"])
     assert config.model.load_in_4bit is True and config.train.max_steps == 5 and config.eval.do_sample is False
     assert config.train.learning_rate == 1e-5 and config.train.trl_overrides["top_p"] == 0.9
-    # an old name on the command line replaces the file's new one: typed last, it wins (as --set does)
-    assert load_config("demo", ["train.beta=0.3"]).train.trl_overrides["beta"] == 0.3
 
 
-def test_an_old_field_equal_to_its_new_one_and_a_merge_key_are_not_conflicts(tmp_path):
+def test_a_merge_key_overridden_in_its_mapping_is_not_a_key_given_twice(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("train:\n  beta: 0.04\n  trl_overrides: {beta: 0.04}\n"
+    path.write_text("train:\n  trl_overrides: {beta: 0.04}\n"
                     "model: &m {name: 'tiny:qwen3_vl'}\neval: {<<: {batch_size: 4}, batch_size: 2}\n")
     config = load_config(str(path))
     assert config.train.trl_overrides["beta"] == 0.04 and config.eval.batch_size == 2

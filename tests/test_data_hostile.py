@@ -298,6 +298,7 @@ JSON = st.recursive(
 COLUMNS = ["id", "question", "answer", "images", "choices", "answer_type", "precision", "unit", "extra"]
 
 
+@pytest.mark.slow  # ~3 s: 150 examples
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.fixed_dictionaries({}, optional={c: JSON for c in COLUMNS}), min_size=1, max_size=6))
 def test_any_row_is_kept_or_dropped_with_a_reason(rows):

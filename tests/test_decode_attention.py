@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import load_sdpa
-from tests.test_fastgen import _Module
+from tests.helpers import AttentionModule as _Module
 from vlmrl.engine.rollout import attention
 from vlmrl.engine.rollout import decode_attention as kernel_module
 from vlmrl.engine.rollout.decode_attention import BLOCK, HAS_TRITON, decode_attention, interpreted, usable
@@ -207,12 +207,6 @@ def test_rollouts_run_it_and_the_setting_is_recorded(tiny):
     eager = AutoModelForImageTextToText.from_pretrained(str(tiny), attn_implementation="eager")
     refused = enable_fast_generation(trainer(eager))
     assert refused.cache_read == "the whole static cache (the decode kernel needs vlmrl_sdpa)"
-    from vlmrl.engine.experimental.rollout import apply
-
-    sdpa = trainer(model)  # the bench's vlmrl-sdpa-decode: the kernel's context taken out again
-    assert apply(sdpa, enable_fast_generation(sdpa), sdpa_decode=True).cache_read == "the whole static cache"
-    sdpa._generate_single_turn()
-    assert seen == [True, False, False] and "decode_kernel" not in dict(sdpa.vlmrl_rollout_contexts)
 
 
 def test_vlmrl_train_turns_it_on_by_default():

@@ -23,6 +23,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from tests.helpers import copy_run, quick_config
 from vlmrl.cli.app import app
 from vlmrl.common import distributed
 from vlmrl.common.io import read_json, read_jsonl, write_jsonl_atomic
@@ -40,10 +41,6 @@ OVERRIDES = [
 runner = CliRunner()
 
 
-def quick_config(output_dir: Path) -> Config:
-    return load_config("demo", [f"run.output_dir={output_dir}", *OVERRIDES])
-
-
 def vlmrl(*args: str) -> str:
     """`vlmrl ARGS` in a subprocess (VLMRL_CACHE comes from the conftest fixture); returns its output."""
     done = subprocess.run([sys.executable, "-m", "vlmrl.cli", *args], capture_output=True, text=True, timeout=300,
@@ -51,11 +48,6 @@ def vlmrl(*args: str) -> str:
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-6000:]
     return output
-
-
-def copy_run(run_dir: Path, output_dir: Path) -> Path:
-    shutil.copytree(run_dir, output_dir / run_dir.name, symlinks=True)
-    return output_dir / run_dir.name
 
 
 def same_generations(two: list[dict], one: list[dict]) -> None:
@@ -68,7 +60,7 @@ def same_generations(two: list[dict], one: list[dict]) -> None:
 def prepared(tmp_path_factory) -> tuple[Config, Path]:
     """A prepared run and the YAML file of its config (what a user passes to `vlmrl ... --gpus 2`)."""
     out = tmp_path_factory.mktemp("distributed")
-    config = quick_config(out)
+    config = quick_config(out, base=OVERRIDES)
     prepare_with_budget(config, config.run_dir)
     path = out / "quick.yaml"
     path.write_text(dump_config(config))
@@ -150,7 +142,7 @@ def test_merge_keeps_one_record_per_id_in_holdout_order_and_removes_shards(tmp_p
 def test_shards_left_by_a_killed_run_are_merged_before_resuming(prepared, tmp_path):
     config, _ = prepared
     run = copy_run(config.run_dir, tmp_path)
-    local = quick_config(tmp_path)
+    local = quick_config(tmp_path, base=OVERRIDES)
     reference = read_jsonl(evaluate(local, run, "baseline").records_path)
     # a two-process run killed mid-way: rank 0 finished batch 0 and tore a line of batch 2, rank 1 did batch 1
     (run / "baseline_records.jsonl").unlink()
@@ -229,5 +221,5 @@ def test_two_process_training_records_each_step_once_resumes_and_its_adapter_eva
     two = read_jsonl(run / "after_records.jsonl")
     assert [r["id"] for r in two] == [r["id"] for r in read_jsonl(run / "data" / "holdout.jsonl")]
     assert not any(run.glob("after_records.rank*.jsonl"))
-    one = read_jsonl(evaluate(quick_config(tmp_path), reference_run, "after").records_path)
+    one = read_jsonl(evaluate(quick_config(tmp_path, base=OVERRIDES), reference_run, "after").records_path)
     same_generations(two, one)

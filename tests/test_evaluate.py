@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import copy_run, quick_config
 from vlmrl.common.io import read_json, read_jsonl
-from vlmrl.config.schema import Config, load_config
+from vlmrl.config.schema import Config
 from vlmrl.engine.rollout.generation import Generation
 from vlmrl.evaluate.stage import EvalError, evaluate, make_record, summarize
 from vlmrl.grading.rewards import score_completion
@@ -26,22 +26,11 @@ from vlmrl.run.layout import read_holdout as load_holdout
 
 MAX_NEW_TOKENS = 12
 HOLDOUT = 6
-
-
-def quick_config(output_dir: Path, arch: str = "qwen3_vl", *extra: str) -> Config:
-    return load_config(
-        "demo",
-        [
-            f"model.name=tiny:{arch}",
-            f"run.output_dir={output_dir}",
-            "data.num_synthetic=40",
-            f"data.holdout_size={HOLDOUT}",
-            f"eval.max_new_tokens={MAX_NEW_TOKENS}",
-            "eval.do_sample=false",
-            "eval.batch_size=2",  # three batches of two: a kill can land between them
-            *extra,
-        ],
-    )
+EVAL_RUN = (  # the demo preset's training settings; `model.name` is set per family
+    "model.name=tiny:qwen3_vl", "data.num_synthetic=40", f"data.holdout_size={HOLDOUT}",
+    f"eval.max_new_tokens={MAX_NEW_TOKENS}", "eval.do_sample=false",
+    "eval.batch_size=2",  # three batches of two: a kill can land between them
+)
 
 
 @pytest.fixture(scope="module")
@@ -49,17 +38,11 @@ def prepared(tmp_path_factory) -> dict[str, Path]:
     """A prepared (not evaluated) run directory per family; never written to by the tests."""
     runs = {}
     for arch in TINY_ARCHS:
-        config = quick_config(tmp_path_factory.mktemp(f"eval_{arch}"), arch)
+        output_dir = tmp_path_factory.mktemp(f"eval_{arch}")
+        config = quick_config(output_dir, f"model.name=tiny:{arch}", base=EVAL_RUN)
         prepare_with_budget(config, config.run_dir)
         runs[arch] = config.run_dir
     return runs
-
-
-def copy_run(source: Path, tmp_path: Path) -> Path:
-    """A copy of a prepared run under tmp_path/<name>, so a config with output_dir=tmp_path finds it."""
-    target = tmp_path / source.name
-    shutil.copytree(source, target, symlinks=True)
-    return target
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +51,7 @@ def baseline(prepared, tmp_path_factory) -> dict[str, tuple[Config, Path]]:
     done = {}
     for arch, run_dir in prepared.items():
         out = tmp_path_factory.mktemp(f"baseline_{arch}")
-        config = quick_config(out, arch)
+        config = quick_config(out, f"model.name=tiny:{arch}", base=EVAL_RUN)
         copy_run(run_dir, out)
         evaluate(config, config.run_dir, "baseline")
         done[arch] = (config, config.run_dir)
@@ -255,7 +238,7 @@ def test_a_finished_evaluation_rerun_loads_no_model_and_keeps_the_records(baseli
 
 def test_resume_after_a_kill_gives_exactly_one_record_per_id(baseline, tmp_path: Path) -> None:
     _, full_run = baseline["qwen3_vl"]
-    config = quick_config(tmp_path)
+    config = quick_config(tmp_path, base=EVAL_RUN)
     run_dir = copy_run(full_run, tmp_path)
     path = run_dir / "baseline_records.jsonl"
     full = path.read_text().splitlines(keepends=True)
@@ -289,7 +272,7 @@ def test_resume_after_a_kill_gives_exactly_one_record_per_id(baseline, tmp_path:
 
 def test_sampled_evaluation_records_pass_at_k_and_majority(prepared, tmp_path: Path) -> None:
     sampled = ["eval.do_sample=true", "eval.num_samples=3", "eval.temperature=1.0"]
-    config = quick_config(tmp_path, "qwen3_vl", *sampled)
+    config = quick_config(tmp_path, *sampled, base=EVAL_RUN)
     run_dir = copy_run(prepared["qwen3_vl"], tmp_path)
     result = evaluate(config, run_dir, "baseline")
     records = read_jsonl(result.records_path)
@@ -400,7 +383,7 @@ def _one_line(exc: pytest.ExceptionInfo) -> str:
 
 
 def test_missing_adapter_folder(prepared, tmp_path: Path, no_model_load) -> None:
-    config = quick_config(tmp_path)
+    config = quick_config(tmp_path, base=EVAL_RUN)
     run_dir = copy_run(prepared["qwen3_vl"], tmp_path)
     missing = tmp_path / "no-such-adapter"
     with pytest.raises(EvalError) as info:
@@ -413,7 +396,7 @@ def test_missing_adapter_folder(prepared, tmp_path: Path, no_model_load) -> None
 
 
 def test_adapter_for_another_base_model(prepared, tmp_path: Path, no_model_load) -> None:
-    config = quick_config(tmp_path)
+    config = quick_config(tmp_path, base=EVAL_RUN)
     run_dir = copy_run(prepared["qwen3_vl"], tmp_path)
     adapter = tmp_path / "foreign-adapter"
     adapter.mkdir()
@@ -428,7 +411,7 @@ def test_adapter_for_another_base_model(prepared, tmp_path: Path, no_model_load)
 
 def test_holdout_prepared_by_another_config(prepared, tmp_path: Path, no_model_load) -> None:
     run_dir = copy_run(prepared["qwen3_vl"], tmp_path)
-    other = quick_config(tmp_path, "qwen3_vl", "data.num_synthetic=41")
+    other = quick_config(tmp_path, "data.num_synthetic=41", base=EVAL_RUN)
     with pytest.raises(EvalError) as info:
         evaluate(other, run_dir, "baseline")
     message = _one_line(info)
@@ -436,14 +419,14 @@ def test_holdout_prepared_by_another_config(prepared, tmp_path: Path, no_model_l
 
 
 def test_missing_holdout(tmp_path: Path, no_model_load) -> None:
-    config = quick_config(tmp_path)
+    config = quick_config(tmp_path, base=EVAL_RUN)
     with pytest.raises(EvalError) as info:
         evaluate(config, config.run_dir, "baseline")
     assert str(config.run_dir / "data" / "holdout.jsonl") in _one_line(info)
 
 
 def test_empty_holdout_file(prepared, tmp_path: Path, no_model_load) -> None:
-    config = quick_config(tmp_path)
+    config = quick_config(tmp_path, base=EVAL_RUN)
     run_dir = copy_run(prepared["qwen3_vl"], tmp_path)
     (run_dir / "data" / "holdout.jsonl").write_text("")
     with pytest.raises(EvalError) as info:
@@ -457,7 +440,7 @@ def test_records_made_with_other_generation_settings(baseline, tmp_path: Path, n
     run_dir = copy_run(full_run, tmp_path)
     path = run_dir / "baseline_records.jsonl"
     path.write_text("".join(path.read_text().splitlines(keepends=True)[:2]))  # a partial evaluation...
-    longer = quick_config(tmp_path, "qwen3_vl", "eval.max_new_tokens=24")  # ...resumed with other settings
+    longer = quick_config(tmp_path, "eval.max_new_tokens=24", base=EVAL_RUN)  # ...resumed with other settings
     with pytest.raises(EvalError) as info:
         evaluate(longer, run_dir, "baseline")
     message = _one_line(info)
@@ -466,6 +449,6 @@ def test_records_made_with_other_generation_settings(baseline, tmp_path: Path, n
 
 
 def test_unknown_stage(prepared, tmp_path: Path, no_model_load) -> None:
-    config = quick_config(tmp_path)
+    config = quick_config(tmp_path, base=EVAL_RUN)
     with pytest.raises(EvalError, match="baseline or after"):
         evaluate(config, prepared["qwen3_vl"], "before")

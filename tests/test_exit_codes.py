@@ -16,9 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from vlmrl.cli.app import app
+from tests.helpers import invoke, one_error_line, sets
 from vlmrl.common.io import read_json, read_jsonl
 from vlmrl.config.schema import load_config
 from vlmrl.data.prepare import prepare_data
@@ -27,20 +26,6 @@ from vlmrl.run.claim import MARKER
 
 SMALL = ["model.name=tiny:qwen3_vl", "data.num_synthetic=24", "data.holdout_size=4",
          "train.per_device_train_batch_size=4", "train.gradient_accumulation_steps=1"]
-
-
-def invoke(*args: str):
-    return CliRunner().invoke(app, list(args), terminal_width=300)
-
-
-def sets(*items: str) -> list[str]:
-    return [a for s in items for a in ("--set", s)]
-
-
-def one_error_line(output: str) -> str:
-    lines = [line for line in output.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1 and "Traceback" not in output, output
-    return lines[0]
 
 
 def claimed_by_another_config(tmp_path: Path) -> None:
@@ -166,6 +151,7 @@ def patient(completions, trainer_state=None, **kwargs):
 '''
 
 
+@pytest.mark.slow  # ~5 s: three runs
 def test_a_reward_timeout_and_a_full_disk_mid_training_are_one_line_exit_2_and_the_run_resumes(tmp_path, monkeypatch):
     """Before: the reward stalled the run forever; the checkpoint writer's full disk was a traceback."""
     import torch

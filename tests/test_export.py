@@ -15,40 +15,24 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from tests.test_train import quick_config as train_quick_config
+from tests.helpers import QUICK, copy_run, quick_config
 from vlmrl.common.io import read_json, read_jsonl
 from vlmrl.config.schema import Config
-from vlmrl.contract import completion_text
 from vlmrl.engine.rollout.generation import encode_batch
 from vlmrl.export.stage import ExportError, check_base_model, export_adapter, verify_adapter_weights
 from vlmrl.models.loading import load_model
-from vlmrl.pipeline import prepare_with_budget
-from vlmrl.train.stage import train
 
 PASSING = ("lora_b_nonzero", "lora_finite", "base_model_matches", "reload_reproduces_logits", "merged_16bit")
 
 
-def quick_config(output_dir: Path, *extra: str) -> Config:
-    """test_train's small run, exporting the merged 16-bit model too (unless `extra` says otherwise)."""
-    return train_quick_config(output_dir, "export.merged_16bit=true", *extra)
-
-
-def varied_reward(completions, answer, **kwargs) -> list[float]:
-    """Stands in for correctness_reward, which a random model never earns: 0..2 by completion length."""
-    return [(len(completion_text(c) or "") % 5) / 2 for c in completions]
-
-
-varied_reward.__name__ = "correctness_reward"
+EXPORT = (*QUICK, "export.merged_16bit=true")  # the small run, exporting the merged 16-bit model too
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> tuple[Config, Path]:
-    config = quick_config(tmp_path_factory.mktemp("export"))
-    prepare_with_budget(config, config.run_dir)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("vlmrl.grading.rewards.correctness_reward", varied_reward)
-        train(config, config.run_dir)
-    return config, config.run_dir
+def trained(quick_trained, tmp_path_factory) -> tuple[Config, Path]:
+    """A copy of the session's 2-step trained run (tests/conftest.py), with this module's config."""
+    output_dir = tmp_path_factory.mktemp("export")
+    return quick_config(output_dir, base=EXPORT), copy_run(quick_trained, output_dir)
 
 
 @pytest.fixture(scope="module")
@@ -204,7 +188,7 @@ def test_export_raises_on_a_failed_check_and_records_it(trained, tmp_path: Path)
     config, run_dir = trained
     copy = copy_trained_run(run_dir, tmp_path)
     broken, key = _broken_copy(copy / "train" / "final", tmp_path, _zero_one_b)
-    config = quick_config(tmp_path, "export.merged_16bit=false")
+    config = quick_config(tmp_path, "export.merged_16bit=false", base=EXPORT)
     with pytest.raises(ExportError) as info:
         export_adapter(config, copy, source=broken)
     message = str(info.value)
@@ -223,7 +207,7 @@ def test_export_without_a_trained_adapter_loads_no_model(tmp_path: Path, monkeyp
         raise AssertionError("load_model was called before the adapter was checked")
 
     monkeypatch.setattr("vlmrl.models.loading.load_model", refuse)
-    config = quick_config(tmp_path)
+    config = quick_config(tmp_path, base=EXPORT)
     with pytest.raises(ExportError, match=str(config.run_dir / "train" / "final")):
         export_adapter(config, config.run_dir)
     assert not (config.run_dir / "export.json").exists()
@@ -259,6 +243,6 @@ def test_gguf_files_are_stored_relative_to_the_run_folder(tmp_path: Path, monkey
     monkeypatch.setattr(gguf, "convert", lambda *args: {"files": dict(files), "outtype": "f16"})
     monkeypatch.setattr(gguf, "read_back", lambda found, merged: {"problems": []})
     monkeypatch.setattr(gguf, "try_generate", lambda model: {"generated": None, "detail": "skipped"})
-    check = _gguf_check(quick_config(tmp_path, "export.gguf=f16"), run_dir)
+    check = _gguf_check(quick_config(tmp_path, "export.gguf=f16", base=EXPORT), run_dir)
     assert check.value["files"] == {"model": "gguf/model-f16.gguf", "mmproj": "gguf/mmproj-f16.gguf"}
     assert check.value["converter"] == str(tmp_path.resolve() / "tools" / "llama.cpp")  # outside the run: absolute

@@ -14,23 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import varied_reward
 from vlmrl.common.io import read_jsonl
 from vlmrl.config.schema import load_config
-from vlmrl.contract import completion_text
 from vlmrl.models.lora import LoraLayoutError, is_language_param, is_vision_param, verify_lora_layout
 from vlmrl.models.tiny import TINY_ARCHS
 from vlmrl.pipeline import prepare_with_budget
 from vlmrl.train.stage import train
 
 pytestmark = pytest.mark.slow  # ~10-20 s per family on 2 cores
-
-
-def varied_reward(completions, answer, **kwargs) -> list[float]:
-    """0..2 by completion length, so a group of 4 rarely ties and the advantages are not all zero."""
-    return [(len(completion_text(c) or "") % 5) / 2 for c in completions]
-
-
-varied_reward.__name__ = "correctness_reward"  # TRL names the reward column after the function
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)

@@ -12,17 +12,11 @@ import torch
 from transformers import AutoModelForImageTextToText
 
 from tests.conftest import load_sdpa as _load
+from tests.helpers import AttentionModule, fake_trainer
 from vlmrl.data.synthetic import generate_items
 from vlmrl.engine.rollout import attention
 from vlmrl.engine.rollout.generation import generate_batch
 from vlmrl.models.tiny import build_tiny_model
-
-
-class _Module(torch.nn.Module):
-    def __init__(self, groups: int):
-        super().__init__()
-        self.num_key_value_groups = groups
-        self.is_causal = True
 
 
 def _reference(query, key, value, mask, scaling):
@@ -50,7 +44,7 @@ def test_folded_attention_equals_repeated_kv_forward_and_backward(q_len, kv_len)
     key = torch.randn(batch, kv_heads, kv_len, dim, dtype=torch.float64, requires_grad=True)
     value = torch.randn(batch, kv_heads, kv_len, dim, dtype=torch.float64, requires_grad=True)
     mask = _padded_causal_mask(batch, q_len, kv_len, pad=[0, 1, 2])
-    out, _ = attention.packed_gqa_sdpa(_Module(groups), query, key, value, mask, scaling=0.3)
+    out, _ = attention.packed_gqa_sdpa(AttentionModule(groups), query, key, value, mask, scaling=0.3)
     ref = _reference(query, key, value, mask, 0.3)
     assert out.shape == (batch, q_len, kv_heads * groups, dim)
     torch.testing.assert_close(out, ref)
@@ -67,7 +61,7 @@ def test_without_a_mask_it_defers_to_transformers_sdpa(monkeypatch):
     real = sdpa.sdpa_attention_forward
     monkeypatch.setattr(sdpa, "sdpa_attention_forward", lambda *a, **k: seen.append(1) or real(*a, **k))
     q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
-    out, _ = attention.packed_gqa_sdpa(_Module(2), q, k, v, None)
+    out, _ = attention.packed_gqa_sdpa(AttentionModule(2), q, k, v, None)
     assert seen == [1] and out.shape == (1, 3, 4, 8)
 
 
@@ -92,6 +86,7 @@ def test_switching_changes_only_the_language_model(tiny):
     assert not attention.use_packed_gqa(eager)
 
 
+@pytest.mark.slow  # ~13 s: four generations, two compiled
 def test_greedy_generation_is_unchanged_eager_and_compiled(tiny, monkeypatch):
     import transformers.integrations.sdpa_attention as sdpa
 
@@ -118,14 +113,12 @@ def test_greedy_generation_is_unchanged_eager_and_compiled(tiny, monkeypatch):
     assert texts[0] == texts[1] == texts[2] == texts[3]
 
 
-@pytest.mark.parametrize("merge", [False, True])
-def test_training_with_fast_generation_records_it_and_scopes_it_to_rollouts(merge, tmp_path, captured, monkeypatch):
+def test_training_with_fast_generation_records_it_and_scopes_it_to_rollouts(tmp_path, captured, monkeypatch):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from tests.test_train import quick_config
+    from tests.helpers import quick_config
     from vlmrl.common.io import read_json, read_jsonl
     from vlmrl.engine.lora_layers import lora_layers
-    from vlmrl.engine.rollout import fast
     from vlmrl.models import lora
     from vlmrl.pipeline import prepare_with_budget
     from vlmrl.train.stage import train
@@ -155,12 +148,6 @@ def test_training_with_fast_generation_records_it_and_scopes_it_to_rollouts(merg
     attention.register()
     monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", spy("sdpa"))
     monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, attention.NAME, spy(attention.NAME))
-    if merge:  # the experiment (vlmrl.engine.experimental), on the trainer `vlmrl train` builds
-        from vlmrl.engine.experimental.rollout import apply
-
-        real = fast.enable_fast_generation
-        monkeypatch.setattr(fast, "enable_fast_generation",
-                            lambda trainer, **kwargs: apply(trainer, real(trainer, **kwargs), merge=True))
     config = quick_config(tmp_path, "train.max_steps=2", "train.rollout.fast=always")
     prepare_with_budget(config, config.run_dir)
     train(config, config.run_dir)
@@ -170,14 +157,14 @@ def test_training_with_fast_generation_records_it_and_scopes_it_to_rollouts(merg
     compile_cache = Path(summary["compile_cache"]["inductor_dir"])  # the compiled decode's cache went there
     assert compile_cache == Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) and any(compile_cache.rglob("*"))
     assert record["prefill"] == "dynamic cache, then static"
-    assert record["merge"].startswith("merged for rollouts") if merge else record["merge"] is None
+    assert "merge" not in record  # (the merged rollout is a bench variant: benchmarks/variants/merge.py)
     language = {s for s in seen if s[0] == attention.NAME}
-    assert language == {(attention.NAME, merge, False)}, "rollouts: folded attention, merged only when asked, no grad"
+    assert language == {(attention.NAME, False, False)}, "rollouts: folded attention, the adapter unmerged, no grad"
     assert (("sdpa", False, True) in seen), "the loss pass runs transformers' sdpa with the LoRA branches"
     assert captured["model"].config.text_config._attn_implementation == "sdpa"  # switched back after rollouts
     model = captured["model"]
     for name, param in model.named_parameters():
-        if "lora_" not in name:  # base weights: (merged and) restored at every rollout, bit for bit
+        if "lora_" not in name:  # base weights: as they were, bit for bit
             assert torch.equal(param.detach(), captured["before"][name]), name
     assert len(read_jsonl(config.run_dir / "train" / "rollouts.jsonl")) == 16
 
@@ -245,16 +232,6 @@ def test_the_static_cache_length_is_bucketed_and_the_prompt_is_not_padded(tiny):
     assert out.sequences.shape[1] == width + 5 and torch.equal(out.sequences, plain.sequences)
 
 
-def fake_trainer(model, rollout, **extra):
-    """What `enable_fast_generation` reads of a built bf16 `GRPOTrainer`, with `rollout` as TRL's generate call."""
-    from types import SimpleNamespace
-
-    from transformers import GenerationConfig
-
-    return SimpleNamespace(generation_config=GenerationConfig(), generation_kwargs={}, model=model,
-                           args=SimpleNamespace(bf16=True, fp16=False), _generate_single_turn=rollout, **extra)
-
-
 def test_rollouts_run_under_the_training_autocast_when_adapters_are_fp32():
     from types import SimpleNamespace
 
@@ -279,7 +256,7 @@ def test_rollouts_run_under_the_training_autocast_when_adapters_are_fp32():
 
     trainer = fake_trainer(mixed, rollout)
     fast = enable_fast_generation(trainer)
-    assert fast.autocast == "bfloat16" and fast.merge is None
+    assert fast.autocast == "bfloat16"
     assert trainer._generate_single_turn(1, 2) == (1, 2)
     # under the training autocast, without its cast cache (it would hold a bf16 copy of every adapter weight)
     assert seen == [(True, torch.bfloat16, False)]

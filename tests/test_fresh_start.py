@@ -14,22 +14,21 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.helpers import quick_config
 from vlmrl.common.io import read_json, read_jsonl, write_json_atomic
-from vlmrl.config.schema import Config, load_config
 from vlmrl.data.prepare import prepare_data
 from vlmrl.run import layout
 from vlmrl.run.claim import ensure_marked, remove_vlmrl_outputs
 from vlmrl.train.resume import CheckpointStamp, ResumeError, discard_after, resume_point
 from vlmrl.train.stage import train
 
-
-def quick(output_dir: Path, *extra: str) -> Config:
-    """test_train's small run, validating 2 items after every step and keeping the best one."""
-    return load_config("demo", [
-        "model.name=tiny:qwen3_vl", f"run.output_dir={output_dir}", "data.num_synthetic=40", "data.holdout_size=6",
-        "train.max_completion_length=12", "train.per_device_train_batch_size=8", "train.save_steps=1",
-        "train.eval_every_steps=1", "train.eval_subset=2", "eval.max_new_tokens=8", "export.checkpoint=best", *extra,
-    ])
+# the small run (tests/helpers.py) for the demo preset's number of steps, validating 2 items after every step
+# and keeping the best one
+VALIDATED = (
+    "model.name=tiny:qwen3_vl", "data.num_synthetic=40", "data.holdout_size=6", "train.max_completion_length=12",
+    "train.per_device_train_batch_size=8", "train.save_steps=1",
+    "train.eval_every_steps=1", "train.eval_subset=2", "eval.max_new_tokens=8", "export.checkpoint=best",
+)
 
 
 def steps(path: Path) -> list[int]:
@@ -37,12 +36,13 @@ def steps(path: Path) -> list[int]:
 
 
 def test_no_resume_moves_the_old_training_aside_and_a_resume_continues_only_the_new_one(tmp_path):
-    two = quick(tmp_path, "train.max_steps=2")
+    two = quick_config(tmp_path, "train.max_steps=2", base=VALIDATED)
     prepare_data(two, two.run_dir)
     run_dir = two.run_dir
     train(two, run_dir)
     said: list[str] = []
-    one = quick(tmp_path, "train.max_steps=1")  # the new run, as if killed after its first checkpoint
+    # the new run, as if killed after its first checkpoint
+    one = quick_config(tmp_path, "train.max_steps=1", base=VALIDATED)
     train(one, run_dir, resume=False, console_callback=said.append)
 
     (aside,) = [p for p in run_dir.iterdir() if p.name.startswith(layout.SET_ASIDE)]
@@ -90,14 +90,10 @@ def test_a_checkpoint_is_resumed_only_under_its_own_stamp_and_never_past_max_ste
         resume_point(checkpoints, "A", 0)
 
 
-def test_checkpoints_from_before_the_stamps_count_under_the_folder_stamp(tmp_path):
+def test_an_unstamped_checkpoint_is_not_resumed(tmp_path):
     checkpoints = tmp_path / layout.CHECKPOINTS
     checkpoint(checkpoints, 2)
-    assert resume_point(checkpoints, "A", 0) is None  # no stamp at all: not resumed
-    write_json_atomic(checkpoints / layout.LEGACY_STAMP, {"fingerprint": "A"})
-    assert resume_point(checkpoints, "A", 0) == checkpoints / "checkpoint-2"
-    with pytest.raises(ResumeError):
-        resume_point(checkpoints, "B", 0)
+    assert resume_point(checkpoints, "A", 0) is None
 
 
 def test_a_resumed_step_past_the_last_one_is_refused_before_training(tmp_path):
@@ -124,7 +120,7 @@ def keep_best(run_dir: Path, record: dict) -> None:
 def test_a_best_step_of_another_training_is_ignored_and_one_past_the_resume_point_is_dropped(tmp_path):
     from vlmrl.export.stage import ExportError, _chosen_checkpoint
 
-    config = quick(tmp_path)
+    config = quick_config(tmp_path, base=VALIDATED)
     run_dir = tmp_path / "run"
     mine = {"step": 2, "metric": "accuracy", "value": 0.5, "fingerprint": layout.checkpoint_fingerprint(config)}
     for stale in ({**mine, "fingerprint": "another"}, {k: v for k, v in mine.items() if k != "fingerprint"}):

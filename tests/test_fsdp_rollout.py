@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 WORKER = r'''
 import sys, types, torch, torch.distributed as dist
 from accelerate.utils import FullyShardedDataParallelPlugin
@@ -71,6 +73,7 @@ def _launch(script: Path, model: Path, out: Path) -> subprocess.CompletedProcess
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
+@pytest.mark.slow  # ~10 s: two gloo processes
 def test_fsdp2_rollouts_gather_block_by_block_and_match_one_process(tmp_path: Path):
     from vlmrl.models.tiny import build_tiny_model
 
@@ -88,6 +91,7 @@ def test_fsdp2_rollouts_gather_block_by_block_and_match_one_process(tmp_path: Pa
         assert managed == "True"  # transformers then runs generate with synced_gpus
 
 
+@pytest.mark.slow  # ~10 s: two gloo processes
 def test_without_the_root_gathered_the_first_rollout_fails(tmp_path: Path):
     """Why vlmrl wraps TRL's rollouts under FSDP (`vlmrl.engine.rollout.sharded.gather_root_in_rollouts`)."""
     from vlmrl.models.tiny import build_tiny_model

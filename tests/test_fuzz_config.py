@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 
 from vlmrl.config.schema import Config, ConfigError, RewardSpec, dump_config, load_config, validate_config
 
+pytestmark = pytest.mark.slow  # ~13 s in all: hypothesis, hundreds of configs
+
 EXAMPLES = 300
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -134,7 +136,7 @@ def test_an_integer_a_float_field_cannot_hold_exactly_is_refused():
     with pytest.raises(ConfigError, match="no exact floating-point value"):
         load_config("demo", [f"train.learning_rate={10**400}"])
     with pytest.raises(ConfigError, match="train.trl_overrides.epsilon: 9007199254740993 has no exact"):
-        load_config("demo", ["train.epsilon=9007199254740993"])  # a former train field, now a trl_overrides entry
+        load_config("demo", ["train.trl_overrides.epsilon=9007199254740993"])  # an entry vlmrl checks
     assert load_config("demo", ["train.max_grad_norm=9007199254740992"]).train.max_grad_norm == 2.0**53
     assert load_config("demo", ["train.num_train_epochs=2"]).train.num_train_epochs == 2.0
     assert load_config("demo", ["train.max_steps=9007199254740993"]).train.max_steps == 2**53 + 1  # an int field

@@ -21,7 +21,8 @@ from vlmrl.data.images import ImageError, normalize_image
 EXAMPLES = 1000
 # Damaged files make PIL warn (corrupt EXIF, odd TIFF tags) and random float pixels hold signalling NaNs:
 # expected noise here, the properties are what is checked.
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore:invalid value encountered:RuntimeWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning", "ignore:invalid value encountered:RuntimeWarning"),
+              pytest.mark.slow]  # ~6 s in all: hypothesis, hundreds of images
 FUZZ = settings(max_examples=EXAMPLES, deadline=None)
 REASONS = {"missing_image", "too_large", "too_small", "corrupt_image", "truncated_image"}
 # "La" (premultiplied grey + alpha) was found by this fuzzer: PIL cannot convert it to RGBA directly.

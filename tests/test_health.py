@@ -16,8 +16,9 @@ from types import SimpleNamespace
 import pytest
 from transformers import TrainerControl
 
+from tests.helpers import quick_config
 from vlmrl.common.io import read_jsonl
-from vlmrl.config.schema import HealthConfig, load_config
+from vlmrl.config.schema import HealthConfig
 from vlmrl.train.callbacks import HealthMonitor, RolloutRecorder, batch_health
 
 WEIGHTS = [0.3, 1.0]
@@ -197,12 +198,14 @@ def prepared(tmp_path_factory):
     return config
 
 
+HEALTH_RUN = (
+    "model.name=tiny:qwen3_vl", "data.num_synthetic=24", "data.holdout_size=8", "train.max_completion_length=8",
+    "train.max_steps=3", "train.save_steps=50", "train.per_device_train_batch_size=4",
+)
+
+
 def _config(out, name: str, *extra: str):
-    return load_config("demo", [
-        "model.name=tiny:qwen3_vl", f"run.output_dir={out}", f"run.name={name}", "data.num_synthetic=24",
-        "data.holdout_size=8", "train.max_completion_length=8", "train.max_steps=3", "train.save_steps=50",
-        "train.per_device_train_batch_size=4", *extra,
-    ])
+    return quick_config(out, f"run.name={name}", *extra, base=HEALTH_RUN)
 
 
 def _copy_run(prepared, name: str, *extra: str):

@@ -151,6 +151,7 @@ rows_strategy = st.lists(
 )
 
 
+@pytest.mark.slow  # ~3 s: many kill points
 @settings(max_examples=TORN_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(rows=rows_strategy, cut=st.floats(0, 1), more=rows_strategy)
 def test_any_kill_point_during_appends_loses_no_complete_record(rows, cut, more, tmp_path_factory):

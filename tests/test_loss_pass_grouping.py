@@ -280,15 +280,10 @@ def _stand_in(steps: int):
         model=types.SimpleNamespace(config=types.SimpleNamespace(model_type="qwen3_vl")))
 
 
-@pytest.mark.parametrize(("trim", "group", "steps", "why"), [
-    (True, True, 4, None),
-    (True, True, 1, "one micro-batch per optimizer step: nothing to group"),
-    (True, False, 4, "grouping is off"),
-    (False, True, 4, "the trim is off: grouping saves nothing without it"),
-])
-def test_the_record_says_whether_and_why_not_micro_batches_were_grouped(trim, group, steps, why):
+@pytest.mark.parametrize(("steps", "why"), [(4, None), (1, "one micro-batch per optimizer step: nothing to group")])
+def test_the_record_says_whether_and_why_not_micro_batches_were_grouped(steps, why):
     trainer = _stand_in(steps)
-    record = enable_loss_pass(trainer, trim=trim, group=group).as_dict()
-    assert record["trim_padding"] is trim and record["group_by_length"] is (why is None)
+    record = enable_loss_pass(trainer).as_dict()
+    assert record["trim_padding"] is True and record["group_by_length"] is (why is None)
     assert record["group_by_length_why_not"] == why
     assert (trainer._prepare_inputs.__name__ == "grouped") is (why is None)  # wrapped only where grouped

@@ -1,5 +1,5 @@
-"""The nf4 token-step kernels (the product's `vlmrl.engine.rollout.nf4.nf4_matmul`, "v2", and the first design,
-`vlmrl.engine.experimental.nf4_v1.nf4_matmul_v1`, each numerics test running both) against bitsandbytes'
+"""The nf4 token-step kernel (the product's `vlmrl.engine.rollout.nf4.nf4_matmul`, "v2"; its first design is a
+bench plugin, benchmarks/variants/nf4_v1.py, which only benchmarks run) against bitsandbytes'
 dequantize-then-matmul: within one bf16/fp16 unit per output, in Triton's CPU interpreter (tests/conftest.py turns
 it on) on small shapes, and on a CUDA GPU at Qwen3-VL-8B's shapes; `nf4_decode` routing token steps only, the fast
 path turning it on where it applies, and the recorded fallbacks."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vlmrl.engine.experimental import nf4_v1
+from tests.helpers import compiled_calls, nf4_layer, nf4_model, nf4_quantized, nf4_rollout_trainer, nf4_units
 from vlmrl.engine.rollout import nf4
 
 bnb = pytest.importorskip("bitsandbytes")
@@ -18,7 +18,7 @@ BF = bnb.functional
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(not nf4.HAS_TRITON or not (DEVICE == "cuda" or nf4.interpreted()),
                                 reason="needs Triton on CUDA or its interpreter (tests/conftest.py)")
-KERNELS = pytest.mark.parametrize("matmul", [nf4_v1.nf4_matmul_v1, nf4.nf4_matmul], ids=["v1", "v2"])
+KERNELS = pytest.mark.parametrize("matmul", [nf4.nf4_matmul], ids=["v2"])
 
 
 @pytest.fixture(autouse=True)
@@ -27,47 +27,32 @@ def _nf4_launches(launches):
     return launches
 
 
-def _units(got: torch.Tensor, expected: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """|got - expected| in units in the last place of their dtype at max(|expected|, 2^-12 * scale), `scale` the sum
-    of |x * w| of each output: below that, the fp32 sum's own rounding, in any order, can pass a unit."""
-    mantissa = {torch.bfloat16: 7, torch.float16: 10}[got.dtype]
-    at = torch.maximum(expected.float().abs(), scale * 2.0 ** -12)
-    unit = torch.ldexp(torch.ones_like(at), torch.frexp(at).exponent - 1 - mantissa)
-    return (got.float() - expected.float()).abs() / unit.clamp(min=torch.finfo(got.dtype).smallest_normal
-                                                                * 2.0 ** -mantissa)
-
-
-def _quantized(n, k, weight_dtype=torch.bfloat16, nested=True, blocksize=64, seed=0):
-    torch.manual_seed(seed)
-    weight = (torch.randn(n, k) * 0.05).to(weight_dtype).to(DEVICE)
-    return BF.quantize_4bit(weight, blocksize=blocksize, compress_statistics=nested, quant_type="nf4")
-
-
 def _check(got, x, packed, qs, bias=None, min_equal=0.95):
     """`got` within one unit of bitsandbytes' dequantize-then-matmul (what `MatMul4Bit` computes with gradients on)."""
     weight = BF.dequantize_4bit(packed, qs).to(x.dtype)
     expected = F.linear(x, weight, bias)
     scale = x.float().abs() @ weight.float().abs().T + (0 if bias is None else bias.float().abs())
     assert got.dtype == expected.dtype and got.shape == expected.shape
-    units = _units(got, expected, scale)
+    units = nf4_units(got, expected, scale)
     assert units.max() <= 1, f"{float(units.max()):.2f} units apart"
     assert (got == expected).float().mean() >= min_equal  # rounded where bitsandbytes rounds: off by summation order only
 
 
+@pytest.mark.slow  # ~7 s in all: K up to 12288 in the interpreter
 @pytest.mark.parametrize("k", [4096, 12288])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_at_the_8b_shapes_depth_it_rounds_the_exact_product(dtype, k):
     """Qwen3-VL-8B's K (4096 for q/k/v/o/gate/up, 12288 for down), 32 rows: each output within 0.6 of a unit of the
     exact product of the same rounded weights (float64 sums), so as good as the correctly rounded result, in fp16
-    too. On an H200 the fp16 kernel was 2 units from cuBLAS's dequantize + matmul (docs/benchmarks.md);
+    too. On an H200 the fp16 kernel was 2 units from cuBLAS's dequantize + matmul (benchmarks/NOTES.md);
     benchmarks/nf4_matmul.py gives each side's distance from the exact product there."""
-    packed, qs = _quantized(64, k, weight_dtype=dtype)
+    packed, qs = nf4_quantized(64, k, weight_dtype=dtype)
     x = torch.randn(32, k).to(DEVICE, dtype)
     weight = BF.dequantize_4bit(packed, qs).to(dtype)
     got = nf4.nf4_matmul(x, packed, quant_state=qs)
     exact = F.linear(x.double(), weight.double())
     scale = x.float().abs() @ weight.float().abs().T
-    units = _units(got, exact, scale)
+    units = nf4_units(got, exact, scale)
     assert got.dtype == dtype and units.max() <= 0.6, f"{float(units.max()):.2f} units from the exact product"
     assert not nf4._failed
 
@@ -78,7 +63,7 @@ def test_at_the_8b_shapes_depth_it_rounds_the_exact_product(dtype, k):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_it_is_bitsandbytes_dequantize_then_matmul(dtype, nested, rows, bias, matmul, launches):
     # double quantisation, blocksize 64: the loader's; K split in two (the interpreter's default)
-    packed, qs = _quantized(192, 256, weight_dtype=dtype, nested=nested)
+    packed, qs = nf4_quantized(192, 256, weight_dtype=dtype, nested=nested)
     x = torch.randn(rows, 256).to(DEVICE, dtype)
     b = torch.randn(192).to(DEVICE, dtype) if bias else None
     got = matmul(x, packed, b, quant_state=qs)
@@ -89,7 +74,7 @@ def test_it_is_bitsandbytes_dequantize_then_matmul(dtype, nested, rows, bias, ma
 def _exact_weights(n, k, dtype, weight_dtype=torch.bfloat16, config=None, matmul=nf4.nf4_matmul, nested=True):
     # x = the identity: row j of the output is column j of W, one product per sum, so nothing but the
     # dequantization can differ from bitsandbytes'
-    packed, qs = _quantized(n, k, weight_dtype=weight_dtype, nested=nested, seed=4)
+    packed, qs = nf4_quantized(n, k, weight_dtype=weight_dtype, nested=nested, seed=4)
     got = matmul(torch.eye(k, device=DEVICE, dtype=dtype), packed, quant_state=qs, config=config)
     assert torch.equal(got, BF.dequantize_4bit(packed, qs).to(dtype).T)
 
@@ -108,7 +93,7 @@ def test_the_compiled_kernels_branch_in_fp16(weight_dtype, matmul, monkeypatch):
     # as a GPU does: fp16 (it truncates to bf16, hence the bit-level branch the other tests run)
     monkeypatch.setattr(nf4, "interpreted", lambda: False)
     _exact_weights(64, 256, torch.float16, weight_dtype=weight_dtype, config=[32, 64, 4, 1, 1], matmul=matmul)
-    packed, qs = _quantized(64, 256, weight_dtype=weight_dtype, seed=5)
+    packed, qs = nf4_quantized(64, 256, weight_dtype=weight_dtype, seed=5)
     x, bias = torch.randn(5, 256).to(DEVICE, torch.float16), torch.randn(64).to(DEVICE, torch.float16)
     _check(matmul(x, packed, bias, quant_state=qs, config=[32, 64, 4, 1, 2]), x, packed, qs, bias)
 
@@ -124,7 +109,7 @@ def test_the_compiled_kernels_branch_in_fp16(weight_dtype, matmul, monkeypatch):
     (16, 512, [64, 128, 4, 1, 64]),  # 256-weight steps, more splits asked for than there are
 ])
 def test_tiles_and_splits_give_the_same_values(rows, k, config, matmul):
-    packed, qs = _quantized(96, k, seed=1)
+    packed, qs = nf4_quantized(96, k, seed=1)
     x = torch.randn(2, rows, k).to(DEVICE, torch.bfloat16)  # leading dims kept
     bias = torch.randn(96).to(DEVICE, torch.bfloat16)
     got = matmul(x, packed, bias, quant_state=qs, config=config)
@@ -136,7 +121,7 @@ def test_the_record_counts_the_layers_that_take_measured_settings(monkeypatch):
     for rows in (16, 32):  # as if these shapes were measured at both row tiles
         monkeypatch.setitem(nf4.TUNED_SM90, (192, 256, 64, rows), [64, 64, 4, 1, 2])
     monkeypatch.setitem(nf4.TUNED_SM90, (128, 192, 64, 16), [64, 64, 4, 1, 2])  # and this one at 16 rows only
-    model = _model(_layer(256, 192), _layer(256, 192), _layer(192, 128))
+    model = nf4_model(nf4_layer(256, 192), nf4_layer(256, 192), nf4_layer(192, 128))
     assert nf4.measured_settings(model).startswith("tile settings measured on an H200 for 2 of 3 layers")
 
 
@@ -165,14 +150,14 @@ def test_sm90_takes_the_measured_settings_of_its_shapes_and_the_rest_the_rule(mo
     (torch.bfloat16, torch.float16, True, 256),  # one block a tile row in the interpreter
 ])
 def test_other_quant_states(weight_dtype, dtype, nested, blocksize, matmul):
-    packed, qs = _quantized(64, 256, weight_dtype=weight_dtype, nested=nested, blocksize=blocksize, seed=2)
+    packed, qs = nf4_quantized(64, 256, weight_dtype=weight_dtype, nested=nested, blocksize=blocksize, seed=2)
     x = torch.randn(4, 256).to(DEVICE, dtype)
     _check(matmul(x, packed, quant_state=qs), x, packed, qs)
 
 
 @pytest.mark.parametrize("nested", [True, False])
 def test_the_torch_fallback_dequantizes_as_bitsandbytes(nested):
-    packed, qs = _quantized(64, 256, weight_dtype=torch.float32, nested=nested, seed=3)
+    packed, qs = nf4_quantized(64, 256, weight_dtype=torch.float32, nested=nested, seed=3)
     parts = ((qs.state2.code, qs.state2.absmax, qs.offset, qs.state2.blocksize) if nested
              else (None, None, None, 1))
     code2, absmax2, offset, blocksize2 = parts
@@ -183,7 +168,7 @@ def test_the_torch_fallback_dequantizes_as_bitsandbytes(nested):
 @KERNELS
 def test_a_kernel_that_cannot_run_falls_back_once_with_the_reason(matmul, monkeypatch, caplog):
     monkeypatch.setattr(nf4, "launch", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("no PTX for this GPU")))
-    packed, qs = _quantized(64, 256)
+    packed, qs = nf4_quantized(64, 256)
     x = torch.randn(2, 256).to(DEVICE, torch.bfloat16)
     for _ in range(2):
         got = matmul(x, packed, quant_state=qs)
@@ -192,28 +177,8 @@ def test_a_kernel_that_cannot_run_falls_back_once_with_the_reason(matmul, monkey
     assert sum("nf4 matmul kernel cannot run" in r.message for r in caplog.records) == 1
 
 
-def _layer(k, n, bias=True, quant_type="nf4", dtype=torch.bfloat16, seed=0):
-    torch.manual_seed(seed)
-    layer = bnb.nn.Linear4bit(k, n, bias=bias, compute_dtype=dtype, quant_type=quant_type)
-    layer.weight = bnb.nn.Params4bit((torch.randn(n, k) * 0.05).to(dtype), requires_grad=False,
-                                     quant_type=quant_type, blocksize=64)
-    if bias:
-        layer.bias = torch.nn.Parameter(torch.randn(n).to(dtype), requires_grad=False)
-    # on a CPU with AVX512-BF16 bitsandbytes repacks the weights for its own kernel at the first eval forward
-    layer.support_avx512bf16_for_cpu = False
-    return layer.to(DEVICE)
-
-
-def _model(*layers):
-    return torch.nn.Sequential(*layers).eval()
-
-
-@KERNELS
-def test_nf4_decode_routes_token_steps_and_leaves_the_rest_to_bitsandbytes(matmul, launches, monkeypatch):
-    designs = []
-    real = nf4.launch
-    monkeypatch.setattr(nf4, "launch", lambda *a, **kw: designs.append(kw["chooser"].__module__) or real(*a, **kw))
-    model = _model(_layer(256, 192), torch.nn.ReLU(), _layer(192, 128, bias=False))
+def test_nf4_decode_routes_token_steps_and_leaves_the_rest_to_bitsandbytes(launches):
+    model = nf4_model(nf4_layer(256, 192), torch.nn.ReLU(), nf4_layer(192, 128, bias=False))
     step, prompt = (torch.randn(4, 1, 256).to(DEVICE, torch.bfloat16), torch.randn(2, 40, 256).to(DEVICE, torch.bfloat16))
     with torch.no_grad():
         # the reference is dequantize + matmul: on a GPU bitsandbytes' own one-row forward is a gemv of its own
@@ -226,28 +191,17 @@ def test_nf4_decode_routes_token_steps_and_leaves_the_rest_to_bitsandbytes(matmu
                 if layer.bias is not None:
                     d.bias.data = layer.bias.data.to(step.dtype)
         expected = dense.to(DEVICE, step.dtype)(step)
-        with nf4.nf4_decode(model, matmul=matmul) as reason:
+        with nf4.nf4_decode(model) as reason:
             got = model(step)  # 4 rows: a token step
             assert launches == [4, 4]
             model(prompt)  # 80 rows: a prompt pass
             model(step[:1])  # one row: bitsandbytes' gemv on a GPU
             assert launches == [4, 4]
-    with nf4.nf4_decode(model, matmul=matmul):
+    with nf4.nf4_decode(model):
         model(step.requires_grad_())  # the loss pass: gradients
     assert reason is None and launches == [4, 4]
-    assert designs == [matmul.__module__] * 2
     assert all("forward" not in layer.__dict__ for layer in model)  # bitsandbytes' own forward again
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-3)  # two layers, each within a unit
-
-
-def _rollout_trainer(model, step):
-    from tests.test_fastgen import fake_trainer
-
-    def rollout():
-        with torch.no_grad():
-            return model(step)
-
-    return fake_trainer(model, rollout)
 
 
 def test_the_fast_path_routes_a_trainers_token_steps_for_its_life(launches, monkeypatch):
@@ -256,9 +210,9 @@ def test_the_fast_path_routes_a_trainers_token_steps_for_its_life(launches, monk
     from vlmrl.engine.rollout.fast import enable_fast_generation
 
     monkeypatch.setattr(nf4, "gpu_reason", lambda device: None)
-    model = _model(_layer(256, 192))
+    model = nf4_model(nf4_layer(256, 192))
     step = torch.randn(4, 1, 256).to(DEVICE, torch.bfloat16)
-    trainer = _rollout_trainer(model, step)
+    trainer = nf4_rollout_trainer(model, step)
     fast = enable_fast_generation(trainer)
     assert fast.weights == ("vlmrl nf4 kernel (vlmrl.engine.rollout.nf4) for token steps of 2-64 rows (tile "
                             "settings measured on an H200 for 0 of 1 layers at 2-32 rows (nf4.TUNED_SM90), by rule "
@@ -273,40 +227,14 @@ def test_the_fast_path_routes_a_trainers_token_steps_for_its_life(launches, monk
     assert "forward" not in model[0].__dict__
 
 
-@pytest.mark.parametrize(("variant", "record", "design"), [
-    ("off", "bitsandbytes Linear4bit (vlmrl's nf4 kernel turned off by vlmrl.engine.experimental)", None),
-    ("v1", "vlmrl nf4 kernel v1 (experimental) for token steps of 2-64 rows, bitsandbytes Linear4bit otherwise",
-     ("vlmrl.engine.experimental.nf4_v1", False)),
-    ("by_rule", ("vlmrl nf4 kernel with its settings by rule, not TUNED_SM90 (experimental) for token steps of 2-64 "
-                 "rows, bitsandbytes Linear4bit otherwise"), ("vlmrl.engine.rollout.nf4", True)),  # settings given
-])
-def test_the_bench_variants_swap_the_products_kernel(variant, record, design, launches, monkeypatch):
-    from vlmrl.engine.experimental.rollout import apply
-    from vlmrl.engine.rollout.fast import enable_fast_generation
-
-    monkeypatch.setattr(nf4, "gpu_reason", lambda device: None)
-    designs = []  # (the module choosing its settings, whether they were given instead) per launch
-    real = nf4.launch
-    monkeypatch.setattr(nf4, "launch",
-                        lambda *a, **kw: designs.append((kw["chooser"].__module__, bool(a[11]))) or real(*a, **kw))
-    model = _model(_layer(256, 192))
-    trainer = _rollout_trainer(model, torch.randn(4, 1, 256).to(DEVICE, torch.bfloat16))
-    fast = apply(trainer, enable_fast_generation(trainer), nf4_kernel=variant)
-    assert fast.weights == record
-    trainer._generate_single_turn()
-    # the probe (the product's), then the rollout's token step
-    assert designs == [("vlmrl.engine.rollout.nf4", False)] + ([design] if design else [])
-    assert ("forward" in model[0].__dict__) == (design is not None)
-
-
 def test_where_the_fast_path_leaves_4bit_token_steps_on_bitsandbytes(launches, monkeypatch):
     """The record says why: no 4-bit layer (nothing), vlmrl's kernels off, a GPU where the kernel was not measured
     faster, a kernel that cannot run there (the probe); and the rule itself, by compute capability."""
     from vlmrl.engine.rollout.fast import nf4_token_steps
 
-    model = _model(_layer(256, 64))
-    trainer = _rollout_trainer(model, None)
-    assert nf4_token_steps(_rollout_trainer(torch.nn.Linear(4, 4), None)) is None
+    model = nf4_model(nf4_layer(256, 64))
+    trainer = nf4_rollout_trainer(model, None)
+    assert nf4_token_steps(nf4_rollout_trainer(torch.nn.Linear(4, 4), None)) is None
     assert nf4_token_steps(trainer, wanted=False) == ("bitsandbytes Linear4bit (vlmrl's kernels are off: "
                                                       "train.rollout.kernels=false)")
     if DEVICE == "cpu":
@@ -325,12 +253,12 @@ def test_where_the_fast_path_leaves_4bit_token_steps_on_bitsandbytes(launches, m
 
 def test_an_unsupported_model_is_left_alone_with_the_reason(monkeypatch, launches):
     assert nf4.unsupported_reason(torch.nn.Linear(4, 4)) == "the model has no bitsandbytes Linear4bit layer"
-    fp4 = _model(_layer(256, 64, quant_type="fp4"))
+    fp4 = nf4_model(nf4_layer(256, 64, quant_type="fp4"))
     assert "quant_type fp4" in nf4.unsupported_reason(fp4)
     with torch.no_grad(), nf4.nf4_decode(fp4) as reason:
         fp4(torch.randn(2, 256).to(DEVICE, torch.bfloat16))
     assert "fp4" in reason and launches == []
-    odd = _model(_layer(256, 64), _layer(64, 96), _layer(96, 64))  # 96 inputs: not a whole number of blocks
+    odd = nf4_model(nf4_layer(256, 64), nf4_layer(64, 96), nf4_layer(96, 64))  # 96 inputs: not a whole number of blocks
     assert nf4.unsupported_reason(odd) is None
     with torch.no_grad(), nf4.nf4_decode(odd):
         odd(torch.randn(2, 256).to(DEVICE, torch.bfloat16))
@@ -340,26 +268,12 @@ def test_an_unsupported_model_is_left_alone_with_the_reason(monkeypatch, launche
         assert "not a CUDA device" in nf4.unsupported_reason(odd)
 
 
-def compiled_calls(module, x):
-    """`module(x)` compiled in one graph (dynamo reset first), and the functions its graph calls."""
-    nodes = []
-
-    def backend(gm, example_inputs):
-        nodes.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-        return gm.forward
-
-    torch._dynamo.reset()
-    return torch.compile(module, backend=backend, fullgraph=True)(x), nodes
-
-
-@KERNELS
-def test_a_compiled_token_step_calls_it_as_one_node(matmul):
-    layer = _layer(256, 64)
+def test_a_compiled_token_step_calls_it_as_one_node():
+    layer = nf4_layer(256, 64)
     x = torch.randn(3, 256).to(DEVICE, torch.bfloat16)
-    with torch.no_grad(), nf4.nf4_decode(layer, matmul=matmul):
+    with torch.no_grad(), nf4.nf4_decode(layer):
         got, nodes = compiled_calls(layer, x)
-    op = {nf4_v1.nf4_matmul_v1: "vlmrl.nf4_matmul_v1.default", nf4.nf4_matmul: "vlmrl.nf4_matmul.default"}[matmul]
-    assert [n for n in nodes if "nf4" in n] == [op]
+    assert [n for n in nodes if "nf4" in n] == ["vlmrl.nf4_matmul.default"]
     _check(got, x, layer.weight, layer.weight.quant_state, layer.bias)
 
 
@@ -370,7 +284,7 @@ def test_a_compiled_token_step_calls_it_as_one_node(matmul):
 def test_qwen3_vl_8b_shapes_on_the_gpu(dtype, matmul):
     # (out, in) of q/o, k/v, gate/up and down
     for n, k in [(4096, 4096), (1024, 4096), (12288, 4096), (4096, 12288)]:
-        packed, qs = _quantized(n, k, weight_dtype=torch.bfloat16, seed=n + k)
+        packed, qs = nf4_quantized(n, k, weight_dtype=torch.bfloat16, seed=n + k)
         for rows in (1, 8, 32, 64):
             x = torch.randn(rows, k, device="cuda").to(dtype)
             bias = torch.randn(n, device="cuda").to(dtype)

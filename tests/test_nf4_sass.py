@@ -1,5 +1,5 @@
 """benchmarks/nf4_sass.py: the product's nf4 kernel built offline for sm_90 finds its K loop, and that loop reads
-x in 16-byte loads along k (never 2 bytes a row at a time, as the design before did: docs/benchmarks.md) and
+x in 16-byte loads along k (never 2 bytes a row at a time, as the design before did: benchmarks/NOTES.md) and
 multiplies on Hopper's warpgroup tensor-core instructions, without spilling registers."""
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ def test_the_loop_is_read_between_its_label_and_its_backward_branch(benchmark_sc
     assert benchmark_script("nf4_sass").loop_opcodes(SASS) == {"LDG.E.128": 1, "HGMMA.64x32x16.F32.BF16": 1, "BRA": 1}
 
 
+@pytest.mark.slow  # ~4 s: a ptxas build
 def test_the_kernel_built_for_sm90_reads_x_along_k(tmp_path):
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # a real build, not the interpreter
@@ -44,6 +45,7 @@ def test_the_kernel_built_for_sm90_reads_x_along_k(tmp_path):
     assert counts["instructions_per_weight"] < 12  # the design before took 12.7 (results/cpu_nf4_sass.json)
 
 
+@pytest.mark.slow  # ~7 s: ptxas on every tuned tile
 def test_each_measured_tile_builds_for_sm90_without_spilling(tmp_path):
     """Every tile of nf4.TUNED_SM90 (the settings the product takes on sm_90) compiles offline to a loop on Hopper's
     tensor-core instructions with x read in 16-byte loads, and no register spills (a Triton upgrade that made one

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from tests.helpers import flat, quick_args, varied_reward
 from vlmrl.cli.app import app
 from vlmrl.common.io import read_json, read_jsonl
 from vlmrl.config.schema import load_config
-from vlmrl.contract import completion_text
 
 runner = CliRunner()
 STAGES = ("doctor", "prepare", "eval baseline", "train", "eval after", "compare", "export", "report")
@@ -31,34 +31,6 @@ ARTIFACTS = (
     "after_summary.json", "comparison.json", "adapter/adapter_config.json",
     "adapter/adapter_model.safetensors", "export.json", "report.html",
 )  # fmt: skip
-
-
-def quick_args(output_dir: Path, *extra: str) -> list[str]:
-    sets = [
-        "model.name=tiny:qwen3_vl",
-        f"run.output_dir={output_dir}",
-        "data.num_synthetic=40",
-        "data.holdout_size=6",
-        "eval.max_new_tokens=12",
-        "train.max_completion_length=12",
-        "train.max_steps=2",
-        "train.per_device_train_batch_size=8",
-        "train.save_steps=1",
-        *extra,
-    ]
-    return ["run", "demo", *[arg for s in sets for arg in ("--set", s)]]
-
-
-def varied_reward(completions, answer, **kwargs) -> list[float]:
-    """Stands in for correctness_reward on a random model: 0..2 by completion length."""
-    return [(len(completion_text(c) or "") % 5) / 2 for c in completions]
-
-
-varied_reward.__name__ = "correctness_reward"
-
-
-def flat(text: str) -> str:
-    return " ".join(text.split())  # rich wraps long lines at the console width
 
 
 def invoke(args: list[str]):

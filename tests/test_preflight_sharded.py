@@ -1,5 +1,5 @@
 """The memory preflight on several GPUs (vlmrl.run.preflight: `gpus`, `strategy`): the arithmetic of what each
-strategy shards, and the Qwen3-VL-32B shapes. Not yet checked against GPU measurements (benchmarks/gpu_scaling.sh
+strategy shards, and the Qwen3-VL-32B shapes. Not yet checked against GPU measurements (benchmarks/gpu_scaling.py
 records each configuration's measured peak beside this prediction)."""
 
 from __future__ import annotations

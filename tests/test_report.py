@@ -9,156 +9,9 @@ import re
 from pathlib import Path
 
 import pytest
-from PIL import Image, ImageDraw
 
+from tests.helpers import IMG_ATTACK, SCRIPT_ATTACK, make_run, write_json, write_jsonl
 from vlmrl.report import build_report, write_report
-
-SCRIPT_ATTACK = "<script>window.__pwned=1</script>"
-IMG_ATTACK = '<img src=x onerror="window.__pwned=1">'
-ALL_STAGES = ("setup", "data", "baseline", "train", "after", "compare", "export")
-
-
-# ---- a fake run directory, shaped like the stage outputs ---------------------------------------------------
-
-def make_run(root: Path, *, n: int = 12, stages: tuple[str, ...] = ALL_STAGES) -> Path:
-    """The files a run directory holds after `stages`. Item 1's after completion is an injection attempt."""
-    run = root / "run"
-    (run / "data" / "images").mkdir(parents=True, exist_ok=True)
-    items = [_item(run, i) for i in range(n)]
-    if "setup" in stages:
-        (run / "config.yaml").write_text("run:\n  name: demo\n  seed: 0\ntrain:\n  algorithm: gspo\n")
-        _json(run / "env.json", {"python": "3.11.2", "packages": {"torch": "2.14.1", "trl": "1.16.0"},
-                                 "cuda": {"available": False, "devices": []},
-                                 "backends": {"unsloth": False, "vllm": False}, "disk_free_gib": 74.2})
-    if "data" in stages:
-        _jsonl(run / "data" / "holdout.jsonl", items)
-        _json(run / "data" / "summary.json", {
-            "input_rows": n + 43, "train": 40, "holdout": n,
-            "dropped_by_reason": {"too_long": 2, "bad_image": 1}, "comparable_to_published": False,
-            "message": "synthetic data"})
-    records = {}
-    for stage in ("baseline", "after"):
-        if stage in stages:
-            records[stage] = [_record(item, stage) for item in items]
-            _jsonl(run / f"{stage}_records.jsonl", records[stage])
-            _json(run / f"{stage}_summary.json", _summary(stage, records[stage]))
-    if "train" in stages:
-        _jsonl(run / "train" / "metrics.jsonl", [_metrics(s) for s in range(1, 21)])
-        _jsonl(run / "train" / "health.jsonl", [
-            {"step": s, "n": 4, "gibberish_rate": 0.0, "format_rate": min(1, 0.1 * s), "truncation_rate": 0.1,
-             "mean_length": 60 - s, "zero_variance_groups": 1, "reward_mean": 0.3, "reward_std": 0.1,
-             "warnings": ["format rate < 0.5 <b>"] if s == 2 else []} for s in range(1, 21)])
-        _json(run / "train" / "summary.json", {"algorithm": "gspo", "steps": 20, "optimizer": "adamw_torch",
-                                               "train_seconds": 12.5, "lora": {"r": 16, "alpha": 16}})
-    if "compare" in stages:
-        _json(run / "comparison.json", _comparison(records["baseline"], records["after"]))
-    if "export" in stages:
-        _json(run / "export.json", {"adapter_dir": "adapter", "source": "train/final", "base_model": "tiny",
-                                    "all_passed": False, "checks": [
-            {"name": "lora_b_nonzero", "passed": True, "value": 14, "detail": ""},
-            {"name": "logits_match", "passed": False, "value": 0.02, "detail": "max diff"},
-            {"name": "gguf", "passed": None, "value": None, "detail": "no llama.cpp"}]})
-    return run
-
-
-def _item(run: Path, i: int) -> dict:
-    image = Image.new("RGB", (256, 256), "white")
-    ImageDraw.Draw(image).rectangle([40, 256 - 20 * (i % 10 + 1), 120, 250], fill=(60, 110, 200))
-    image.save(run / "data" / "images" / f"q{i}.png")
-    return {"id": f"item-{i:03d}", "question": f"How tall is bar {i}? (<b>units</b>)", "prompt": "...",
-            "answer": str(i % 10 + 1), "answer_type": "integer", "precision": None, "unit": None,
-            "choices": None, "source": "synthetic", "category": ["chart", "geometry"][i % 2], "metadata": {},
-            "image": f"data/images/q{i}.png", "image_sha256": "ab" * 32}
-
-
-def _record(item: dict, stage: str) -> dict:
-    i = int(item["id"].split("-")[1])
-    good = (i % 3 == 0) if stage == "baseline" else (i % 2 == 0)  # some gained, some lost, some unchanged
-    formatted = stage == "after" or i % 4 != 1
-    answer = item["answer"] if good else "0"
-    completion = "the bar is tall"
-    if formatted:
-        completion = f"<REASONING>count</REASONING><SOLUTION>{answer}</SOLUTION>"
-    if stage == "after" and i == 1:  # an injection attempt, and the only broken format after training
-        completion, formatted = f"{SCRIPT_ATTACK} {IMG_ATTACK} <SOLUTION>0</SOLUTION>", False
-    correct = good and formatted
-    return {"id": item["id"], "stage": stage, "question": item["question"], "gold": item["answer"],
-            "answer_type": "integer", "precision": None, "completion": completion,
-            "pred": answer if formatted else None, "format_ok": formatted,
-            "format_reward": 1.0 if formatted else 0.0, "correctness_reward": 1.0 if correct else 0.0,
-            "total_reward": 0.3 * formatted + 1.0 * correct, "correct": correct, "exact_match": correct,
-            "degenerate": False, "mathvista_normalized": None, "mathvista_correct": correct,
-            "generated_tokens": 17, "truncated": False, "image_sha256": item["image_sha256"],
-            "prompt_sha256": "cd" * 32, "category": item["category"], "metadata": {}, "generation": {},
-            "seconds": 0.1}
-
-
-def _metrics(step: int) -> dict:
-    return {"step": step, "epoch": step / 20, "reward": 0.2 + 0.03 * step,
-            "rewards/format_reward/mean": min(1, 0.1 * step), "rewards/correctness_reward/mean": 0.02 * step,
-            "completions/mean_length": 60 - step, "completions/clipped_ratio": 0.1,
-            "clip_ratio/low_mean": 0.0, "clip_ratio/high_mean": 0.01 * (step % 3),
-            "frac_reward_zero_std": 0.5 - 0.02 * step,
-            "learning_rate": 5e-6, "loss": 0.01 * (step % 4), "grad_norm": 0.3}
-
-
-def _mean(rows: list[dict], field: str) -> float:
-    return sum(float(r[field]) for r in rows) / len(rows)
-
-
-def _summary(stage: str, records: list[dict]) -> dict:
-    def stat(field):
-        mean = _mean(records, field)
-        return {"mean": mean, "ci95": [max(0.0, mean - 0.1), mean + 0.1]}
-
-    return {"stage": stage, "n": len(records), "accuracy": stat("correct"),
-            "mathvista_accuracy": stat("mathvista_correct"), "exact_match": stat("exact_match"),
-            "format_compliance": stat("format_ok"), "format_reward": stat("format_reward"),
-            "correctness_reward": stat("correctness_reward"), "total_reward": stat("total_reward"),
-            "truncation_rate": 0.0, "gibberish_rate": 0.0, "mean_generated_tokens": 17.0,
-            "tokens_per_second": 123.4, "items_per_second": 7.25}
-
-
-def _comparison(before: list[dict], after: list[dict]) -> dict:
-    pairs = list(zip(before, after, strict=True))
-    metrics = {}
-    for name, field in (("accuracy", "correct"), ("mathvista_accuracy", "mathvista_correct"),
-                        ("format_compliance", "format_ok")):
-        b, a = _mean(before, field), _mean(after, field)
-        metrics[name] = {"before": b, "after": a, "delta": a - b, "delta_ci95": [a - b - 0.21, a - b + 0.19],
-                         "gained": sum(not x[field] and y[field] for x, y in pairs),
-                         "lost": sum(x[field] and not y[field] for x, y in pairs), "mcnemar_p": 0.0421875}
-    for name in ("total_reward", "format_reward", "correctness_reward"):
-        b, a = _mean(before, name), _mean(after, name)
-        metrics[name] = {"before": b, "after": a, "delta": a - b, "delta_ci95": [a - b - 0.1, a - b + 0.1]}
-    flips = {"wrong_to_right": [x["id"] for x, y in pairs if not x["correct"] and y["correct"]],
-             "right_to_wrong": [x["id"] for x, y in pairs if x["correct"] and not y["correct"]],
-             "format_broken_to_ok": [x["id"] for x, y in pairs if not x["format_ok"] and y["format_ok"]],
-             "format_ok_to_broken": [x["id"] for x, y in pairs if x["format_ok"] and not y["format_ok"]]}
-    regressions = sorted(((y["total_reward"] - x["total_reward"], x, y) for x, y in pairs),
-                         key=lambda t: t[0])
-    by_category = {}
-    for cat in sorted({x["category"] for x in before}):
-        bs, as_ = ([r for r in rs if r["category"] == cat] for rs in (before, after))
-        by_category[cat] = {"n": len(bs), "accuracy_before": _mean(bs, "correct"),
-                            "accuracy_after": _mean(as_, "correct"), "format_before": _mean(bs, "format_ok"),
-                            "format_after": _mean(as_, "format_ok")}
-    return {"n_paired": len(pairs), "ids_missing_a_pair": [], "metrics": metrics,
-            "flip_counts": {k: len(v) for k, v in flips.items()}, "flips": flips,
-            "largest_regressions": [
-                {"id": x["id"], "before": x["total_reward"], "after": y["total_reward"], "delta": d}
-                for d, x, y in regressions if d < 0],
-            "by_category": by_category}
-
-
-def _json(path: Path, data) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2))
-
-
-def _jsonl(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
 def _row(page: str, pattern: str) -> str:
@@ -239,7 +92,7 @@ def test_training_curves_plot_each_logged_key_as_inline_svg(full_run):
 
 def test_training_plots_skip_missing_and_non_numeric_values(tmp_path):
     run = tmp_path / "run"
-    _jsonl(run / "train" / "metrics.jsonl", [
+    write_jsonl(run / "train" / "metrics.jsonl", [
         {"step": 1, "loss": 0.5, "kl": None}, {"step": 2, "loss": float("nan"), "kl": 0.1},
         {"step": 3, "loss": "bad", "kl": 0.2}, {"epoch": 1.0, "loss": 1}])
     training = _section(build_report(run), "training")
@@ -348,14 +201,14 @@ def test_empty_run_dir_still_renders(tmp_path):
 
 
 def test_unknown_data_summary_shape_becomes_a_key_value_table(tmp_path):
-    _json(tmp_path / "data" / "summary.json", {"new_field": [1, 2], "nested": {"a": {"b": {"c": 1}}}})
+    write_json(tmp_path / "data" / "summary.json", {"new_field": [1, 2], "nested": {"a": {"b": {"c": 1}}}})
     data = _section(build_report(tmp_path), "data")
     assert "<th>new_field</th><td>[1, 2]</td>" in data and "<th>b</th><td>{&quot;c&quot;: 1}</td>" in data
 
 
 def test_file_without_the_sections_part_says_so(tmp_path):
-    _json(tmp_path / "comparison.json", {"n_paired": 0})
-    _jsonl(tmp_path / "train" / "metrics.jsonl", [{"step": 1, "epoch": 0.1}])
+    write_json(tmp_path / "comparison.json", {"n_paired": 0})
+    write_jsonl(tmp_path / "train" / "metrics.jsonl", [{"step": 1, "epoch": 0.1}])
     page = build_report(tmp_path)
     assert 'No before/after comparison yet (comparison.json has no "metrics").' in page
     assert 'No flips yet (comparison.json has no "flip_counts").' in page

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_report import IMG_ATTACK, SCRIPT_ATTACK, make_run
+from tests.helpers import IMG_ATTACK, SCRIPT_ATTACK, make_run
 from vlmrl.report import write_report
 
 CHROMIUM = Path("/usr/bin/chromium")

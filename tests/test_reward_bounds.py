@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from tests.helpers import reward_batch
 from vlmrl.cli.app import app
 from vlmrl.config.schema import load_config
 from vlmrl.data.prepare import prepare_data
@@ -89,23 +90,12 @@ def config_with(tmp_path: Path, *rewards: str):
     return load_config(str(path))
 
 
-def batch(n: int = 3) -> dict:
-    """What TRL hands a reward: conversational completions, prompts, and one column value per completion."""
-    return {
-        "prompts": [[{"role": "user", "content": [{"type": "text", "text": f"question {i}"}]}] for i in range(n)],
-        "completions": [[{"role": "assistant", "content": f"<SOLUTION>{i}</SOLUTION>"}] for i in range(n)],
-        "answer": [str(i) for i in range(n)],
-        "id": [f"item-{i}" for i in range(n)],
-        "log_extra": lambda *args: None,
-    }
-
-
 def test_a_reward_that_blocks_is_stopped_at_its_time_limit_in_one_line(tmp_path):
     """Before: `time.sleep(60)` (or a lock, a socket) stalled the run forever, with no message."""
     (reward,) = load_rewards(config_with(tmp_path, "{function: 'r.py:slow', timeout_s: 0.3}"))
     started = time.perf_counter()
     with pytest.raises(RewardError) as info:
-        reward.fn(**batch())
+        reward.fn(**reward_batch(log_extra=True))
     assert time.perf_counter() - started < 5
     assert str(info.value) == ("rewards[0] (function: r.py:slow): slow did not return within 0.3 s; make it faster, "
                                "or raise this reward's timeout_s (null: no limit). Re-running the same command "
@@ -128,7 +118,7 @@ def test_every_way_out_of_a_reward_is_one_line_naming_it(tmp_path, function, mes
     for limit in ("", ", timeout_s: null"):  # in a thread of its own, and in the caller's
         (reward,) = load_rewards(config_with(tmp_path, f"{{function: 'r.py:{function}'{limit}}}"))
         with pytest.raises(RewardError) as info:
-            reward.fn(**batch())
+            reward.fn(**reward_batch(log_extra=True))
         line = str(info.value)
         assert "\n" not in line and line.startswith(f"rewards[0] (function: r.py:{function}): ")
         assert __import__("re").search(message, line), line
@@ -138,17 +128,17 @@ def test_each_reward_gets_its_own_copies(tmp_path):
     """Before: a reward that edited `completions` or a column changed what the next reward saw and what
     rollouts.jsonl recorded (TRL logs the very list the rewards get)."""
     loaded = load_rewards(config_with(tmp_path, "{function: 'r.py:vandal'}", "{function: 'r.py:observer'}"))
-    given = batch()
+    given = reward_batch(log_extra=True)
     for reward in loaded:
         reward.fn(**given)
-    assert given == {**batch(), "log_extra": given["log_extra"]}  # the caller's objects are untouched
+    assert given == {**reward_batch(), "log_extra": given["log_extra"]}  # the caller's objects are untouched
     seen = loaded[1].fn.fn.__globals__["SEEN"]
     assert seen == [("<SOLUTION>0</SOLUTION>", 3, "0", "question 0", False)]
 
 
 def test_a_reward_without_a_time_limit_runs_in_the_callers_thread(tmp_path):
     (reward,) = load_rewards(config_with(tmp_path, "{function: 'r.py:observer', timeout_s: null}"))
-    assert reward.fn(**batch(2)) == [1.0, 1.0]
+    assert reward.fn(**reward_batch(2, log_extra=True)) == [1.0, 1.0]
     assert reward.fn.fn.__globals__["SEEN"][-1][-1] is (threading.current_thread() is threading.main_thread())
 
 

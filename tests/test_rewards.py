@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import vlmrl.grading.rewards
+from tests.helpers import tiny_text_policy
 from vlmrl.contract import render_answer
 from vlmrl.grading.rewards import (
     DEFAULT_REWARD_WEIGHTS,
@@ -300,42 +301,12 @@ def test_doctests_pass():
 # --- TRL ---------------------------------------------------------------------------------------------------
 
 
-def _tiny_text_policy():
-    """A 2-layer Qwen3 with a ~20-token word-level vocabulary, built offline."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
-
-    sentences = ["What is 2 + 2 ?", "How many squares are there ?", "addCriterion 4 3 answer"]
-    backend = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    backend.train_from_iterator(
-        sentences, trainers.WordLevelTrainer(special_tokens=["[PAD]", "[EOS]", "[UNK]"])
-    )
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="[PAD]", eos_token="[EOS]", unk_token="[UNK]"
-    )
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=128,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-    )
-    return Qwen3ForCausalLM(config), tokenizer
-
-
 def test_rewards_drive_trl_grpo_for_two_steps(tmp_path):
     pytest.importorskip("trl")
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    model, tokenizer = _tiny_text_policy()
+    model, tokenizer = tiny_text_policy()
     # Let the random policy emit only "addCriterion", so every completion is degenerate (format -2,
     # correctness 0) and the logged reward proves TRL applied our weights: 0.3 * -2 + 1.0 * 0 = -0.6.
     keep = tokenizer.convert_tokens_to_ids("addCriterion")

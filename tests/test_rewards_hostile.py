@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from tests.helpers import reward_batch
 from vlmrl.config.schema import load_config
 from vlmrl.grading.user_rewards import RewardError, load_rewards
 
@@ -121,16 +122,6 @@ def test_a_reward_file_is_imported_once_per_process(tmp_path):
     assert counter.read_text() == "xy"
 
 
-def batch(n: int = 3) -> dict:
-    """What TRL hands a reward: conversational completions, prompts, and one column value per completion."""
-    return {
-        "prompts": [[{"role": "user", "content": [{"type": "text", "text": f"question {i}"}]}] for i in range(n)],
-        "completions": [[{"role": "assistant", "content": f"<SOLUTION>{i}</SOLUTION>"}] for i in range(n)],
-        "answer": [str(i) for i in range(n)],
-        "id": [f"item-{i}" for i in range(n)],
-    }
-
-
 RETURNS = '''
 import numpy as np
 import torch
@@ -175,9 +166,9 @@ def test_a_reward_too_large_to_sum_is_refused_in_one_line(tmp_path):
         with pytest.raises(RewardError, match=r"^rewards\[0\] \(function: r.py:huge\): huge returned 1e\+308 "
                                               r"\(float\) for completion 0 \(item 'item-0'\); each value must be a "
                                               r"finite number within \+-1,000,000,000, or None for no reward\.$"):
-            reward.fn(**batch())
+            reward.fn(**reward_batch())
     (large,) = load_rewards(config_with(tmp_path, RETURNS, "{function: 'r.py:large'}"))
-    assert large.fn(**batch(1)) == [1e9]  # the largest value taken
+    assert large.fn(**reward_batch(1)) == [1e9]  # the largest value taken
     # the sum is checked too: weights the config would refuse (over 1e6), given here by hand
     loaded = [Reward("large", 1e300, print, ""), Reward("format_reward", 1.0, print, "")]
     with pytest.raises(RewardError, match=r"^the weighted total of the rewards, 1e\+300 x 1e\+09 \(large\) \+ 1 x 1 "
@@ -190,14 +181,14 @@ def test_numpy_arrays_and_torch_tensors_are_taken_as_trl_takes_them(tmp_path):
     names = ("array", "tensor", "scalars", "matrix", "short_tensor")
     loaded = load_rewards(config_with(tmp_path, RETURNS, *(f"{{function: 'r.py:{n}'}}" for n in names)))
     fns = {r.name: r.fn for r in loaded}
-    assert fns["array"](**batch()) == [0.0, 0.5, 1.0]
-    assert fns["tensor"](**batch()) == [0.0, 0.5, 1.0]
-    assert fns["scalars"](**batch()) == [0.5, 1.5, None]
+    assert fns["array"](**reward_batch()) == [0.0, 0.5, 1.0]
+    assert fns["tensor"](**reward_batch()) == [0.0, 0.5, 1.0]
+    assert fns["scalars"](**reward_batch()) == [0.5, 1.5, None]
     with pytest.raises(RewardError, match=r"matrix returned a 2-D ndarray of shape \(3, 1\); return one value per "
                                           r"completion \(a list, or a 1-D array or tensor\)\.$"):
-        fns["matrix"](**batch())
+        fns["matrix"](**reward_batch())
     with pytest.raises(RewardError, match=r"short_tensor returned 2 values for 3 completions"):
-        fns["short_tensor"](**batch())
+        fns["short_tensor"](**reward_batch())
 
 
 DEGREES = ["135°", "140°", "145°"]

@@ -275,7 +275,7 @@ def test_auto_corrects_where_the_numerics_differ():
 
 
 def test_a_training_run_logs_the_mismatch_every_step(tmp_path, monkeypatch):
-    from tests.test_train import quick_config, step_rows, varied_reward
+    from tests.helpers import quick_config, step_rows, varied_reward
     from vlmrl.pipeline import prepare_with_budget
     from vlmrl.train.stage import train
 
@@ -304,7 +304,7 @@ def test_measuring_alone_changes_no_weight(tmp_path, monkeypatch):
     one a run without any of it trains, byte for byte."""
     import hashlib
 
-    from tests.test_train import quick_config, varied_reward
+    from tests.helpers import quick_config, varied_reward
     from vlmrl.engine.rollout import mismatch
     from vlmrl.pipeline import prepare_with_budget
     from vlmrl.train.stage import train

@@ -18,9 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from vlmrl.cli.app import app
+from tests.helpers import flat, invoke, sets
 from vlmrl.common.io import read_jsonl, write_json_atomic, write_jsonl_atomic
 from vlmrl.config.schema import ConfigError, dump_config, load_config
 from vlmrl.pipeline import _drop_stale_records, _settings, claim_run_dir, retrain, settings_fingerprint
@@ -35,20 +34,8 @@ def config_at(output_dir: Path, *extra: str, name: str = "run"):
     return load_config("demo", [*SMALL, f"run.output_dir={output_dir}", f"run.name={name}", *extra])
 
 
-def invoke(*args: str):
-    return CliRunner().invoke(app, list(args), terminal_width=300)
-
-
-def flat(text: str) -> str:
-    return " ".join(text.split())
-
-
 def tree(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-def sets(*items: str) -> list[str]:
-    return [a for s in items for a in ("--set", s)]
 
 
 # --- a user's folder --------------------------------------------------------------------------------------------

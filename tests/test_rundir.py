@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from tests.helpers import quick_args, quick_config
 from vlmrl.cli.app import app
 from vlmrl.common.io import read_json, read_jsonl
 from vlmrl.config.schema import ConfigError, load_config
@@ -30,15 +31,6 @@ QUICK = [
     "eval.max_new_tokens=8", "train.max_completion_length=8", f"train.max_steps={STEPS}", "train.save_steps=1",
     "train.per_device_train_batch_size=4", "train.gradient_accumulation_steps=1",
 ]
-
-
-def quick_args(output_dir: Path, name: str = "demo") -> list[str]:
-    sets = [*QUICK, f"run.output_dir={output_dir}", f"run.name={name}"]
-    return ["run", "demo", *[a for s in sets for a in ("--set", s)]]
-
-
-def _cfg(tmp_path: Path, *extra: str):
-    return load_config("demo", [*QUICK, f"run.output_dir={tmp_path}", *extra])
 
 
 # --- the claim ----------------------------------------------------------------------------------------------
@@ -97,7 +89,7 @@ def test_ranks_launched_by_a_claiming_process_share_its_claim(tmp_path, monkeypa
 
 
 def test_a_folder_vlmrl_did_not_make_is_neither_written_nor_deleted(tmp_path):
-    config = _cfg(tmp_path)
+    config = quick_config(tmp_path, base=QUICK)
     config.run_dir.mkdir(parents=True)
     (config.run_dir / "thesis.tex").write_text("years of work")
     (config.run_dir / "data").mkdir()
@@ -106,7 +98,7 @@ def test_a_folder_vlmrl_did_not_make_is_neither_written_nor_deleted(tmp_path):
     for force in (False, True):
         with pytest.raises(ConfigError, match="not a vlmrl run folder.*thesis.tex"):
             claim_run_dir(config, config.run_dir, force=force)
-        result = CliRunner().invoke(app, [*quick_args(tmp_path), *(["--force"] if force else [])], terminal_width=300)
+        result = CliRunner().invoke(app, [*quick_args(tmp_path, base=QUICK), *(["--force"] if force else [])], terminal_width=300)
         assert result.exit_code == 2 and "not a vlmrl run folder" in result.output, result.output
     with pytest.raises(RunDirError):
         remove_vlmrl_outputs(config.run_dir)
@@ -116,7 +108,7 @@ def test_a_folder_vlmrl_did_not_make_is_neither_written_nor_deleted(tmp_path):
 
 
 def test_force_removes_only_what_vlmrl_wrote(tmp_path):
-    config = _cfg(tmp_path)
+    config = quick_config(tmp_path, base=QUICK)
     claim_run_dir(config, config.run_dir, force=False)
     run = config.run_dir
     for name in ("baseline_records.jsonl", "baseline_records.rank1.jsonl", "comparison.json", ".env.json.ab12.tmp"):
@@ -126,7 +118,7 @@ def test_force_removes_only_what_vlmrl_wrote(tmp_path):
     (run / "train" / "checkpoints").mkdir(parents=True)
     (run / "notes.txt").write_text("mine")
     (run / "plots").mkdir()
-    other = _cfg(tmp_path, "train.learning_rate=0.01")
+    other = quick_config(tmp_path, "train.learning_rate=0.01", base=QUICK)
     claim_run_dir(other, run, force=True)
     assert sorted(p.name for p in run.iterdir()) == sorted([MARKER, "config.yaml", "notes.txt", "plots"])
     assert load_config(str(run / "config.yaml")).train.learning_rate == 0.01
@@ -161,7 +153,7 @@ def _vlmrl(*args: str, **kw) -> subprocess.Popen:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_concurrent_runs_leave_exactly_one_runs_records(tmp_path):
-    first, second = _vlmrl(*quick_args(tmp_path)), _vlmrl(*quick_args(tmp_path))
+    first, second = _vlmrl(*quick_args(tmp_path, base=QUICK)), _vlmrl(*quick_args(tmp_path, base=QUICK))
     outputs = [p.communicate(timeout=550)[0] for p in (first, second)]
     codes = [p.returncode for p in (first, second)]
     refused = [i for i, out in enumerate(outputs) if "in use by another vlmrl command" in out]
@@ -182,7 +174,7 @@ def test_two_concurrent_runs_leave_exactly_one_runs_records(tmp_path):
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("moved")
-    result = CliRunner().invoke(app, quick_args(out), terminal_width=300)
+    result = CliRunner().invoke(app, quick_args(out, base=QUICK), terminal_width=300)
     assert "[run]  compare" in result.output, result.output
     return out / "demo"
 
@@ -194,7 +186,7 @@ def test_a_copied_run_folder_resumes_as_the_same_run(finished_run, tmp_path):
     shutil.copytree(finished_run, copy)
     (copy / "after_summary.json").unlink()  # something left to do after the move
     before = read_jsonl(copy / "after_records.jsonl")
-    result = CliRunner().invoke(app, quick_args(copy.parent, copy.name), terminal_width=300)
+    result = CliRunner().invoke(app, quick_args(copy.parent, f"run.name={copy.name}", base=QUICK), terminal_width=300)
     out = result.output
     assert "different config" not in out, out
     for stage in ("prepare", "eval baseline", "train"):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_stacked import _Block, _trained
+from tests.helpers import Block, lora_policy
 from vlmrl.engine.rollout import second_factors
 from vlmrl.engine.rollout.stacked import StackedProjections
 
@@ -57,7 +57,7 @@ def test_a_block_under_the_rollout_autocast_runs_it_compiled_as_one_node_per_gro
     from torch._dynamo.utils import counters
 
     monkeypatch.setattr(second_factors, "_failed", {})
-    block = _trained(_Block(64).to(torch.bfloat16))
+    block = lora_policy(Block(64).to(torch.bfloat16))
     x, y = torch.randn(4, 5, 64, dtype=torch.bfloat16), torch.randn(4, 5, 64, dtype=torch.bfloat16)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False)
     stack = StackedProjections(block)
@@ -96,14 +96,14 @@ def test_where_the_kernel_cannot_run_the_step_falls_back_with_one_warning(monkey
 
 
 def test_kernels_run_it_in_rollouts_only(monkeypatch):
-    from tests.test_fastgen import fake_trainer
+    from tests.helpers import fake_trainer
     from vlmrl.engine.rollout.fast import enable_fast_generation
 
     monkeypatch.setattr(second_factors, "_failed", {})
     launches = []
     real = second_factors._launch
     monkeypatch.setattr(second_factors, "_launch", lambda *a: launches.append(1) or real(*a))
-    block = _trained(_Block(64).to(torch.bfloat16))
+    block = lora_policy(Block(64).to(torch.bfloat16))
     x = torch.randn(2, 3, 64, dtype=torch.bfloat16)
 
     def rollout():
@@ -118,11 +118,6 @@ def test_kernels_run_it_in_rollouts_only(monkeypatch):
     with torch.no_grad():
         block(x, x)  # outside rollouts: PEFT's own forwards
     assert len(launches) == 4
-    plain = fake_trainer(_trained(_Block(64).to(torch.bfloat16)), lambda: None)
+    plain = fake_trainer(lora_policy(Block(64).to(torch.bfloat16)), lambda: None)
     # off with the kernels (train.rollout.kernels=false)
     assert "second_factors" not in enable_fast_generation(plain, kernels=False).adapters
-    from vlmrl.engine.experimental.rollout import apply
-
-    cublas = fake_trainer(_trained(_Block(64).to(torch.bfloat16)), lambda: None)  # the bench's vlmrl-second-cublas
-    assert "second_factors" not in apply(cublas, enable_fast_generation(cublas), second_cublas=True).adapters
-    assert dict(cublas.vlmrl_rollout_contexts)["stacked"].keywords == {"fused": False}

@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 from typer.testing import CliRunner
 
-from tests.test_export import varied_reward
+from tests.helpers import varied_reward
 from vlmrl.cli.app import app
 from vlmrl.common.io import read_json, read_jsonl
 from vlmrl.config.schema import load_config

@@ -7,10 +7,9 @@ import collections
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
 
 from tests.conftest import load_sdpa
-from tests.test_fastgen import fake_trainer
+from tests.helpers import Block, fake_trainer, lora_policy
 from vlmrl.data.synthetic import generate_items
 from vlmrl.engine.lora_layers import lora_layers
 from vlmrl.engine.rollout.fast import (
@@ -27,16 +26,6 @@ SETTINGS = {"max_new_tokens": 12, "min_new_tokens": 12, "do_sample": False, "cac
             "return_dict_in_generate": True, "output_logits": True}
 
 
-def _trained(model, **lora):
-    torch.manual_seed(0)
-    policy = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, **lora))
-    with torch.no_grad():  # a trained adapter: B is zero at initialisation
-        for name, p in policy.named_parameters():
-            if "lora_B" in name:
-                p.normal_(std=0.1)
-    return policy
-
-
 @pytest.fixture
 def policy_and_batch(tiny_qwen3_vl):
     model, processor = load_sdpa(tiny_qwen3_vl)
@@ -44,7 +33,7 @@ def policy_and_batch(tiny_qwen3_vl):
     batch = encode_batch(processor, [i.question for i in items], [i.image for i in items], torch.device("cpu"))
     bucket_static_cache(model, 64)
     prefill_into_dynamic_cache(model)
-    return _trained(model), batch
+    return lora_policy(model), batch
 
 
 def _linear_calls_per_graph(policy, batch, context) -> tuple[list[int], torch.Tensor]:
@@ -105,26 +94,9 @@ def test_rollouts_compute_what_peft_computes_with_eight_matmuls_per_layer(policy
     assert torch.equal(stack.groups[0].layers[0].get_base_layer().weight, stack.groups[0].weight[:stack.groups[0].outs[0]])
 
 
-class _Block(torch.nn.Module):
-    """q/k/v with biases (as Qwen2.5-VL's), gate/up, and an o_proj that reads something else."""
-
-    def __init__(self, width: int = 16):
-        super().__init__()
-        self.q_proj = torch.nn.Linear(width, width)
-        self.k_proj = torch.nn.Linear(width, width // 2)
-        self.v_proj = torch.nn.Linear(width, width // 2)
-        self.o_proj = torch.nn.Linear(width, width, bias=False)
-        self.gate_proj = torch.nn.Linear(width, 2 * width, bias=False)
-        self.up_proj = torch.nn.Linear(width, 2 * width, bias=False)
-
-    def forward(self, x, y):
-        return (self.q_proj(x), self.k_proj(y), self.v_proj(x), self.o_proj(x),
-                self.gate_proj(y), self.up_proj(y), self.gate_proj(x))
-
-
 def test_a_sibling_called_with_another_input_gets_its_own_result_and_scales_may_differ():
     torch.manual_seed(1)
-    block = _trained(_Block(), rank_pattern={"k_proj": 2}, alpha_pattern={"v_proj": 2}).requires_grad_(False)
+    block = lora_policy(Block(), rank_pattern={"k_proj": 2}, alpha_pattern={"v_proj": 2}).requires_grad_(False)
     x, y = torch.randn(2, 3, 16), torch.randn(2, 3, 16)
     expected = block(x, y)
     stack = StackedProjections(block)
@@ -148,19 +120,19 @@ def test_a_sibling_called_with_another_input_gets_its_own_result_and_scales_may_
 @pytest.mark.parametrize(("lora", "reason"), [({"lora_dropout": 0.1}, "LoRA dropout"),
                                               ({"use_dora": True}, "DoRA adapters")])
 def test_what_cannot_be_stacked_is_left_as_it_is_and_says_why(lora, reason):
-    block = _trained(_Block(), **lora)
+    block = lora_policy(Block(), **lora)
     weights = [p for n, p in block.named_parameters() if "base_layer" in n]
     stack = StackedProjections(block)
     assert stack.reason.startswith(reason) and not stack.groups
     assert [p for n, p in block.named_parameters() if "base_layer" in n] == weights  # nothing moved
-    assert StackedProjections(_Block()).reason == "no LoRA layers"
+    assert StackedProjections(Block()).reason == "no LoRA layers"
 
 
 def test_stacking_replaces_the_copies_by_default_and_wraps_each_rollout():
     seen = []
 
     def make():
-        model = _trained(_Block().to(torch.bfloat16))
+        model = lora_policy(Block().to(torch.bfloat16))
         trainer = fake_trainer(model, lambda: seen.append(["forward" in vars(m) for m in lora_layers(model)]))
         return model, trainer
 
@@ -172,19 +144,11 @@ def test_stacking_replaces_the_copies_by_default_and_wraps_each_rollout():
     trainer._generate_single_turn()
     assert seen == [[True] * 6]
     assert not any("forward" in vars(m) for m in lora_layers(model))
-    _, trainer = make()
-    from vlmrl.engine.experimental.rollout import apply
-
-    merged = apply(trainer, enable_fast_generation(trainer), merge=True)  # the experiment drops the stacked rollout
-    assert merged.merge.startswith("merged for rollouts") and not merged.adapters.startswith("stacked")
-    assert "stacked" not in dict(trainer.vlmrl_rollout_contexts) and "merge" in dict(trainer.vlmrl_rollout_contexts)
-    _, trainer = make()
-    assert enable_fast_generation(trainer, stacked=False).adapters.startswith("bfloat16 copies")
     model, trainer = make()
     trainer.args.bf16 = False  # float32 adapters over a bf16 base with no autocast to match them
     refused = enable_fast_generation(trainer)
     assert refused.adapters.startswith("not stacked (the adapters' dtype differs")
-    model = _trained(_Block().to(torch.bfloat16), lora_dropout=0.1)
+    model = lora_policy(Block().to(torch.bfloat16), lora_dropout=0.1)
     fallback = enable_fast_generation(fake_trainer(model, lambda: None))
     assert fallback.adapters.startswith("not stacked (LoRA dropout") and "; bfloat16 copies made per rollout" in \
         fallback.adapters  # refused: the copies apply, and the record says so
@@ -193,7 +157,7 @@ def test_stacking_replaces_the_copies_by_default_and_wraps_each_rollout():
 def test_in_bf16_under_the_rollout_autocast_it_computes_what_the_adapter_copies_compute():
     from vlmrl.engine.rollout.adapter_cast import LowPrecisionAdapters
 
-    block = _trained(_Block(64).to(torch.bfloat16))  # float32 adapters over a bf16 base, as PEFT keeps them
+    block = lora_policy(Block(64).to(torch.bfloat16))  # float32 adapters over a bf16 base, as PEFT keeps them
     x, y = torch.randn(4, 5, 64, dtype=torch.bfloat16), torch.randn(4, 5, 64, dtype=torch.bfloat16)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False)
     with torch.no_grad(), autocast, LowPrecisionAdapters(block, torch.bfloat16).active():

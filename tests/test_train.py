@@ -18,58 +18,20 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.helpers import copy_run, quick_config, step_rows, varied_reward
 from vlmrl.common.io import read_json, read_jsonl
-from vlmrl.config.schema import Config, ConfigError, load_config
-from vlmrl.contract import completion_text
+from vlmrl.config.schema import ConfigError, load_config
 from vlmrl.engine.rollout.mismatch import COLUMNS as MISMATCH_COLUMNS
 from vlmrl.grading.rewards import format_reward
-from vlmrl.pipeline import prepare_with_budget
 from vlmrl.run.layout import is_trained
 from vlmrl.train.stage import TrainError, build_grpo_config, train
 
+# the small run's (tests/helpers.py, QUICK)
 GENERATION_BATCH = 8  # per_device_train_batch_size x gradient_accumulation_steps (1 in the demo preset)
 NUM_GENERATIONS = 4
 COMPLETION_TOKENS = 12
 ON_CPU = not torch.cuda.is_available()
 ROLLOUT_KEYS = {"step", "id", "completion", "rewards", "advantage", "length", "truncated"}
-
-
-def quick_config(output_dir: Path, *extra: str) -> Config:
-    return load_config(
-        "demo",
-        [
-            "model.name=tiny:qwen3_vl",
-            f"run.output_dir={output_dir}",
-            "data.num_synthetic=40",
-            "data.holdout_size=6",
-            f"train.max_completion_length={COMPLETION_TOKENS}",
-            "train.max_steps=2",
-            f"train.per_device_train_batch_size={GENERATION_BATCH}",
-            "train.save_steps=1",
-            *extra,
-        ],
-    )
-
-
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory) -> Path:
-    config = quick_config(tmp_path_factory.mktemp("train_prepared"))
-    prepare_with_budget(config, config.run_dir)
-    return config.run_dir
-
-
-def copy_run(source: Path, output_dir: Path) -> Path:
-    target = output_dir / source.name
-    shutil.copytree(source, target, symlinks=True)
-    return target
-
-
-def varied_reward(completions, answer, **kwargs) -> list[float]:
-    """Stands in for correctness_reward: 0..2 by completion length in characters, so groups rarely tie."""
-    return [(len(completion_text(c) or "") % 5) / 2 for c in completions]
-
-
-varied_reward.__name__ = "correctness_reward"  # TRL names the reward column after the function
 
 
 @pytest.fixture
@@ -83,11 +45,6 @@ def no_model_load(monkeypatch):
         raise AssertionError("load_model was called before the config was checked")
 
     monkeypatch.setattr("vlmrl.models.loading.load_model", refuse)
-
-
-def step_rows(path: Path) -> list[dict]:
-    """metrics.jsonl rows of optimizer steps (the end-of-training summary row has train_runtime instead)."""
-    return [r for r in read_jsonl(path) if "train_runtime" not in r]
 
 
 def sha256(path: Path) -> str:
@@ -125,11 +82,10 @@ def test_trl_overrides_pass_known_fields_through(tmp_path: Path) -> None:
     assert args.top_k == 3 and args.scale_rewards == "batch"
 
 
-def test_former_train_fields_reach_grpoconfig_as_before(tmp_path: Path) -> None:
-    """train.beta and train.epsilon of an earlier release's config land in trl_overrides and give GRPOConfig the
-    values that release gave it (checked against commit 2d22fd8's build_grpo_config); unset, TRL gets vlmrl's."""
-    path = tmp_path / "old.yaml"
-    path.write_text("train:\n  beta: 0.04\n  epsilon: 3.0e-4\n")
+def test_the_trl_values_vlmrl_sets_reach_grpoconfig(tmp_path: Path) -> None:
+    """beta and epsilon in train.trl_overrides reach GRPOConfig; unset, TRL gets vlmrl's own values."""
+    path = tmp_path / "own.yaml"
+    path.write_text("train:\n  trl_overrides: {beta: 0.04, epsilon: 3.0e-4}\n")
     config = load_config(str(path), [f"run.output_dir={tmp_path}", "train.optim=adamw_torch"])
     assert config.train.trl_overrides == {"beta": 0.04, "epsilon": 3e-4}
     args, _ = build_grpo_config(config, tmp_path / "checkpoints")
@@ -142,10 +98,10 @@ def test_former_train_fields_reach_grpoconfig_as_before(tmp_path: Path) -> None:
 
 
 def test_unknown_trl_override_is_named_before_any_model_loads(
-    prepared, tmp_path: Path, no_model_load
+    quick_prepared, tmp_path: Path, no_model_load
 ) -> None:
     config = quick_config(tmp_path, "train.trl_overrides={top_k: 3, no_such_knob: 1}")
-    run_dir = copy_run(prepared, tmp_path)
+    run_dir = copy_run(quick_prepared, tmp_path)
     with pytest.raises(TrainError) as info:
         train(config, run_dir)
     message = str(info.value)
@@ -183,13 +139,13 @@ def test_training_without_prepared_data_names_the_file(tmp_path: Path, no_model_
 
 @pytest.mark.parametrize(("algorithm", "level"), [("grpo", "token"), ("gspo", "sequence")])
 def test_training_changes_only_lora_weights_and_records_everything(
-    algorithm: str, level: str, prepared, tmp_path: Path, learnable, captured
+    algorithm: str, level: str, quick_prepared, tmp_path: Path, learnable, captured
 ) -> None:
     # gspo: the CPU fallback of adamw_8bit, end to end; grpo: two micro-batches per generation batch, length-grouped
     extra = ["train.optim=adamw_8bit"] if algorithm == "gspo" else [
         "train.gradient_accumulation_steps=2", f"train.per_device_train_batch_size={GENERATION_BATCH // 2}"]
     config = quick_config(tmp_path, f"train.algorithm={algorithm}", *extra)
-    run_dir = copy_run(prepared, tmp_path)
+    run_dir = copy_run(quick_prepared, tmp_path)
     base_file = run_dir / "base-model" / "model.safetensors"
     base_hash = sha256(base_file)
 
@@ -296,10 +252,9 @@ def check_records(train_dir: Path, steps: list[int]) -> None:
 
 
 def test_resume_continues_from_the_last_checkpoint_without_duplicating_steps(
-    prepared, tmp_path: Path, learnable
+    quick_trained, tmp_path: Path, learnable
 ) -> None:
-    run_dir = copy_run(prepared, tmp_path)
-    train(quick_config(tmp_path, "train.max_steps=2"), run_dir)
+    run_dir = copy_run(quick_trained, tmp_path)  # trained for 2 steps by quick_config(...), a checkpoint each
     checkpoints = run_dir / "train" / "checkpoints"
     assert (checkpoints / "checkpoint-1").is_dir() and (checkpoints / "checkpoint-2").is_dir()
 
@@ -317,8 +272,8 @@ def test_resume_continues_from_the_last_checkpoint_without_duplicating_steps(
     check_records(run_dir / "train", steps=[1, 2, 3])
 
 
-def test_checkpoints_of_another_training_config_are_not_resumed(prepared, tmp_path: Path, learnable) -> None:
-    run_dir = copy_run(prepared, tmp_path)
+def test_checkpoints_of_another_training_config_are_not_resumed(quick_prepared, tmp_path: Path, learnable) -> None:
+    run_dir = copy_run(quick_prepared, tmp_path)
     train(quick_config(tmp_path, "train.max_steps=1"), run_dir)
     changed = quick_config(tmp_path, "train.max_steps=2", "train.learning_rate=3e-4")
     with pytest.raises(TrainError, match="another training config.*--no-resume"):
@@ -327,8 +282,8 @@ def test_checkpoints_of_another_training_config_are_not_resumed(prepared, tmp_pa
     assert result.summary["resumed_from_step"] == 0 and result.summary["steps"] == 2
 
 
-def test_no_resume_starts_from_step_zero(prepared, tmp_path: Path, learnable) -> None:
-    run_dir = copy_run(prepared, tmp_path)
+def test_no_resume_starts_from_step_zero(quick_prepared, tmp_path: Path, learnable) -> None:
+    run_dir = copy_run(quick_prepared, tmp_path)
     config = quick_config(tmp_path, "train.max_steps=1")
     train(config, run_dir)
     result = train(config, run_dir, resume=False)
@@ -336,11 +291,10 @@ def test_no_resume_starts_from_step_zero(prepared, tmp_path: Path, learnable) ->
     check_records(run_dir / "train", steps=[1])  # the first run's rows were replaced, not appended to
 
 
-def test_a_finished_run_is_not_trained_again(prepared, tmp_path: Path, learnable) -> None:
+def test_a_finished_run_is_not_trained_again(quick_trained, tmp_path: Path, learnable) -> None:
     """Issue 20: re-running a finished `vlmrl train` trained on ("step 3/2") and overwrote the adapter."""
-    run_dir = copy_run(prepared, tmp_path)
+    run_dir = copy_run(quick_trained, tmp_path)  # finished: `train(config, ...)` ran its 2 steps there
     config = quick_config(tmp_path)
-    train(config, run_dir)
     files = sorted(p for p in (run_dir / "train").rglob("*") if p.is_file())
     before = {p: (p.stat().st_mtime_ns, sha256(p)) for p in files}
     result = train(config, run_dir)
@@ -351,7 +305,7 @@ def test_a_finished_run_is_not_trained_again(prepared, tmp_path: Path, learnable
     assert train(quick_config(tmp_path, "train.report_to=[none]"), run_dir).already_done
 
 
-def test_trl_without_a_cpu_path_is_refused_on_a_cpu_only(prepared, tmp_path: Path, no_model_load, monkeypatch) -> None:
+def test_trl_without_a_cpu_path_is_refused_on_a_cpu_only(quick_prepared, tmp_path: Path, no_model_load, monkeypatch) -> None:
     """TRL 1.15 (Unsloth's pin) computes log-probs with Triton kernels only: on a CPU that fails mid-step, so
     `train` refuses it in one line before any model loads; on a GPU, or with TRL >= 1.16, nothing is said."""
     from vlmrl.train import stage as train_module
@@ -363,7 +317,7 @@ def test_trl_without_a_cpu_path_is_refused_on_a_cpu_only(prepared, tmp_path: Pat
     real = train_module.package_version
     monkeypatch.setattr(train_module, "package_version", lambda name: "1.15.0" if name == "trl" else real(name))
     config = quick_config(tmp_path)
-    run_dir = copy_run(prepared, tmp_path)
+    run_dir = copy_run(quick_prepared, tmp_path)
     with pytest.raises(TrainError, match=r"trl 1\.15\.0 computes GRPO's log-probs with Triton kernels only"):
         train(config, run_dir)
     assert not (run_dir / "train" / "checkpoints").exists()

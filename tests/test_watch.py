@@ -91,7 +91,7 @@ def test_a_watched_run_leaves_tracker_events_validation_rows_and_reruns_as_a_no_
 
 
 @pytest.mark.parametrize(("override", "named"), [
-    ("train.lr_scheduler_type=cosin", "train.trl_overrides.lr_scheduler_type"),  # an old field, moved there
+    ("train.trl_overrides.lr_scheduler_type=cosin", "train.trl_overrides.lr_scheduler_type"),
     ("train.optim=adamw_nope", "train.optim"),
     ("train.max_steps=-3", "train.max_steps"),
     ("train.trl_overrides={no_such_knob: 1}", "no_such_knob"),

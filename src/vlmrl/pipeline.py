@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vlmrl.common.io import write_text_atomic
+from vlmrl.config.load import SchemaVersionError
 from vlmrl.config.schema import Config, ConfigError, dump_config, load_config
 from vlmrl.run import layout
 
@@ -239,7 +240,9 @@ def claim_run_dir(config: Config, run_dir: Path, *, force: bool) -> list[str]:
     changed: list[str] = []
     if path.exists() and not force:
         try:
-            previous = load_config(str(path), migrate=True)
+            previous = load_config(str(path), run_folder=True)
+        except SchemaVersionError:  # another version's run folder: its line says what to do
+            raise
         except ConfigError:
             raise ConfigError(f"{run_dir} holds a config.yaml vlmrl cannot read ({path}); choose another "
                               "run.name, or pass --force to replace what vlmrl wrote there.") from None
@@ -279,11 +282,9 @@ def _flat(data: dict, prefix: str = "") -> dict:
 
 
 def settings_fingerprint(config: Config) -> str:
-    """The config's fingerprint without where the run lives (run.name, run.output_dir): a run folder moved or
-    copied elsewhere is the same run."""
-    placed = config.model_copy(deep=True)
-    placed.run.name, placed.run.output_dir = "run", "."
-    return placed.fingerprint()
+    """The fingerprint of every field that decides a stage's output (vlmrl.config.fingerprints): where the run
+    lives (run.name, run.output_dir) is not one, so a run folder moved or copied elsewhere is the same run."""
+    return config.fingerprint()
 
 
 def _progress(factory, label: str):

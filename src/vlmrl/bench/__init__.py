@@ -10,8 +10,9 @@ Both paths train the same random-weight model with the real shapes of a named mo
                   decode) and `vlmrl.engine.loss_pass.enable_loss_pass`, as `vlmrl train` runs it by default;
   unsloth         Unsloth's `FastVisionModel` (+ `get_peft_model`) under the same trainer, in a process of its
                   own whose first import is unsloth (`unsloth_path`; optional, needs Unsloth and CUDA).
-Variants of vlmrl's engine (the adapter merged, the filled-cache window, ...) are not bench paths: the script
-benchmarks/engine_variants.py registers them (`run.VARIANTS`) and runs the same command.
+Variants of vlmrl's engine (the adapter merged, the filled-cache window, ...) are not bench paths: benchmark
+plugins (benchmarks/variants/) register them in `VARIANTS`, each a callable that sets up the engine on the built
+trainer in place of `vlmrl_engine`, and benchmarks/engine_variants.py runs the same command.
 
 Measured per optimizer step: wall time, generation time (decode ms per token step, tokens/s), training
 tokens/s, peak GPU memory; and the two floors from ceilings measured on the same device in the same run.
@@ -20,15 +21,14 @@ Results go to `bench.json` and a markdown table `bench.md`.
 The pieces: `shaped` (settings, the shaped model, the data), `floors` (floors and measured ceilings), `run`
 (one path measured, the whole benchmark), `summary` (figures, ratios, markdown tables), `throughput`
 (`--generation-batches`: one row per generation batch). This module re-exports what the CLI, the tests and the
-scripts under benchmarks/ use; `_StepClock` included, since GPU scripts patch its `wrap_generation`.
+scripts under benchmarks/ use; `StepClock` included, since GPU scripts patch its `wrap_generation`.
 Left out: the CPU preflight memory estimate (`vlmrl.run.preflight`, which reuses the floors' counts).
 """
 
 from vlmrl.bench.floors import decode_floor_ms, measure_ceilings, train_floor_s
 from vlmrl.bench.run import (
     VARIANTS,
-    Variant,
-    _StepClock,
+    StepClock,
     path_names,
     path_steps,
     prepare_device,
@@ -36,6 +36,7 @@ from vlmrl.bench.run import (
     run_bench,
     run_path,
     train_and_measure,
+    vlmrl_engine,
 )
 from vlmrl.bench.shaped import (
     GIB,
@@ -71,8 +72,7 @@ __all__ = [
     "UNSLOTH_PATHS",
     "VARIANTS",
     "BenchSettings",
-    "Variant",
-    "_StepClock",
+    "StepClock",
     "bench_dataset",
     "build_processor",
     "build_shaped_model",
@@ -102,4 +102,5 @@ __all__ = [
     "train_and_measure",
     "train_floor_s",
     "unsloth_unavailable_reason",
+    "vlmrl_engine",
 ]

@@ -9,7 +9,7 @@ while no other kernel or copy does (what the step would lose if communication we
 waits for the slowest rank, so rank imbalance shows here as communication.
 
 The profiled step is one more optimizer step after the measured ones and is left out of the step times (the
-profiler slows kernel launches); the shares divide by the unprofiled steady step (`vlmrl.bench.scaling`).
+profiler slows kernel launches); the shares divide by the unprofiled steady step (`benchmarks/gpu_scaling.py`).
 Left out: NVTX ranges, CPU-side time in torch.distributed, and FSDP's copy-in/copy-out kernels (not NCCL).
 """
 

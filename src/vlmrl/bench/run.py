@@ -3,12 +3,13 @@
 Each path builds the shaped model afresh, trains it with TRL's `GRPOTrainer` (vlmrl's paths after
 `vlmrl.engine.rollout.fast.enable_fast_generation` and `vlmrl.engine.loss_pass.enable_loss_pass`), and records wall
 time per optimizer step, generation time inside it and the peak GPU memory of rollouts and of the rest
-(`_StepClock`). One path failing records its error and leaves the others' numbers. The unsloth path runs in a
+(`StepClock`). One path failing records its error and leaves the others' numbers. The unsloth path runs in a
 process of its own (`unsloth_path`) through the same `train_and_measure`.
 
-`VARIANTS` is empty in the product: a script (benchmarks/engine_variants.py) registers vlmrl paths with engine
-settings changed, then runs the same CLI. Left out: the model and data (`shaped`), the figures and tables
-(`summary`).
+`VARIANTS` is empty in the product: it is the one hook for engine variants. Benchmark plugins (benchmarks/variants/,
+through benchmarks/engine_variants.py) register paths there, each a callable that sets up the engine on the built
+trainer in place of `vlmrl_engine`, changing it from outside, then run the same CLI. Left out: the model and data
+(`shaped`), the figures and tables (`summary`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -48,17 +49,18 @@ from vlmrl.engine.rollout.compile_cache import use_compile_cache
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Variant:
-    """A vlmrl bench path with engine settings changed (what benchmarks/engine_variants.py registers)."""
+def vlmrl_engine(trainer: Any, settings: BenchSettings) -> tuple[Any, Any]:
+    """The `vlmrl` path's engine on a built trainer, as `vlmrl train` sets it up by default; returns the rollout's
+    and the loss pass's records (`FastGeneration`, `LossPass`)."""
+    from vlmrl.engine.loss_pass import enable_loss_pass
+    from vlmrl.engine.rollout.fast import enable_fast_generation
 
-    fast: dict = field(default_factory=dict)  # enable_fast_generation's keyword arguments
-    loss_pass: dict = field(default_factory=dict)  # enable_loss_pass's keyword arguments
-    # (trainer, FastGeneration) -> FastGeneration, applied after enable_fast_generation
-    after: Callable[[Any, Any], Any] | None = None
+    return enable_fast_generation(trainer, bucket=settings.prompt_bucket), enable_loss_pass(trainer)
 
 
-VARIANTS: dict[str, Variant] = {}  # path name -> Variant; empty unless a benchmark script registers some
+# Engine variants: path name -> a callable (trainer, settings) -> (rollout record, loss-pass record), each record
+# with `as_dict()`, run in place of `vlmrl_engine`. Empty unless a benchmark plugin registers some.
+VARIANTS: dict[str, Callable[[Any, BenchSettings], tuple[Any, Any]]] = {}
 
 
 def path_names() -> tuple[str, ...]:
@@ -66,7 +68,7 @@ def path_names() -> tuple[str, ...]:
     return (*PATHS, *VARIANTS)
 
 
-class _StepClock:
+class StepClock:
     """Wall time per optimizer step and generation time inside it (TRL generates once per step here), and the
     peak GPU memory of each phase: rollouts (inside `generate`) and everything else (loss pass, optimizer)."""
 
@@ -157,9 +159,7 @@ def train_and_measure(path: str, settings: BenchSettings, model: Any, processor:
     # In the unsloth process this import follows `import unsloth`, so it is Unsloth's patched trainer.
     from trl import GRPOConfig, GRPOTrainer
 
-    from vlmrl.engine.loss_pass import enable_loss_pass
     from vlmrl.engine.precision import float32_adapters_for_fp16
-    from vlmrl.engine.rollout.fast import enable_fast_generation
     from vlmrl.engine.rollout.mismatch import enable_rollout_mismatch, step_rows
     from vlmrl.engine.rollout.sharded import gather_root_in_rollouts
     from vlmrl.grading.rewards import correctness_reward, format_reward
@@ -199,7 +199,7 @@ def train_and_measure(path: str, settings: BenchSettings, model: Any, processor:
         report_to="none",
         disable_tqdm=True,
     )
-    clock = _StepClock()
+    clock = StepClock()
     comm = CommProfile(path_steps(settings, path)) if settings.comm_profile else None
     rewards = [format_reward, correctness_reward, *([varied_reward] if settings.varied_reward else [])]
     trainer = GRPOTrainer(model=model, reward_funcs=rewards, args=args,
@@ -209,11 +209,7 @@ def train_and_measure(path: str, settings: BenchSettings, model: Any, processor:
     float32_adapters_for_fp16(trainer)  # fp16: TRL's bf16 QLoRA adapters would stop the loss scaler (every path)
     fast = loss_pass = None  # plain: TRL as a user writes it
     if path == "vlmrl" or path in VARIANTS:
-        variant = VARIANTS.get(path, Variant())
-        fast = enable_fast_generation(trainer, bucket=settings.prompt_bucket, **variant.fast)
-        if variant.after is not None:
-            fast = variant.after(trainer, fast)
-        loss_pass = enable_loss_pass(trainer, **variant.loss_pass)
+        fast, loss_pass = VARIANTS.get(path, vlmrl_engine)(trainer, settings)
     # the sampler's log-probs against the loss pass's at every step, measured only (the loss stays TRL's)
     mismatch = enable_rollout_mismatch(trainer, correction="none") if path not in UNSLOTH_PATHS else None
     clock.wrap_generation(trainer)

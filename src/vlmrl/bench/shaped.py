@@ -21,7 +21,7 @@ from vlmrl.run.preflight import load_shapes
 GIB = 2**30
 
 
-# unsloth: in its own process (`bench.unsloth_path`). Engine variants: benchmarks/engine_variants.py (`run.VARIANTS`).
+# unsloth: in its own process (`bench.unsloth_path`). Engine variants: benchmarks/variants/ (`run.VARIANTS`).
 PATHS = ("plain", "vlmrl", "unsloth")
 # The bench's LoRA: language attention + MLP projections (the seed recipe's targets), vision tower frozen.
 LORA_TARGETS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
@@ -39,7 +39,7 @@ class BenchSettings:
     # minutes, and a record run may give it fewer steps than the compiled path (None = `steps`).
     steps_plain: int | None = None
     # Steps reported apart from the steady figures: the first compiles; the second still carries one-off work
-    # (docs/benchmarks.md, "Over many steps"). A path that ran no more steps than this has only its first set apart.
+    # (benchmarks/NOTES.md, "Over many steps"). A path that ran no more steps than this has only its first set apart.
     warmup_steps: int = 1
     lora_r: int = 16
     algorithm: str = "gspo"

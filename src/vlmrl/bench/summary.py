@@ -129,7 +129,8 @@ def summarize(settings: BenchSettings, shapes: dict, ceilings: dict, results: li
     }
 
 
-# What each fast path ran, as the markdown table names it (fields of `FastGeneration`; absent in older records).
+# What each fast path ran, as the markdown table names it (fields of `FastGeneration`; `merge` and `guards` are
+# the variants' own, benchmarks/variants/rollout.py; absent in older records).
 SETTING_LABELS = (("attention ", "attention"), ("autocast ", "autocast"), ("prompt pass: ", "prefill"),
                   ("adapter: ", "merge"), ("adapter weights: ", "adapters"), ("stop check: ", "stop_check"),
                   ("attention reads ", "cache_read"), ("guards checked: ", "guards"), ("4-bit weights: ", "weights"))

@@ -10,7 +10,7 @@ table beside its own paths.
 
 Unsloth pins older TRL/datasets/transformers than vlmrl's own paths use, so its packages may live in a folder
 of their own: `VLMRL_UNSLOTH_SITE` names it, and then the child's import path is that folder and vlmrl's source
-alone (docs/benchmarks.md, "Unsloth"); every record says which versions ran it.
+alone (benchmarks/NOTES.md, "Unsloth"); every record says which versions ran it.
 Left out: Unsloth's vLLM rollouts (`fast_inference`), several GPUs, and the `--generation-batches` table.
 """
 
@@ -50,7 +50,7 @@ def unsloth_unavailable_reason() -> str | None:
     where = f"{SITE_ENV}={site}" if site else "this environment"
     return (f"bench path unsloth needs the unsloth package and a CUDA GPU (unsloth in {where}: "
             f"{'yes' if installed else 'no'}, CUDA: {'yes' if cuda else 'no'}); "
-            "see docs/benchmarks.md, Unsloth, for its wheels and benchmarks/gpu_unsloth.sh.")
+            "see benchmarks/NOTES.md, Unsloth, for its wheels and benchmarks/gpu_unsloth.sh.")
 
 
 def child_env() -> dict[str, str]:

@@ -62,7 +62,7 @@ def _config(source: str | None, overrides: list[str] | None, run_dir: Path | Non
         run_dir = run_dir or Path(source)
         source = str(Path(source) / layout.CONFIG)
     try:
-        config = load_config(source, overrides, migrate=_in_run_folder(source))
+        config = load_config(source, overrides, run_folder=_in_run_folder(source))
     except ConfigError as exc:
         fail(str(exc), 2)
     if run_dir is not None:
@@ -77,7 +77,7 @@ def _names_a_preset(source: str | None) -> bool:
 
 
 def _in_run_folder(source: str | None) -> bool:
-    """A run folder's own config.yaml (vlmrl's mark beside it): written by this or an earlier release."""
+    """A run folder's own config.yaml (vlmrl's mark beside it): it must carry this vlmrl's schema_version."""
     from vlmrl.run.claim import MARKER
 
     return source is not None and Path(source).name == layout.CONFIG and (Path(source).parent / MARKER).is_file()

@@ -3,8 +3,8 @@ mapping that `vlmrl.config.schema` validates, and from pydantic's errors back to
 
 What lives here: the preset names and their files (``vlmrl/config/presets/``), YAML parsing that turns every parser
 failure into a `ConfigError` (bounded in size, aliases expanded included, and refusing a key given twice),
-overrides, the refusal of fields that were replaced (with the form that replaces them, and of an old field beside
-its new one), and the error text (unknown keys named with the closest valid key, quoted values cut short).
+overrides, the schema version a run folder's config.yaml must carry (`SCHEMA_VERSION`), and the error text
+(unknown keys named with the closest valid key, quoted values cut short).
 `load_config`, `validate_config` and `dump_config` stay in `vlmrl.config.schema`, which imports this module (never
 the other way round), so the schema is passed in where an error message needs it. Left out: the schema itself, and
 resolving paths against the config file's folder (that needs the validated config: `vlmrl.config.schema.load_config`).
@@ -34,104 +34,53 @@ class ConfigError(ValueError):
     """A config that cannot be used; the message names the file, the field and the fix."""
 
 
-# Train fields of earlier releases, and where each went. Renamed ones and those now passed to TRL as they are
-# (`train.trl_overrides`) are moved, the same run either way. Removed ones are refused in a config file, with
-# where they went; in a run folder's own config.yaml (`migrate`), where every field was written out, they are
-# dropped (a kernel switch that was off turns train.rollout.kernels off).
-RENAMED_TRAIN = {"fast_generation": "fast", "prompt_bucket": "prompt_bucket"}  # -> train.rollout.<new>
-TO_TRL = ("logging_steps", "save_total_limit", "mask_truncated_completions", "lr_scheduler_type", "warmup_ratio",
-          "epsilon", "epsilon_high", "beta", "num_iterations")  # -> train.trl_overrides.<same>
-_AUTOMATIC = "the stacked LoRA projections run wherever they apply and the adapter copies where they do not, automatically"
-_EXPERIMENT = "an experiment that did not pay, now a script in benchmarks/ (vlmrl.engine.experimental)"
-REMOVED_TRAIN = {
-    "rollout_stacked": _AUTOMATIC,
-    "rollout_adapter_copies": _AUTOMATIC,
-    "rollout_stacked_kernel": "see train.rollout.kernels",
-    "rollout_decode_kernel": "see train.rollout.kernels",
-    "loss_kernels": "see train.rollout.kernels",
-    "trim_padding": "the loss pass always skips all-padding columns (the same log-probs, less compute)",
-    "group_by_length": "micro-batches are always grouped by length where the loss allows it",
-    "rollout_merge": _EXPERIMENT,
-    "rollout_guards": _EXPERIMENT,
-    "rollout_filled_window": _EXPERIMENT,
-    "adapter_input_cast": _EXPERIMENT,
-}
-_KERNEL_SWITCHES = ("rollout_stacked_kernel", "rollout_decode_kernel", "loss_kernels")
-# Export fields of earlier releases: `gguf: true` with `gguf_quantization: none | q8_0 | q4_k_m` is now one
-# `gguf:` naming the weights (`none` wrote f16, the converter's output type); removed ones as in REMOVED_TRAIN.
-REMOVED_EXPORT = {"logits_atol": "the adapter reload check's tolerance is fixed (vlmrl.export.merge.LOGITS_ATOL)"}
+class SchemaVersionError(ConfigError):
+    """A config of another schema version than this vlmrl's (`SCHEMA_VERSION`); the message says what to do."""
 
 
-def upgrade_train_fields(raw: dict, origin: str, *, migrate: bool = False, later_wins: bool = False) -> None:
-    """Move renamed train fields to their place, refuse removed ones naming where they went (or, with `migrate`,
-    drop them: a run folder's config.yaml written by an earlier release). An old name beside its new one with
-    another value is refused, unless `later_wins` (the old name came from `--set`, typed after the file)."""
-    train = raw.get("train")
-    if not isinstance(train, dict):
+# The version of the config's layout that `dump_config` writes into every run folder's config.yaml
+# (`schema_version:`). Raise it when a field is renamed, moved or removed: a run folder written under another
+# version is then refused (`check_schema_version`), never migrated. vlmrl 0.1.0 is the first with it.
+SCHEMA_VERSION = 1
+
+
+def check_schema_version(raw: dict, origin: str, *, run_folder: bool = False) -> None:
+    """Refuse a config of another schema version in one line saying what to do. A config file of one's own may
+    leave `schema_version` out; a run folder's config.yaml (`run_folder`) must carry this vlmrl's: without it,
+    the folder was written by a development version from before schema versions."""
+    version = raw.get("schema_version")
+    if version == SCHEMA_VERSION and not isinstance(version, bool):
         return
-    rollout = train.get("rollout") if isinstance(train.get("rollout"), dict) else {}
-    for old, new in RENAMED_TRAIN.items():
-        if old in train:
-            rollout[new] = train.pop(old)
-    if any(train.get(name) is False for name in _KERNEL_SWITCHES) and migrate:
-        rollout.setdefault("kernels", False)
-    if rollout:
-        train["rollout"] = rollout
-    if not isinstance(train.get("trl_overrides", {}), dict):
+    if run_folder:
+        found = "no schema_version" if "schema_version" not in raw else f"schema_version {quoted(version)}"
+        raise SchemaVersionError(
+            f"{origin}: {found}, this vlmrl reads schema_version {SCHEMA_VERSION}: the run folder was written by "
+            "another version and is not resumed; run your config under another run.name (a new run folder), or "
+            "with --force to replace what vlmrl wrote in this one.")
+    if "schema_version" in raw:
+        raise SchemaVersionError(
+            f"{origin}: schema_version {quoted(version)}, this vlmrl reads schema_version {SCHEMA_VERSION}: delete the "
+            "line and check the file's fields against docs/config.md.")
+
+
+def check_trl_overrides(raw: dict, origin: str) -> None:
+    """`train.trl_overrides` is a mapping (a list or a scalar there is named in one line)."""
+    train = raw.get("train")
+    if isinstance(train, dict) and not isinstance(train.get("trl_overrides", {}), dict):
         given = train["trl_overrides"]
         raise ConfigError(f"{origin}: train.trl_overrides must be a mapping of GRPOConfig fields (e.g. {{beta: 0.04}}), "
                           f"got {type(given).__name__} {quoted(given)}.")
-    overrides = train.get("trl_overrides") or {}
-    for name in TO_TRL:
-        if name in train:
-            if name in overrides and overrides[name] != train[name] and not later_wins:
-                raise ConfigError(f"{origin}: train.{name}={quoted(train[name])} and train.trl_overrides.{name}="
-                                  f"{quoted(overrides[name])} contradict; train.{name} is the old name: delete it.")
-            overrides[name] = train.pop(name)
-    if train.get("generation_backend") == "vllm":
-        if overrides.get("use_vllm", True) is not True and not later_wins:
-            raise ConfigError(f"{origin}: train.generation_backend=vllm and train.trl_overrides.use_vllm="
-                              f"{quoted(overrides['use_vllm'])} contradict; generation_backend is the old name: "
-                              "delete it.")
-        overrides["use_vllm"] = True
-    if train.pop("generation_backend", "hf") not in ("hf", "vllm"):
-        raise ConfigError(f"{origin}: train.generation_backend is now train.trl_overrides.use_vllm (true or false).")
-    if overrides:
-        train["trl_overrides"] = overrides
-    for name, where in REMOVED_TRAIN.items():
-        if name in train:
-            if not migrate:
-                raise ConfigError(f"{origin}: train.{name} was removed: {where}; delete the line.")
-            del train[name]
-
-
-def upgrade_export_fields(raw: dict, origin: str, *, migrate: bool = False) -> None:
-    """Fold `gguf: true` and `gguf_quantization` into `gguf: <weights>`, refuse removed export fields naming
-    why (or, with `migrate`, drop them)."""
-    export = raw.get("export")
-    if not isinstance(export, dict):
-        return
-    quantization = export.pop("gguf_quantization", None)
-    gguf = export.get("gguf")
-    if gguf is True or (quantization is not None and gguf not in (None, False, "off")):
-        quantization = "q8_0" if quantization is None else quantization  # the default it had
-        export["gguf"] = "f16" if quantization == "none" else quantization
-    for name, why in REMOVED_EXPORT.items():
-        if name in export:
-            if not migrate:
-                raise ConfigError(f"{origin}: export.{name} was removed: {why}; delete the line.")
-            del export[name]
 
 
 def refuse_reward_weights(raw: dict, origin: str) -> None:
-    """`train.reward_weights` (before `rewards:` existed) is refused with the form that replaces it."""
+    """`train.reward_weights` (GRPOConfig's name for the weights) is refused with the `rewards:` list that sets them."""
     train = raw.get("train")
     if not (isinstance(train, dict) and "reward_weights" in train):
         return
     old = train["reward_weights"]
     fmt, cor = old if isinstance(old, list) and len(old) == 2 else (0.3, 1.0)
     raise ConfigError(
-        f"{origin}: train.reward_weights was replaced by a top-level `rewards:` list; write "
+        f"{origin}: train.reward_weights: vlmrl takes the weights from the top-level `rewards:` list; write "
         f"`rewards: [{{name: format, weight: {quoted(fmt)}}}, {{name: correctness, weight: {quoted(cor)}}}]` "
         "(and add `{function: my_rewards.py:name, weight: ...}` entries for your own)."
     )

@@ -7,10 +7,12 @@ any model loads: unknown keys are named with the closest valid key, and cross-fi
 fix them. The top-level `rewards:` list names the rewards and their weights; a user function's file is resolved
 against the config file's folder here, at load time (importing and checking it is `vlmrl.grading.user_rewards`).
 
-This module holds `Config` (the sections of `vlmrl.config.sections`, composed, their cross-field checks and
-the fingerprints) and the entry points `load_config`, `validate_config`, `dump_config`; reading presets and
-YAML, applying overrides, moving or refusing fields of earlier releases and wording the errors is
-`vlmrl.config.load`, re-exported names included (`PRESETS`, `ConfigError`).
+This module holds `Config` (the sections of `vlmrl.config.sections`, composed, and their cross-field checks) and
+the entry points `load_config`, `validate_config`, `dump_config`; reading presets and YAML, applying overrides,
+the schema version of a run folder's config.yaml and wording the errors is `vlmrl.config.load`, re-exported names
+included (`PRESETS`, `ConfigError`). Which fields decide which stage's outputs, and the fingerprints made of them,
+is `vlmrl.config.fingerprints`. Every field is listed with its description in docs/config.md
+(`python -m vlmrl.config.reference > docs/config.md`).
 
 Deliberately left out: a mirror of all of ``GRPOConfig``. ``train.trl_overrides`` passes anything else
 straight to TRL.
@@ -18,25 +20,25 @@ straight to TRL.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
+from vlmrl.config.fingerprints import fingerprint as stage_fingerprint
 from vlmrl.config.load import (
     PRESETS,  # noqa: F401 (re-exported: `from vlmrl.config.schema import PRESETS`)
+    SCHEMA_VERSION,
     ConfigError,
     apply_override,
+    check_schema_version,
+    check_trl_overrides,
     clip,
     describe_errors,
     quoted,
     read_source,
     refuse_reward_weights,
-    upgrade_export_fields,
-    upgrade_train_fields,
 )
 from vlmrl.config.sections import (  # noqa: F401 (re-exported: every stage imports its section from here)
     TRACKERS,
@@ -57,43 +59,38 @@ from vlmrl.config.sections import (  # noqa: F401 (re-exported: every stage impo
 
 MAX_RUN_NAME = 128  # characters of run.name: one folder name, with room under the file system's 255 bytes
 
-# Fields that only change how a run is watched or how fast it runs, not what it produces: left out of every
-# fingerprint, so a run resumes (and a finished stage stays done) under another tracker or kernel setting. The
-# kernels and the removed trim/grouping/window switches change float summation order only (grouping also how TRL
-# averages its per-micro-batch metrics). Names as in the flat train section fingerprints read (`Config.flat_train`).
-OBSERVATION_FIELDS = {"train": ("report_to", "trim_padding", "group_by_length", "rollout_filled_window",
-                                "rollout_decode_kernel", "rollout_stacked", "rollout_stacked_kernel", "rollout_guards",
-                                "loss_kernels")}
-# Train fields of earlier releases that now have one value (automatic or fixed), as fingerprints see them.
-_FIXED_TRAIN = {"rollout_merge": False, "rollout_adapter_copies": True, "rollout_stacked": True,
-                "rollout_guards": "every step", "rollout_filled_window": 0, "adapter_input_cast": False,
-                "trim_padding": True, "group_by_length": True}
-# Fields added after runs existed, left out of fingerprints at these values so those runs keep theirs. A `split`
-# of None (follow the source) reads as "testmini", the default it replaced (both mean testmini for MathVista).
-_LATER_DATA = {"holdout_split": None, "choices_separator": None, "contamination": "auto",
-               "contamination_max_distance": 4, "system_prompt": None, "prompt_template": None}
-# Export fields of earlier releases as fingerprints see them: the removed one at the value it had, and
-# `gguf: off` as gguf false with the default quantization (any other value as gguf true with its quantization).
-_FIXED_EXPORT = {"logits_atol": 1e-3}
-_GGUF_BEFORE = {"off": (False, "q8_0"), "f16": (True, "none"), "q8_0": (True, "q8_0"), "q4_k_m": (True, "q4_k_m")}
-
-
 def _default_rewards() -> list[RewardSpec]:
     return [RewardSpec(name="format", weight=0.3), RewardSpec(name="correctness", weight=1.0)]
 
 
 class Config(_Section):
-    run: RunConfig = Field(default_factory=RunConfig)
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    lora: LoraConfig = Field(default_factory=LoraConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
-    eval: EvalConfig = Field(default_factory=EvalConfig)
-    train: TrainConfig = Field(default_factory=TrainConfig)
-    health: HealthConfig = Field(default_factory=HealthConfig)
-    export: ExportConfig = Field(default_factory=ExportConfig)
+    schema_version: int = Field(
+        SCHEMA_VERSION,
+        description="The layout of this config, written into every run folder's config.yaml; a run folder of "
+        "another version (or none) is refused. Your own config file may leave it out.",
+    )
+    run: RunConfig = Field(default_factory=RunConfig, description="The run's name, its folder and its seed.")
+    model: ModelConfig = Field(default_factory=ModelConfig,
+                               description="The policy model: which one, how it is loaded, its numerics.")
+    lora: LoraConfig = Field(default_factory=LoraConfig,
+                             description="The LoRA adapter trained on the model: its size and the layers it adapts.")
+    data: DataConfig = Field(default_factory=DataConfig,
+                             description="The dataset, how its rows are read, the held-out set, images and prompts "
+                             "(docs/data.md).")
+    eval: EvalConfig = Field(default_factory=EvalConfig,
+                             description="The held-out evaluations before and after training (baseline, after).")
+    train: TrainConfig = Field(default_factory=TrainConfig,
+                               description="GRPO / GSPO training through TRL's GRPOTrainer; `trl_overrides` passes "
+                               "any other GRPOConfig field.")
+    health: HealthConfig = Field(default_factory=HealthConfig,
+                                 description="Warnings (and an optional stop) on degenerate training "
+                                 "(train/health.jsonl).")
+    export: ExportConfig = Field(default_factory=ExportConfig,
+                                 description="What `vlmrl export` writes beside the verified adapter (docs/export.md).")
     rewards: list[RewardSpec] = Field(
         default_factory=_default_rewards,
-        description="The rewards GRPO maximises, with weights; default format 0.3 + correctness 1.0.",
+        description="The rewards GRPO maximises, each a built-in (`name:`) or a function of your own "
+        "(`function:`), with its weight (docs/rewards.md).",
         min_length=1,
     )
     contract: Literal["seed", "think"] = Field(
@@ -144,75 +141,40 @@ class Config(_Section):
                              "character; name a plain folder.")
         return self
 
-    def fingerprint(self, *sections: str) -> str:
-        """A short stable hash of the named sections (all when none): used to tell whether a stage's outputs
-        were produced by this config."""
-        data = self.model_dump(mode="json")
-        data["train"] = self.flat_train()
-        data["rewards"] = [spec.fingerprinted() for spec in self.rewards]
-        data["data"] = _fingerprinted_data(data["data"])
-        gguf, quantization = _GGUF_BEFORE[data["export"]["gguf"]]
-        data["export"].update(gguf=gguf, gguf_quantization=quantization, **_FIXED_EXPORT)
-        if data["contract"] == "seed":  # added later: a seed run keeps its fingerprint
-            del data["contract"]
-        for section, fields in OBSERVATION_FIELDS.items():
-            for name in fields:
-                data[section].pop(name, None)
-        if sections:
-            data = {k: data[k] for k in sections}
-        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+    @field_validator("schema_version")
+    @classmethod
+    def _this_version(cls, value: int) -> int:
+        if value != SCHEMA_VERSION:
+            raise ValueError(f"this vlmrl reads schema_version {SCHEMA_VERSION}")
+        return value
 
-    def flat_train(self) -> dict:
-        """The train section in the flat form it had before `train.rollout` existed, which every fingerprint
-        reads: a run folder made by an earlier release keeps its fingerprints, so it resumes."""
-        flat = self.train.model_dump(mode="json")
-        rollout, overrides = flat.pop("rollout"), dict(flat["trl_overrides"])
-        kernels = rollout["kernels"]
-        flat.update(fast_generation=rollout["fast"], prompt_bucket=rollout["prompt_bucket"], loss_kernels=kernels,
-                    rollout_decode_kernel=kernels, rollout_stacked_kernel=kernels, **_FIXED_TRAIN)
-        flat.update({name: overrides.pop(name, default) for name, default in TRL_DEFAULTS.items()})
-        flat["generation_backend"] = "vllm" if overrides.pop("use_vllm", False) else "hf"
-        if flat["rollout_correction"] == "auto":  # added later: at its default, earlier runs keep their fingerprints
-            del flat["rollout_correction"]
-        flat["trl_overrides"] = overrides
-        return flat
+    def fingerprint(self, stage: str | None = None, *, without: tuple[str, ...] = ()) -> str:
+        """A short stable hash of the fields that decide `stage`'s outputs (every stage's when None), less
+        `without`: used to tell whether a stage's outputs were produced by this config (vlmrl.config.fingerprints)."""
+        return stage_fingerprint(self, stage, without=without)
 
     def data_fingerprint(self) -> str:
-        """What the prepared data depends on: the data section, the split seed and the model (its processor
-        counts prompt tokens). The run's name and folder are left out so a copied run stays valid."""
-        section = _fingerprinted_data(self.data.model_dump(mode="json"))
-        if section["answer_type"] is None:  # a field added later: unset, earlier runs keep their fingerprint
-            del section["answer_type"]
-        data: dict[str, Any] = {"data": section, "seed": self.run.seed, "model": self.model.name}
-        if self.contract != "seed":  # the prompts ask for its form
-            data["contract"] = self.contract
-        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+        """What the prepared data depends on: the data section, the split seed, the model (its processor counts
+        prompt tokens) and the contract (the prompts ask for its form)."""
+        return self.fingerprint("data")
 
     @property
     def run_dir(self) -> Path:
         return Path(self.run.output_dir) / self.run.name
 
 
-def _fingerprinted_data(section: dict) -> dict:
-    """The data section as fingerprints read it: fields added later left out at their defaults."""
-    section = {k: v for k, v in section.items() if k not in _LATER_DATA or v != _LATER_DATA[k]}
-    section["split"] = section["split"] or "testmini"
-    return section
-
-
 def load_config(source: str | Path | None = None, overrides: list[str] | None = None, *,
-                migrate: bool = False) -> Config:
-    """Load a preset name or YAML path (None = `demo`), apply `key.path=value` overrides, validate. `migrate`:
-    the file is a run folder's config.yaml, whose fields an earlier release may have written."""
+                run_folder: bool = False) -> Config:
+    """Load a preset name or YAML path (None = `demo`), apply `key.path=value` overrides, validate. `run_folder`:
+    the file is a run folder's config.yaml, which must carry this vlmrl's `schema_version` (else one ConfigError
+    line says what to do)."""
     source = source or "demo"
     raw, origin = read_source(str(source))
+    check_schema_version(raw, origin, run_folder=run_folder)
     written = (raw.get("data") or {}).get("source") if isinstance(raw.get("data"), dict) else None
-    upgrade_train_fields(raw, origin, migrate=migrate)
-    upgrade_export_fields(raw, origin, migrate=migrate)
+    check_trl_overrides(raw, origin)
     for item in overrides or []:
         apply_override(raw, item)
-    upgrade_train_fields(raw, f"{origin} (--set)", later_wins=True)
-    upgrade_export_fields(raw, f"{origin} (--set)")
     config = validate_config(raw, origin)
     base = Path(origin).parent if Path(origin).is_file() else Path.cwd()
     _resolve_data_source(config, written, base)
@@ -253,6 +215,8 @@ def validate_config(raw: Any, origin: str = "<config>") -> Config:
     """Validate a parsed mapping, turning pydantic's errors into one readable ConfigError."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{origin}: the top level must be a mapping of sections, got {type(raw).__name__}.")
+    check_schema_version(raw, origin)
+    check_trl_overrides(raw, origin)
     refuse_reward_weights(raw, origin)
     try:
         return Config.model_validate(raw)

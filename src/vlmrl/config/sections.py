@@ -1,26 +1,30 @@
-"""The config's sections, one per stage, each field documented once, here: `RunConfig`, `ModelConfig`,
-`LoraConfig`, `DataConfig`, `EvalConfig`, `TrainConfig` (with `RolloutConfig`), `HealthConfig`, `ExportConfig`,
-and `RewardSpec` (an entry of the top-level `rewards:` list). `vlmrl.config.schema.Config` composes them.
-`TRL_DEFAULTS` names the GRPOConfig fields vlmrl gives a value of its own but leaves to `train.trl_overrides`;
-`TrainConfig.trl_value` is the one way to read one.
+"""The config's sections, one per stage, each field documented once: `RunConfig`, `ModelConfig`, `LoraConfig`,
+`DataConfig`, `EvalConfig`, `HealthConfig`, `ExportConfig` and `RewardSpec` (an entry of the top-level `rewards:`
+list) here; `TrainConfig` (with `RolloutConfig`) and `TRL_DEFAULTS` in `vlmrl.config.train_section`, re-exported
+here. `vlmrl.config.schema.Config` composes them.
 
 Every section refuses unknown keys, non-finite numbers, anything but true/false in a true/false field and
-true/false in a number field (pydantic would read `"off"` as false and `true` as 1), and text over MAX_TEXT;
-cross-field checks live on `Config`. `COLUMN_ROLES` and `TRL_TAKEN_NAMES` bound the column maps (the one copy of
-each list: data/ and grading/ import them from here).
+true/false in a number field (pydantic would read `"off"` as false and `true` as 1), and text over MAX_TEXT
+(`vlmrl.config.section_base`); cross-field checks live on `Config`. `COLUMN_ROLES` and `TRL_TAKEN_NAMES` bound the
+column maps (the one copy of each list: data/ and grading/ import them from here).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, get_args
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
-from pydantic_core import PydanticCustomError, ValidationError
+from pydantic import Field, field_validator, model_validator
 
-from vlmrl.config.load import clip, quoted  # the loading side never imports the sections: no cycle
+from vlmrl.config.load import quoted  # the loading side never imports the sections: no cycle
+from vlmrl.config.section_base import MAX_TEXT, _Section  # noqa: F401 (re-exported)
+from vlmrl.config.train_section import (  # noqa: F401 (re-exported: `from vlmrl.config.sections import TrainConfig`)
+    TRL_DEFAULTS,
+    TRL_NAMES,
+    RolloutConfig,
+    TrainConfig,
+)
 
 TRACKERS = ("tensorboard", "wandb", "trackio", "none")
-MAX_TEXT = 4096  # characters of a text field: a path (PATH_MAX on Linux), a hub id, a name
 MAX_WEIGHT = 1e6  # |weight| of a reward: far above any useful ratio, far below where the weighted sum overflows
 # What `data.columns` maps (its keys): the roles a dataset's columns play for vlmrl (docs/data.md).
 COLUMN_ROLES = ("id", "question", "answer", "image", "images", "choices", "answer_type", "precision", "unit",
@@ -30,70 +34,6 @@ TRL_REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_sta
 # Those plus the names TRL keeps for itself (an environment's, the row fields it drops from a reward's
 # arguments): a reward's `columns` must neither hand a column under one of these names nor take one as a column.
 TRL_TAKEN_NAMES = (*TRL_REWARD_ARGUMENTS, "environments", "prompt", "completion")
-# GRPOConfig fields vlmrl gives a value of its own (TRL's default differs for some: lr_scheduler_type is linear
-# there) but leaves to `train.trl_overrides`, under these names; read one with `TrainConfig.trl_value`.
-TRL_DEFAULTS = {"logging_steps": 1, "save_total_limit": 2, "mask_truncated_completions": False,
-                "lr_scheduler_type": "cosine", "warmup_ratio": 0.0, "epsilon": 0.2, "epsilon_high": None, "beta": 0.0,
-                "num_iterations": 1}
-# Names TRL knows by another: transformers 5 has no warmup_ratio; its warmup_steps reads a float below 1 as a ratio.
-TRL_NAMES = {"warmup_ratio": "warmup_steps"}
-# The type and range of those that were train fields of earlier releases, checked in trl_overrides as before.
-_TRL_CHECKS = {
-    "lr_scheduler_type": TypeAdapter(str),  # a transformers scheduler name (vlmrl.train.args checks which)
-    "warmup_ratio": TypeAdapter(Annotated[float, Field(ge=0.0, lt=1.0, allow_inf_nan=False)]),  # of all steps
-    "num_iterations": TypeAdapter(Annotated[int, Field(gt=0, le=1024)]),  # policy updates per generation batch
-    "epsilon": TypeAdapter(Annotated[float, Field(gt=0.0, allow_inf_nan=False)]),  # lower clip of the ratio
-    "epsilon_high": TypeAdapter(Annotated[float | None, Field(gt=0.0, allow_inf_nan=False)]),  # upper; None: epsilon
-    "beta": TypeAdapter(Annotated[float, Field(ge=0.0, allow_inf_nan=False)]),  # KL coefficient; 0: no reference model
-}
-
-
-class _Section(BaseModel):
-    # inf/nan pass `gt=0` checks (a learning rate of .inf is "positive") and fail only hours later
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _exact_in_float_fields(cls, value: Any, info: Any) -> Any:
-        """An integer given to a float field arrives unchanged or is refused: pydantic would store 2**53 + 1 as
-        2**53 (found by tests/test_fuzz_config.py). A true/false field takes only true or false, and a number
-        field never does: pydantic would read `"off"` as false and `true` as 1. Text is bounded (MAX_TEXT)."""
-        annotation = cls.model_fields[info.field_name].annotation
-        if _takes_float(annotation):
-            _exact_float(value)
-        if annotation in (bool, bool | None) and not isinstance(value, bool) and value is not None:
-            raise ValueError(f"{quoted(value)} is not true or false; write true or false")
-        if isinstance(value, bool) and _takes_number(annotation):
-            raise ValueError(f"{str(value).lower()} is not a number; write the number you mean")
-        if isinstance(value, str) and (len(value) > MAX_TEXT or "\0" in value):
-            raise ValueError(f"{len(value)} characters; at most {MAX_TEXT}" if len(value) > MAX_TEXT
-                             else "holds a NUL character (\\0)")
-        return value
-
-
-def _exact_float(value: Any) -> None:
-    """Refuse an integer a float cannot hold exactly (anything else passes to the type check)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        try:
-            exact = float(value) == value
-        except OverflowError:
-            exact = False
-        if not exact:
-            raise ValueError(f"{clip(str(value), 40)} has no exact floating-point value; write the number you mean "
-                             "as a float")
-
-
-def _takes_float(annotation: Any) -> bool:
-    """True when a type is float, alone or in a union (float | None)."""
-    return annotation is float or float in get_args(annotation)
-
-
-def _takes_number(annotation: Any) -> bool:
-    """True when a type is int or float, alone or in a union, and not also bool."""
-    types = {annotation, *get_args(annotation)}
-    return bool(types & {int, float}) and bool not in types
-
-
 
 
 class RunConfig(_Section):
@@ -259,136 +199,6 @@ class EvalConfig(_Section):
     )
 
 
-class RolloutConfig(_Section):
-    """How completions are generated during training (vlmrl.engine). Each piece of the fast path applies where it
-    can and falls back by itself where it cannot (a 4-bit base, FSDP, no Triton), and the run records what ran
-    (`fast_generation` in train/summary.json). What each piece is worth: docs/benchmarks.md."""
-
-    fast: Literal["auto", "always", "never"] = Field(
-        "auto",
-        description="The fast rollout engine inside TRL's trainer (static KV cache, compiled decoding, stacked LoRA "
-        "projections; vlmrl.engine.rollout.fast): `auto` = on a CUDA GPU; `never` = TRL's own generate.",
-    )
-    prompt_bucket: int = Field(
-        64, gt=0, le=65_536,
-        description="The fast engine's KV cache length is rounded up to a multiple of this, so compiled decoding sees "
-        "few shapes (prompts are not padded). Raise it when prompt lengths vary widely.",
-    )
-    kernels: bool = Field(
-        True,
-        description="vlmrl's Triton kernels in rollouts (decode attention, the stacked projections' second step) and "
-        "Liger's fused kernels in the loss pass, on CUDA where they apply. False: PyTorch's own operations, the "
-        "same functions up to float rounding (to rule the kernels out when chasing a numerical question).",
-    )
-
-
-class TrainConfig(_Section):
-    algorithm: Literal["grpo", "gspo"] = Field(
-        "gspo", description="`gspo` = sequence-level importance ratio (arXiv:2507.18671); `grpo` = token level."
-    )
-    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = Field("dr_grpo", description="TRL loss aggregation.")
-    learning_rate: float = Field(5e-6, gt=0.0, le=1.0, description="Peak learning rate of the LoRA parameters "
-                                 "(at most 1.0: LoRA's rates are about 1e-6 to 1e-3, and far above them the adapter "
-                                 "blows up in its first step).")
-    optim: str = Field(
-        "adamw_8bit",
-        description="Optimizer; `adamw_8bit` needs bitsandbytes on CUDA and falls back to `adamw_torch` otherwise "
-        "(the fallback is logged).",
-    )
-    per_device_train_batch_size: int = Field(8, gt=0, le=4096, description="Completions per device per micro-step.")
-    gradient_accumulation_steps: int = Field(4, gt=0, le=4096, description="Micro-steps per optimizer step.")
-    num_generations: int = Field(4, ge=2, le=1024, description="Completions sampled per prompt (the GRPO group).")
-    steps_per_generation: int | None = Field(
-        None, gt=0, le=4096, description="Optimizer micro-steps per generation batch; None = gradient_accumulation_steps."
-    )
-    max_completion_length: int = Field(1024, gt=0, le=131_072, description="Completion token limit during training.")
-    temperature: float = Field(1.0, gt=0.0, description="Sampling temperature of rollouts.")
-    num_train_epochs: float = Field(1.0, gt=0.0, description="Passes over the training set.")
-    max_steps: int = Field(-1, description="Optimizer steps (>= 1); -1 = derived from num_train_epochs.")
-    max_grad_norm: float = Field(0.1, gt=0.0, description="Gradient clipping norm.")
-    gradient_checkpointing: bool = Field(True, description="Trade compute for activation memory.")
-    save_steps: int = Field(50, gt=0, description="Checkpoint every N optimizer steps.")
-    auto_batch: bool = Field(
-        False,
-        description="On a CUDA GPU, replace per_device_train_batch_size by the largest multiple of num_generations "
-        "whose predicted peak memory (vlmrl.run.preflight, prompts at data.max_prompt_tokens) fits 92% of the card, "
-        "capped by the training set; logged and recorded in train/auto_batch.json. A bigger batch means more "
-        "prompts per optimizer step (and fewer steps per epoch). No change on the CPU.",
-    )
-    rollout: RolloutConfig = Field(default_factory=lambda: RolloutConfig())
-    rollout_correction: Literal["auto", "none", "tis"] = Field(
-        "auto",
-        description="Correct the loss for the gap between the rollout's sampling distribution and the loss pass's "
-        "(vlmrl.engine.rollout.mismatch; measured every step either way): `tis` = truncated importance sampling "
-        "with TRL's semantics (per token for grpo, per completion for gspo, capped at TRL's "
-        "vllm_importance_sampling_clip_max, 3); `none` = measure only; `auto` = tis where the rollout's numerics "
-        "differ from the loss pass's (the fast path, bf16/fp16, a 4-bit base), none where they match (float32 "
-        "without the fast path). Why: docs/rollouts.md.",
-    )
-    report_to: list[Literal["tensorboard", "wandb", "trackio", "none"]] = Field(
-        default_factory=list,
-        description="Experiment trackers fed during training (TensorBoard event files under train/tensorboard/; "
-        "W&B and trackio in offline mode unless WANDB_MODE / TRACKIO_* say otherwise). Not part of the fingerprint: "
-        "a run resumes under another tracker. Empty or [none]: records only.",
-    )
-    eval_every_steps: int | None = Field(
-        None, gt=0,
-        description="Evaluate a fixed subset of the held-out set (greedy) every N optimizer steps during training; "
-        "rows go to train/validation.jsonl and the trackers. None: no validation during training.",
-    )
-    eval_subset: int = Field(32, gt=0, description="Held-out items (the first N) evaluated during training.")
-    trl_overrides: dict[str, Any] = Field(
-        default_factory=dict,
-        description="GRPOConfig fields passed to TRL as they are, each value of its field's type (checked by "
-        "`vlmrl config validate` and `vlmrl run`); a field vlmrl sets itself (learning_rate, save_strategy, "
-        "generation_kwargs, push_to_hub, ...) is refused here, naming what to set instead. Where unset, vlmrl gives "
-        "TRL its own values: "
-        "lr_scheduler_type cosine, warmup_ratio 0.0 (a fraction of the steps, TRL's warmup_steps), epsilon 0.2 "
-        "(lower clip of the importance ratio), epsilon_high None (= epsilon), beta 0.0 (KL coefficient; 0 skips the "
-        "reference model), num_iterations 1 (policy updates per generation batch), logging_steps 1, "
-        "save_total_limit 2, mask_truncated_completions false.",
-    )
-
-    @field_validator("max_steps")
-    @classmethod
-    def _steps(cls, value: int) -> int:
-        if value < 1 and value != -1:
-            raise ValueError("must be >= 1, or -1 to train for train.num_train_epochs")
-        return value
-
-    @field_validator("report_to")
-    @classmethod
-    def _trackers(cls, value: list[str]) -> list[str]:
-        if "none" in value and len(value) > 1:
-            raise ValueError("`none` cannot be combined with a tracker")
-        return value
-
-    @field_validator("trl_overrides")
-    @classmethod
-    def _former_fields(cls, value: dict[str, Any]) -> dict[str, Any]:
-        """The entries that were train fields keep their type and range; an error names the entry
-        (`vlmrl.config.load.describe_errors` reads `entry` from its context)."""
-        checked = dict(value)
-        for name in [name for name in _TRL_CHECKS if name in value]:
-            try:
-                checked[name] = _TRL_CHECKS[name].validate_python(value[name])
-                if isinstance(checked[name], float):
-                    _exact_float(value[name])
-            except ValueError as exc:  # a ValidationError is one
-                problem = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
-                raise PydanticCustomError("former_field", "{problem}",
-                                          {"problem": problem, "entry": name, "value": value[name]}) from None
-        return checked
-
-    def trl_value(self, name: str) -> Any:
-        """The value TRL gets for a field of `TRL_DEFAULTS` (or any trl_overrides key): the override, else vlmrl's.
-
-        >>> TrainConfig(trl_overrides={"beta": 0.04}).trl_value("beta"), TrainConfig().trl_value("epsilon")
-        (0.04, 0.2)
-        """
-        return self.trl_overrides[name] if name in self.trl_overrides else TRL_DEFAULTS[name]
-
-
 class HealthConfig(_Section):
     max_gibberish_rate: float = Field(0.2, ge=0, le=1, description="Warn when more completions are degenerate.")
     min_format_rate: float = Field(0.0, ge=0, le=1, description="Warn when fewer completions follow the format.")
@@ -444,7 +254,8 @@ class RewardSpec(_Section):
         "completions); over it, the run stops with one line naming the reward and resumes when re-run. A minute "
         "is far above what a Python reward needs for a batch and short enough that a hung one is noticed. null: "
         "no limit, and the call runs in the caller's thread (for code that needs the main thread, e.g. "
-        "signal.alarm). The built-ins bound their own work and ignore it. Not in any fingerprint.",
+        "signal.alarm). The built-ins bound their own work and ignore it. Not in any fingerprint: a run resumes "
+        "under another limit.",
     )
     columns: dict[str, str] = Field(
         default_factory=dict,
@@ -497,14 +308,3 @@ class RewardSpec(_Section):
         """
         where = (self.function or "").rpartition(":")[0]
         return where if where.endswith(".py") else None
-
-    def fingerprinted(self) -> dict:
-        """This entry as fingerprints read it: without `timeout_s` (a bound on call time: raising it after a
-        timeout must resume the run), and without `columns` when empty (added later: earlier runs keep theirs).
-
-        >>> RewardSpec(name="format", weight=0.3).fingerprinted()
-        {'name': 'format', 'function': None, 'weight': 0.3, 'resolved': None}
-        """
-        return self.model_dump(mode="json", exclude={"timeout_s"} if self.columns else {"columns", "timeout_s"})
-
-

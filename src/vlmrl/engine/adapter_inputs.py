@@ -6,7 +6,7 @@ matmul then casts that float32 copy straight back to bf16. For a bf16 input the 
 changes no number, in the forward or in the backward (whose gradient goes through the same two casts in
 reverse). It is not free: the input is a whole micro-batch of activations, cast once for each adapted projection
 of each layer, in the forward, again in the checkpoint's recomputation, and twice more in the backward; skipping
-the casts saves loss-pass time and peak memory (docs/benchmarks.md, "LoRA inputs kept in bf16").
+the casts saves loss-pass time and peak memory (benchmarks/NOTES.md, "LoRA inputs kept in bf16").
 
 PEFT reads the switch for the cast, `cast_input_dtype_enabled`, as a truth value at every forward.
 `keep_inputs_under_autocast` sets it, on every plain LoRA layer, to an object that is false while autocast is on
@@ -15,8 +15,7 @@ otherwise (PEFT casts as before, e.g. in a pass outside autocast, where a bf16 i
 weight). Layers with dropout, DoRA or another LoRA variant keep PEFT's cast. Gradient checkpointing recomputes
 with the forward's autocast state, so the recomputation takes the same branch as the forward. Applies where the
 trainer's autocast exists: a bf16 or fp16 run with float32 adapters over a low-precision frozen base
-(`vlmrl.engine.rollout.fast.rollout_autocast_dtype`). `enable(trainer, wanted=False)` leaves PEFT's cast as it is
-(a benchmark variant).
+(`vlmrl.engine.rollout.fast.rollout_autocast_dtype`).
 """
 
 from __future__ import annotations
@@ -63,12 +62,10 @@ def plain_lora(layer: Any) -> bool:
         isinstance(layer.lora_dropout[name], torch.nn.Identity) and variant(layer, name) is None for name in names)
 
 
-def enable(trainer: Any, *, wanted: bool = True) -> str:
+def enable(trainer: Any) -> str:
     """Skip the LoRA input casts under `trainer`'s autocast when it has one; what was done, for the record."""
     from vlmrl.engine.rollout.fast import rollout_autocast_dtype
 
-    if not wanted:
-        return "cast to float32 by PEFT (adapter_input_cast asked for)"
     if rollout_autocast_dtype(trainer.model, trainer.args) is None:
         return "as PEFT does (no float32 adapters under a low-precision autocast)"
     device_type = getattr(getattr(getattr(trainer, "accelerator", None), "device", None), "type", None) or (

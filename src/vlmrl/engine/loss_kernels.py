@@ -25,7 +25,7 @@ than the modules' own bf16 forwards.
 Liger's RMSNorm may write its input gradient over its output gradient (`in_place`); it is off here, since a norm's
 output gradient is not always its own (a residual stream can share it).
 With `train.rollout.kernels` off the modules keep their own forwards. What the kernels are worth:
-docs/benchmarks.md ("Liger's kernels in the loss pass").
+benchmarks/NOTES.md ("Liger's kernels in the loss pass").
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ Exactness:
 
 Length-grouped micro-batches (`enable_length_grouping`): TRL shuffles a generation batch's rows at random before
 the split (`shuffle_sequence_dict`), so each micro-batch mixes short and long completions and few of its columns are
-padding in every row; grouped, many more are (the shares: `benchmarks/loss_pass_padding.py`, docs/benchmarks.md).
+padding in every row; grouped, many more are (the shares: `benchmarks/loss_pass_padding.py`, benchmarks/NOTES.md).
 Grouping sorts the rows by completion
 length, then prompt length, ties broken by TRL's own `torch.randperm` draw (the same random stream as before), so
 each micro-batch's rows have similar lengths and the trim drops the rest. Where a generation batch feeds several
@@ -339,21 +339,13 @@ class LossPass:
                 "adapter_inputs": self.adapter_inputs, "kernels": self.kernels}
 
 
-def enable_loss_pass(trainer: Any, *, kernels: bool = True, trim: bool = True, group: bool = True,
-                     adapter_input_cast: bool = False) -> LossPass:
+def enable_loss_pass(trainer: Any, *, kernels: bool = True) -> LossPass:
     """The trim (`enable_padding_trim`) and, with it, the length grouping (`enable_length_grouping`) on `trainer`;
     the LoRA layers' inputs kept in the autocast dtype (`vlmrl.engine.adapter_inputs`); with `kernels`, Liger's
-    fused kernels where they apply (`vlmrl.engine.loss_kernels`). The product passes `kernels` only; `trim`,
-    `group` and `adapter_input_cast` turn a piece off for benchmark variants (grouping alone would change nothing
-    but the order of the sums, so it needs the trim)."""
+    fused kernels where they apply (`vlmrl.engine.loss_kernels`)."""
     from vlmrl.engine import adapter_inputs, loss_kernels
 
-    inputs = adapter_inputs.enable(trainer, wanted=not adapter_input_cast)
+    inputs = adapter_inputs.enable(trainer)
     fused = loss_kernels.enable(trainer, wanted=kernels)
-    counters = enable_padding_trim(trainer) if trim else None
-    if not group:
-        return LossPass(counters, LengthGrouping(False, why_not="grouping is off"), inputs, fused)
-    if not counters:
-        return LossPass(None, LengthGrouping(False, why_not="the trim is off: grouping saves nothing without it"),
-                        inputs, fused)
+    counters = enable_padding_trim(trainer)
     return LossPass(counters, enable_length_grouping(trainer), inputs, fused)

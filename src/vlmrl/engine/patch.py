@@ -1,6 +1,6 @@
 """`replaced(obj, name, value)`: an attribute replaced for the duration of a block and put back exactly: the
 instance's own attribute again, or none, so that the class's shows through. The rollout engine and its
-experiments wrap model methods this way (`generate`, `prepare_inputs_for_generation`, `get_compiled_call`)."""
+benchmark plugins wrap model methods this way (`generate`, `prepare_inputs_for_generation`, `get_compiled_call`)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ at the end of its stdin. A process forked after the worker started gets its own
 worker. Answers are cached per (pred, gold): a GRPO group often repeats a completion.
 
 A pathological expression (``2^{10^{10}}`` against ``1``) is stopped by the worker's own timer; with that timer
-off it is killed after ``TIMEOUT_S`` (tests/test_symbolic.py exercises both; timings: docs/benchmarks.md).
+off it is killed after ``TIMEOUT_S`` (tests/test_symbolic.py exercises both; timings: benchmarks/NOTES.md).
 
 Left out: Windows (``poll`` on pipes), several workers in parallel (one comparison at a time is fast enough for
 reward batches). Answers longer than ``MAX_EXPRESSION_CHARS`` are not parsed: the caller decides them.

@@ -12,7 +12,7 @@ import re
 from vlmrl.report.cells import esc, finite
 
 
-def figure(label: str, key: str, series: dict[str, tuple[list, list]]) -> str:
+def figure(label: str, key: str, series: dict[str, tuple[list, list]], xlabel: str = "step") -> str:
     import matplotlib
     from matplotlib.figure import Figure
 
@@ -25,7 +25,7 @@ def figure(label: str, key: str, series: dict[str, tuple[list, list]]) -> str:
         for name, (xs, ys) in series.items():
             ax.plot(xs, ys, marker="o" if len(xs) <= 30 else None, markersize=2.5, linewidth=1.3,
                     label=name.removeprefix(key.removesuffix("*")))
-        ax.set_xlabel("step")
+        ax.set_xlabel(xlabel)
         ax.ticklabel_format(axis="y", useOffset=False, style="plain" if key != "learning_rate" else "sci")
         if len(series) > 1:  # below the axes, where it cannot hide a line
             ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=2, frameon=False)
@@ -41,4 +41,14 @@ def figure(label: str, key: str, series: dict[str, tuple[list, list]]) -> str:
 def step_series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
     points = [(r["step"], r[key]) for r in rows if finite(r.get("step")) and finite(r.get(key))]
     return [x for x, _ in points], [y for _, y in points]
+
+
+def xy_series(rows: list[dict], x: str, y: str, x_scale: float = 1.0) -> tuple[list[float], list[float]]:
+    """(x, y) of the rows holding both as finite numbers, x multiplied by `x_scale` (seconds to minutes).
+
+    >>> xy_series([{"s": 60, "r": 1.0}, {"s": 120}, {"s": 180, "r": 2.0}], "s", "r", 1 / 60)
+    ([1.0, 3.0], [1.0, 2.0])
+    """
+    points = [(r[x] * x_scale, r[y]) for r in rows if finite(r.get(x)) and finite(r.get(y))]
+    return [a for a, _ in points], [b for _, b in points]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from vlmrl.common.stats import finite
 from vlmrl.report.cells import delta_td, esc, id_link, interval, kv_table, num_td, short, table
 from vlmrl.report.files import RunFiles
-from vlmrl.report.plots import figure, step_series
+from vlmrl.report.plots import figure, step_series, xy_series
 from vlmrl.run import layout
 
 HEADLINE = [  # comparison.json metric -> label; the first three are paired binary metrics (with McNemar)
@@ -31,10 +31,16 @@ TRAIN_KEYS = [  # TRL log key -> label, in plotting order; a key ending in * is 
     ("mismatch/logp_diff_*", "rollout vs loss pass: |Δ log p| per token"),
     ("mismatch/sequence_kl", "rollout vs loss pass: KL per completion (k3)"),
     ("mismatch/ratio_outside_cap", "rollout vs loss pass: tokens outside the TIS cap (fraction)"),
+    # train.dynamic_sampling (vlmrl.train.dynamic_sampling, docs/rewards.md): groups per generation batch, all ranks
+    ("dynamic_sampling/groups_*", "dynamic sampling: groups per batch"),
+    ("dynamic_sampling/rounds", "dynamic sampling: extra rounds"),
+    ("dynamic_sampling/cap_hit", "dynamic sampling: cap hit (batch filled with zero-advantage groups)"),
     ("learning_rate", "learning rate"), ("loss", "loss"), ("grad_norm", "grad norm"),
 ]
 VALIDATION_KEYS = [("accuracy", "validation accuracy"), ("format_compliance", "validation format compliance"),
                    ("total_reward", "validation total reward")]
+# metrics.jsonl's clocks (vlmrl.train.callbacks): key, axis label, scale
+TIME_AXES = [("elapsed_s", "wall-clock minutes", 1 / 60), ("rollout_tokens", "rollout tokens generated", 1.0)]
 HEALTH_KEYS = [("format_rate", "format rate"), ("gibberish_rate", "gibberish rate"),
                ("truncation_rate", "truncation rate"), ("zero_variance_groups", "zero-variance groups")]
 
@@ -130,6 +136,7 @@ def training_section(files: RunFiles) -> str:
                  f'rollouts), against step.</p><div class="plots">{"".join(plots)}</div>' if plots
                  else files.missing("train/health.jsonl", "No training health log yet", "rows yet"))
     parts.append(_validation_part(files))
+    parts.append(_time_part(files, metrics))
     warnings = "".join(f"<li>step {esc(row.get('step'))}: {esc(w)}</li>" for row in health
                        for w in row.get("warnings") or [])
     if warnings:
@@ -152,6 +159,31 @@ def _validation_part(files: RunFiles) -> str:
         return ""  # validation during training is optional (train.eval_every_steps)
     return ('<h3>Validation during training</h3><p class="src">From train/validation.jsonl: a fixed held-out '
             f'subset, greedy, with 95% bootstrap intervals (lo, hi), against step.</p><div class="plots">{"".join(plots)}</div>')
+
+
+def _time_part(files: RunFiles, metrics: list[dict]) -> str:
+    """Train reward and validation accuracy / total reward against wall-clock minutes and against rollout tokens
+    generated (cumulative): the axes on which two settings that cost differently per step compare fairly. A
+    validation row takes the clocks of its step's metrics row."""
+    at_step = {r.get("step"): r for r in metrics if "train_runtime" not in r}
+    validation = [{**{x: at_step.get(r.get("step"), {}).get(x) for x, _, _ in TIME_AXES},
+                   **{key: stat.get("mean") for key in ("accuracy", "total_reward")
+                      if isinstance(stat := r.get(key), dict)}}
+                  for r in files.jsonl(layout.VALIDATION)]
+    curves = [(metrics, "reward", "train total reward"), (validation, "accuracy", "validation accuracy"),
+              (validation, "total_reward", "validation total reward")]
+    plots = []
+    for x, axis, scale in TIME_AXES:
+        for rows, y, label in curves:
+            xy = xy_series(rows, x, y, scale)
+            if xy[0]:
+                plots.append(figure(f"{label} against {axis}", f"{y}@{x}", {y: xy}, xlabel=axis))
+    if not plots:
+        return ""  # a run from before the clocks were recorded
+    return ('<h3>Learning against time</h3><p class="src">From train/metrics.jsonl (<code>elapsed_s</code>: '
+            "wall-clock seconds of training, resumed sessions added; <code>rollout_tokens</code>: completion tokens "
+            "generated, every rollout of every process) and train/validation.jsonl (the means, at their step's "
+            f'clocks).</p><div class="plots">{"".join(plots)}</div>')
 
 
 def _validation_rewards(rows: list[dict]) -> list[tuple[str, str]]:

@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from vlmrl.common.io import read_json, read_jsonl, write_json_atomic
-from vlmrl.config.schema import OBSERVATION_FIELDS, Config, RewardSpec
+from vlmrl.config.fingerprints import RESUMABLE_FIELDS, stage_values
+from vlmrl.config.schema import Config, RewardSpec
 
 CONFIG = "config.yaml"
 ENV = "env.json"
@@ -53,7 +54,6 @@ FINAL = "train/final"  # the trained adapter
 BEST = "train/best"  # the kept best validation step's adapter
 BEST_RECORD = "vlmrl_best.json"  # inside BEST: which step, metric and value, and the checkpoint fingerprint
 CHECKPOINT_STAMP = "vlmrl_checkpoint.json"  # inside each checkpoint-N: {"fingerprint", "step"} of its training
-LEGACY_STAMP = "vlmrl_fingerprint.json"  # inside CHECKPOINTS, before CHECKPOINT_STAMP: one for the whole folder
 SET_ASIDE = "train.replaced-"  # + UTC time: the train/ of an earlier training, moved aside by a fresh start
 METRICS = "train/metrics.jsonl"
 ROLLOUTS = "train/rollouts.jsonl"
@@ -86,7 +86,7 @@ def summary_file(stage: str) -> str:
 def rewards_fingerprint(config: Config) -> str:
     """The `rewards:` entries plus the bytes of every user file behind them: a changed reward file means the
     trained adapter is stale."""
-    parts: list[Any] = [spec.fingerprinted() for spec in config.rewards]
+    parts: list[Any] = [stage_values(config, "rewards")]
     for spec in config.rewards:
         path = reward_source_file(spec)
         parts.append(_sha256(path) if path else None)
@@ -111,27 +111,23 @@ def reward_source_file(spec: RewardSpec) -> Path | None:
 
 
 def train_fingerprint(config: Config) -> str:
-    """What a trained adapter depends on (the run's name and folder are not part of it)."""
-    return (config.fingerprint("model", "lora", "data", "train") + config.data_fingerprint()[:4]
+    """What a trained adapter depends on (vlmrl.config.fingerprints.STAGE_FIELDS["train"]), the prepared data's
+    and the rewards' fingerprints, and the seed: the parts `train_change` reads."""
+    return (config.fingerprint("train") + config.data_fingerprint()[:4]
             + rewards_fingerprint(config)[:4] + str(config.run.seed))
 
 
-# Fields a resumed run may change: how long to train, how often to log, save or validate, and where to report.
-RESUMABLE_CHANGES = ("max_steps", "num_train_epochs", "save_steps", "save_total_limit", "logging_steps",
-                     *OBSERVATION_FIELDS["train"], "eval_every_steps", "eval_subset")
-
-
 def checkpoint_fingerprint(config: Config) -> str:
-    """What a checkpoint (and the kept best step) belongs to: the training config without RESUMABLE_CHANGES,
+    """What a checkpoint (and the kept best step) belongs to: the training config without
+    vlmrl.config.fingerprints.RESUMABLE_FIELDS,
     so a run given more steps resumes its checkpoints while one with another learning rate does not."""
     data = {**_training_settings(config), "rewards": rewards_fingerprint(config)}
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _training_settings(config: Config) -> dict:
-    train = {k: v for k, v in config.flat_train().items() if k not in RESUMABLE_CHANGES}
-    return {"train": train, "model": config.model.model_dump(mode="json"), "lora": config.lora.model_dump(mode="json"),
-            "data": config.data_fingerprint(), "seed": config.run.seed}
+    return {"train": config.fingerprint("train", without=RESUMABLE_FIELDS), "data": config.data_fingerprint(),
+            "seed": config.run.seed}
 
 
 def set_aside_name(stamp: str, taken: Container[str] = ()) -> str:
@@ -231,7 +227,7 @@ _PARTS = {"settings": "its settings", "rewards": "the rewards (an entry or the f
 def eval_fingerprint(config: Config) -> str:
     """What an evaluation's generations depend on besides its inputs: the model and eval sections, the seed,
     the output contract (the rewards are not part of it: records scored under others are rescored, not made again)."""
-    return config.fingerprint("model", "eval") + str(config.run.seed) + config.contract
+    return config.fingerprint("eval")
 
 
 def stage_identity(config: Config, run_dir: Path, stage: str) -> dict[str, str | None]:

@@ -37,12 +37,12 @@ storage is left out of FSDP2's sharding by accelerate, so it stays whole. In rol
 (TRL's summon_full_params does nothing for FSDP2) while ZeRO-3 gathers the whole model (TRL's
 ds3_gather_for_generation). Sharded runs make no stacked projections or adapter copies. The KV cache, the prompt
 pass and the loss pass's activations are per GPU and are not divided. Not yet checked against GPU measurements:
-`benchmarks/gpu_scaling.sh` records each configuration's prediction beside its measured peak.
+`benchmarks/gpu_scaling.py` records each configuration's prediction beside its measured peak.
 
 `train.auto_batch` (`choose_batch`) uses the same prediction the other way round: the largest per-device batch
 (a multiple of num_generations) whose predicted peak fits the card, so a user with a bigger card need not search.
 
-Checked against the H200 benchmarks (`docs/benchmarks.md`: bf16 plain and vlmrl, 4-bit, 256-token
+Checked against the H200 benchmarks (`benchmarks/NOTES.md`: bf16 plain and vlmrl, 4-bit, 256-token
 completions, and generation batches of 32 to 256 completions in bf16 and 4-bit); the tests pin those measured
 peaks and cover the arithmetic.
 """
@@ -133,7 +133,7 @@ def estimate_memory(config: Config, shapes: dict, *, prompt_tokens: int, fast_ge
     one_layer = tokens * (6 * t["hidden_size"] + 3 * t["intermediate_size"]) * 2
     logprob_pass = tr.per_device_train_batch_size * tr.max_completion_length * t["vocab_size"] * 4 / 8  # chunked
     # the backward of one checkpointed layer: its recomputed activations, their gradients and the backward's own
-    # temporaries; 3x one layer's activations is the factor the H200 peaks give (docs/benchmarks.md)
+    # temporaries; 3x one layer's activations is the factor the H200 peaks give (benchmarks/NOTES.md)
     training = (checkpoints if tr.gradient_checkpointing else checkpoints * 8) + 3 * one_layer + logprob_pass
     fixed = resident + lora_state
     # bf16 adapter copies for rollouts (vlmrl.engine.rollout.adapter_cast): only over an unquantized base (QLoRA's adapters are

@@ -84,10 +84,16 @@ def validation_problems(config: Config) -> list[str]:
         problems = training_problems(config)
     except Exception as exc:  # noqa: BLE001  a checker that breaks must still answer in one line
         problems = [f"could not check the training settings: {type(exc).__name__}: {exc}".splitlines()[0]]
+    from vlmrl.train.dynamic_sampling import settings_problem
+
     try:
-        check_data_columns(config, load_rewards(config))  # each reward's arguments: columns the data will give
+        loaded = load_rewards(config)
+        check_data_columns(config, loaded)  # each reward's arguments: columns the data will give
     except RewardError as exc:
         problems.append(str(exc))
+    else:
+        if problem := settings_problem(config.train.dynamic_sampling, [r.name for r in loaded]):
+            problems.append(problem)
     return problems
 
 

@@ -1,6 +1,8 @@
 """Training records and health monitors, as `transformers` callbacks around TRL's trainer.
 
-- `MetricsRecorder` -> `train/metrics.jsonl`: every logged metric, one line per logging step.
+- `MetricsRecorder` -> `train/metrics.jsonl`: every logged metric, one line per logging step, with the training's
+  wall-clock seconds (`elapsed_s`) and the completion tokens generated so far (`rollout_tokens`), both counted on
+  across a resume, so learning can be read against time and rollout cost, not only steps.
 - `RolloutRecorder` -> `train/rollouts.jsonl`: every completion of every generation batch (item id, text, each
   reward, advantage, length, truncated), so an item's learning history can be followed.
 - `HealthMonitor`   -> `train/health.jsonl`: per-step gibberish / format / truncation / zero-variance rates and
@@ -52,13 +54,33 @@ def trim_records_after(run_dir: Path, step: int) -> None:
                 write_jsonl_atomic(path, kept)
 
 
-class MetricsRecorder(TrainerCallback):
-    """Every logged metric to metrics.jsonl (the console line per step is `TrainProgress`'s, below)."""
+ELAPSED = "elapsed_s"  # wall-clock seconds of training up to this logged step, earlier sessions of a resume included
+ROLLOUT_TOKENS = "rollout_tokens"  # completion tokens generated up to this step (every process, every rollout)
 
-    def __init__(self, path: Path):
+
+class MetricsRecorder(TrainerCallback):
+    """Every logged metric to metrics.jsonl (the console line per step is `TrainProgress`'s, below). Each step's
+    row (and so the trackers, which see the same logs) also gets ELAPSED and, given the RolloutRecorder, ROLLOUT_TOKENS;
+    a resumed run continues both from the last row kept (the rows past its checkpoint are trimmed before)."""
+
+    def __init__(self, path: Path, recorder: RolloutRecorder | None = None):
         self.path = path
+        self.recorder = recorder
+        self._started: float | None = None
+        self._seconds, self._tokens = 0.0, 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        rows = [r for r in read_jsonl(self.path) if "train_runtime" not in r] if self.path.exists() else []
+        last = rows[-1] if rows else {}
+        self._seconds = float(last.get(ELAPSED) or 0.0) if finite(last.get(ELAPSED)) else 0.0
+        self._tokens = int(last.get(ROLLOUT_TOKENS) or 0) - (self.recorder.tokens_generated if self.recorder else 0)
+        self._started = time.perf_counter()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "train_runtime" not in logs and self._started is not None:
+            logs[ELAPSED] = round(self._seconds + time.perf_counter() - self._started, 3)
+            if self.recorder is not None:
+                logs[ROLLOUT_TOKENS] = self._tokens + self.recorder.tokens_generated
         if not (state.is_world_process_zero and logs):
             return
         append_jsonl(self.path, [{"step": state.global_step, "epoch": state.epoch, **logs}])
@@ -94,6 +116,7 @@ class RolloutRecorder(TrainerCallback):
         self.batches_scored = 0
         self.batches_written = 0
         self.last_batch: list[dict] = []
+        self.tokens_generated = 0  # completion tokens of every rollout written so far (all processes)
 
     def wrap(self, fn: Callable[..., list[float]]) -> _RecordingReward:
         return _RecordingReward(fn, self)
@@ -134,6 +157,9 @@ class RolloutRecorder(TrainerCallback):
                     "degenerate": is_degenerate(text),
                 }
             )
+            if "sampling" in extra:  # dynamic sampling (vlmrl.train.dynamic_sampling): what became of the group
+                rows[-1].update(sampling=extra["sampling"][i], sampling_round=extra["sampling_round"][i])
+        self.tokens_generated += sum(r["length"] for r in rows if isinstance(r["length"], int))
         self.last_batch = rows
         if state.is_world_process_zero:
             append_jsonl(self.path, rows)

@@ -6,8 +6,8 @@
 - **A checkpoint is resumed only when its own stamp matches.** `CheckpointStamp` writes
   `checkpoint-N/vlmrl_checkpoint.json` (the training's `checkpoint_fingerprint` and N) as each save completes;
   `resume_point` takes the newest complete checkpoint whose stamp names this training and this step. One of
-  another training config is refused (the message names the way out, `--no-resume`); a checkpoint saved by a
-  vlmrl from before the stamps counts under the folder's old stamp (`train/checkpoints/vlmrl_fingerprint.json`).
+  another training config is refused (the message names the way out, `--no-resume`); an unstamped one is passed
+  over.
 - **Never past the end.** A checkpoint beyond `train.max_steps` is not a resume point; with an epoch count
   instead, `CheckpointStamp` refuses at the start of training a resumed step past the last one.
 - **Nothing from the discarded steps.** `discard_after` removes the checkpoints past the resume point and a
@@ -58,16 +58,15 @@ def set_aside(run_dir: Path) -> Path | None:
 def resume_point(checkpoints: Path, fingerprint: str, max_steps: int) -> Path | None:
     """The newest `checkpoint-N` to resume: complete, stamped by this training (`fingerprint`, N), N within
     `max_steps` (when positive). None: start from step 0. Raises ResumeError for one of another training."""
-    legacy = _legacy_fingerprint(checkpoints)
     for step, folder in reversed(_numbered(checkpoints)):
         if not _complete(folder):
             continue
         stamp = _stamp(folder)
-        if stamp is None and legacy is None:
+        if stamp is None:
             log.warning("%s: no stamp (saved by an interrupted save or by another tool); not resumed", folder)
             continue
-        recorded = stamp.get("fingerprint") if stamp is not None else legacy
-        if recorded != fingerprint or (stamp is not None and stamp.get("step") != step):
+        recorded = stamp.get("fingerprint")
+        if recorded != fingerprint or stamp.get("step") != step:
             raise ResumeError(  # refused, never deleted: it is another training's
                 f"{folder}: written by another training config (fingerprint {recorded}, this config's "
                 f"{fingerprint}); restore that config to resume it, or pass --no-resume to start over (the earlier "
@@ -88,10 +87,8 @@ def checkpoints_of(checkpoints: Path) -> list[Path]:
 
 
 def holds_own_checkpoint(checkpoints: Path, fingerprint: str) -> bool:
-    """Whether a checkpoint under `checkpoints` is stamped by the training of `fingerprint` (its own stamp, or
-    the folder-wide one of a run saved before checkpoints carried theirs)."""
-    legacy = _legacy_fingerprint(checkpoints)
-    return any((stamp.get("fingerprint") if (stamp := _stamp(folder)) is not None else legacy) == fingerprint
+    """Whether a checkpoint under `checkpoints` is stamped by the training of `fingerprint`."""
+    return any((stamp := _stamp(folder)) is not None and stamp.get("fingerprint") == fingerprint
                for folder in checkpoints_of(checkpoints))
 
 
@@ -198,11 +195,6 @@ def _holds_adapter(folder: Path) -> bool:
 def _stamp(folder: Path) -> dict | None:
     record = _read_record(folder / layout.CHECKPOINT_STAMP)
     return record or None
-
-
-def _legacy_fingerprint(checkpoints: Path) -> str | None:
-    """The folder-wide stamp of a run saved before each checkpoint carried its own."""
-    return _read_record(checkpoints / layout.LEGACY_STAMP).get("fingerprint")
 
 
 def _read_record(path: Path) -> dict:

@@ -100,6 +100,7 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
         nothing_learned_line,
         reward_never_varied,
     )
+    from vlmrl.train.dynamic_sampling import enable_dynamic_sampling, settings_problem
     from vlmrl.train.resume import CheckpointStamp, ResumeError, ends_training, set_aside
     from vlmrl.train.trackers import TrackerError, build_tracker_callbacks, resume_trackers
     from vlmrl.train.validation import ValidationCallback
@@ -120,6 +121,8 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
     dataset = build_train_dataset(run_dir)
     _check_trainable(config, run_dir, len(dataset))
     rewards = check_run_rewards(config, run_dir)  # a broken reward fails here, not mid-run
+    if problem := settings_problem(config.train.dynamic_sampling, [r.name for r in rewards]):
+        raise TrainError(problem + ".")
     if not resume and distributed.is_main_process() and (moved := set_aside(run_dir)) is not None:
         (console_callback or log.warning)(f"train: starting over; the earlier training was moved aside to {moved}")
     choice = _auto_batch(config, train_dir, len(dataset), console_callback)
@@ -166,7 +169,7 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
         args=args,
         train_dataset=dataset,
         processing_class=loaded.processor,
-        callbacks=[MetricsRecorder(run_dir / layout.METRICS), recorder, health, *watchers,
+        callbacks=[MetricsRecorder(run_dir / layout.METRICS, recorder), recorder, health, *watchers,
                    *([validation] if validation else []), CheckpointStamp(layout.checkpoint_fingerprint(config))],
     )
     trainer.remove_callback(PrinterCallback)  # TrainProgress prints one readable line per step instead
@@ -180,6 +183,8 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
     loss_pass = enable_loss_pass(trainer, kernels=config.train.rollout.kernels)
     # last: it wraps the fast path's and the loss pass's wrappers (the sampler's log-probs, the mismatch, TIS)
     mismatch = enable_rollout_mismatch(trainer, correction=config.train.rollout_correction, fast=fast.enabled)
+    sampling = (enable_dynamic_sampling(trainer, config.train.dynamic_sampling, seed=config.run.seed)
+                if config.train.dynamic_sampling.enabled else None)  # wraps the batch TRL scores: off, nothing changes
     recorder.attach(trainer)
     health.attach(recorder)
     # step 4: train, from the checkpoint chosen in step 1 if there is one
@@ -225,6 +230,7 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
         "fast_generation": fast.as_dict(),
         "loss_pass": loss_pass.as_dict(),  # this process's log-prob passes and how its micro-batches were formed
         "rollout_correction": mismatch.as_dict(),  # the sampler's log-probs, what they are compared with, TIS
+        **({"dynamic_sampling": sampling.as_dict()} if sampling else {}),  # groups kept, dropped, filled (this process)
         "compile_cache": compile_cache.as_dict(),
         "auto_batch": choice.as_dict() if choice else None,
         "report_to": list(config.train.report_to),

@@ -34,6 +34,6 @@ The pieces, and where each is switched on:
                  train, compiled eval and bench (`vlmrl bench --compile-cache DIR`) before anything compiles.
 
 Nothing is imported here: each piece pulls in torch/transformers itself, when it is imported. Left out: vLLM,
-anything that changes TRL's loss pass (the TIS factor goes through TRL's own multiplication), and the experiments (`vlmrl.engine.experimental`: the adapter merge, the
-filled-cache window, guards checked once). What each piece is worth: docs/benchmarks.md.
+anything that changes TRL's loss pass (the TIS factor goes through TRL's own multiplication), and the experiments
+(benchmark plugins in benchmarks/variants/: the adapter merge, the filled-cache window, guards checked once). What each piece is worth: benchmarks/NOTES.md.
 """

@@ -10,11 +10,8 @@ unfolded. The same attention, term for term. Without a mask, or with per-head ma
 
 Inside `decode_kernel()` (rollouts and compiled evaluation, with `train.rollout.kernels`), a token step (one query
 token) with a boolean mask runs `vlmrl.engine.rollout.decode_attention` instead of SDPA: a Triton kernel that reads
-only the cache blocks holding an attended position, with the static cache's shapes unchanged.
-
-With `FILLED` among its arguments (a tensor whose length is how many leading cache positions can be attended to)
-`vlmrl_sdpa` reads only those positions: the experiment `vlmrl.engine.experimental.rollout.attend_filled` passes
-it. What the pieces are worth: docs/benchmarks.md.
+only the cache blocks holding an attended position, with the static cache's shapes unchanged. What the pieces are
+worth: benchmarks/NOTES.md.
 """
 
 from __future__ import annotations
@@ -29,7 +26,6 @@ import torch
 log = logging.getLogger(__name__)
 
 NAME = "vlmrl_sdpa"
-FILLED = "vlmrl_filled"  # the keyword argument carrying the attendable cache length (as a tensor's size)
 _registered = False
 _decode_kernel = False  # read while dynamo traces: a compiled step is guarded on these two
 _decode_kernel_on_cpu = False  # tests: the CPU, through the Triton interpreter
@@ -48,7 +44,6 @@ def packed_gqa_sdpa(
 ) -> tuple[torch.Tensor, None]:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    key, value, attention_mask = attend_filled_only(key, value, attention_mask, kwargs.pop(FILLED, None))
     groups = getattr(module, "num_key_value_groups", 1)
     foldable = (
         groups > 1
@@ -98,17 +93,6 @@ def decode_kernel(enabled: bool = True, *, on_cpu: bool = False) -> Iterator[Non
         yield
     finally:
         _decode_kernel, _decode_kernel_on_cpu = previous
-
-
-def attend_filled_only(
-    key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, filled: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The first `len(filled)` cache positions of `key`, `value` and a mask over the same positions; unchanged
-    without `filled`, or without a mask over the whole cache (nothing would hide the unwritten positions)."""
-    if filled is None or mask is None or mask.shape[-1] != key.shape[-2]:
-        return key, value, mask
-    length = filled.shape[0]
-    return key[:, :, :length], value[:, :, :length], mask[..., :length]
 
 
 def register() -> None:

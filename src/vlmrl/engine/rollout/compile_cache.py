@@ -1,6 +1,6 @@
 """torch.compile's on-disk caches, kept with vlmrl's own cache so a second run skips most of the first step's compile.
 
-The compiled decode step costs the first training step most of its time (docs/benchmarks.md, "The first step:
+The compiled decode step costs the first training step most of its time (benchmarks/NOTES.md, "The first step:
 the compile cache"). Inductor already caches its work on disk (the FX graph cache, the AOTAutograd cache,
 autotuning results, and Triton's compiled kernels), but by default under `/tmp/torchinductor_<user>` and
 `~/.triton/cache`: a temp folder many machines wipe at reboot and containers start without. Pointing both at

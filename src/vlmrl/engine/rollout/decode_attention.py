@@ -4,7 +4,7 @@ At a decode step each sequence has one new query token. `vlmrl_sdpa` folds the G
 G query rows (`vlmrl.engine.rollout.attention`) and calls SDPA, which reads the whole static cache, written or not
 (a static cache holds prompt + all new tokens; on average a good part of it is still unwritten). Slicing the cache
 to the filled length instead changes the shapes at each step, so CUDA graphs are recorded once per window (the
-experiment `vlmrl.engine.experimental.rollout.attend_filled`).
+benchmark variant `vlmrl-filled`, benchmarks/variants/rollout.py).
 
 This kernel keeps the shapes and reads the mask instead: the cache is cut into blocks of `block` positions, each
 program of the first kernel walks its share of one sequence's blocks for one KV head, loads a block's mask entries
@@ -18,7 +18,7 @@ rounded to the values' dtype before they weight the values. It serves inference 
 token, a boolean mask shared by all heads, fp16/bf16, head dims of 16 to 128 that are powers of two (Gemma 3's
 256 stays on SDPA). Anything else stays on SDPA (`usable`). On a CPU (tests) the Triton interpreter runs it:
 `TRITON_INTERPRET=1` must be set before Triton is first imported (tests/conftest.py does, on machines without
-CUDA). What it is worth: docs/benchmarks.md ("The decode attention kernel").
+CUDA). What it is worth: benchmarks/NOTES.md ("The decode attention kernel").
 
 `decode_attention` is a `torch.library` custom op, so a compiled decode step (and its CUDA graph) calls it as one
 opaque node. Where Triton cannot build or launch the kernel (an older GPU without bf16 tensor-core dots, say), the

@@ -17,9 +17,8 @@ compile per new bucket, not per prompt length; prompts are not padded), and the 
 cache then moved into the static one (`prefill_into_dynamic_cache`: the rollout's peak stays plain TRL's).
 `compile_settings` and `deferred_stop_check` serve compiled evaluation too (`vlmrl.engine.rollout.generation`).
 
-The contexts are kept on the trainer (`trainer.vlmrl_rollout_contexts`, by name) so that an experiment
-(`vlmrl.engine.experimental`) can add its own and wrap again. Left out: vLLM and continuous batching, which
-manage their own cache. What each piece is worth on an H200: docs/benchmarks.md ("What changed").
+The contexts are kept on the trainer (`trainer.vlmrl_rollout_contexts`, by name): what a rollout runs inside, which
+`wrap_rollouts` replaces when called again. Left out: vLLM and continuous batching, which manage their own cache. What each piece is worth on an H200: benchmarks/NOTES.md ("What changed").
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# What the record adds when token steps run vlmrl's kernels (experiments that turn one off remove it).
+# What the record adds when token steps run vlmrl's kernels.
 KERNEL_READ = "; token steps skip the blocks nothing attends to (vlmrl.engine.rollout.decode_attention)"
 SECOND_KERNEL = "; token steps: each group's second step one Triton kernel (vlmrl.engine.rollout.second_factors)"
 SECOND_KERNEL_FALLBACK = "; token steps: each group's second step on cuBLAS (the Triton kernel is bfloat16 only)"
@@ -49,19 +48,17 @@ class FastGeneration:
     mode: str | None = None
     attention: str | None = None
     autocast: str | None = None
-    merge: str | None = None  # set by vlmrl.engine.experimental only
     prefill: str | None = None  # "dynamic cache, then static" or why not
     stop_check: str | None = None  # "deferred one step" or why not
     adapters: str | None = None  # how the rollout reads the LoRA weights
     cache_read: str | None = None  # which static-cache positions a token step's attention reads
-    guards: str | None = None  # set by vlmrl.engine.experimental only
     weights: str | None = None  # how token steps read 4-bit base weights (None: not a 4-bit base)
 
     def as_dict(self) -> dict:
         return {"enabled": self.enabled, "reason": self.reason, "bucket": self.bucket, "mode": self.mode,
-                "attention": self.attention, "autocast": self.autocast, "merge": self.merge, "prefill": self.prefill,
+                "attention": self.attention, "autocast": self.autocast, "prefill": self.prefill,
                 "stop_check": self.stop_check, "adapters": self.adapters, "cache_read": self.cache_read,
-                "guards": self.guards, "weights": self.weights}
+                "weights": self.weights}
 
 
 def wanted(setting: str) -> bool:
@@ -71,13 +68,11 @@ def wanted(setting: str) -> bool:
 
 def enable_fast_generation(
     trainer: Any, *, bucket: int = 64, kernels: bool = True, mode: str = "reduce-overhead", all_devices: bool = False,
-    stacked: bool = True, adapter_copies: bool = True,
 ) -> FastGeneration:
     """Turn on static-cache + compiled decoding inside a built `GRPOTrainer`, and say what was done.
 
-    `kernels`: vlmrl's Triton kernels at token steps (decode attention, the stacked projections' second step).
-    `stacked` / `adapter_copies` exist for benchmark variants: the product stacks the LoRA projections where that
-    applies and makes the adapter copies where it does not."""
+    `kernels`: vlmrl's Triton kernels at token steps (decode attention, the stacked projections' second step). The
+    LoRA projections are stacked where that applies and the adapter copies made where it does not."""
     config = getattr(trainer, "generation_config", None)
     if config is None or getattr(trainer, "use_vllm", False):
         return FastGeneration(False, "the trainer generates with vLLM, which has its own fast path")
@@ -95,10 +90,9 @@ def enable_fast_generation(
     prefill = prefill_into_dynamic_cache(trainer.model)
     dtype = rollout_autocast_dtype(trainer.model, trainer.args)
     attention = NAME if packed_gqa_applies(trainer.model) else None
-    stack, stack_note = _stacked(trainer, dtype, wanted=stacked)
-    copies, adapters = _adapter_copies(trainer, dtype, wanted=adapter_copies and stack is None)
-    if stack_note:
-        adapters = stack_note if stack is not None else f"{stack_note}; {adapters}"
+    stack, stack_note = _stacked(trainer, dtype)
+    copies, adapters = _adapter_copies(trainer, dtype, wanted=stack is None)
+    adapters = stack_note if stack is not None else f"{stack_note}; {adapters}"
     if stack is not None and kernels:
         adapters += SECOND_KERNEL if _base_dtype(trainer, dtype) == torch.bfloat16 else SECOND_KERNEL_FALLBACK
     offload = None
@@ -128,8 +122,8 @@ def enable_fast_generation(
              "autocast %s, adapter weights %s, prefill %s, stop check %s, attention reads %s, 4-bit weights %s",
              mode, bucket, attention or "unchanged", dtype, adapters, prefill, stop_check, cache_read, weights)
     return FastGeneration(True, "static KV cache + torch.compile", bucket, mode, attention,
-                          _dtype_name(dtype) if dtype is not None else None, None, prefill, stop_check, adapters,
-                          cache_read, weights=weights)
+                          _dtype_name(dtype) if dtype is not None else None, prefill, stop_check, adapters,
+                          cache_read, weights)
 
 
 BITSANDBYTES = "bitsandbytes Linear4bit"
@@ -154,7 +148,7 @@ def nf4_token_steps(trainer: Any, *, wanted: bool = True) -> str | None:
         return f"{BITSANDBYTES} (vlmrl's nf4 kernel not used: {reason})"
     stack = contextlib.ExitStack()
     stack.enter_context(nf4.nf4_decode(model))
-    trainer.vlmrl_nf4_decode = stack  # held with the trainer; an experiment may close it
+    trainer.vlmrl_nf4_decode = stack  # held (and closed) with the trainer
     return (f"vlmrl nf4 kernel (vlmrl.engine.rollout.nf4) for token steps of {nf4.MIN_ROWS}-{nf4.MAX_ROWS} rows "
             f"({nf4.measured_settings(model)}), {BITSANDBYTES} otherwise")
 
@@ -176,11 +170,8 @@ def _adapter_copies(trainer: Any, dtype: torch.dtype | None, *, wanted: bool) ->
                     "the optimizer state waits on the host)")
 
 
-def _stacked(trainer: Any, dtype: torch.dtype | None, *, wanted: bool) -> tuple[Any, str | None]:
-    """The stacked projections for rollouts (`stacked`) when asked for and possible, and what was done or why not
-    (None when not asked for)."""
-    if not wanted:
-        return None, None
+def _stacked(trainer: Any, dtype: torch.dtype | None) -> tuple[Any, str]:
+    """The stacked projections for rollouts (`stacked`) where possible, and what was done or why not."""
     refused = "not stacked ({})"
     if sharded(trainer):
         return None, refused.format("parameters are sharded by FSDP / DeepSpeed")
@@ -390,7 +381,7 @@ def compile_over_4bit(model: Any) -> Iterator[None]:
 
     transformers refuses to compile `generate` for any quantizer whose `is_compileable` is False, which the
     bitsandbytes 4-bit quantizer inherits; it then decodes eagerly over the static cache, one kernel launch per
-    projection and the host waiting on each (several times slower: docs/benchmarks.md). bitsandbytes >= 0.50
+    projection and the host waiting on each (several times slower: benchmarks/NOTES.md). bitsandbytes >= 0.50
     runs inference matmuls through registered torch ops (`bitsandbytes::gemm_4bit`, with fake implementations),
     which dynamo traces, so the refusal is lifted when that op exists. Without gradients bitsandbytes takes the same op eagerly, so the rollout's numerics are
     those of bitsandbytes' own inference path either way (benchmarks/decode_4bit.py compares the rollout's

@@ -6,7 +6,7 @@ rendered by the processor's own chat template (so Qwen's `<|vision_start|><|imag
 `<start_of_image>` land where each family expects them).
 
 On CUDA with `compile` on, decoding uses a static KV cache and `torch.compile` (several times faster per token:
-docs/benchmarks.md), with the stop check read one step late so the host does not wait on
+benchmarks/NOTES.md), with the stop check read one step late so the host does not wait on
 the device between token steps (`vlmrl.engine.rollout.fast.deferred_stop_check`). On the CPU the plain dynamic-cache path
 is used: compilation costs more than it saves for tiny models.
 """

@@ -1,27 +1,25 @@
 """A token step over bitsandbytes nf4 weights: a Triton kernel that reads the packed 4-bit weights once.
 
 At a decode step `Linear4bit` multiplies a few dozen rows by weights bitsandbytes stores as nf4 codes, and its
-kernels take many times the weight-read floor (docs/benchmarks.md, "The nf4 token-step kernel"). Here each program
+kernels take many times the weight-read floor (benchmarks/NOTES.md, "The nf4 token-step kernel"). Here each program
 streams 2-D tiles of packed bytes (the next step's in flight while one is decoded), looks each code up in the
 16-value table, scales it by its block's absmax (decoded from its 8-bit code when double-quantised), rounds it as
 `dequantize_4bit` rounds, joins each byte's two weights back into the row's order and multiplies them by x's
 columns, read along k in 16-byte loads, on the tensor cores, accumulating in fp32; few output columns split K,
 summed by a second, deterministic pass. The result is `dequantize_4bit` then `x @ W.T` (+ bias) up to summation
 order: each weight bit-equal, each output within one bf16/fp16 unit in the last place (tests/test_nf4.py says how
-outputs near zero are counted). Its Triton source is `nf4_triton`; the first design, which lost to this one, is
-`vlmrl.engine.experimental.nf4_v1`.
+outputs near zero are counted). Its Triton source is `nf4_triton`; the first design, which lost to this one, is a
+benchmark plugin (benchmarks/variants/nf4_v1.py).
 
 Public: `nf4_matmul`; `nf4_decode(model)`, which routes `Linear4bit` forwards of `MIN_ROWS` to `MAX_ROWS` rows
 without gradients through the kernel while active (one-row steps, where bitsandbytes runs its gemv, prompt passes,
 training and unsupported layers stay on bitsandbytes, the fallback); `unsupported_reason(model)`, for the caller to
 record why a model stays there; `gpu_reason(device)`, the product's rule for where the kernel is on; `probe(model)`,
-a launch on the model's first routed layer, and `failure(x, design)`, why a design fell back; `is_linear4bit` and
+a launch on the model's first routed layer, and `failure(x)`, why the kernel fell back; `is_linear4bit` and
 `layer_reason(layer)`, which layers it takes; `forwards_replaced`, its patching of forwards; its settings on a GPU:
 `TUNED_SM90` (measured, Qwen3-VL-8B's shapes on sm_90; `measured_settings(model)` says how many layers take them)
 or else `rule_config`, whose tiles `tile_shape` and `block_rows` give (benchmarks/nf4_sass.py builds them
-offline). `launch` can add a LoRA branch in its split sum, for the experiments in
-`vlmrl.engine.experimental.nf4_lora` (the fold lost to PEFT's own ops; the branch's scale and sum alone tied:
-docs/benchmarks.md).
+offline).
 `vlmrl.engine.rollout.fast` turns it on for a 4-bit base's rollouts. Limits: nf4 (not fp4), blocksizes 32-256
 dividing in_features, bf16/fp16 activations, CUDA (Triton's interpreter on a CPU, for tests); on by default only on
 the GPUs where it was measured faster than bitsandbytes (`gpu_reason`). No maintained library fits (package index,
@@ -49,7 +47,7 @@ log = logging.getLogger(__name__)
 _failed: dict[tuple, str] = {}  # (device, dtype) -> why the kernel could not run there
 
 MAX_ROWS = 64  # rows of a token step (the rollout batch); a prompt pass's many rows stay on bitsandbytes
-MIN_ROWS = 2  # one row: bitsandbytes' own gemv is faster (docs/benchmarks.md, "The nf4 token-step kernel")
+MIN_ROWS = 2  # one row: bitsandbytes' own gemv is faster (benchmarks/NOTES.md, "The nf4 token-step kernel")
 MEASURED_MAJOR = 9  # compute capability where the kernel was measured faster than bitsandbytes: sm_90 (H100/H200)
 BLOCKSIZES = (32, 64, 128, 256)
 TILE_PAIRS = 64  # packed bytes per weight row per loop step on a GPU (128 weights)
@@ -68,9 +66,9 @@ def nf4_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
 
 def call(op: Callable[..., torch.Tensor], x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-         quant_state: Any, config: list[int] | None, lora: tuple = ()) -> torch.Tensor:
+         quant_state: Any, config: list[int] | None) -> torch.Tensor:
     """Unpack `weight`'s quant state and call `op`, a custom op over (x, packed, absmax, code2, absmax2, offset,
-    lut, bias, *lora, blocksize, blocksize2, rounding, config)."""
+    lut, bias, blocksize, blocksize2, rounding, config)."""
     qs = quant_state if quant_state is not None else weight.quant_state
     n, k = qs.shape
     packed = weight.data.view(torch.uint8).reshape(n, k // 2)
@@ -82,8 +80,8 @@ def call(op: Callable[..., torch.Tensor], x: torch.Tensor, weight: torch.Tensor,
     code2, absmax2, offset, blocksize2 = nested
     if bias is not None:
         bias = bias.to(x.dtype)
-    out = op(x.reshape(-1, k), packed, qs.absmax, code2, absmax2, offset, qs.code, bias, *lora, qs.blocksize,
-             blocksize2, _ROUNDING.get(qs.dtype, 0), list(config or []))
+    out = op(x.reshape(-1, k), packed, qs.absmax, code2, absmax2, offset, qs.code, bias, qs.blocksize, blocksize2,
+             _ROUNDING.get(qs.dtype, 0), list(config or []))
     return out.view(*x.shape[:-1], n)
 
 
@@ -108,7 +106,7 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
 def gpu_reason(device: torch.device) -> str | None:
     """Why the product leaves a 4-bit base's token steps on bitsandbytes on `device`, or None where it routes them
     through the kernel: the GPUs where it was measured faster than bitsandbytes' `Linear4bit` end to end (an H200,
-    sm_90: docs/benchmarks.md). Elsewhere nobody has measured which is faster, so bitsandbytes stays."""
+    sm_90: benchmarks/NOTES.md). Elsewhere nobody has measured which is faster, so bitsandbytes stays."""
     if device.type != "cuda":
         return f"weights on {device}, not a CUDA device"
     major, minor = torch.cuda.get_device_capability(device)
@@ -132,23 +130,20 @@ def probe(model: torch.nn.Module) -> str | None:
     return failure(x)
 
 
-def failure(x: torch.Tensor, design: str = "") -> str | None:
-    """Why `design`'s kernel ("" the product's matmul, "lora" with the LoRA branch folded, "summed" with its scale
-    and sum, "v1") fell back to torch on x's device and dtype; None where it has not."""
-    return _failed.get(_where(x, design))
+def failure(x: torch.Tensor) -> str | None:
+    """Why the kernel fell back to torch on x's device and dtype; None where it has not."""
+    return _failed.get(_where(x))
 
 
 @contextlib.contextmanager
-def nf4_decode(model: torch.nn.Module, max_rows: int = MAX_ROWS, min_rows: int = MIN_ROWS,
-               matmul: Callable[..., torch.Tensor] = nf4_matmul) -> Iterator[str | None]:
+def nf4_decode(model: torch.nn.Module, max_rows: int = MAX_ROWS, min_rows: int = MIN_ROWS) -> Iterator[str | None]:
     """While active, forwards of the model's `Linear4bit` layers with `min_rows` to `max_rows` rows and no gradient
-    run `matmul` (this module's `nf4_matmul` unless an experiment passes its own); the rest (one-row steps, prompt
-    passes, the loss pass) run bitsandbytes' own forward. Yields `unsupported_reason(model)`: None when some layer
-    is routed, else why none is (then nothing changes)."""
+    run `nf4_matmul`; the rest (one-row steps, prompt passes, the loss pass) run bitsandbytes' own forward. Yields
+    `unsupported_reason(model)`: None when some layer is routed, else why none is (then nothing changes)."""
     reason = unsupported_reason(model)
     layers = _linear4bit_layers(model)
     routed = _routable(layers) if reason is None else []
-    with forwards_replaced(routed, lambda layer, forward: _routed(layer, forward, min_rows, max_rows, matmul)):
+    with forwards_replaced(routed, lambda layer, forward: _routed(layer, forward, min_rows, max_rows)):
         if reason is None:
             log.info("nf4 token-step kernel on for %d of %d Linear4bit layers", len(routed), len(layers))
         yield reason
@@ -230,8 +225,8 @@ def layer_reason(layer: torch.nn.Module) -> str | None:
     return None
 
 
-def _routed(layer: torch.nn.Module, fallback: Callable[..., torch.Tensor], min_rows: int, max_rows: int,
-            matmul: Callable[..., torch.Tensor]) -> Callable[..., Any]:
+def _routed(layer: torch.nn.Module, fallback: Callable[..., torch.Tensor], min_rows: int,
+            max_rows: int) -> Callable[..., Any]:
     def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         dtype = layer.compute_dtype if layer.compute_dtype is not None else x.dtype  # as bitsandbytes computes
         bias = layer.bias
@@ -240,7 +235,7 @@ def _routed(layer: torch.nn.Module, fallback: Callable[..., torch.Tensor], min_r
                 or (torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)))):
             return fallback(x, *args, **kwargs)
         qs = _quant_state(layer)
-        return matmul(x.to(dtype), layer.weight, bias, quant_state=qs).to(x.dtype)
+        return nf4_matmul(x.to(dtype), layer.weight, bias, quant_state=qs).to(x.dtype)
 
     return forward
 
@@ -249,36 +244,14 @@ def _routed(layer: torch.nn.Module, fallback: Callable[..., torch.Tensor], min_r
 def _nf4_matmul(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: torch.Tensor | None,
                 absmax2: torch.Tensor | None, offset: torch.Tensor | None, lut: torch.Tensor, bias: torch.Tensor | None,
                 blocksize: int, blocksize2: int, rounding: int, config: list[int]) -> torch.Tensor:
-    return kernel_or_reference((x, packed, absmax, code2, absmax2, offset, lut, bias, blocksize, blocksize2,
-                                rounding, config), design="")
-
-
-def _tiles(interpret: bool) -> Any:
-    return nf4_triton.kernels(interpret)[0]
-
-
-def kernel_or_reference(args: tuple, *, design: str, tiles: Callable[[bool], Any] = _tiles,
-                        chooser: Callable[..., list[int]] | None = None,
-                        lora: tuple[torch.Tensor, torch.Tensor | None, float] | None = None) -> torch.Tensor:
-    """A kernel's launch (`tiles(interpret)` builds the design's tile kernel, this module's unless given; `chooser`
-    its config), with `lora`'s branch in its split sum (`launch`), or dequantize + matmul (and the branch in torch)
-    where it cannot run (recorded once per device, dtype and `design`)."""
-    def reference() -> torch.Tensor:
-        out = _reference(*args)
-        if lora is None:
-            return out
-        xa, second, scale = lora
-        branch = xa if second is None else F.linear(xa, second)
-        return out + branch * scale  # PEFT's eager sum, each step rounded to x's dtype
-
-    return kernel_or_fallback(_failed, _where(args[0], design),
-                              lambda: launch(*args, tiles=tiles, chooser=chooser or _config, lora=lora), reference,
+    args = (x, packed, absmax, code2, absmax2, offset, lut, bias, blocksize, blocksize2, rounding, config)
+    return kernel_or_fallback(_failed, _where(x), lambda: launch(*args), lambda: _reference(*args),
                               what="nf4 matmul kernel", instead="dequantize + matmul", logger=log)
 
 
-def _where(x: torch.Tensor, design: str) -> tuple:
-    """The key under which a design's fallback on x's device and dtype is recorded in `_failed`."""
-    return (str(x.device), x.dtype, design) if design else (str(x.device), x.dtype)
+def _where(x: torch.Tensor) -> tuple:
+    """The key under which the kernel's fallback on x's device and dtype is recorded in `_failed`."""
+    return (str(x.device), x.dtype)
 
 
 @_nf4_matmul.register_fake
@@ -338,7 +311,7 @@ def rule_config(rows: int, n: int, k: int, blocksize: int, device: torch.device)
     256 past 16 rows, which spill on 4), so several programs an SM, each with its next step's bytes in flight; 1
     stage, since with more Triton's pipeliner stages every table lookup through shared memory, 4 bytes a copy; K
     split until the grid has about `PROGRAMS_PER_SM` programs an SM. Near, not at, the best settings an H200 sweep
-    found per shape (docs/benchmarks.md). Small tiles in the interpreter."""
+    found per shape (benchmarks/NOTES.md). Small tiles in the interpreter."""
     if device.type != "cuda":
         return interpreter_config(k, blocksize)
     block_n, tile, warps = tile_shape(rows, blocksize)
@@ -373,13 +346,8 @@ def block_rows(rows: int) -> int:
 
 def launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: torch.Tensor | None,
            absmax2: torch.Tensor | None, offset: torch.Tensor | None, lut: torch.Tensor, bias: torch.Tensor | None,
-           blocksize: int, blocksize2: int, rounding: int, config: list[int], *, tiles: Callable[[bool], Any],
-           chooser: Callable[..., list[int]], lora: tuple[torch.Tensor, torch.Tensor | None, float] | None = None,
-           ) -> torch.Tensor:
-    """Launch `tiles(interpret)` (and the split sum) on x [rows, k]; `config` or `chooser`'s. `lora` = (xa [rows,
-    rank], second [n, rank], scale), or (the branch's output [rows, n], None, scale): the split sum adds that LoRA
-    branch too (the experiments in `vlmrl.engine.experimental.nf4_lora`), so the tiles then always write fp32
-    shares, one split or more."""
+           blocksize: int, blocksize2: int, rounding: int, config: list[int]) -> torch.Tensor:
+    """Launch the tile kernel (and the split sum) on x [rows, k], with `config` or else `_config`'s settings."""
     rows, k = x.shape
     n = packed.shape[0]
     if rows == 0:
@@ -388,7 +356,7 @@ def launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: t
         raise TypeError(f"activations in {x.dtype}: the kernel takes bf16/fp16")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    block_n, tile, warps, stages, split = config or chooser(rows, n, k, blocksize, x.device)
+    block_n, tile, warps, stages, split = config or _config(rows, n, k, blocksize, x.device)
     half = blocksize // 2
     if tile % half:
         raise ValueError(f"tile of {tile} packed bytes is not a whole number of {blocksize}-weight blocks")
@@ -398,9 +366,9 @@ def launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: t
     block_m = block_rows(rows)
     out = torch.empty(rows, n, device=x.device, dtype=x.dtype)
     interpret = interpreted()
-    main, reduce = tiles(interpret), nf4_triton.kernels(interpret)[1]
+    main, reduce = nf4_triton.kernels(interpret)
     nested = code2 is not None
-    partial = split > 1 or lora is not None
+    partial = split > 1
     target = torch.empty(split, rows, n, device=x.device, dtype=torch.float32) if partial else out
     xq = 1 if x.dtype == torch.bfloat16 else 2
     grid = (-(-n // block_n), split, -(-rows // block_m))
@@ -413,10 +381,7 @@ def launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: t
     if partial:
         size = rows * n
         block = 1024
-        xa, second, scale = lora if lora is not None else (out, out, 0.0)
-        summed = second is None
-        reduce[(-(-size // block),)](target, bias if bias is not None else out, out, size, n, split, xa,
-                                     xa if summed else second, 0 if summed or lora is None else second.shape[-1],
-                                     scale, HAS_BIAS=bias is not None, HAS_LORA=lora is not None, SUMMED=summed,
-                                     XQ=xq, EXACT=interpret, BLOCK=block, enable_fp_fusion=False)
+        reduce[(-(-size // block),)](target, bias if bias is not None else out, out, size, n, split,
+                                     HAS_BIAS=bias is not None, XQ=xq, EXACT=interpret, BLOCK=block,
+                                     enable_fp_fusion=False)
     return out

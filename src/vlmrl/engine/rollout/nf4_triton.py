@@ -3,12 +3,10 @@ what it computes and how it is checked).
 
 Public: `kernels(interpret)` -> (`nf4_tiles`: 2-D tiles of packed bytes decoded and joined back into the rows' order
 (high nibble first) against x's columns read along k, each program writing its fp32 share when K is split, else the
-rounded output; `nf4_splits`: the fixed-order sum of K splits, bias added and rounded once, and where asked a LoRA
-branch's second factor, scale and sum, or (`SUMMED`) the branch's given output scaled and summed, for the
-experiments in `vlmrl.engine.experimental.nf4_lora`). Building them also puts their device helpers (`rounded`,
-`dot_operand`, `store_tile`) in this module's globals, where the first design's kernel
-(`vlmrl.engine.experimental.nf4_v1`) takes them from. Limits: those of `nf4` (nf4 codes, bf16/fp16
-activations, CUDA or Triton's interpreter).
+rounded output; `nf4_splits`: the fixed-order sum of K splits, bias added and rounded once). Building them also
+puts their device helpers (`rounded`, `dot_operand`, `store_tile`) in this module's globals, where Triton finds
+them (and other kernels built on them may take them). Limits: those of `nf4` (nf4 codes, bf16/fp16 activations,
+CUDA or Triton's interpreter).
 """
 
 from __future__ import annotations
@@ -73,13 +71,9 @@ def kernels(interpret: bool) -> tuple[Any, Any]:
     globals()["store_tile"] = store_tile
 
     @triton.jit
-    def nf4_splits(Partial, Bias, Out, size, N, splits, XA, Second, rank, scale, HAS_BIAS: tl.constexpr,
-                   HAS_LORA: tl.constexpr, SUMMED: tl.constexpr, XQ: tl.constexpr, EXACT: tl.constexpr,
-                   BLOCK: tl.constexpr):
-        # the splits' shares summed in order, the bias added, rounded once; with a LoRA branch, PEFT's sum after
-        # it: the rank-space rows XA [M, rank] times the second factor Second [N, rank] (SUMMED: XA is that
-        # product already, [M, N] in x's dtype), rounded, scaled, rounded, added to the rounded base output and
-        # rounded (each rounding one PEFT's eager forward makes)
+    def nf4_splits(Partial, Bias, Out, size, N, splits, HAS_BIAS: tl.constexpr, XQ: tl.constexpr,
+                   EXACT: tl.constexpr, BLOCK: tl.constexpr):
+        # the splits' shares summed in order, the bias added, rounded once
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = i < size
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -87,17 +81,6 @@ def kernels(interpret: bool) -> tuple[Any, Any]:
             acc += tl.load(Partial + s * size + i, mask=ok, other=0.0)
         if HAS_BIAS:
             acc += tl.load(Bias + i % N, mask=ok, other=0.0).to(tl.float32)
-        if HAS_LORA:
-            if SUMMED:
-                lora = tl.load(XA + i, mask=ok, other=0.0).to(tl.float32)
-            else:
-                row, col = i // N, i % N
-                lora = tl.zeros((BLOCK,), dtype=tl.float32)
-                for r in range(rank):
-                    a = tl.load(XA + row * rank + r, mask=ok, other=0.0).to(tl.float32)
-                    lora += a * tl.load(Second + col * rank + r, mask=ok, other=0.0).to(tl.float32)
-            lora = rounded(rounded(lora, XQ, EXACT) * scale, XQ, EXACT)
-            acc = rounded(acc, XQ, EXACT) + lora
         tl.store(Out + i, rounded(acc, XQ, EXACT).to(Out.dtype.element_ty), mask=ok)
 
     @triton.jit
@@ -111,7 +94,7 @@ def kernels(interpret: bool) -> tuple[Any, Any]:
         # tiles (high nibbles: weights 2c, low: 2c + 1) and joined back into [BLOCK_N, 2 KH] in the row's order, so
         # x's [2 KH, BLOCK_M] tile is read along k in 16-byte loads (the design before read its even and odd columns
         # apart, 2 bytes of 32 rows a load); each block's scale, a [BLOCK_N] vector, is spread over its HALF bytes
-        # by selects. benchmarks/nf4_sass.py counts the loop's instructions (docs/benchmarks.md).
+        # by selects. benchmarks/nf4_sass.py counts the loop's instructions (benchmarks/NOTES.md).
         KH: tl.constexpr = NB * HALF  # packed bytes per row per step
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -8,7 +8,7 @@ or not. The values come back bit for bit; the host buffers are allocated once an
 
 Why: the rollout's bf16 adapter copies (`vlmrl.engine.rollout.adapter_cast`) cost 2 bytes per adapter parameter while a
 rollout runs; the state frees 8. The step's peak, which plain TRL's loss pass sets, stays where it was.
-Cost: two copies of the state per step over PCIe, small against a step (docs/benchmarks.md). Not used under FSDP / DeepSpeed (sharded state) or for state that is not plain device
+Cost: two copies of the state per step over PCIe, small against a step (benchmarks/NOTES.md). Not used under FSDP / DeepSpeed (sharded state) or for state that is not plain device
 memory (bitsandbytes' paged optimizers).
 """
 

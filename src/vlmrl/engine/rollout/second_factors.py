@@ -4,7 +4,7 @@ A stacked group's first matmul gives, per row, the base outputs and then the ada
 side. What follows is `base + scale * (first @ secondᵀ)`, `second` the group's block-diagonal second factors. At a
 token step (a few dozen rows) cuBLAS runs that small matmul (K = the group's summed ranks) bound by latency rather
 than bandwidth, and the scaled sum after it is another kernel, for every group of every layer (what that costs:
-docs/benchmarks.md). Here one kernel reads the stacked output once, multiplies the rank-space inputs by a tile of
+benchmarks/NOTES.md). Here one kernel reads the stacked output once, multiplies the rank-space inputs by a tile of
 the second factors on the tensor cores, scales, adds the base outputs and writes the group's outputs; one program
 per block of output columns (and of rows). On with `train.rollout.kernels`.
 

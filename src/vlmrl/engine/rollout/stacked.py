@@ -22,7 +22,7 @@ which a matmul kernel sums its products.
 Applies to plain LoRA (no DoRA or other variant, no dropout, no bias of its own, one active adapter) over
 unquantized float base weights that are not sharded (FSDP / ZeRO-3); elsewhere the adapter copies apply
 (`vlmrl.engine.rollout.adapter_cast`); `enable_fast_generation` picks one and records which. What it is
-worth beside the copies: docs/benchmarks.md ("stacked projections").
+worth beside the copies: benchmarks/NOTES.md ("stacked projections").
 """
 
 from __future__ import annotations

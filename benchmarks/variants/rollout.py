@@ -1,0 +1,336 @@
+"""Rollout variants (unsupported; see the package's docstring), and `apply`, which adds them to a trainer that
+`vlmrl.engine.rollout.fast.enable_fast_generation` set up, from outside: through the trainer's rollout contexts
+(`trainer.vlmrl_rollout_contexts`, wrapped again with `wrap_rollouts`) and the product's public pieces.
+
+- `attend_filled(model, window)`: each token step's attention reads only the filled static-cache positions,
+  rounded up to `window`, instead of the whole cache (`vlmrl_sdpa` wrapped by `filled_sdpa`, which reads `FILLED`).
+  The same attention up to float summation order; CUDA graphs record one graph per window.
+- `guards_once(model)`: each `generate` call's compiled token steps check dynamo's guards until one compiles
+  nothing, and skip them after (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`).
+- `unstacked()`: inside it, `enable_fast_generation` finds nothing to stack (`StackedProjections` replaced by a
+  subclass that stacks nothing), so it makes the bf16 adapter copies, as where stacking does not apply.
+- `apply(trainer, fast, ...)`: those, the adapter merge (`merge.rollout_merge`), one of vlmrl's two token-step
+  kernels off, a 4-bit base's token steps on bitsandbytes, through the nf4 kernel's first design (`nf4_v1`) or the
+  product's with the LoRA branch folded in or only its sum in its last pass (`nf4_lora`), added to the trainer's
+  rollouts; returns the record as a `VariantRecord` (the product's `FastGeneration` with `merge` and `guards`).
+- `input_cast(trainer, loss_pass)`: PEFT's float32 casts of the LoRA inputs back in the loss pass.
+What each was worth: benchmarks/NOTES.md ("The engine's pieces, one by one").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from vlmrl.engine.patch import replaced
+from vlmrl.engine.rollout import stacked
+from vlmrl.engine.rollout.fast import (
+    KERNEL_READ,
+    SECOND_KERNEL,
+    FastGeneration,
+    cache_key,
+    full_attention_static,
+    wrap_rollouts,
+)
+
+log = logging.getLogger(__name__)
+# Contexts that serve the unmerged adapter; a merged rollout has no use for them.
+_UNMERGED = ("offload", "adapter_copies", "stacked")
+
+
+@dataclasses.dataclass(frozen=True)
+class VariantRecord(FastGeneration):
+    """The product's record of a fast rollout, with what the variants add: `merge` (the adapter merged for rollouts,
+    or why not) and `guards` ("first step": dynamo's guards checked until steady)."""
+
+    merge: str | None = None
+    guards: str | None = None
+
+    def as_dict(self) -> dict:
+        return {**super().as_dict(), "merge": self.merge, "guards": self.guards}
+
+
+class _Unstacked(stacked.StackedProjections):
+    """`StackedProjections` that stacks nothing: the product then makes its bf16 adapter copies instead."""
+
+    def __init__(self, model: Any):
+        self.groups = []
+        self.reason = "turned off by a bench variant"
+
+
+@contextlib.contextmanager
+def unstacked() -> Iterator[None]:
+    """Inside the block, `enable_fast_generation` stacks no projections (it finds none to stack) and falls back to
+    the adapter copies, as where stacking does not apply."""
+    with replaced(stacked, "StackedProjections", _Unstacked):
+        yield
+
+
+def input_cast(trainer: Any, loss_pass: Any) -> Any:
+    """PEFT's float32 casts of the LoRA layers' inputs back in `trainer`'s loss pass (after `enable_loss_pass`,
+    which had them skipped under autocast); returns the loss pass's record saying so."""
+    from vlmrl.engine.lora_layers import lora_layers
+
+    for layer in lora_layers(trainer.model):
+        layer.cast_input_dtype_enabled = True  # PEFT's own setting
+    return dataclasses.replace(loss_pass, adapter_inputs="cast to float32 by PEFT (a bench variant)")
+
+
+def apply(trainer: Any, fast: FastGeneration, *, merge: bool = False, filled_window: int = 0,
+          guards_once: bool = False, sdpa_decode: bool = False, second_cublas: bool = False,
+          nf4_kernel: str = "") -> FastGeneration:
+    """Add the variants to `trainer`'s rollouts (set up by `enable_fast_generation`, which returned
+    `fast`) and return `fast` with what was done. `merge`: the adapter merged for each rollout; `filled_window` > 0:
+    attention over the filled cache positions in windows of that many; `guards_once`: dynamo's guards checked until
+    the token steps are steady; `sdpa_decode`: token steps attend through SDPA instead of vlmrl's decode kernel;
+    `second_cublas`: the stacked projections' second step as a cuBLAS matmul and a sum instead of one kernel;
+    `nf4_kernel`: "off", a 4-bit base's token steps on bitsandbytes instead of the product's nf4 kernel; "v1",
+    through the kernel's first design (`nf4_v1`, on for the trainer's life, as the product's is); "folded", the
+    product's kernel with the LoRA branch's second factor and sum folded into its last pass (`nf4_lora`); "summed",
+    the same with the branch's factors as PEFT runs them and only its scale and sum in that pass; "by_rule", the
+    product's kernel with `nf4.rule_config`'s settings everywhere (no `TUNED_SM90`). Call it right
+    after `enable_fast_generation`, before anything else wraps the trainer's rollout call. Returns a `VariantRecord`
+    (`fast` itself when fast generation is off)."""
+    if not fast.enabled:
+        return fast
+    contexts = list(trainer.vlmrl_rollout_contexts)
+    names = [name for name, _ in contexts]
+    changes: dict[str, Any] = {}
+    if merge:
+        from .merge import rollout_merge
+
+        merger, changes["merge"] = rollout_merge(trainer)
+        if merger is not None:
+            if any(name in _UNMERGED for name in names):
+                changes["adapters"] = "merged into the base weights (stacked projections and copies unused)"
+            contexts = [(name, factory) for name, factory in contexts if name not in _UNMERGED]
+            _insert(contexts, ("merge", merger.merged), before=("autocast", "stop_check"))
+    if filled_window > 0:
+        read = fast.cache_read or ""
+        if "attention" in names:
+            contexts.insert(names.index("attention") + 1,
+                            ("filled_window", lambda: attend_filled(trainer.model, filled_window)))
+            changes["cache_read"] = read.replace("the whole static cache",
+                                                 f"filled positions, rounded up to {filled_window}", 1)
+        else:
+            changes["cache_read"] = f"{read} (the filled window needs vlmrl_sdpa)"
+    if sdpa_decode:
+        contexts = [(name, factory) for name, factory in contexts if name != "decode_kernel"]
+        changes["cache_read"] = changes.get("cache_read", fast.cache_read or "").replace(KERNEL_READ, "")
+    if second_cublas:
+        contexts = [(name, functools.partial(factory.func, fused=False) if name == "stacked" else factory)
+                    for name, factory in contexts]
+        changes["adapters"] = changes.get("adapters", fast.adapters or "").replace(SECOND_KERNEL, "")
+    if guards_once:
+        _insert(contexts, ("guards_once", lambda: _guards_once(trainer.model)), before=("compile_over_4bit",))
+        changes["guards"] = "first step"
+    if nf4_kernel and fast.weights is not None:  # (None: not a 4-bit base)
+        changes["weights"] = _nf4_for_life(trainer, nf4_kernel)
+    wrap_rollouts(trainer, contexts)
+    log.warning("rollout variants (benchmarks/variants): %s", changes or "none")
+    record = {field.name: getattr(fast, field.name) for field in dataclasses.fields(fast)}
+    return VariantRecord(**(record | changes))
+
+
+def _nf4_for_life(trainer: Any, kernel: str) -> str:
+    """Undo the product's nf4 routing (`vlmrl.engine.rollout.fast.nf4_token_steps`) and, for "v1", route the
+    trainer's 4-bit token steps through the first design until the trainer goes; what the record says."""
+    from vlmrl.engine.rollout.fast import BITSANDBYTES
+
+    product = getattr(trainer, "vlmrl_nf4_decode", None)
+    if product is not None:
+        product.close()
+        trainer.vlmrl_nf4_decode = None
+    if kernel == "off":
+        return f"{BITSANDBYTES} (vlmrl's nf4 kernel turned off by a bench variant)"
+    if kernel in ("folded", "summed"):
+        from vlmrl.engine.rollout.nf4 import MAX_ROWS, MIN_ROWS, nf4_decode
+
+        from . import nf4_lora
+
+        summed = kernel == "summed"
+        stack = contextlib.ExitStack()
+        reason = stack.enter_context(nf4_decode(trainer.model))
+        trainer.vlmrl_nf4_decode = stack
+        if reason is not None:
+            return f"{BITSANDBYTES} (nf4 kernel with the LoRA branch {kernel} asked for, not used: {reason})"
+        why_not = (nf4_lora.probe(trainer.model, summed=summed) if nf4_lora.adapted_layers(trainer.model)
+                   else "no LoRA layer")
+        if why_not is not None:
+            return (f"vlmrl nf4 kernel for token steps of {MIN_ROWS}-{MAX_ROWS} rows, the LoRA branch in PEFT's "
+                    f"forward ({'its sum in the kernel' if summed else 'folding it'} asked for, not done: "
+                    f"{why_not}), {BITSANDBYTES} otherwise")
+        folded, adapted = stack.enter_context(nf4_lora.nf4_lora_decode(trainer.model, summed=summed))
+        moved = "scale and sum" if summed else "second factor and sum"
+        return (f"vlmrl nf4 kernel for token steps of {MIN_ROWS}-{MAX_ROWS} rows, the LoRA branch's {moved} "
+                f"in its last pass for {folded} of {adapted} adapted layers (variants.nf4_lora), "
+                f"{BITSANDBYTES} otherwise")
+    from vlmrl.engine.rollout.nf4 import MAX_ROWS, MIN_ROWS
+
+    from .nf4_v1 import nf4_decode_with, nf4_matmul_v1
+
+    design = "v1" if kernel == "v1" else "with its settings by rule, not TUNED_SM90"
+    stack = contextlib.ExitStack()
+    matmul = nf4_matmul_v1 if kernel == "v1" else _nf4_matmul_by_rule
+    reason = stack.enter_context(nf4_decode_with(trainer.model, matmul))
+    trainer.vlmrl_nf4_decode = stack  # held (and closed) with the trainer
+    if reason is not None:
+        return f"{BITSANDBYTES} (nf4 kernel {design} asked for, not used: {reason})"
+    return (f"vlmrl nf4 kernel {design} (a bench variant) for token steps of {MIN_ROWS}-{MAX_ROWS} rows, "
+            f"{BITSANDBYTES} otherwise")
+
+
+def _nf4_matmul_by_rule(x: Any, weight: Any, bias: Any = None, *, quant_state: Any = None) -> Any:
+    """The product's nf4 matmul with `nf4.rule_config`'s settings for every shape (its `TUNED_SM90` table left
+    out): the A/B partner that table was measured against end to end."""
+    from vlmrl.engine.rollout import nf4
+
+    qs = quant_state if quant_state is not None else weight.quant_state
+    n, k = qs.shape
+    config = nf4.rule_config(x.numel() // k, n, k, qs.blocksize, x.device)
+    return nf4.nf4_matmul(x, weight, bias, quant_state=qs, config=config)
+
+
+def _insert(contexts: list[tuple[str, Callable[[], Any]]], entry: tuple[str, Callable[[], Any]], *,
+            before: tuple[str, ...]) -> None:
+    """Insert `entry` before the first context named in `before` that is there; at the end when none is."""
+    names = [name for name, _ in contexts]
+    at = next((names.index(name) for name in before if name in names), len(contexts))
+    contexts.insert(at, entry)
+
+
+@contextlib.contextmanager
+def attend_filled(model: Any, window: int) -> Iterator[None]:
+    """Inside the block, each token step on a static cache tells `vlmrl_sdpa` how many leading cache positions
+    can be attended to: the tokens so far (the step's own included), rounded up to `window`, at most the cache.
+
+    Wraps the model's `prepare_inputs_for_generation`, which `generate` calls on the host before every step with
+    all tokens so far, so the length is known without reading the device. It travels as the size of a view of one
+    buffer (`FILLED`), marked dynamic: a compiled decode step takes it as a symbolic size rather than recompiling
+    for each value, and CUDA graphs record one graph per window (cache length / window of them at most). While
+    active, `vlmrl_sdpa`'s registered function is `filled_sdpa`, which reads it.
+    """
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from vlmrl.engine.rollout import attention
+    from vlmrl.engine.rollout.attention import base_model
+
+    attention.register()
+    base = base_model(model)
+    original = base.prepare_inputs_for_generation
+    buffers: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+    def prepare(input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        inputs = original(input_ids, *args, **kwargs)
+        key = cache_key(inputs)
+        length = _static_cache_length(inputs[key] if key else None)
+        if length is None:
+            return inputs
+        filled = min(-(-input_ids.shape[1] // window) * window, length)
+        buffer = (input_ids.device, length)
+        if buffer not in buffers:
+            buffers[buffer] = torch.empty(length, dtype=torch.uint8, device=input_ids.device)
+        view = buffers[buffer][:filled]
+        torch._dynamo.maybe_mark_dynamic(view, 0)
+        inputs[FILLED] = view
+        return inputs
+
+    sdpa = ALL_ATTENTION_FUNCTIONS[attention.NAME]
+    AttentionInterface.register(attention.NAME, functools.partial(filled_sdpa, sdpa))
+    try:
+        with replaced(base, "prepare_inputs_for_generation", prepare):
+            yield
+    finally:
+        AttentionInterface.register(attention.NAME, sdpa)
+
+
+FILLED = "vlmrl_filled"  # the keyword argument carrying the attendable cache length (as a tensor's size)
+
+
+def filled_sdpa(sdpa: Callable[..., Any], module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor, attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> Any:
+    """`sdpa` (vlmrl_sdpa's function) on the first `len(kwargs[FILLED])` cache positions only, when given."""
+    key, value, attention_mask = attend_filled_only(key, value, attention_mask, kwargs.pop(FILLED, None))
+    return sdpa(module, query, key, value, attention_mask, *args, **kwargs)
+
+
+def attend_filled_only(
+    key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, filled: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The first `len(filled)` cache positions of `key`, `value` and a mask over the same positions; unchanged
+    without `filled`, or without a mask over the whole cache (nothing would hide the unwritten positions)."""
+    if filled is None or mask is None or mask.shape[-1] != key.shape[-2]:
+        return key, value, mask
+    length = filled.shape[0]
+    return key[:, :, :length], value[:, :, :length], mask[..., :length]
+
+
+def _static_cache_length(cache: Any) -> int | None:
+    """The length of a static cache of full-attention layers only; None for any other cache."""
+    if not full_attention_static(cache) or not cache.layers:
+        return None
+    lengths = {layer.max_cache_len for layer in cache.layers}
+    return lengths.pop() if len(lengths) == 1 else None
+
+
+@contextlib.contextmanager
+def guards_once(model: Any) -> Iterator[None]:
+    """Inside the block, the compiled token steps of each `generate` call check dynamo's guards until one of them
+    compiles nothing; the later steps of the call run under `torch.compiler.set_stance(skip_guard_eval_unsafe=True)`.
+
+    Dynamo checks thousands of guards on the model's attributes and inputs before every call of a compiled
+    function, on the host. Within one `generate` call nothing they check changes from one token step to the next
+    once the steps are steady: the static cache, the batch and every shape are fixed for the call. The first steps
+    check everything (and compile when something did change, e.g. a new cache length), so only steady repeats are
+    skipped; torch still checks the guards that tell its compiled entries apart. Should a skipped step still need
+    a graph that is not compiled (torch raises instead of compiling under that stance), the step runs again with
+    its guards checked, and so does the rest of the call: a token step is a pure function of its inputs and the
+    cache positions it writes, so running it again writes the same values. Wraps the model's `get_compiled_call`
+    (transformers 5.x), which `generate` calls once per call.
+    """
+    from torch._dynamo.utils import counters
+
+    from vlmrl.engine.rollout.attention import base_model
+
+    base = base_model(model)
+    original = getattr(base, "get_compiled_call", None)
+    if original is None:
+        yield
+        return
+
+    def get_compiled_call(compile_config: Any) -> Callable:
+        compiled = original(compile_config)
+        steady = False  # a checked token step of this call compiled nothing
+        fell_back = False  # a skipped step needed a new graph: the rest of the call checks every step
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            nonlocal steady, fell_back
+            if steady and not fell_back:
+                try:
+                    with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                        return compiled(*args, **kwargs)
+                except RuntimeError as error:
+                    if "skip_guard_eval_unsafe" not in str(error):
+                        raise
+                    fell_back = True
+                    log.info("guards_once: a token step needed a graph not compiled yet; it ran again with its "
+                             "guards checked, as will the rest of this generate call")
+            compiles = counters["frames"]["total"]
+            out = compiled(*args, **kwargs)
+            steady = counters["frames"]["total"] == compiles
+            return out
+
+        return call
+
+    with replaced(base, "get_compiled_call", get_compiled_call):
+        yield
+
+
+_guards_once = guards_once  # `apply`'s keyword of the same name hides the function inside it

@@ -1,0 +1,380 @@
+"""The bench plugins in benchmarks/variants/ (the engine's A/B variants that lost or tied, outside the product), on
+the CPU and quickly: the one hook (`vlmrl.bench.run.VARIANTS`) and what each registered path changes; a variant
+setting up the engine in place of `vlmrl_engine` from outside (stacking turned off, the merge, PEFT's input cast);
+`apply` putting each rollout variant in its place and recording it; the merged rollout computing the adapter's
+output and restoring the base weights bit for bit; the filled-cache window's attention; the nf4 variants' records.
+
+Left to the benchmarks that run them (no longer in the suite, which they slowed: they compiled tiny models or ran
+many Triton-interpreter launches): guards checked once on a compiled tiny Qwen3-VL (tests/test_guards_once.py),
+greedy and compiled decoding over the filled window (most of tests/test_attend_filled.py), the nf4 LoRA fold's
+and the summed form's numerics (tests/test_nf4_lora.py), and the first nf4 design's numerics (test_nf4.py's "v1").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import inspect
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.helpers import AttentionModule, Block, Net, fake_trainer, lora_net, lora_policy
+from vlmrl.engine.lora_layers import lora_layers
+from vlmrl.engine.rollout import attention
+from vlmrl.engine.rollout.fast import FastGeneration, enable_fast_generation, wrap_rollouts
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "benchmarks") not in sys.path:  # where the plugins are imported from, as the scripts there run
+    sys.path.append(str(ROOT / "benchmarks"))  # last: the scripts beside them shadow nothing
+
+import variants
+from variants import rollout
+from variants.merge import RolloutMerge, host_bytes, rollout_merge, unsupported_reason
+
+# --- the hook --------------------------------------------------------------------------------------------------
+
+
+def test_the_registry_is_the_hook_and_the_product_has_none():
+    from vlmrl.bench import PATHS, VARIANTS, path_names, vlmrl_engine
+
+    assert VARIANTS == {} and path_names() == PATHS  # the product's bench
+    registry: dict = {}
+    variants.register(registry)
+    assert registry == variants.VARIANTS and not set(registry) & set(PATHS)
+    for setup in registry.values():  # each runs where `vlmrl_engine` would, with its arguments
+        assert list(inspect.signature(setup).parameters) == list(inspect.signature(vlmrl_engine).parameters)
+
+
+def test_each_variant_changes_only_its_own_setting():
+    """What the bench paths of the config switches that went away run now (their names stay in committed plans)."""
+    table, Variant = variants.VARIANTS, variants.Variant
+    assert table["vlmrl-stacked"] == table["vlmrl-stacked-kernel"] == table["vlmrl-nf4-v2"] == Variant()  # defaults
+    assert table["vlmrl-nf4-unfused"] == Variant()
+    assert table["vlmrl-copies"] == Variant(stacked=False)
+    assert table["vlmrl-merged"] == Variant(stacked=False, rollout={"merge": True})
+    assert table["vlmrl-filled"] == Variant(rollout={"filled_window": variants.FILLED_WINDOW})
+    assert variants.FILLED_WINDOW == 128
+    assert table["vlmrl-filled-copies"] == Variant(stacked=False, rollout={"filled_window": 128})
+    assert table["vlmrl-input-cast"] == Variant(input_cast=True)
+    assert table["vlmrl-own-kernels"] == Variant(loss_pass={"kernels": False})
+    options = {name: v.rollout for name, v in table.items() if v.rollout}
+    assert options == {
+        "vlmrl-merged": {"merge": True}, "vlmrl-filled": {"filled_window": 128},
+        "vlmrl-filled-copies": {"filled_window": 128}, "vlmrl-sdpa-decode": {"sdpa_decode": True},
+        "vlmrl-guards-once": {"guards_once": True}, "vlmrl-second-cublas": {"second_cublas": True},
+        "vlmrl-bnb": {"nf4_kernel": "off"}, "vlmrl-nf4-v1": {"nf4_kernel": "v1"},
+        "vlmrl-nf4-folded": {"nf4_kernel": "folded"}, "vlmrl-nf4-summed": {"nf4_kernel": "summed"},
+        "vlmrl-nf4-by-rule": {"nf4_kernel": "by_rule"}}
+    for keywords in options.values():
+        inspect.signature(rollout.apply).bind("trainer", "fast", **keywords)  # apply takes these keywords
+
+
+@pytest.mark.parametrize("name", ["merge", "rollout", "nf4_v1", "nf4_lora", "nf4_launch"])
+def test_each_plugin_module_imports(name):
+    importlib.import_module(f"variants.{name}")
+
+
+@pytest.fixture
+def stub_loss_pass(monkeypatch):
+    """`enable_loss_pass` recording its options (a fake trainer has no loss pass to change)."""
+    from vlmrl.engine import loss_pass
+
+    monkeypatch.setattr(loss_pass, "enable_loss_pass", lambda trainer, **options: loss_pass.LossPass(
+        None, loss_pass.LengthGrouping(False, why_not="a stub"), kernels=str(options)))
+
+
+def _block_trainer(seen: list | None = None):
+    model = lora_policy(Block().to(torch.bfloat16))  # float32 adapters over a bf16 base
+    return model, fake_trainer(model, lambda: None if seen is None else seen.append(
+        [layer.merged for layer in lora_layers(model)]))
+
+
+def test_a_variant_sets_up_the_engine_from_outside(stub_loss_pass):
+    from vlmrl.bench import BenchSettings
+    from vlmrl.engine.rollout import stacked
+
+    product = stacked.StackedProjections
+    _, trainer = _block_trainer()
+    fast, loss = variants.VARIANTS["vlmrl-copies"](trainer, BenchSettings())
+    assert fast.adapters.startswith("not stacked (turned off by a bench variant); bfloat16 copies made per rollout")
+    assert [name for name, _ in trainer.vlmrl_rollout_contexts if name in ("offload", "adapter_copies", "stacked")] \
+        == ["offload", "adapter_copies"]
+    assert stacked.StackedProjections is product and loss.kernels == "{}"  # the product's class again after it
+    _, trainer = _block_trainer()
+    fast, loss = variants.VARIANTS["vlmrl-own-kernels"](trainer, BenchSettings())
+    assert fast.adapters.startswith("stacked by shared input") and loss.kernels == "{'kernels': False}"
+    model, trainer = _block_trainer()
+    _, loss = variants.VARIANTS["vlmrl-input-cast"](trainer, BenchSettings())
+    assert loss.adapter_inputs == "cast to float32 by PEFT (a bench variant)"
+    assert all(layer.cast_input_dtype_enabled is True for layer in lora_layers(model))
+
+
+def test_the_merged_path_drops_the_copies_and_restores_the_weights(stub_loss_pass):
+    from vlmrl.bench import BenchSettings
+
+    seen: list = []
+    model, trainer = _block_trainer(seen)
+    before = [layer.get_base_layer().weight.clone() for layer in lora_layers(model)]
+    fast, _ = variants.VARIANTS["vlmrl-merged"](trainer, BenchSettings())
+    assert isinstance(fast, rollout.VariantRecord) and fast.merge.startswith("merged for rollouts")
+    assert fast.adapters == "merged into the base weights (stacked projections and copies unused)"
+    names = [name for name, _ in trainer.vlmrl_rollout_contexts]
+    assert "merge" in names and not {"offload", "adapter_copies", "stacked"} & set(names)
+    assert fast.as_dict()["merge"] == fast.merge and fast.as_dict()["guards"] is None
+    assert set(fast.as_dict()) - set(FastGeneration(True, "").as_dict()) == {"merge", "guards"}
+    trainer._generate_single_turn()
+    assert seen == [[True] * len(before)]  # merged inside the rollout
+    after = [layer.get_base_layer().weight for layer in lora_layers(model)]
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))  # restored bit for bit
+
+
+def test_the_kernel_variants_take_the_products_pieces_out_again():
+    _, cublas = _block_trainer()  # the bench's vlmrl-second-cublas
+    fast = rollout.apply(cublas, enable_fast_generation(cublas), second_cublas=True)
+    assert "second_factors" not in fast.adapters
+    assert dict(cublas.vlmrl_rollout_contexts)["stacked"].keywords == {"fused": False}
+    _, sdpa = _block_trainer()  # vlmrl-sdpa-decode: no decode kernel to take out here (no vlmrl_sdpa)
+    fast = rollout.apply(sdpa, enable_fast_generation(sdpa), sdpa_decode=True)
+    assert fast.cache_read == "the whole static cache (the decode kernel needs vlmrl_sdpa)"
+    assert "decode_kernel" not in dict(sdpa.vlmrl_rollout_contexts)
+
+
+def _named_trainer(model, seen: list) -> SimpleNamespace:
+    """A trainer as `enable_fast_generation` leaves it: named rollout contexts that record when they are entered."""
+    trainer = SimpleNamespace(model=model, _generate_single_turn=lambda: seen.append(
+        ("rollout", all(layer.merged for layer in lora_layers(model)))))
+
+    @contextlib.contextmanager
+    def context(name):
+        seen.append(name)
+        yield
+
+    names = ("attention", "decode_kernel", "offload", "stacked", "autocast", "stop_check", "compile_over_4bit")
+    wrap_rollouts(trainer, [(name, functools.partial(context, name)) for name in names])
+    return trainer
+
+
+def test_apply_puts_each_variant_in_its_place_and_records_it():
+    seen: list = []
+    model = lora_net(torch.bfloat16)
+    before = [layer.get_base_layer().weight.clone() for layer in lora_layers(model)]
+    trainer = _named_trainer(model, seen)
+    fast = FastGeneration(True, "static KV cache + torch.compile", cache_read="the whole static cache",
+                          adapters="stacked by shared input")
+    done = rollout.apply(trainer, fast, merge=True, filled_window=64, guards_once=True)
+    assert [name for name, _ in trainer.vlmrl_rollout_contexts] == [
+        "attention", "filled_window", "decode_kernel", "merge", "autocast", "stop_check", "guards_once",
+        "compile_over_4bit"]  # the stacked projections and the state's offload serve the unmerged adapter only
+    assert done.merge.startswith("merged for rollouts") and done.guards == "first step"
+    assert done.cache_read == "filled positions, rounded up to 64" and done.adapters.startswith("merged")
+    seen.clear()
+    trainer.vlmrl_rollout_contexts = [c for c in trainer.vlmrl_rollout_contexts
+                                      if c[0] not in ("filled_window", "guards_once")]  # need a real model
+    wrap_rollouts(trainer, trainer.vlmrl_rollout_contexts)
+    trainer._generate_single_turn()
+    assert seen == ["attention", "decode_kernel", "autocast", "stop_check", "compile_over_4bit", ("rollout", True)]
+    after = [layer.get_base_layer().weight for layer in lora_layers(model)]
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))  # restored bit for bit
+    off = FastGeneration(False, "vLLM")
+    assert rollout.apply(trainer, off, merge=True) is off
+
+
+# --- the merged rollout (merge.py) -----------------------------------------------------------------------------
+
+
+def _base_weights(model) -> list[torch.Tensor]:
+    return [layer.get_base_layer().weight.detach().clone() for layer in lora_layers(model)]
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 0.05)])
+def test_merged_weights_compute_the_adapters_output(dtype, tolerance):
+    model = lora_net(dtype)
+    x = torch.randn(5, 64, dtype=dtype)
+    with torch.no_grad():
+        expected = model(x)
+        merge = RolloutMerge(model)
+        with merge.merged():
+            assert all(layer.merged for layer in lora_layers(model))  # peft's forward skips the LoRA branch
+            got = model(x)
+        assert not any(layer.merged for layer in lora_layers(model))
+        again = model(x)
+    torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(again, expected, rtol=0, atol=0)
+
+
+def test_bf16_base_weights_come_back_exactly_where_peft_unmerge_drifts():
+    model = lora_net(torch.bfloat16)
+    before = _base_weights(model)
+    merge = RolloutMerge(model)
+    for _ in range(3):
+        with merge.merged():
+            assert not all(torch.equal(w, b) for w, b in zip(merge.weights, before))  # really merged
+    assert all(torch.equal(w, b) for w, b in zip(merge.weights, before))
+    # control: what a merge/unmerge round trip (peft, TRL's vLLM sync) does to the same bf16 weights
+    for _ in range(3):
+        model.merge_adapter()
+        model.unmerge_adapter()
+    assert not all(torch.equal(w, b) for w, b in zip(merge.weights, before))
+
+
+def test_an_error_or_a_peft_unmerge_inside_the_rollout_still_restores_the_weights():
+    model = lora_net(torch.bfloat16)
+    before = _base_weights(model)
+    merge = RolloutMerge(model)
+    with pytest.raises(RuntimeError, match="boom"), merge.merged():
+        raise RuntimeError("boom")
+    assert all(torch.equal(w, b) for w, b in zip(merge.weights, before))
+    with merge.merged():
+        model.unmerge_adapter()  # e.g. peft's disable_adapter path: subtracts the delta, clears merged_adapters
+    assert all(torch.equal(w, b) for w, b in zip(merge.weights, before))
+    assert not any(layer.merged for layer in lora_layers(model))
+
+
+def test_merged_bf16_weights_keep_large_deltas_and_lose_small_ones():
+    """Why merging lost: bf16 rounding of W + D drops the elements of D below half a bf16 step of W."""
+    torch.manual_seed(0)
+    weight = (torch.randn(256, 256) * 0.02).to(torch.bfloat16)
+    x = torch.randn(64, 256)
+
+    def lost_share(scale: float) -> float:
+        delta = torch.randn(256, 256) * scale
+        merged = (weight.float() + delta).to(torch.bfloat16).float() - weight.float()
+        return float((x @ (merged - delta).T).norm() / (x @ delta.T).norm())
+
+    assert lost_share(1e-5) > 0.5  # most of an early-training adapter's effect is gone from the rollout policy
+    assert lost_share(1e-2) < 0.05  # a large delta survives the rounding
+
+
+def test_host_copy_size_what_is_not_merged_and_why(monkeypatch):
+    from variants import merge
+
+    model = lora_net(torch.bfloat16)
+    need = host_bytes(model)
+    assert need == 2 * (64 * 256 + 256 * 64) and unsupported_reason(model) is None
+    assert unsupported_reason(Net()) == "no LoRA layers"
+    assert "DoRA" in unsupported_reason(lora_net(torch.float32, use_dora=True))
+    assert "lora_bias" in unsupported_reason(lora_net(torch.float32, lora_bias=True))
+    with pytest.raises(ValueError, match="cannot merge the adapter for rollouts: no LoRA layers"):
+        RolloutMerge(Net())
+    merger, note = rollout_merge(SimpleNamespace(model=model))
+    assert isinstance(merger, RolloutMerge) and note.startswith("merged for rollouts")
+    assert merger._originals is not None  # the host copy is made up front, before any rollout
+    _, note = rollout_merge(SimpleNamespace(model=model, is_fsdp_enabled=True))
+    assert note == "not merged: parameters are sharded (FSDP / DeepSpeed)"
+    monkeypatch.setattr(merge, "available_host_bytes", lambda: 4 * need)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # four processes on this host, each pinning a copy
+    merger, note = rollout_merge(SimpleNamespace(model=model))
+    assert merger is None and note.startswith("not merged: 4 pinned copies of")
+
+
+# --- the filled-cache window (rollout.attend_filled) -----------------------------------------------------------
+
+
+def test_reading_the_filled_positions_only_is_the_same_attention():
+    torch.manual_seed(0)
+    batch, kv_heads, cache, filled, dim = 3, 2, 24, 13, 8
+    query = torch.randn(batch, kv_heads * 4, 1, dim, dtype=torch.float64)
+    key = torch.randn(batch, kv_heads, cache, dim, dtype=torch.float64)
+    value = torch.randn(batch, kv_heads, cache, dim, dtype=torch.float64)
+    mask = torch.zeros(batch, 1, 1, cache, dtype=torch.bool)
+    mask[:, :, :, :filled] = True
+    mask[1, :, :, :2] = False  # left padding
+    full, _ = attention.packed_gqa_sdpa(AttentionModule(4), query, key, value, mask)
+    sdpa = functools.partial(rollout.filled_sdpa, attention.packed_gqa_sdpa)
+    for window in (filled, 16, cache):
+        part, _ = sdpa(AttentionModule(4), query, key, value, mask,
+                       **{rollout.FILLED: torch.empty(window, dtype=torch.uint8)})
+        torch.testing.assert_close(part, full)
+    # what the positions past the window hold does not matter: they are not read
+    key[:, :, 16:] = value[:, :, 16:] = float("nan")
+    part, _ = sdpa(AttentionModule(4), query, key, value, mask, **{rollout.FILLED: torch.empty(16, dtype=torch.uint8)})
+    torch.testing.assert_close(part, full)
+
+
+def test_without_a_whole_cache_mask_nothing_is_dropped():
+    key = value = torch.randn(1, 2, 10, 4)
+    filled = torch.empty(4, dtype=torch.uint8)
+    assert rollout.attend_filled_only(key, value, None, filled)[0].shape[2] == 10  # nothing hides the rest
+    short_mask = torch.ones(1, 1, 1, 6, dtype=torch.bool)
+    assert rollout.attend_filled_only(key, value, short_mask, filled)[0].shape[2] == 10
+    k, v, m = rollout.attend_filled_only(key, value, torch.ones(1, 1, 1, 10, dtype=torch.bool), filled)
+    assert k.shape[2] == v.shape[2] == m.shape[-1] == 4
+
+
+def test_the_window_wraps_vlmrl_sdpa_only_while_active():
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    attention.register()
+    product = ALL_ATTENTION_FUNCTIONS[attention.NAME]
+    model = SimpleNamespace(prepare_inputs_for_generation=lambda ids, **kw: {"input_ids": ids})
+    with rollout.attend_filled(model, 8):
+        wrapped = ALL_ATTENTION_FUNCTIONS[attention.NAME]
+        assert wrapped.func is rollout.filled_sdpa and wrapped.args == (product,)
+        ids = torch.zeros(1, 3)
+        assert model.prepare_inputs_for_generation(ids) == {"input_ids": ids}  # no static cache: nothing to add
+    assert ALL_ATTENTION_FUNCTIONS[attention.NAME] is product
+
+
+def test_a_variant_path_is_reported_beside_the_others():
+    """A variant path (registered by a plugin, not one of `PATHS`) gets its ratios and its record's settings."""
+    from vlmrl.bench import PATHS, BenchSettings, load_shapes, markdown_table, summarize
+
+    assert "vlmrl-filled" not in PATHS
+
+    def raw(path, seconds, fast=None):
+        return {"path": path, "error": None, "fast_generation": fast, "peak_memory_gib": 20.0,
+                "peak_reserved_gib": 21.0, "steps": [{"seconds": s, "generate_seconds": s - 5} for s in seconds]}
+
+    results = [raw("plain", [100, 100]), raw("vlmrl", [60, 20], {"enabled": True, "cache_read": "the whole static cache"}),
+               raw("vlmrl-filled", [60, 18], {"enabled": True, "cache_read": "filled positions, rounded up to 128",
+                                              "guards": "first step"})]
+    summary = summarize(BenchSettings(paths=["plain", "vlmrl", "vlmrl-filled"]), load_shapes("qwen3_vl_8b"),
+                        {"matmul_tflops": 800, "copy_bandwidth_tbs": 4.0}, results, prompt_tokens=310)
+    assert summary["ratios"]["filled_step_speedup"] == pytest.approx(100 / 18)
+    table = markdown_table(summary)
+    assert "vlmrl-filled: attention reads filled positions, rounded up to 128, guards checked: first step." in table
+    assert "vlmrl: attention reads the whole static cache." in table
+
+
+# --- the nf4 variants' records (rollout.apply(nf4_kernel=...)) -------------------------------------------------
+
+
+@pytest.mark.parametrize(("variant", "record", "given", "routed"), [
+    ("off", "bitsandbytes Linear4bit (vlmrl's nf4 kernel turned off by a bench variant)", [], False),
+    ("v1", "vlmrl nf4 kernel v1 (a bench variant) for token steps of 2-64 rows, bitsandbytes Linear4bit otherwise",
+     [], True),
+    ("by_rule", ("vlmrl nf4 kernel with its settings by rule, not TUNED_SM90 (a bench variant) for token steps of "
+                 "2-64 rows, bitsandbytes Linear4bit otherwise"), [True], True),  # the product's, settings given
+])
+def test_the_nf4_variants_swap_the_products_kernel(variant, record, given, routed, launches, monkeypatch):
+    pytest.importorskip("bitsandbytes")
+    from variants import nf4_launch
+
+    from tests.helpers import NF4_DEVICE, nf4_layer, nf4_model, nf4_rollout_trainer
+    from vlmrl.engine.rollout import nf4
+
+    if not nf4.HAS_TRITON or not (torch.cuda.is_available() or nf4.interpreted()):
+        pytest.skip("needs Triton on CUDA or its interpreter (tests/conftest.py)")
+    monkeypatch.setattr(nf4, "gpu_reason", lambda device: None)
+    settings = []  # per launch of the product's kernel: whether its settings were given
+    real = nf4.launch
+    monkeypatch.setattr(nf4, "launch", lambda *a, **kw: settings.append(bool(a[11])) or real(*a, **kw))
+    first = []  # launches of the first design (the plugin's own launch)
+    real_v1 = nf4_launch.launch
+    monkeypatch.setattr(nf4_launch, "launch", lambda *a, **kw: first.append(a[0].shape[0]) or real_v1(*a, **kw))
+    model = nf4_model(nf4_layer(256, 192))
+    trainer = nf4_rollout_trainer(model, torch.randn(4, 1, 256).to(NF4_DEVICE, torch.bfloat16))
+    fast = rollout.apply(trainer, enable_fast_generation(trainer), nf4_kernel=variant)
+    assert fast.weights == record
+    trainer._generate_single_turn()
+    assert settings == [False, *given]  # the probe (the product's), then the rollout's token step
+    assert first == ([4] if variant == "v1" else [])
+    assert ("forward" in model[0].__dict__) is routed
+    if trainer.vlmrl_nf4_decode is not None:  # (closed by the "off" variant)
+        trainer.vlmrl_nf4_decode.close()
+    assert "forward" not in model[0].__dict__
