@@ -277,7 +277,7 @@ def add_prediction(rows: list[dict]) -> list[dict]:
     AdamW, 4-bit with 8-bit Adam) and the measured peak's ratio to it."""
     from vlmrl.bench.shaped import seed_overrides
     from vlmrl.config.schema import load_config
-    from vlmrl.run.preflight import estimate_memory, load_shapes
+    from vlmrl.preflight.memory import estimate_memory, load_shapes
 
     for r in rows:
         if not r.get("peak_gib_max") or not r.get("prompt_tokens"):

@@ -43,7 +43,7 @@ def cell(settings: dict, raw: dict, prompt_tokens: int, source: str, summary: di
     from vlmrl.bench.shaped import BenchSettings, batching, seed_overrides
     from vlmrl.bench.summary import rollouts_per_step, steady_steps
     from vlmrl.config.schema import load_config
-    from vlmrl.run.preflight import estimate_memory, load_shapes
+    from vlmrl.preflight.memory import estimate_memory, load_shapes
 
     s = {**BenchSettings().__dict__, **settings}
     rollouts, rollout = rollouts_per_step(s)

@@ -1,4 +1,4 @@
-"""The seed recipe's loss pass with and without Liger's fused kernels (`vlmrl.engine.loss_kernels`), side by side in one
+"""The seed recipe's loss pass with and without Liger's fused kernels (`vlmrl.engine.loss.kernels`), side by side in one
 process on one GPU. CUDA only.
 
 Builds Qwen3-VL-8B's shapes with random bf16 weights (what `vlmrl bench` trains), LoRA r=16 on the language
@@ -42,8 +42,8 @@ def main() -> None:
         sys.exit("loss_pass_kernels.py measures a GPU: no CUDA device here")
     from vlmrl.bench.floors import measure_ceilings, train_floor_s
     from vlmrl.bench.shaped import build_processor, build_shaped_model, load_shapes
-    from vlmrl.engine import loss_kernels
-    from vlmrl.run.preflight import language_param_count
+    from vlmrl.engine.loss import kernels as loss_kernels
+    from vlmrl.preflight.memory import language_param_count
 
     missing = loss_kernels.liger_missing()
     if missing:
@@ -104,7 +104,7 @@ def main() -> None:
 
 def numerics(out: Path, model, trainer, batch: dict) -> None:
     """Each bf16 variant's distance from the float32 pass (see the module docstring)."""
-    from vlmrl.engine import loss_kernels
+    from vlmrl.engine.loss import kernels as loss_kernels
 
     results = {}
     for variant in VARIANTS:
@@ -146,7 +146,7 @@ def prepare(model):
     from peft import LoraConfig, get_peft_model
 
     from vlmrl.bench.shaped import LORA_TARGETS
-    from vlmrl.engine.adapter_inputs import keep_inputs_under_autocast
+    from vlmrl.engine.loss.adapter_inputs import keep_inputs_under_autocast
 
     trl_utils.add_fused_lm_head(model, outputs=("log_probs", "entropy"))  # as GRPOTrainer.__init__ does
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -206,7 +206,7 @@ def table(r: dict) -> str:
         "| loss pass, one optimizer step | seconds (mean) | x floor | per round | peak GiB |",
         "|---|---|---|---|---|",
         *(f"| {name} | {r['mean_s'][v]:.2f} | {r['floor_ratio'][v]:.2f}x | {rounds[v]} | {r['peak_gib'][v]:.2f} |"
-          for v, name in (("own", "the modules' own forwards"), ("liger", "Liger's kernels (vlmrl.engine.loss_kernels)"))),
+          for v, name in (("own", "the modules' own forwards"), ("liger", "Liger's kernels (vlmrl.engine.loss.kernels)"))),
         f"| floor | {r['floor_s']:.2f} | | | |",
         "",
         (f"Floor: 6 x language parameters x {r['tokens_per_round']} tokens at {r['ceilings']['matmul_tflops']:.0f} "

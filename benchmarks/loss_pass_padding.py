@@ -1,4 +1,4 @@
-"""How much of the loss pass is padding, and what skipping it (vlmrl.engine.loss_pass) saves, on the CPU.
+"""How much of the loss pass is padding, and what skipping it (vlmrl.engine.loss.loss_pass) saves, on the CPU.
 
 TRL pads a whole generation batch (prompts left, completions right, to the longest of each) and then splits it
 into `steps_per_generation` micro-batches, so most micro-batches carry columns that are padding in every row.
@@ -6,7 +6,7 @@ This script builds generation batches the way TRL does, at the seed recipe's bat
 per generation batch, 4 micro-batches of 8 rows), from completion lengths, and runs TRL's own loss pass
 (`GRPOTrainer._get_per_token_logps_and_entropies`, forward + backward, LoRA, gradient checkpointing) over every
 micro-batch three ways, rotating their order, in one process: untrimmed with TRL's random grouping, trimmed with
-TRL's random grouping, and trimmed with length-grouped micro-batches (`vlmrl.engine.loss_pass.length_order`, what
+TRL's random grouping, and trimmed with length-grouped micro-batches (`vlmrl.engine.loss.loss_pass.length_order`, what
 `train.group_by_length` does). It reports the share of positions that were padding, the share each trimmed pass
 skipped, the loss-pass seconds and the largest log-prob difference from the untrimmed pass at a scored token.
 
@@ -152,7 +152,7 @@ def generation_batch(prompts: list[dict], completions: list[list[int]], pad: int
     """TRL's layout: every prompt repeated GENERATIONS times, prompts left-padded and completions right-padded
     over the whole generation batch, rows shuffled (`order="random"`) or the same shuffle sorted by length as
     `train.group_by_length` does (`order="length"`), then split into MICRO_BATCHES micro-batches."""
-    from vlmrl.engine.loss_pass import length_order
+    from vlmrl.engine.loss.loss_pass import length_order
 
     rows = [(i, prompts[i // GENERATIONS], completions[i]) for i in range(len(completions))]
     width_p = max(p["input_ids"].shape[1] for _, p, _ in rows)
@@ -198,7 +198,7 @@ def prepare(model):
 def measure(model, batches: dict[str, list[dict]], repeats: int) -> dict:
     """Loss-pass seconds of the three VARIANTS (their order rotating per round; round 0 warms up, untimed),
     the trims' counters and the largest log-prob gap to the untrimmed pass, row by row."""
-    from vlmrl.engine.loss_pass import enable_padding_trim
+    from vlmrl.engine.loss.loss_pass import enable_padding_trim
 
     trainers = {name: stand_in(model) for name in VARIANTS}
     counters = {name: enable_padding_trim(trainers[name]) for name in VARIANTS[1:]}

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-SHAPES = json.loads((ROOT / "src/vlmrl/run/shapes/qwen3_vl_8b.json").read_text())["text_config"]
+SHAPES = json.loads((ROOT / "src/vlmrl/preflight/shapes/qwen3_vl_8b.json").read_text())["text_config"]
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

@@ -31,7 +31,7 @@ PREFLIGHT_TOLERANCE = 0.25  # the issue: the preflight predicts the peak within 
 def run_block(path: Path) -> dict:
     """One bench.json's vlmrl path: settings, steps, per-step loss / grad norm / reward, peak, prediction."""
     from vlmrl.config.schema import load_config
-    from vlmrl.run.preflight import estimate_memory, load_shapes
+    from vlmrl.preflight.memory import estimate_memory, load_shapes
 
     bench = json.loads(path.read_text())
     s = bench["settings"]

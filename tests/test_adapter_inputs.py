@@ -1,4 +1,4 @@
-"""LoRA layers skip PEFT's float32 input cast under autocast (`vlmrl.engine.adapter_inputs`): the same outputs and the same
+"""LoRA layers skip PEFT's float32 input cast under autocast (`vlmrl.engine.loss.adapter_inputs`): the same outputs and the same
 gradients as PEFT's cast, with gradient checkpointing too; outside autocast PEFT still casts."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from peft import LoraConfig, get_peft_model
 from torch.utils.checkpoint import checkpoint
 
 from tests.helpers import Net, adapted
-from vlmrl.engine.adapter_inputs import CastOutsideAutocast, enable, keep_inputs_under_autocast
+from vlmrl.engine.loss.adapter_inputs import CastOutsideAutocast, enable, keep_inputs_under_autocast
 
 
 def _casts(model, x, *, checkpointed: bool):

@@ -1,4 +1,4 @@
-"""train.auto_batch: the largest per-device batch the memory preflight lets fit the card (vlmrl.run.preflight),
+"""train.auto_batch: the largest per-device batch the memory preflight lets fit the card (vlmrl.preflight.memory),
 chosen against fake card sizes here (no GPU in the tests), and a one-line note with no change on the CPU."""
 
 from __future__ import annotations
@@ -12,8 +12,15 @@ from tests.helpers import quick_config
 from vlmrl.common.io import read_json
 from vlmrl.config.schema import load_config
 from vlmrl.pipeline import prepare_with_budget
-from vlmrl.run import preflight
-from vlmrl.run.preflight import GPU_MARGIN, auto_batch, choose_batch, estimate_memory, load_shapes, with_batch
+from vlmrl.preflight import memory
+from vlmrl.preflight.memory import (
+    GPU_MARGIN,
+    auto_batch,
+    choose_batch,
+    estimate_memory,
+    load_shapes,
+    with_batch,
+)
 from vlmrl.train.stage import _auto_batch, build_grpo_config, train
 
 SHAPES = load_shapes("qwen3_vl_8b")
@@ -74,7 +81,7 @@ def test_on_a_fake_gpu_train_passes_the_choice_to_trl_and_records_it(monkeypatch
 
 def test_unknown_shapes_change_nothing(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(preflight, "shapes_for", lambda name: None)
+    monkeypatch.setattr(memory, "shapes_for", lambda name: None)
     choice = auto_batch(load_config("seed", ["train.auto_batch=true"]), max_batch=64)
     assert choice.per_device_train_batch_size == 8 and "no config.json or shipped shapes" in choice.note
 

@@ -24,7 +24,7 @@ from vlmrl.bench import (
     train_floor_s,
 )
 from vlmrl.config.schema import load_config
-from vlmrl.run.preflight import advice, count_params, estimate_memory, shapes_for
+from vlmrl.preflight.memory import advice, count_params, estimate_memory, shapes_for
 
 SHAPES = load_shapes("qwen3_vl_8b")
 
@@ -263,7 +263,7 @@ def test_step_clock_splits_peaks_into_rollouts_and_the_rest(monkeypatch):
 
 
 def test_adapter_copies_cost_the_rollout_two_bytes_per_adapter_parameter_and_free_the_moments_eight():
-    from vlmrl.run.preflight import count_params
+    from vlmrl.preflight.memory import count_params
 
     lora = count_params(SHAPES)[2] * 16
     # a large generation batch: the rollout phase sets the peak
@@ -300,7 +300,7 @@ def test_the_vlmrl_bench_path_runs_vlmrl_trains_defaults():
 
     from vlmrl.bench import VARIANTS, vlmrl_engine
     from vlmrl.config.schema import Config
-    from vlmrl.engine.loss_pass import enable_loss_pass
+    from vlmrl.engine.loss.loss_pass import enable_loss_pass
     from vlmrl.engine.rollout.fast import enable_fast_generation
 
     rollout = Config().train.rollout
@@ -329,7 +329,7 @@ def test_warmup_steps_set_the_one_off_second_step_apart_and_say_so():
 def test_a_16gb_card_is_offered_the_seed_16gb_preset_which_fits_it():
     """On a 16 GB card (15 GiB usable) the seed recipe is predicted not to fit and the advice names seed-16gb,
     whose own prediction fits with the margin, with the seed's model, data, rewards and optimizer step."""
-    from vlmrl.run.preflight import GPU_MARGIN, advice
+    from vlmrl.preflight.memory import GPU_MARGIN, advice
 
     seed, small = load_config("seed"), load_config("seed-16gb")
     predicted = {name: estimate_memory(c, SHAPES, prompt_tokens=1024, fast_generation=True)
@@ -365,10 +365,10 @@ def test_long_completions_get_a_batching_that_keeps_the_step_and_fits():
     step, and its own prediction fits. Nothing fits a card too small for one completion at a time."""
     import doctest
 
-    from vlmrl.run import preflight
-    from vlmrl.run.preflight import GPU_MARGIN, advice, fit_batching
+    from vlmrl.preflight import memory
+    from vlmrl.preflight.memory import GPU_MARGIN, advice, fit_batching
 
-    assert doctest.testmod(preflight).failed == 0
+    assert doctest.testmod(memory).failed == 0
     seed = load_config("seed", ["train.max_completion_length=8192"])
     configured = estimate_memory(seed, SHAPES, prompt_tokens=310, fast_generation=True)
     assert configured.peak_gib > 24.0

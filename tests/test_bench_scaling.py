@@ -10,7 +10,7 @@ from pathlib import Path
 
 from vlmrl.bench import BenchSettings, load_shapes, summarize
 from vlmrl.config.schema import load_config
-from vlmrl.run.preflight import estimate_memory
+from vlmrl.preflight.memory import estimate_memory
 
 _spec = importlib.util.spec_from_file_location(
     "gpu_scaling", Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_scaling.py")

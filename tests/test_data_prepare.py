@@ -47,7 +47,7 @@ def test_demo_preset_runs_offline_in_seconds(tmp_path):
     result = prepare_data(config, tmp_path)
     elapsed = time.perf_counter() - start
     summary = assert_counts_add_up(tmp_path)
-    assert summary["counts"] == {"input_rows": 544, "train": 416, "holdout": 128, "dropped": 0}
+    assert summary["counts"] == {"input_rows": 1440, "train": 416, "holdout": 1024, "dropped": 0}
     assert summary["fingerprint"] == config.data_fingerprint() == result.fingerprint
     assert set(summary["train_by_category"]) == set(config.data.families) == {"count_squares", "bar_value"}
     assert summary["token_budget"]["checked"] is False and "not checked" in summary["token_budget"]["note"]
@@ -59,7 +59,7 @@ def test_demo_preset_runs_offline_in_seconds(tmp_path):
         assert item.images == (f"data/images/{item.image_sha256[0][:16]}.png",)
         assert Image.open(tmp_path / item.image).size == (128, 128)
         assert item.metadata["family"] == item.category and item.metadata["difficulty"] == 1
-    assert len(list((tmp_path / "data" / "images").iterdir())) == summary["images"]["stored"] == 544
+    assert len(list((tmp_path / "data" / "images").iterdir())) == summary["images"]["stored"] == 1440
 
 
 def test_same_config_same_outputs_and_holdout_reused(tmp_path):
@@ -204,8 +204,8 @@ def test_everything_dropped_is_a_clear_error(tmp_path):
 
 
 def test_holdout_larger_than_the_data_is_a_clear_error(tmp_path):
-    with pytest.raises(DataError, match="holdout_size=128 would leave nothing to train"):
-        prepare_data(load_config("demo", ["data.num_synthetic=128"]), tmp_path)
+    with pytest.raises(DataError, match="holdout_size=1024 would leave nothing to train"):
+        prepare_data(load_config("demo", ["data.num_synthetic=1024"]), tmp_path)
 
 
 def test_contamination_guard_removes_exact_and_near_copies_from_train(tmp_path):

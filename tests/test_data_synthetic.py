@@ -10,10 +10,10 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from vlmrl.data.canvas import MIN_FONT_PX, Canvas
 from vlmrl.data.images import to_png_bytes
 from vlmrl.data.items import DataError
 from vlmrl.data.synthetic import DEFAULT_FAMILIES, FAMILIES, check_families, generate_item, generate_items
+from vlmrl.data.synthetic.canvas import MIN_FONT_PX, Canvas
 
 REQUIRED = {
     "bar_value",
@@ -215,7 +215,7 @@ def test_bar_tallest_is_the_position_of_a_bar_that_stands_out():
 
 
 def test_polygon_sides_draws_a_convex_polygon_with_that_many_visible_corners():
-    from vlmrl.data.geometry import _turns
+    from vlmrl.data.synthetic.geometry import _turns
 
     seen = set()
     for difficulty, top in ((1, 6), (2, 8), (3, 10)):

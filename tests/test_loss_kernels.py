@@ -1,4 +1,4 @@
-"""Liger's fused kernels in the loss pass (`vlmrl.engine.loss_kernels`, `train.rollout.kernels`): installed on the text
+"""Liger's fused kernels in the loss pass (`vlmrl.engine.loss.kernels`, `train.rollout.kernels`): installed on the text
 model's own modules, called for eager CUDA tensors only (never inside a compiled graph, never on the CPU), with
 Qwen's casting; on CUDA, no farther from float32 than the modules' own bf16 forwards."""
 
@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from vlmrl.engine import loss_kernels
+from vlmrl.engine.loss import kernels as loss_kernels
 
 
 def _model(path, dtype=torch.float32):

@@ -1,4 +1,4 @@
-"""Length-grouped micro-batches (vlmrl.engine.loss_pass.enable_length_grouping): the same optimizer step, more padding
+"""Length-grouped micro-batches (vlmrl.engine.loss.loss_pass.enable_length_grouping): the same optimizer step, more padding
 columns for the trim to drop.
 
 The gradient tests run a real `GRPOTrainer` over a tiny Qwen3-VL on the CPU: its `_generate_and_score_completions`
@@ -23,7 +23,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer import grpo_trainer
 
-from vlmrl.engine.loss_pass import (
+from vlmrl.engine.loss.loss_pass import (
     LengthGrouping,
     enable_length_grouping,
     enable_loss_pass,

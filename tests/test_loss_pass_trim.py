@@ -1,4 +1,4 @@
-"""The loss pass skips columns that are padding in every row (vlmrl.engine.loss_pass), with the same numbers.
+"""The loss pass skips columns that are padding in every row (vlmrl.engine.loss.loss_pass), with the same numbers.
 
 TRL's own `GRPOTrainer._get_per_token_logps_and_entropies` runs on a stand-in trainer (the attributes it reads:
 `accelerator.autocast`, `state`, `args`, `_metrics`) over a tiny model with TRL's fused head, with and without
@@ -19,7 +19,7 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 from trl import GRPOTrainer
 
-from vlmrl.engine.loss_pass import LEFT_TRIM_FAMILIES, METRIC, PER_COLUMN, enable_padding_trim
+from vlmrl.engine.loss.loss_pass import LEFT_TRIM_FAMILIES, METRIC, PER_COLUMN, enable_padding_trim
 from vlmrl.models.tiny import build_tiny_model
 
 EXTRA_LEFT, EXTRA_RIGHT = 3, 5  # all-padding columns: longer prompts / completions elsewhere in the generation batch

@@ -117,7 +117,7 @@ def test_a_busy_port_on_host_0_is_refused_before_launching(prepared):
 
 def test_ranks_started_by_a_vlmrl_launcher_skip_the_requirement_check(monkeypatch, prepared):
     from vlmrl.cli import errors as cli_errors
-    from vlmrl.run import needs
+    from vlmrl.preflight import needs
 
     _, path = prepared
     config = load_config(str(path))

@@ -1,4 +1,4 @@
-"""The memory preflight on several GPUs (vlmrl.run.preflight: `gpus`, `strategy`): the arithmetic of what each
+"""The memory preflight on several GPUs (vlmrl.preflight.memory: `gpus`, `strategy`): the arithmetic of what each
 strategy shards, and the Qwen3-VL-32B shapes. Not yet checked against GPU measurements (benchmarks/gpu_scaling.py
 records each configuration's measured peak beside this prediction)."""
 
@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from vlmrl.cli.app import app
 from vlmrl.common import distributed
 from vlmrl.config.schema import load_config
-from vlmrl.run.preflight import (
+from vlmrl.preflight.memory import (
     GIB,
     GPU_MARGIN,
     count_params,

@@ -228,7 +228,7 @@ def test_q4_k_m_without_llama_quantize_names_what_to_install(tmp_path: Path, mon
 
 
 def test_doctor_reports_whether_4bit_can_load_here(monkeypatch) -> None:
-    from vlmrl.run.doctor import collect_environment
+    from vlmrl.preflight.doctor import collect_environment
 
     env = collect_environment()
     assert env["four_bit"]["available"] is (importlib.util.find_spec("bitsandbytes") is not None)

@@ -94,7 +94,7 @@ def test_the_trl_values_vlmrl_sets_reach_grpoconfig(tmp_path: Path) -> None:
     moved = quick_config(tmp_path, "train.trl_overrides={warmup_ratio: 0.1, num_iterations: 2, epsilon_high: 0.3}")
     args, _ = build_grpo_config(moved, tmp_path / "checkpoints")
     assert (args.warmup_steps, args.num_iterations, args.epsilon, args.epsilon_high) == (0.1, 2, 0.2, 0.3)
-    assert str(args.lr_scheduler_type.value) == "constant"  # the demo preset's
+    assert str(args.lr_scheduler_type.value) == "linear"  # the demo preset's
 
 
 def test_unknown_trl_override_is_named_before_any_model_loads(
@@ -196,7 +196,7 @@ def test_training_changes_only_lora_weights_and_records_everything(
         assert any("adamw_8bit" in note for note in summary["notes"])
     else:
         assert summary["notes"] == []
-    trim = summary["loss_pass"]  # vlmrl.engine.loss_pass on by default; tiny:qwen3_vl trims both sides
+    trim = summary["loss_pass"]  # vlmrl.engine.loss.loss_pass on by default; tiny:qwen3_vl trims both sides
     assert trim["trim_padding"] and trim["left_padding_trimmed"] and trim["calls"] >= 2
     assert 0 < trim["positions"] <= trim["positions_untrimmed"]
     assert all(0 <= r["loss_pass/padding_trimmed"] < 1 for r in step_rows(run_dir / "train" / "metrics.jsonl"))

@@ -82,7 +82,7 @@ def test_each_plugin_module_imports(name):
 @pytest.fixture
 def stub_loss_pass(monkeypatch):
     """`enable_loss_pass` recording its options (a fake trainer has no loss pass to change)."""
-    from vlmrl.engine import loss_pass
+    from vlmrl.engine.loss import loss_pass
 
     monkeypatch.setattr(loss_pass, "enable_loss_pass", lambda trainer, **options: loss_pass.LossPass(
         None, loss_pass.LengthGrouping(False, why_not="a stub"), kernels=str(options)))

@@ -171,7 +171,7 @@ def test_swap_images_keeps_everything_but_the_image():
 def test_demo_gpu_preset_says_in_one_line_that_it_needs_cuda(monkeypatch):
     import torch
 
-    from vlmrl.run.needs import RequirementError, check_requirements
+    from vlmrl.preflight.needs import RequirementError, check_requirements
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     config = load_config("demo-gpu")

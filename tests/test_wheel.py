@@ -58,7 +58,7 @@ RESOURCES = '''
 import vlmrl, sys
 from vlmrl.common.distributed import STRATEGIES, accelerate_config
 from vlmrl.config.schema import PRESETS, load_config
-from vlmrl.run.preflight import load_shapes, shape_names
+from vlmrl.preflight.memory import load_shapes, shape_names
 print(vlmrl.__file__)
 for p in PRESETS:
     load_config(p)

@@ -44,7 +44,7 @@ class Variant:
     def __call__(self, trainer: Any, settings: Any) -> tuple[Any, Any]:
         import contextlib
 
-        from vlmrl.engine.loss_pass import enable_loss_pass
+        from vlmrl.engine.loss.loss_pass import enable_loss_pass
         from vlmrl.engine.rollout.fast import enable_fast_generation
 
         from . import rollout

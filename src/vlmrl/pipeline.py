@@ -58,7 +58,7 @@ def _run_stages(config: Config, run_dir: Path, say: Say, progress_factory, train
     from vlmrl.evaluate.visual_control import evaluate_swapped
     from vlmrl.export.stage import export_adapter
     from vlmrl.models.loading import adapter_files_problem
-    from vlmrl.run.doctor import collect_environment
+    from vlmrl.preflight.doctor import collect_environment
 
     outcome = RunOutcome(run_dir)
 

@@ -1,13 +1,13 @@
 """`vlmrl bench`: plain TRL `GRPOTrainer` and vlmrl's path, side by side, in one process, on one GPU.
 
 Both paths train the same random-weight model with the real shapes of a named model (shipped in
-`vlmrl/run/shapes/*.json`, no download), the same LoRA (r=16 on language attention + MLP), the same GRPOConfig
+`vlmrl/preflight/shapes/*.json`, no download), the same LoRA (r=16 on language attention + MLP), the same GRPOConfig
 (the seed recipe: 8 prompts x 4 generations per step, GSPO) and completions forced to the full length
 (`min_new_tokens`), so only the generation path differs:
 
   plain           `GRPOTrainer` exactly as a user writes it;
   vlmrl           the same trainer after `vlmrl.engine.rollout.fast.enable_fast_generation` (static cache + compiled
-                  decode) and `vlmrl.engine.loss_pass.enable_loss_pass`, as `vlmrl train` runs it by default;
+                  decode) and `vlmrl.engine.loss.loss_pass.enable_loss_pass`, as `vlmrl train` runs it by default;
   unsloth         Unsloth's `FastVisionModel` (+ `get_peft_model`) under the same trainer, in a process of its
                   own whose first import is unsloth (`unsloth_path`; optional, needs Unsloth and CUDA).
 Variants of vlmrl's engine (the adapter merged, the filled-cache window, ...) are not bench paths: benchmark
@@ -22,7 +22,7 @@ The pieces: `shaped` (settings, the shaped model, the data), `floors` (floors an
 (one path measured, the whole benchmark), `summary` (figures, ratios, markdown tables), `throughput`
 (`--generation-batches`: one row per generation batch). This module re-exports what the CLI, the tests and the
 scripts under benchmarks/ use; `StepClock` included, since GPU scripts patch its `wrap_generation`.
-Left out: the CPU preflight memory estimate (`vlmrl.run.preflight`, which reuses the floors' counts).
+Left out: the CPU preflight memory estimate (`vlmrl.preflight.memory`, which reuses the floors' counts).
 """
 
 from vlmrl.bench.floors import decode_floor_ms, measure_ceilings, train_floor_s
@@ -62,7 +62,7 @@ from vlmrl.bench.summary import (
 )
 from vlmrl.bench.throughput import parse_batches, run_throughput
 from vlmrl.bench.unsloth_path import UNSLOTH_PATHS, run_unsloth, unsloth_unavailable_reason
-from vlmrl.run.preflight import kv_bytes_per_token, language_param_count
+from vlmrl.preflight.memory import kv_bytes_per_token, language_param_count
 
 __all__ = [
     "GIB",

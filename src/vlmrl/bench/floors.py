@@ -3,7 +3,7 @@
 Decode is bandwidth-bound (weights + KV cache read once per token step), training FLOP-bound (6 x language
 parameters x tokens: forward, checkpoint recompute, input-gradient backward; frozen weights get no weight
 gradient). The ceilings (bf16 matmul rate, device copy bandwidth) are measured on the same device in the same
-run. Pure functions, except `measure_ceilings` (CUDA only); `vlmrl.run.preflight` reuses the parameter and KV counts.
+run. Pure functions, except `measure_ceilings` (CUDA only); `vlmrl.preflight.memory` reuses the parameter and KV counts.
 Left out: the measured paths (`run`), the tables (`summary`).
 """
 

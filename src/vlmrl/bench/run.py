@@ -1,7 +1,7 @@
 """One bench path measured (`run_path`), and the whole benchmark (`run_bench`): every path, then the summary.
 
 Each path builds the shaped model afresh, trains it with TRL's `GRPOTrainer` (vlmrl's paths after
-`vlmrl.engine.rollout.fast.enable_fast_generation` and `vlmrl.engine.loss_pass.enable_loss_pass`), and records wall
+`vlmrl.engine.rollout.fast.enable_fast_generation` and `vlmrl.engine.loss.loss_pass.enable_loss_pass`), and records wall
 time per optimizer step, generation time inside it and the peak GPU memory of rollouts and of the rest
 (`StepClock`). One path failing records its error and leaves the others' numbers. The unsloth path runs in a
 process of its own (`unsloth_path`) through the same `train_and_measure`.
@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 def vlmrl_engine(trainer: Any, settings: BenchSettings) -> tuple[Any, Any]:
     """The `vlmrl` path's engine on a built trainer, as `vlmrl train` sets it up by default; returns the rollout's
     and the loss pass's records (`FastGeneration`, `LossPass`)."""
-    from vlmrl.engine.loss_pass import enable_loss_pass
+    from vlmrl.engine.loss.loss_pass import enable_loss_pass
     from vlmrl.engine.rollout.fast import enable_fast_generation
 
     return enable_fast_generation(trainer, bucket=settings.prompt_bucket), enable_loss_pass(trainer)

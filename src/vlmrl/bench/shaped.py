@@ -1,6 +1,6 @@
 """What every bench path trains: the settings, the random-weight model with a named model's real shapes, the data.
 
-The shapes ship in `vlmrl/run/shapes/*.json` (no download); the processor is a tiny Qwen3-VL folder whose tokenizer
+The shapes ship in `vlmrl/preflight/shapes/*.json` (no download); the processor is a tiny Qwen3-VL folder whose tokenizer
 serves the shaped model; the data is vlmrl's synthetic chart items. `save_shaped_model` writes the same model as
 a loadable folder for the multi-GPU record check; `seed_overrides` is the seed recipe's config for a bench's
 settings (what the preflight predicts for that run). Left out: measuring anything (`run`), the floors (`floors`).
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from vlmrl.common import distributed
-from vlmrl.run.preflight import load_shapes
+from vlmrl.preflight.memory import load_shapes
 
 GIB = 2**30
 

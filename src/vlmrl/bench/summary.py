@@ -14,7 +14,7 @@ import torch
 from vlmrl.bench.floors import decode_floor_ms, train_floor_s
 from vlmrl.bench.shaped import BenchSettings, batching
 from vlmrl.common.provenance import package_version
-from vlmrl.run.preflight import kv_bytes_per_token, language_param_count
+from vlmrl.preflight.memory import kv_bytes_per_token, language_param_count
 
 
 def ratio_prefix(path: str) -> str:

@@ -121,7 +121,7 @@ def doctor(
     """Stage 1: versions, GPU, optional backends, free disk (exit 0 on a CPU-only machine); with --config, a
     memory preflight."""
     from vlmrl.common.io import write_json_atomic
-    from vlmrl.run.doctor import collect_environment
+    from vlmrl.preflight.doctor import collect_environment
 
     env = collect_environment(run_dir or ".")
     show.show_environment(env)
@@ -362,7 +362,7 @@ def _ours(run_dir: Path) -> None:
 
 @app.command()
 def bench(
-    shapes: Annotated[str, typer.Option(help="Shapes file in vlmrl/run/shapes/: qwen3_vl_8b, qwen3_vl_32b (no "
+    shapes: Annotated[str, typer.Option(help="Shapes file in vlmrl/preflight/shapes/: qwen3_vl_8b, qwen3_vl_32b (no "
                                         "weights are downloaded).")] = "qwen3_vl_8b",
     steps: Annotated[int, typer.Option(help="Optimizer steps per path (the first is reported apart).")] = 2,
     steps_plain: Annotated[int | None, typer.Option(
@@ -409,10 +409,10 @@ def bench(
     from vlmrl.bench import BenchSettings, path_names, run_bench, save_shaped_model
     from vlmrl.bench.throughput import parse_batches
     from vlmrl.common.distributed import is_main_process, world_size
-    from vlmrl.run.preflight import shape_names
+    from vlmrl.preflight.memory import shape_names
 
     if shapes not in shape_names():
-        fail(f"--shapes {shapes}: choose one of {', '.join(shape_names())} (files in vlmrl/run/shapes/).")
+        fail(f"--shapes {shapes}: choose one of {', '.join(shape_names())} (files in vlmrl/preflight/shapes/).")
     unknown = [p for p in paths.split(",") if p not in path_names()]
     if unknown:
         fail(f"unknown bench path(s) {', '.join(unknown)}; choose from {', '.join(path_names())} (engine variants: "

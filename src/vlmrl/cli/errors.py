@@ -196,12 +196,12 @@ def claimed(run_dir: Path, *, create: bool = True) -> Iterator[None]:
 
 
 def check_needs(config, *, gpu: bool = True, gpus: int = 1, strategy: str = "ddp") -> None:
-    """The model, the data and the GPU `config` needs, before any stage starts (vlmrl.run.needs); exit 2 if not.
+    """The model, the data and the GPU `config` needs, before any stage starts (vlmrl.preflight.needs); exit 2 if not.
     `gpus` / `strategy`: the training run's processes in all and how they shard (the memory check is per GPU)."""
     import os
 
     from vlmrl.common.distributed import LAUNCHED_ENV, launched_strategy, world_size
-    from vlmrl.run.needs import RequirementError, check_requirements
+    from vlmrl.preflight.needs import RequirementError, check_requirements
 
     if world_size() > 1 and os.environ.get(LAUNCHED_ENV):
         # a rank started by `--gpus N` / `--nodes M`: the launching process on its host checked (the hub probes

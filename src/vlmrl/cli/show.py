@@ -78,7 +78,7 @@ def eval_progress(label: str) -> EvalProgress:
 
 
 def show_environment(env: dict) -> None:
-    """`vlmrl doctor`'s table from vlmrl.run.doctor.collect_environment."""
+    """`vlmrl doctor`'s table from vlmrl.preflight.doctor.collect_environment."""
     table = _table("vlmrl doctor", show_header=False)
     table.add_row("python", env["python"])
     for name, version in env["packages"].items():
@@ -101,7 +101,7 @@ def show_environment(env: dict) -> None:
 def show_preflight(config: Config, env: dict, prompt_tokens: int, *, gpus: int = 1, strategy: str = "ddp") -> None:
     """`vlmrl doctor --config`: the predicted GPU memory of `config` (each GPU's, with `gpus` > 1) and advice
     against the first GPU of `env`."""
-    from vlmrl.run.preflight import advice, estimate_memory, shapes_for
+    from vlmrl.preflight.memory import advice, estimate_memory, shapes_for
 
     shapes = shapes_for(config.model.name)
     if shapes is None:

@@ -117,7 +117,7 @@ class TrainConfig(_Section):
     auto_batch: bool = Field(
         False,
         description="On a CUDA GPU, replace per_device_train_batch_size by the largest multiple of num_generations "
-        "whose predicted peak memory (vlmrl.run.preflight, prompts at data.max_prompt_tokens) fits 92% of the card, "
+        "whose predicted peak memory (vlmrl.preflight.memory, prompts at data.max_prompt_tokens) fits 92% of the card, "
         "capped by the training set; logged and recorded in train/auto_batch.json. A bigger batch means more "
         "prompts per optimizer step (and fewer steps per epoch). No change on the CPU.",
     )

@@ -10,5 +10,6 @@
 - `values.py`    gold numbers kept exactly as written, cells made JSON-safe, nesting depth
 - `table.py`     the items as the columns of TRL's training dataset (what reward functions receive)
 - `splits.py`    the held-out split and the contamination guard (sha256, dHash, pixels)
-- `synthetic.py` procedural visual math (`canvas.py`, `charts.py`, `plots.py`, `geometry.py` draw it)
+- `synthetic/`   procedural visual math: the families and the item stream in `__init__.py`; `canvas.py`,
+                 `charts.py`, `plots.py`, `geometry.py` draw it
 """

@@ -26,7 +26,7 @@ from vlmrl.common.cpu_numerics import pin_cpu_threads
 from vlmrl.config.builtin_models import DEMO_POLICIES, is_local_only  # noqa: F401 (re-exported)
 from vlmrl.config.schema import ModelConfig
 from vlmrl.models.lora import VISION_MARKERS
-from vlmrl.run.doctor import four_bit_unsupported_reason
+from vlmrl.preflight.doctor import four_bit_unsupported_reason
 
 log = logging.getLogger(__name__)
 

@@ -45,9 +45,9 @@ from vlmrl.common.provenance import package_version
 from vlmrl.config.schema import TRL_DEFAULTS, TRL_NAMES, Config
 from vlmrl.engine.precision import float32_adapters_for_fp16
 from vlmrl.grading.user_rewards import check_run_rewards
+from vlmrl.preflight.memory import BatchChoice, auto_batch
 from vlmrl.run import layout
 from vlmrl.run.layout import train_fingerprint
-from vlmrl.run.preflight import BatchChoice, auto_batch
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
     from trl import GRPOTrainer
 
     from vlmrl.common.provenance import provenance, utc_now
-    from vlmrl.engine.loss_pass import enable_loss_pass
+    from vlmrl.engine.loss.loss_pass import enable_loss_pass
     from vlmrl.engine.rollout.compile_cache import use_compile_cache
     from vlmrl.engine.rollout.fast import FastGeneration, enable_fast_generation
     from vlmrl.engine.rollout.fast import wanted as fast_wanted

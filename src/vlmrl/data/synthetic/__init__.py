@@ -18,9 +18,9 @@ from typing import Any
 
 from PIL import Image
 
-from vlmrl.data import charts, geometry, plots
-from vlmrl.data.canvas import Canvas, Problem, format_number
 from vlmrl.data.items import DataError
+from vlmrl.data.synthetic import charts, geometry, plots
+from vlmrl.data.synthetic.canvas import Canvas, Problem, format_number
 
 FAMILIES: dict[str, Callable[[Canvas, int], Problem]] = {
     "bar_value": charts.bar_value,

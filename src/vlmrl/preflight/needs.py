@@ -21,7 +21,7 @@ from vlmrl.config.schema import Config
 
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 PROBE_TIMEOUT_S = 10.0
-GPU_MARGIN = 0.92  # the share of a card the memory prediction may fill (as in `preflight.advice`)
+GPU_MARGIN = 0.92  # the share of a card the memory prediction may fill (as in `memory.advice`)
 
 
 class RequirementError(RuntimeError):
@@ -30,7 +30,7 @@ class RequirementError(RuntimeError):
 
 def check_requirements(config: Config, *, gpu: bool = True, gpus: int = 1, strategy: str = "ddp") -> None:
     """Raise RequirementError naming everything `config` needs that is not here (see the module docstring);
-    the memory check is per GPU of a run of `gpus` processes sharded by `strategy` (vlmrl.run.preflight)."""
+    the memory check is per GPU of a run of `gpus` processes sharded by `strategy` (vlmrl.preflight.memory)."""
     problems = [p for p in (_model_problem(config.model.name), _data_problem(config.data.source)) if p]
     fetch_advice = (
         " Supply them: run once with network (or set HF_HUB_OFFLINE=1 with a filled hub cache), or use "
@@ -112,8 +112,8 @@ def _gpu_problems(config: Config, gpus: int = 1, strategy: str = "ddp") -> list[
     CUDA GPU for a model whose shapes vlmrl knows (the 8B-class presets) that fits it."""
     import torch
 
-    from vlmrl.run.doctor import four_bit_unsupported_reason
-    from vlmrl.run.preflight import estimate_memory, shapes_for
+    from vlmrl.preflight.doctor import four_bit_unsupported_reason
+    from vlmrl.preflight.memory import estimate_memory, shapes_for
 
     name = config.model.name
     if name == "demo-policy-gpu" and not torch.cuda.is_available():

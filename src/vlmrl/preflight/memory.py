@@ -326,14 +326,14 @@ def auto_batch(config: Config, max_batch: int) -> BatchChoice | None:
 
 
 def shape_names() -> list[str]:
-    """The shipped shapes files (`vlmrl/run/shapes/*.json`), by the name `load_shapes` and `vlmrl bench --shapes`
+    """The shipped shapes files (`vlmrl/preflight/shapes/*.json`), by the name `load_shapes` and `vlmrl bench --shapes`
     take."""
-    return sorted(f.name.removesuffix(".json") for f in resources.files("vlmrl.run.shapes").iterdir()
+    return sorted(f.name.removesuffix(".json") for f in resources.files("vlmrl.preflight.shapes").iterdir()
                   if f.name.endswith(".json"))
 
 
 def load_shapes(name: str) -> dict:
-    text = resources.files("vlmrl.run.shapes").joinpath(f"{name}.json").read_text()
+    text = resources.files("vlmrl.preflight.shapes").joinpath(f"{name}.json").read_text()
     return json.loads(text)
 
 

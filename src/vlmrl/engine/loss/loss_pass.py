@@ -147,7 +147,7 @@ def enable_padding_trim(trainer: Any) -> PaddingTrim:
 
     trainer._get_per_token_logps_and_entropies = trimmed
     log.info("loss pass: all-padding columns skipped (right side; left side %s)",
-             "too" if trim.left else f"kept: {model_type} is not in vlmrl.engine.loss_pass.LEFT_TRIM_FAMILIES")
+             "too" if trim.left else f"kept: {model_type} is not in vlmrl.engine.loss.loss_pass.LEFT_TRIM_FAMILIES")
     return trim
 
 
@@ -327,7 +327,7 @@ def _install_dispatch() -> None:
 @dataclass
 class LossPass:
     """What vlmrl changed in one trainer's loss pass: the trim's counters, the micro-batch grouping, and how the LoRA
-    layers treat their inputs under autocast (`vlmrl.engine.adapter_inputs`)."""
+    layers treat their inputs under autocast (`vlmrl.engine.loss.adapter_inputs`)."""
 
     trim: PaddingTrim | None
     grouping: LengthGrouping
@@ -341,11 +341,12 @@ class LossPass:
 
 def enable_loss_pass(trainer: Any, *, kernels: bool = True) -> LossPass:
     """The trim (`enable_padding_trim`) and, with it, the length grouping (`enable_length_grouping`) on `trainer`;
-    the LoRA layers' inputs kept in the autocast dtype (`vlmrl.engine.adapter_inputs`); with `kernels`, Liger's
-    fused kernels where they apply (`vlmrl.engine.loss_kernels`)."""
-    from vlmrl.engine import adapter_inputs, loss_kernels
+    the LoRA layers' inputs kept in the autocast dtype (`vlmrl.engine.loss.adapter_inputs`); with `kernels`, Liger's
+    fused kernels where they apply (`vlmrl.engine.loss.kernels`)."""
+    from vlmrl.engine.loss import adapter_inputs
+    from vlmrl.engine.loss import kernels as fused_kernels
 
     inputs = adapter_inputs.enable(trainer)
-    fused = loss_kernels.enable(trainer, wanted=kernels)
+    fused = fused_kernels.enable(trainer, wanted=kernels)
     counters = enable_padding_trim(trainer)
     return LossPass(counters, enable_length_grouping(trainer), inputs, fused)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from vlmrl.data.canvas import Canvas, Problem, format_number
+from vlmrl.data.synthetic.canvas import Canvas, Problem, format_number
 
 LIGHT_FILLS = ((222, 235, 250), (250, 232, 214), (226, 244, 226), (240, 230, 248), (255, 255, 255))
 EASY_TRIPLES = ((3, 4, 5), (6, 8, 10), (5, 12, 13), (8, 15, 17))

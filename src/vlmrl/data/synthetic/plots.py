@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from vlmrl.data.canvas import GRID, Axes, Canvas, Problem, format_number
+from vlmrl.data.synthetic.canvas import GRID, Axes, Canvas, Problem, format_number
 
 EXTENT = 6  # the plane shows x and y in [-6, 6]: unit squares stay >= 8 px at 128x128
 

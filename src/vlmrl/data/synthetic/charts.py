@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 
-from vlmrl.data.canvas import (
+from vlmrl.data.synthetic.canvas import (
     PALETTE,
     Canvas,
     Problem,
