@@ -59,7 +59,7 @@ def run_one(spec: str, work: Path, out: Path) -> dict:
 
 def printed_table(stdout: str) -> str:
     """The before/after table and its flips line, as `vlmrl run` printed them."""
-    match = re.search(r"^.*before -> after \(.*?^wrong to right:[^\n]*", stdout, re.DOTALL | re.MULTILINE)
+    match = re.search(r"^[^\n]*before -> after \(.*?^wrong to right:[^\n]*", stdout, re.DOTALL | re.MULTILINE)
     return match.group(0) if match else ""
 
 
