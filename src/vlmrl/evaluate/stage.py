@@ -35,7 +35,8 @@ from vlmrl.data.items import open_record_images, record_hashes
 from vlmrl.engine.rollout import fast
 from vlmrl.engine.rollout.compile_cache import use_compile_cache
 from vlmrl.engine.rollout.generation import generate_batch
-from vlmrl.grading.grader import grade, mathvista_correct, normalize_mathvista
+from vlmrl.grading.grader import grade
+from vlmrl.grading.mathvista import mathvista_correct, normalize_mathvista
 from vlmrl.grading.rewards import score_completion
 from vlmrl.grading.user_rewards import (
     Reward,

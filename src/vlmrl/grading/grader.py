@@ -1,6 +1,6 @@
-"""Deciding whether an answer is right: one public grader per answer type, and MathVista's official scoring.
+"""Deciding whether an answer is right: one public grader per answer type.
 
-Three jobs live here because all decide whether an answer is right:
+The jobs that decide it live here:
 
 * ``grade(prediction, gold, answer_type, *, choices, precision)`` is the one grader the training reward and the
   evaluation records use, for the five answer types ``integer | float | choice | expression | text`` (the exact
@@ -12,11 +12,8 @@ Three jobs live here because all decide whether an answer is right:
   nested quantifiers. An integer gold is compared exactly, whatever its number of digits.
 * ``latex_plain`` reads away the LaTeX that only dresses an answer (``\\text{Paris}``, ``\\textbf{B}``, ``{4}``,
   ``1{,}000``, ``140^\\circ``), as math-verify does, before numbers, choices and text are compared.
-* ``normalize_mathvista`` / ``mathvista_correct`` reproduce MathVista's official
-  ``normalize_extracted_answer`` and ``safe_equal`` (evaluation/calculate_score.py) so our benchmark numbers
-  are comparable with published ones. They are checked row by row against an oracle computed with the
-  official code (tests/test_grading.py), quirks included: an empty multiple-choice extraction still picks the
-  shortest choice, integers are truncated, not rounded.
+* ``normalize_mathvista`` / ``mathvista_correct`` (MathVista's official scoring) live in
+  ``vlmrl.grading.mathvista`` and are re-exported here.
 
 Symbolic equivalence (``2\\sqrt{2}`` = ``\\sqrt{8}``) is the ``expression`` type's alone, through math-verify in
 a separate process (``vlmrl.grading.symbolic``); ``integer``/``float`` answers stay numeric. Deliberately left out:
@@ -33,6 +30,11 @@ from decimal import Context, Decimal
 from fractions import Fraction
 
 from vlmrl.data.items import ANSWER_TYPES
+from vlmrl.grading.mathvista import (  # noqa: F401 (re-exported: `from vlmrl.grading.grader import normalize_mathvista`)
+    edit_distance,
+    mathvista_correct,
+    normalize_mathvista,
+)
 from vlmrl.grading.symbolic import MAX_EXPRESSION_CHARS, expressions_equal
 
 # A solution longer than this cannot be "one number" with at most one unit; refusing it early bounds the
@@ -56,7 +58,6 @@ _UNIT_RE = re.compile(
 # Words that look like a unit to the pattern above but would turn "5 nan" into the number 5.
 _NOT_UNITS = {"nan", "inf", "infinity", "e"}
 _WRAPPERS = (("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"), ("\\boxed{", "}"))
-_OPTION_LETTER_RE = re.compile(r"\(([a-zA-Z])\)")
 
 
 def grade(
@@ -376,99 +377,3 @@ def _round_half_away(value: Fraction, decimals: int) -> Fraction:
     scale = 10**decimals
     magnitude = math.floor(abs(value) * scale + Fraction(1, 2))
     return Fraction(magnitude if value >= 0 else -magnitude, scale)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# MathVista's official normalization (evaluation/calculate_score.py), reimplemented.
-
-
-def normalize_mathvista(
-    extraction: object,
-    *,
-    question_type: str,
-    answer_type: str,
-    precision: float | None = None,
-    choices: list[str] | None = None,
-) -> str | None:
-    """What MathVista's ``normalize_extracted_answer`` turns an extracted answer into.
-
-    Multiple choice: a letter (``B`` or ``(b)``) becomes that choice, anything else the closest choice by
-    edit distance (first one on ties). Integer answers are *truncated* (``2.9`` -> ``2``), floats rounded to
-    ``precision`` with Python's ``round``; unparseable numbers give None. ``precision`` may be a float (the
-    Hugging Face copy stores ``1.0``): we cast it, where the official code would fail and return None.
-
-    >>> normalize_mathvista("(b) 7", question_type="multi_choice", answer_type="text", choices=["6", "7"])
-    '7'
-    >>> normalize_mathvista("2.9", question_type="free_form", answer_type="integer")
-    '2'
-    >>> normalize_mathvista("3.14159", question_type="free_form", answer_type="float", precision=2.0)
-    '3.14'
-    """
-    if question_type == "multi_choice":
-        return _normalize_choice(extraction, choices)
-    try:
-        if answer_type == "integer":
-            return str(int(float(extraction)))  # type: ignore[arg-type]
-        if answer_type == "float":
-            return str(round(float(extraction), _ndigits(precision)))  # type: ignore[arg-type]
-    except (TypeError, ValueError, OverflowError):  # None, words, nan/inf for integers
-        return None
-    if answer_type == "list":
-        return str(extraction)  # official: even None becomes "None"
-    # Other answer types pass through unchanged in the official code (none exist in testmini).
-    return extraction if extraction is None else str(extraction)
-
-
-def mathvista_correct(normalized: object, gold: object) -> bool:
-    """MathVista's ``safe_equal``: plain equality, and any comparison error counts as wrong."""
-    try:
-        return bool(normalized == gold)
-    except Exception:  # noqa: BLE001 - the official code swallows everything here too
-        return False
-
-
-def _normalize_choice(extraction: object, choices: list[str] | None) -> str:
-    if not choices:
-        raise ValueError("a multi_choice item needs a non-empty `choices` list to normalize against")
-    text = extraction.strip() if isinstance(extraction, str) else str(extraction)
-    letter = _OPTION_LETTER_RE.search(text)
-    if letter:
-        text = letter.group(1).upper()
-    letters = [chr(ord("A") + i) for i in range(len(choices))]
-    if text in letters:
-        return choices[letters.index(text)]
-    distances = [edit_distance(text, choice) for choice in choices]
-    return choices[distances.index(min(distances))]
-
-
-def _ndigits(precision: float | None) -> int | None:
-    """Digits for ``round``; None keeps the official ``round(x, None)`` (an int) for items without one."""
-    if precision is None or (isinstance(precision, float) and math.isnan(precision)):
-        return None
-    return int(precision)
-
-
-def edit_distance(a: str, b: str) -> int:
-    """Levenshtein distance (insert, delete, substitute all cost 1), as ``Levenshtein.distance`` computes it.
-
-    >>> edit_distance("kitten", "sitting"), edit_distance("", "abc"), edit_distance("same", "same")
-    (3, 3, 0)
-    """
-    # A shared prefix or suffix never changes the distance; trimming it makes typical cases cheap.
-    start = 0
-    while start < min(len(a), len(b)) and a[start] == b[start]:
-        start += 1
-    a, b = a[start:], b[start:]
-    end = 0
-    while end < min(len(a), len(b)) and a[-1 - end] == b[-1 - end]:
-        end += 1
-    a, b = a[: len(a) - end], b[: len(b) - end]
-    if len(a) < len(b):
-        a, b = b, a  # keep the row (len(b) + 1) short
-    previous = list(range(len(b) + 1))
-    for i, char_a in enumerate(a, start=1):
-        current = [i]
-        for j, char_b in enumerate(b, start=1):
-            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (char_a != char_b)))
-        previous = current
-    return previous[-1]

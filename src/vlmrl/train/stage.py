@@ -9,7 +9,7 @@ by the callbacks in `vlmrl.train.callbacks`.
                       each reward called once on held-out items (vlmrl.grading.user_rewards); GRPOConfig from the
                       config (+ trl_overrides), checked before any model loads
     step 2  model     base model + LoRA (initialised from run.seed), layout verified
-    step 3  trainer   GRPOTrainer with our rewards and callbacks
+    step 3  trainer   GRPOTrainer with our rewards and callbacks, vlmrl's engine inside (vlmrl.train.trainer_build)
     step 4  train     resume from the last checkpoint when one exists (one at max_steps: training was done, so
                       final/ is made from it and nothing trains; a damaged final/ is not done: see final_damage)
     step 5  save      train/final/ (the adapter) + train/summary.json, which says when no reward ever varied
@@ -21,15 +21,13 @@ Launched as several processes (`vlmrl train --gpus N`, on one host or `--nodes M
 
 from __future__ import annotations
 
-import importlib.util
+import json
 import logging
 import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from vlmrl.common import distributed
 from vlmrl.common.io import (
@@ -41,19 +39,27 @@ from vlmrl.common.io import (
     read_jsonl,
     write_json_atomic,
 )
-from vlmrl.common.provenance import package_version
-from vlmrl.config.schema import TRL_DEFAULTS, TRL_NAMES, Config
-from vlmrl.engine.precision import float32_adapters_for_fp16
+from vlmrl.common.provenance import package_version, provenance, utc_now
+from vlmrl.config.schema import Config
+from vlmrl.engine.rollout.compile_cache import use_compile_cache
 from vlmrl.grading.user_rewards import check_run_rewards
+from vlmrl.models import loading, lora
+from vlmrl.models.loading import BASE_RECORD, base_identity
 from vlmrl.preflight.memory import BatchChoice, auto_batch
 from vlmrl.run import layout
 from vlmrl.run.layout import train_fingerprint
+from vlmrl.train.args import gspo_loss_note, quiet_trl_gspo_warning
+from vlmrl.train.dynamic_sampling import settings_problem
+from vlmrl.train.trackers import TrackerError, build_tracker_callbacks, resume_trackers
+from vlmrl.train.trainer_build import (
+    BuiltTrainer,
+    TrainError,
+    build_grpo_config,
+    build_train_dataset,
+    build_trainer,
+)
 
 log = logging.getLogger(__name__)
-
-
-class TrainError(RuntimeError):
-    """Training cannot start or had to stop; the message says why and what to change."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,29 @@ class TrainResult:
     final_dir: Path
     summary: dict
     already_done: bool = False  # a finished run of this config was found; nothing was trained
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    """What step 1 found: everything the trainer takes but the model, each checked before any model loads."""
+
+    dataset: Any  # datasets.Dataset of data/train.jsonl
+    rewards: list  # the configured rewards, each called once on held-out items
+    batch: BatchChoice | None  # train.auto_batch's choice (None: off)
+    args: Any  # GRPOConfig
+    notes: list[str]  # fallbacks taken and notes said, for the summary
+    last: Path | None  # the checkpoint to resume (None: step 0)
+
+
+@dataclass(frozen=True)
+class _Trained:
+    """What step 4 measured."""
+
+    start_step: int  # the step it resumed from (0: none)
+    steps: int
+    seconds: float  # this process's training, not the earlier ones it resumed
+    loss: float | None  # the mean over every step (a resumed run's earlier ones from metrics.jsonl)
+    never_varied: bool  # every group tied at every step (read on rank 0): nothing was learned
 
 
 def trl_device_problem(device_type: str, trl_version: str) -> str | None:
@@ -78,120 +107,115 @@ def trl_device_problem(device_type: str, trl_version: str) -> str | None:
 def train(config: Config, run_dir: Path, *, resume: bool = True, console_callback: Any = None,
           progress: Any = None) -> TrainResult:
     """Train the LoRA adapter of `run_dir` and save it to `run_dir/train/final`."""
-    from transformers.trainer_callback import PrinterCallback
-    from trl import GRPOTrainer
+    from vlmrl.train.resume import ends_training
 
-    from vlmrl.common.provenance import provenance, utc_now
-    from vlmrl.engine.loss.loss_pass import enable_loss_pass
-    from vlmrl.engine.rollout.compile_cache import use_compile_cache
-    from vlmrl.engine.rollout.fast import FastGeneration, enable_fast_generation
-    from vlmrl.engine.rollout.fast import wanted as fast_wanted
-    from vlmrl.engine.rollout.mismatch import enable_rollout_mismatch
-    from vlmrl.engine.rollout.sharded import gather_root_in_rollouts
-    from vlmrl.models.loading import BASE_RECORD, base_identity, load_model
-    from vlmrl.models.lora import apply_lora, seed_all
-    from vlmrl.train.args import gspo_loss_note, quiet_trl_gspo_warning
-    from vlmrl.train.callbacks import (
-        HealthMonitor,
-        MetricsRecorder,
-        RolloutRecorder,
-        TrainProgress,
-        divergence_line,
-        nothing_learned_line,
-        reward_never_varied,
-    )
-    from vlmrl.train.dynamic_sampling import enable_dynamic_sampling, settings_problem
-    from vlmrl.train.resume import CheckpointStamp, ResumeError, ends_training, set_aside
-    from vlmrl.train.trackers import TrackerError, build_tracker_callbacks, resume_trackers
-    from vlmrl.train.validation import ValidationCallback
-
-    train_dir = run_dir / layout.TRAIN
-    checkpoints = run_dir / layout.CHECKPOINTS
-    if resume and (damage := final_damage(config, run_dir)):
-        (console_callback or log.warning)(f"train: {run_dir / layout.FINAL} is damaged ({damage}); training is not "
-                                          "done: it resumes from the last good checkpoint (step 0 if none)")
-    if resume and is_finished(config, run_dir):
-        summary = read_json(run_dir / layout.TRAIN_SUMMARY)
-        if console_callback:
-            console_callback(f"train: {run_dir} already finished {summary.get('steps')} steps with this config; "
-                             "nothing to do (pass --no-resume to train again).")
-        return TrainResult(run_dir / layout.FINAL, summary, already_done=True)
+    say = console_callback
+    if resume and (done := _done_already(config, run_dir, say)):
+        return done
     started_at = utc_now()
-    # step 1: data, and the trainer's arguments (a bad trl_overrides key fails here, before any model loads)
+    inputs = _prepare_inputs(config, run_dir, resume=resume, say=say)  # step 1
+    if ends_training(inputs.last, config.train.max_steps):  # killed after the last checkpoint, before the summary
+        return _finish_from(inputs.last, config, run_dir, inputs, started_at=started_at, say=say)
+    trackers = _trackers(config, run_dir)
+    _note_gspo(config, inputs.notes, say)
+    compile_cache = use_compile_cache()  # before anything compiles: the first step's compile, cached across runs
+    loaded, model, lora_report = _load_model(config, run_dir)  # step 2
+    built = build_trainer(config, run_dir, model=model, loaded=loaded, rewards=inputs.rewards, args=inputs.args,
+                          dataset=inputs.dataset, trackers=trackers, say=say, progress=progress)  # step 3
+    trained = _run(built, config, run_dir, inputs.last, trackers=trackers, say=say)  # step 4
+    final_dir = run_dir / layout.FINAL  # step 5: save
+    built.trainer.save_model(str(final_dir))  # every rank: FSDP/ZeRO-3 gather the weights; rank 0 writes them
+    summary = _summary(config, inputs, built, trained, loaded=loaded, lora_report=lora_report,
+                       compile_cache=compile_cache, started_at=started_at)
+    _write_final(config, run_dir, loaded.source, summary,
+                 (final_dir, run_dir / layout.CHECKPOINTS, run_dir / layout.BEST))
+    return TrainResult(final_dir, summary)
+
+
+def _done_already(config: Config, run_dir: Path, say: Any) -> TrainResult | None:
+    """The finished training of this config in `run_dir` (nothing to do), or None; a damaged final/ is not done."""
+    if damage := final_damage(config, run_dir):
+        (say or log.warning)(f"train: {run_dir / layout.FINAL} is damaged ({damage}); training is not done: it "
+                             "resumes from the last good checkpoint (step 0 if none)")
+    if not is_finished(config, run_dir):
+        return None
+    summary = read_json(run_dir / layout.TRAIN_SUMMARY)
+    if say:
+        say(f"train: {run_dir} already finished {summary.get('steps')} steps with this config; nothing to do (pass "
+            "--no-resume to train again).")
+    return TrainResult(run_dir / layout.FINAL, summary, already_done=True)
+
+
+def _prepare_inputs(config: Config, run_dir: Path, *, resume: bool, say: Any) -> _Inputs:
+    """Step 1: the data (train.jsonl as a dataset), the rewards and the trainer's arguments, and the checkpoint to
+    resume. A training set too small or not the same on every rank, a broken reward, a bad trl_overrides key or a
+    device this TRL cannot train on fails here, before any model loads."""
     dataset = build_train_dataset(run_dir)
     _check_trainable(config, run_dir, len(dataset))
     rewards = check_run_rewards(config, run_dir)  # a broken reward fails here, not mid-run
     if problem := settings_problem(config.train.dynamic_sampling, [r.name for r in rewards]):
         raise TrainError(problem + ".")
-    if not resume and distributed.is_main_process() and (moved := set_aside(run_dir)) is not None:
-        (console_callback or log.warning)(f"train: starting over; the earlier training was moved aside to {moved}")
-    choice = _auto_batch(config, train_dir, len(dataset), console_callback)
-    args, notes = build_grpo_config(config, checkpoints, suppress_tokens=_multimodal_ids(config, run_dir),
-                                    batch=choice.per_device_train_batch_size if choice else None)
+    if not resume:
+        _start_over(run_dir, say)
+    batch = _auto_batch(config, run_dir / layout.TRAIN, len(dataset), say)
+    args, notes = build_grpo_config(config, run_dir / layout.CHECKPOINTS,
+                                    suppress_tokens=_multimodal_ids(config, run_dir),
+                                    batch=batch.per_device_train_batch_size if batch else None)
     _ = args.device  # sets up the process group (several ranks) and pins this rank's GPU before the model loads
     if problem := trl_device_problem(args.device.type, package_version("trl") or "0"):
         raise TrainError(problem)
     _same_file_on_every_rank(run_dir / "data" / "train.jsonl")
-    last = _start_point(config, run_dir, resume=resume)  # the checkpoint to resume, or None
-    if ends_training(last, config.train.max_steps):  # killed after the last checkpoint, before the summary
-        return _finish_from(last, config, run_dir, args=args, notes=notes, n_train=len(dataset),
-                            started_at=started_at, say=console_callback)
+    last = _start_point(config, run_dir, resume=resume)
+    return _Inputs(dataset, rewards, batch, args, notes, last)
+
+
+def _start_over(run_dir: Path, say: Any) -> None:
+    """--no-resume: rank 0 moves an earlier training aside (vlmrl.train.resume.set_aside)."""
+    from vlmrl.train.resume import set_aside
+
+    if distributed.is_main_process() and (moved := set_aside(run_dir)) is not None:
+        (say or log.warning)(f"train: starting over; the earlier training was moved aside to {moved}")
+
+
+def _trackers(config: Config, run_dir: Path) -> list:
+    """train.report_to's callbacks, writing under train/ (a tracker that cannot start is a TrainError)."""
     try:
-        trackers = build_tracker_callbacks(config.train.report_to, train_dir)
+        return build_tracker_callbacks(config.train.report_to, run_dir / layout.TRAIN)
     except TrackerError as exc:
         raise TrainError(str(exc)) from None
+
+
+def _note_gspo(config: Config, notes: list[str], say: Any) -> None:
+    """GSPO's note on its loss type joins `notes`, said once, and TRL's own warning (repeated per trainer) is quieted."""
     if note := gspo_loss_note(config):
         notes.append(note)
         quiet_trl_gspo_warning()  # ours says it once and why; TRL's would repeat it per trainer
-        if console_callback is None:  # the CLI says it itself, for the presets that choose it (cli.show.preset_note)
-            log.warning(f"note: {notes[-1]}")
-    compile_cache = use_compile_cache()  # before anything compiles: the first step's compile, cached across runs
-    # step 2: model (every draw seeded from run.seed: the same seed gives the same LoRA initialisation)
-    seed_all(config.run.seed)
-    loaded = load_model(config.model, run_dir, for_training=True, seed=config.run.seed)
-    model, lora_report = apply_lora(loaded.model, config.lora, backend=loaded.backend, seed=config.run.seed)
+        if say is None:  # the CLI says it itself, for the presets that choose it (cli.show.preset_note)
+            log.warning(f"note: {note}")
+
+
+def _load_model(config: Config, run_dir: Path) -> tuple[Any, Any, Any]:
+    """Step 2: the base model (its `load_model` result), it wrapped in LoRA, and the LoRA report; every draw seeded
+    from run.seed (the same seed gives the same LoRA initialisation), and disk room for one checkpoint checked."""
+    lora.seed_all(config.run.seed)
+    loaded = loading.load_model(config.model, run_dir, for_training=True, seed=config.run.seed)
+    model, report = lora.apply_lora(loaded.model, config.lora, backend=loaded.backend, seed=config.run.seed)
     try:  # a full disk found at the first save would cost every step before it
-        check_disk_space(checkpoints, checkpoint_bytes(lora_report.trainable_params), what="one checkpoint")
+        check_disk_space(run_dir / layout.CHECKPOINTS, checkpoint_bytes(report.trainable_params), what="one checkpoint")
     except DiskSpaceError as exc:
         raise TrainError(str(exc)) from None
-    # step 3: trainer
-    recorder = RolloutRecorder(run_dir / layout.ROLLOUTS, contract=config.contract)
-    health = HealthMonitor(config.health, run_dir / layout.HEALTH, console=console_callback)
-    watchers: list[Any] = [*trackers]
-    if console_callback or progress:  # the progress display replaces MetricsRecorder's own line
-        watchers.append(progress or TrainProgress(None, console_callback, recorder))
-    validation = (ValidationCallback(config, run_dir, processor=loaded.processor, trackers=trackers,
-                                     say=console_callback, base_record=base_identity(config.model.name, loaded.source))
-                  if config.train.eval_every_steps else None)
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=[recorder.wrap(rewards[0].fn), *(r.fn for r in rewards[1:])],
-        args=args,
-        train_dataset=dataset,
-        processing_class=loaded.processor,
-        callbacks=[MetricsRecorder(run_dir / layout.METRICS, recorder), recorder, health, *watchers,
-                   *([validation] if validation else []), CheckpointStamp(layout.checkpoint_fingerprint(config))],
-    )
-    trainer.remove_callback(PrinterCallback)  # TrainProgress prints one readable line per step instead
-    float32_adapters_for_fp16(trainer)  # TRL casts QLoRA adapters to bf16, which fp16's loss scaler refuses
-    gather_root_in_rollouts(trainer)  # FSDP: TRL's rollouts bypass the root unit (vlmrl.engine.rollout.sharded)
-    fast = (
-        enable_fast_generation(trainer, bucket=config.train.rollout.prompt_bucket, kernels=config.train.rollout.kernels)
-        if fast_wanted(config.train.rollout.fast)
-        else FastGeneration(False, f"train.rollout.fast={config.train.rollout.fast}")
-    )
-    loss_pass = enable_loss_pass(trainer, kernels=config.train.rollout.kernels)
-    # last: it wraps the fast path's and the loss pass's wrappers (the sampler's log-probs, the mismatch, TIS)
-    mismatch = enable_rollout_mismatch(trainer, correction=config.train.rollout_correction, fast=fast.enabled)
-    sampling = (enable_dynamic_sampling(trainer, config.train.dynamic_sampling, seed=config.run.seed)
-                if config.train.dynamic_sampling.enabled else None)  # wraps the batch TRL scores: off, nothing changes
-    recorder.attach(trainer)
-    health.attach(recorder)
-    # step 4: train, from the checkpoint chosen in step 1 if there is one
+    return loaded, model, report
+
+
+def _run(built: BuiltTrainer, config: Config, run_dir: Path, last: Path | None, *, trackers: list, say: Any) -> _Trained:
+    """Step 4: TRL's training loop, resumed from `last` when given. A step that diverged, or a health monitor
+    that halted training, is a TrainError."""
+    from vlmrl.train.callbacks import divergence_line, nothing_learned_line, reward_never_varied
+    from vlmrl.train.resume import ResumeError
+
+    trainer = built.trainer
     start_step = int(last.name.split("-")[-1]) if last else 0
     resume_trackers(trackers, start_step)  # TensorBoard hides what it plotted past that step
-    if isinstance(progress, TrainProgress):
-        progress.recorder = recorder
     started = time.perf_counter()
     try:
         output = trainer.train(resume_from_checkpoint=str(last) if last else None)
@@ -202,58 +226,62 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
             raise TrainError(line) from None
         raise
     seconds = time.perf_counter() - started
-    if health.halted:
-        raise TrainError(f"training stopped at step {trainer.state.global_step}: {health.halted} "
-                         f"(checkpoints under {checkpoints}; see {run_dir / layout.HEALTH}).")
+    if built.health.halted:
+        raise TrainError(f"training stopped at step {trainer.state.global_step}: {built.health.halted} "
+                         f"(checkpoints under {run_dir / layout.CHECKPOINTS}; see {run_dir / layout.HEALTH}).")
     never_varied = distributed.is_main_process() and reward_never_varied(run_dir / layout.HEALTH)
     if never_varied:
-        (console_callback or log.warning)(nothing_learned_line(config.contract))
-    # step 5: save
-    final_dir = run_dir / layout.FINAL
+        (say or log.warning)(nothing_learned_line(config.contract))
+    steps = trainer.state.global_step
     # resumed: TRL's figure covers only this process's steps; metrics.jsonl holds them all
-    resumed_loss = total_train_loss(run_dir / layout.METRICS, trainer.state.global_step) if start_step else None
-    trainer.save_model(str(final_dir))  # every rank: FSDP/ZeRO-3 gather the weights; rank 0 writes them
-    summary = {
-        **_summary_head(config, args),
-        "steps": trainer.state.global_step,
-        "resumed_from_step": start_step,
-        "train_seconds": round(seconds, 2),
-        "train_loss": output.training_loss if resumed_loss is None else resumed_loss,
-        "train_items": len(dataset),
+    resumed_loss = total_train_loss(run_dir / layout.METRICS, steps) if start_step else None
+    loss = output.training_loss if resumed_loss is None else resumed_loss
+    return _Trained(start_step, steps, seconds, loss, never_varied)
+
+
+def _summary(config: Config, inputs: _Inputs, built: BuiltTrainer, trained: _Trained, *, loaded: Any,
+             lora_report: Any, compile_cache: Any, started_at: str) -> dict:
+    """train/summary.json of a training that ran (`_finish_from` writes the one of a training found done)."""
+    return {
+        **_summary_head(config, inputs.args),
+        "steps": trained.steps,
+        "resumed_from_step": trained.start_step,
+        "train_seconds": round(trained.seconds, 2),
+        "train_loss": trained.loss,
+        "train_items": len(inputs.dataset),
         "world_size": distributed.world_size(),  # processes of all hosts: a generation batch is this many per-device ones
         "lora": lora_report.as_dict(),
         "backend": loaded.backend,
         "base_model": loaded.source,
-        "notes": notes,
-        "health_warnings": health.warning_count,
-        "reward_never_varied": never_varied,  # every group tied at every step: the adapter is its initialisation
-        "fast_generation": fast.as_dict(),
-        "loss_pass": loss_pass.as_dict(),  # this process's log-prob passes and how its micro-batches were formed
-        "rollout_correction": mismatch.as_dict(),  # the sampler's log-probs, what they are compared with, TIS
-        **({"dynamic_sampling": sampling.as_dict()} if sampling else {}),  # groups kept, dropped, filled (this process)
+        "notes": inputs.notes,
+        "health_warnings": built.health.warning_count,
+        "reward_never_varied": trained.never_varied,  # every group tied at every step: the adapter is its initialisation
+        **built.engine.as_dict(),  # fast_generation, loss_pass, rollout_correction, dynamic_sampling
         "compile_cache": compile_cache.as_dict(),
-        "auto_batch": choice.as_dict() if choice else None,
+        "auto_batch": inputs.batch.as_dict() if inputs.batch else None,
         "report_to": list(config.train.report_to),
-        "validation": validation.summary() if validation else None,
+        "validation": built.validation.summary() if built.validation else None,
         "provenance": provenance(started_at=started_at, finished_at=utc_now()),
     }
+
+
+def _write_final(config: Config, run_dir: Path, source: str, summary: dict, folders: tuple[Path, ...]) -> None:
+    """Rank 0 makes `folders` readable as the umask says (the adapter weights arrive 0600 from safetensors) and
+    writes final/'s base record and the summary; no rank returns (and maybe starts evaluating) before that."""
     if distributed.is_main_process():
-        for folder in (final_dir, checkpoints, run_dir / layout.BEST):
+        for folder in folders:
             if folder.is_dir():
-                match_umask(folder)  # the adapter weights arrive 0600 from safetensors
-        write_json_atomic(final_dir / BASE_RECORD, base_identity(config.model.name, loaded.source))
+                match_umask(folder)
+        write_json_atomic(run_dir / layout.FINAL / BASE_RECORD, base_identity(config.model.name, source))
         write_json_atomic(run_dir / layout.TRAIN_SUMMARY, summary)
-    distributed.barrier()  # no rank returns (and maybe starts evaluating) before the adapter is complete
-    return TrainResult(final_dir, summary)
+    distributed.barrier()
 
 
-def _finish_from(checkpoint: Path, config: Config, run_dir: Path, *, args: Any, notes: list[str], n_train: int,
-                 started_at: str, say: Any) -> TrainResult:
+def _finish_from(checkpoint: Path, config: Config, run_dir: Path, inputs: _Inputs, *, started_at: str,
+                 say: Any) -> TrainResult:
     """The training whose last checkpoint is `checkpoint` is done: `final/` from it and the summary, no step
     trained. The summary says what the files tell without loading the model (the steps, the loss from
     metrics.jsonl, the adapter's size); what only the trainer measured (fast_generation, loss_pass) is absent."""
-    from vlmrl.common.provenance import provenance, utc_now
-    from vlmrl.models.loading import BASE_RECORD, base_identity, resolve_model_source
     from vlmrl.train.callbacks import reward_never_varied
     from vlmrl.train.resume import ResumeError, checkpoint_step, final_from_checkpoint
 
@@ -261,20 +289,20 @@ def _finish_from(checkpoint: Path, config: Config, run_dir: Path, *, args: Any, 
     final_dir = run_dir / layout.FINAL
     (say or log.warning)(f"train: {checkpoint.name} is the last step (train.max_steps={config.train.max_steps}): "
                          f"training was done; saving it as {final_dir} and writing the summary, training nothing")
-    source = resolve_model_source(config.model.name, run_dir, config.run.seed)
+    source = loading.resolve_model_source(config.model.name, run_dir, config.run.seed)
     summary = {
-        **_summary_head(config, args),
+        **_summary_head(config, inputs.args),
         "steps": step,
         "resumed_from_step": step,
         "finished_from_checkpoint": checkpoint.name,
         "train_seconds": 0.0,
         "train_loss": total_train_loss(run_dir / layout.METRICS, step),
-        "train_items": n_train,
+        "train_items": len(inputs.dataset),
         "world_size": distributed.world_size(),
         "lora": _adapter_size(checkpoint),
         "backend": None,
         "base_model": source,
-        "notes": notes,
+        "notes": inputs.notes,
         "health_warnings": sum(len(r.get("warnings") or []) for r in read_jsonl(run_dir / layout.HEALTH)),
         "reward_never_varied": reward_never_varied(run_dir / layout.HEALTH),
         "report_to": list(config.train.report_to),
@@ -285,20 +313,13 @@ def _finish_from(checkpoint: Path, config: Config, run_dir: Path, *, args: Any, 
             final_from_checkpoint(checkpoint, final_dir)
         except ResumeError as exc:
             raise TrainError(str(exc)) from None
-        match_umask(final_dir)
-        write_json_atomic(final_dir / BASE_RECORD, base_identity(config.model.name, source))
-        write_json_atomic(run_dir / layout.TRAIN_SUMMARY, summary)
-    distributed.barrier()
+    _write_final(config, run_dir, source, summary, (final_dir,))
     return TrainResult(final_dir, summary)
 
 
 def _adapter_size(folder: Path) -> dict:
     """The LoRA counts an adapter's safetensors header gives: its parameters (all of them train) and modules."""
-    import json
-
-    from vlmrl.models.loading import ADAPTER_WEIGHTS
-
-    with (folder / ADAPTER_WEIGHTS).open("rb") as f:
+    with (folder / loading.ADAPTER_WEIGHTS).open("rb") as f:
         header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
     shapes = {k: v["shape"] for k, v in header.items() if k != "__metadata__"}
     params = sum(math.prod(shape) for shape in shapes.values())
@@ -322,27 +343,6 @@ def _start_point(config: Config, run_dir: Path, *, resume: bool) -> Path | None:
         trim_records_after(run_dir, step)
     distributed.barrier()  # no rank reads train/ before rank 0 has cleared it
     return last
-
-
-def build_train_dataset(run_dir: Path):
-    """`data/train.jsonl` as the conversational image dataset TRL expects (images decoded lazily; see
-    data/table.py for the columns)."""
-    import datasets
-
-    path = run_dir / "data" / "train.jsonl"
-    if not path.is_file():
-        raise TrainError(f"{path}: no training set; run `vlmrl prepare` for this config first.")
-    rows = read_jsonl(path)
-    from vlmrl.data.items import Item
-    from vlmrl.data.prepare import check_prepared
-    from vlmrl.data.table import train_table
-
-    holdout = read_jsonl(run_dir / layout.HOLDOUT)
-    check_prepared(run_dir, [Item.from_json(r) for r in rows], [Item.from_json(r) for r in holdout])
-    items = [Item.from_json(r) for r in rows]
-    table = train_table(items, run_dir)  # prompt, images (a list per item) and every column rewards receive
-    datasets.disable_progress_bars()  # its cast bar has no newline: our one-line messages would follow it
-    return datasets.Dataset.from_dict(table).cast_column("images", datasets.Sequence(datasets.Image()))
 
 
 def _auto_batch(config: Config, train_dir: Path, n_train: int, say: Any) -> BatchChoice | None:
@@ -406,78 +406,17 @@ def total_train_loss(metrics_path: Path, steps: int) -> float | None:
     return total / steps
 
 
-def build_grpo_config(
-    config: Config, output_dir: Path, *, suppress_tokens: list[int] | None = None, batch: int | None = None
-) -> tuple[Any, list[str]]:
-    """GRPOConfig from our typed config; returns it and notes about any fallback taken. `batch` replaces
-    train.per_device_train_batch_size (train.auto_batch's choice; the config, and so its fingerprint, keep the
-    configured value)."""
-    from trl import GRPOConfig
-
-    t = config.train
-    notes: list[str] = []
-    optim = t.optim
-    if "8bit" in optim and not (torch.cuda.is_available() and importlib.util.find_spec("bitsandbytes")):
-        notes.append(f"optimizer {optim} needs bitsandbytes on CUDA; using adamw_torch instead")
-        log.warning(notes[-1])
-        optim = "adamw_torch"
-    on_cuda = torch.cuda.is_available()
-    kwargs: dict[str, Any] = dict(  # noqa: C408  (keyword form mirrors GRPOConfig)
-        output_dir=str(output_dir),
-        seed=config.run.seed,
-        learning_rate=t.learning_rate,
-        optim=optim,
-        per_device_train_batch_size=batch or t.per_device_train_batch_size,
-        gradient_accumulation_steps=t.gradient_accumulation_steps,
-        steps_per_generation=t.steps_per_generation,
-        num_generations=t.num_generations,
-        max_completion_length=t.max_completion_length,
-        temperature=t.temperature,
-        num_train_epochs=t.num_train_epochs,
-        max_steps=t.max_steps,
-        max_grad_norm=t.max_grad_norm,
-        reward_weights=[r.weight for r in config.rewards],
-        importance_sampling_level="sequence" if t.algorithm == "gspo" else "token",
-        loss_type=t.loss_type,
-        gradient_checkpointing=t.gradient_checkpointing,
-        logging_nan_inf_filter=False,  # the default logs a NaN loss as the mean of earlier ones, hiding it
-        save_strategy="steps",
-        save_steps=t.save_steps,
-        bf16=on_cuda and config.model.dtype in ("auto", "bfloat16"),
-        fp16=on_cuda and config.model.dtype == "float16",
-        use_cpu=not on_cuda,
-        report_to="none",
-        log_completions=False,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-        generation_kwargs={"suppress_tokens": suppress_tokens} if suppress_tokens else None,
-    )
-    from vlmrl.train.args import training_problems
-
-    problems = training_problems(config)  # the same checks as `vlmrl config validate`
-    if problems:
-        raise TrainError("; ".join(problems) + ".")
-    for name in [*TRL_DEFAULTS, *t.trl_overrides]:  # vlmrl's values for the fields it leaves to trl_overrides,
-        kwargs[TRL_NAMES.get(name, name)] = t.trl_value(name)  # or the overrides (warmup_ratio as warmup_steps)
-    try:  # an unknown optimizer or scheduler name, or a contradiction TRL finds: before any model loads
-        return GRPOConfig(**kwargs), notes
-    except (ValueError, TypeError) as exc:
-        raise TrainError(f"train: TRL refuses these settings: {' '.join(str(exc).split())}") from None
-
-
 def _multimodal_ids(config: Config, run_dir: Path) -> list[int]:
+    """The base model's image/video token ids, which rollouts suppress (`loading.multimodal_token_ids`)."""
     from transformers import AutoConfig
 
-    from vlmrl.models.loading import multimodal_token_ids, resolve_model_source
-
-    return multimodal_token_ids(AutoConfig.from_pretrained(resolve_model_source(config.model.name, run_dir, config.run.seed)))
+    source = loading.resolve_model_source(config.model.name, run_dir, config.run.seed)
+    return loading.multimodal_token_ids(AutoConfig.from_pretrained(source))
 
 
 def final_damage(config: Config, run_dir: Path) -> str | None:
     """Why this config's finished training's `final/` cannot be trusted (None: it can, or there is none)."""
-    from vlmrl.models.loading import adapter_files_problem
-
-    return adapter_files_problem(run_dir / layout.FINAL) if layout.is_trained(config, run_dir) else None
+    return loading.adapter_files_problem(run_dir / layout.FINAL) if layout.is_trained(config, run_dir) else None
 
 
 def is_finished(config: Config, run_dir: Path) -> bool:

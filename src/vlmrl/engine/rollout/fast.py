@@ -24,6 +24,7 @@ The contexts are kept on the trainer (`trainer.vlmrl_rollout_contexts`, by name)
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Iterator
@@ -55,10 +56,7 @@ class FastGeneration:
     weights: str | None = None  # how token steps read 4-bit base weights (None: not a 4-bit base)
 
     def as_dict(self) -> dict:
-        return {"enabled": self.enabled, "reason": self.reason, "bucket": self.bucket, "mode": self.mode,
-                "attention": self.attention, "autocast": self.autocast, "prefill": self.prefill,
-                "stop_check": self.stop_check, "adapters": self.adapters, "cache_read": self.cache_read,
-                "weights": self.weights}
+        return dataclasses.asdict(self)
 
 
 def wanted(setting: str) -> bool:
@@ -80,7 +78,9 @@ def enable_fast_generation(
         return FastGeneration(False, "continuous batching is configured; it manages its own cache")
     from vlmrl.engine.rollout.attention import NAME, packed_gqa, packed_gqa_applies
     from vlmrl.engine.rollout.attention import decode_kernel as decode_kernel_context
+    from vlmrl.engine.rollout.offload import OptimizerStateOffload
 
+    # Once per trainer: compilation on TRL's own GenerationConfig, over a bucketed static cache.
     config.disable_compile = False
     config.cache_implementation = "static"
     config.compile_config = _compile_config(mode, all_devices)
@@ -88,21 +88,12 @@ def enable_fast_generation(
     if not bucket_static_cache(trainer.model, bucket):
         trainer.pad_to_multiple_of = bucket
     prefill = prefill_into_dynamic_cache(trainer.model)
+    # What each rollout runs inside, and what the record says of each piece.
     dtype = rollout_autocast_dtype(trainer.model, trainer.args)
     attention = NAME if packed_gqa_applies(trainer.model) else None
-    stack, stack_note = _stacked(trainer, dtype)
-    copies, adapters = _adapter_copies(trainer, dtype, wanted=stack is None)
-    adapters = stack_note if stack is not None else f"{stack_note}; {adapters}"
-    if stack is not None and kernels:
-        adapters += SECOND_KERNEL if _base_dtype(trainer, dtype) == torch.bfloat16 else SECOND_KERNEL_FALLBACK
-    offload = None
-    if copies is not None or stack is not None:
-        from vlmrl.engine.rollout.offload import OptimizerStateOffload
-
-        offload = OptimizerStateOffload(trainer)
-    stop_check = stop_check_note()
-    kernel, kernel_note = _decode_kernel_note(wanted=kernels, attention=attention is not None)
-    cache_read = "the whole static cache" + kernel_note
+    stack, copies, adapters = _rollout_adapters(trainer, dtype, kernels=kernels)
+    offload = OptimizerStateOffload(trainer) if copies is not None or stack is not None else None
+    kernel, cache_read = _cache_read(wanted=kernels, attention=attention is not None)
     weights = nf4_token_steps(trainer, wanted=kernels)
     contexts = [
         ("attention", (lambda: packed_gqa(trainer.model)) if attention else None),
@@ -118,12 +109,13 @@ def enable_fast_generation(
         ("compile_over_4bit", lambda: compile_over_4bit(trainer.model)),
     ]
     wrap_rollouts(trainer, [(name, factory) for name, factory in contexts if factory is not None])
+    record = FastGeneration(True, "static KV cache + torch.compile", bucket=bucket, mode=mode, attention=attention,
+                            autocast=_dtype_name(dtype) if dtype is not None else None, prefill=prefill,
+                            stop_check=stop_check_note(), adapters=adapters, cache_read=cache_read, weights=weights)
     log.info("fast generation: static KV cache + torch.compile(mode=%s), cache bucketed to %d, attention %s, "
              "autocast %s, adapter weights %s, prefill %s, stop check %s, attention reads %s, 4-bit weights %s",
-             mode, bucket, attention or "unchanged", dtype, adapters, prefill, stop_check, cache_read, weights)
-    return FastGeneration(True, "static KV cache + torch.compile", bucket, mode, attention,
-                          _dtype_name(dtype) if dtype is not None else None, prefill, stop_check, adapters,
-                          cache_read, weights)
+             mode, bucket, attention or "unchanged", dtype, adapters, prefill, record.stop_check, cache_read, weights)
+    return record
 
 
 BITSANDBYTES = "bitsandbytes Linear4bit"
@@ -153,21 +145,18 @@ def nf4_token_steps(trainer: Any, *, wanted: bool = True) -> str | None:
             f"({nf4.measured_settings(model)}), {BITSANDBYTES} otherwise")
 
 
-def _adapter_copies(trainer: Any, dtype: torch.dtype | None, *, wanted: bool) -> tuple[Any, str]:
-    """The bf16 adapter copies for rollouts (`adapter_cast`) when asked for and useful, and what was done."""
-    if dtype is None:
-        return None, "as stored (no float32 adapters over a low-precision base)"
-    cast = f"float32, cast to {_dtype_name(dtype)} at each token step"
-    if not wanted:
-        return None, cast
-    if sharded(trainer):
-        # accelerate shards (and replaces) the parameters after this point; copies of them would go stale
-        return None, f"{cast} (no copies: parameters are sharded by FSDP / DeepSpeed)"
-    from vlmrl.engine.rollout.adapter_cast import LowPrecisionAdapters
-
-    copies = LowPrecisionAdapters(trainer.model, dtype)
-    return copies, (f"{_dtype_name(dtype)} copies made per rollout ({copies.nbytes / 2**30:.2f} GiB while it runs; "
-                    "the optimizer state waits on the host)")
+def _rollout_adapters(trainer: Any, dtype: torch.dtype | None, *, kernels: bool) -> tuple[Any, Any, str]:
+    """How rollouts read the LoRA weights: the stacked projections (`stacked`) where they apply, with `kernels` each
+    group's second step one Triton kernel; else the bf16 adapter copies (`adapter_cast`) where they help. Returns
+    the stack or None, the copies or None, and what the record says."""
+    stack, stacked = _stacked(trainer, dtype)
+    if stack is None:
+        copies, copied = _adapter_copies(trainer, dtype)
+        return None, copies, f"{stacked}; {copied}"
+    if not kernels:
+        return stack, None, stacked
+    return stack, None, stacked + (SECOND_KERNEL if _base_dtype(trainer, dtype) == torch.bfloat16
+                                   else SECOND_KERNEL_FALLBACK)
 
 
 def _stacked(trainer: Any, dtype: torch.dtype | None) -> tuple[Any, str]:
@@ -192,17 +181,33 @@ def _stacked(trainer: Any, dtype: torch.dtype | None) -> tuple[Any, str]:
                    f"{stack.second_nbytes() / 2**30:.2f} GiB while it runs; the optimizer state waits on the host)")
 
 
-def _decode_kernel_note(*, wanted: bool, attention: bool) -> tuple[bool, str]:
-    """Whether rollouts run the decode kernel, and what the cache-read note adds about it."""
+def _adapter_copies(trainer: Any, dtype: torch.dtype | None) -> tuple[Any, str]:
+    """The bf16 adapter copies for rollouts (`adapter_cast`) where useful, and what was done or why not."""
+    if dtype is None:
+        return None, "as stored (no float32 adapters over a low-precision base)"
+    cast = f"float32, cast to {_dtype_name(dtype)} at each token step"
+    if sharded(trainer):
+        # accelerate shards (and replaces) the parameters after this point; copies of them would go stale
+        return None, f"{cast} (no copies: parameters are sharded by FSDP / DeepSpeed)"
+    from vlmrl.engine.rollout.adapter_cast import LowPrecisionAdapters
+
+    copies = LowPrecisionAdapters(trainer.model, dtype)
+    return copies, (f"{_dtype_name(dtype)} copies made per rollout ({copies.nbytes / 2**30:.2f} GiB while it runs; "
+                    "the optimizer state waits on the host)")
+
+
+def _cache_read(*, wanted: bool, attention: bool) -> tuple[bool, str]:
+    """Whether token steps run the decode kernel, and which static-cache positions their attention reads."""
     from vlmrl.engine.rollout.decode_attention import HAS_TRITON
 
+    whole = "the whole static cache"
     if not wanted:
-        return False, ""
+        return False, whole
     if not attention:
-        return False, " (the decode kernel needs vlmrl_sdpa)"
+        return False, f"{whole} (the decode kernel needs vlmrl_sdpa)"
     if not HAS_TRITON:
-        return False, " (the decode kernel needs Triton)"
-    return True, KERNEL_READ
+        return False, f"{whole} (the decode kernel needs Triton)"
+    return True, whole + KERNEL_READ
 
 
 def _base_dtype(trainer: Any, autocast: torch.dtype | None) -> torch.dtype | None:
