@@ -1,7 +1,7 @@
 """vlmrl.
 
 Importing the package pins the CPU kernels' instruction set before torch first computes
-(`vlmrl.common.cpu_numerics`), so a CPU run gives the same digits on every x86-64 host with AVX2.
+(`vlmrl.common.cpu_numerics`), so the host's instruction set does not decide a CPU run's digits.
 """
 
 from vlmrl.common.cpu_numerics import pin_cpu_kernels

@@ -1,4 +1,4 @@
-"""The same CPU arithmetic on every x86-64 host: the kernels' instruction set pinned before torch first computes.
+"""Less of the CPU arithmetic left to the host: the kernels' instruction set pinned before torch first computes.
 
 PyTorch picks its CPU kernels by the host's instruction set (AVX-512 where present, else AVX2), and MKL and
 oneDNN do the same; each sums in its own order, so a float32 run on an AVX-512 host and on an AVX2 host drift
@@ -9,11 +9,14 @@ bits whatever the thread count, for its matrix products) and `ONEDNN_MAX_CPU_ISA
 first runs a CPU operation, so the call must come before any tensor work; importing `vlmrl` makes it.
 Sums split across threads also depend on how many there are: `pin_cpu_threads()` sets torch's intra-op thread
 count to CPU_THREADS for a run on the CPU (the model loading calls it when no CUDA device is present), so a
-2-core laptop and a 64-core server compute the same digits.
+2-core laptop and a 64-core server split their sums alike.
 
 `VLMRL_CPU_KERNELS=native` skips the pinning (the host's fastest kernels, results tied to the host).
-Limits: hosts without AVX2 and non-x86 hosts (Arm) run other code and give other digits; another torch, MKL or
-oneDNN release may too. CUDA arithmetic is untouched.
+Limits: this removes the instruction set and the thread count from what decides the digits, not everything.
+MKL picks its code path by the CPU's vendor and model too (on an AMD EPYC, `MKL_CBWR`'s AVX2, AVX-512 and SSE4.2
+branches gave the same bits for a matrix product we checked, only `COMPATIBLE` other ones),
+so two machines can still print other digits (docs/learning.md); hosts without AVX2, non-x86 hosts (Arm), and
+another torch, MKL or oneDNN release run other code. CUDA arithmetic is untouched.
 """
 
 from __future__ import annotations
