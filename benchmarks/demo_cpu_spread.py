@@ -37,7 +37,11 @@ def run_one(spec: str, work: Path, out: Path) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "vlmrl.cli", "run", "demo", "--set", f"run.seed={seed}",
                "--set", f"run.output_dir={folder}", "--set", "run.name=demo"]
-    env = {k: v for k, v in os.environ.items() if k not in ("VLMRL_CPU_KERNELS", "MKL_CBWR")}
+    # this process imported vlmrl, which pinned its own environment: the child starts from none of those settings
+    # and pins itself, unless the run's settings say otherwise
+    from vlmrl.common.cpu_numerics import PINNED
+
+    env = {k: v for k, v in os.environ.items() if k not in ("VLMRL_CPU_KERNELS", *PINNED)}
     env.update(KERNEL_SETTINGS[kernels], VLMRL_CACHE=str(folder / "cache"), COLUMNS="200", PYTHONUNBUFFERED="1")
     started = time.perf_counter()
     done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=folder, check=False)
@@ -46,10 +50,10 @@ def run_one(spec: str, work: Path, out: Path) -> dict:
              "exit_status": done.returncode, "wall_s": round(time.perf_counter() - started, 1)}
     comparison = folder / "demo" / "comparison.json"
     if done.returncode == 0 and comparison.exists():
-        metrics = json.loads(comparison.read_text())["metrics"]
-        accuracy, fmt = metrics["accuracy"], metrics["format_compliance"]
+        compared = json.loads(comparison.read_text())
+        accuracy, fmt = compared["metrics"]["accuracy"], compared["metrics"]["format_compliance"]
         entry.update(
-            n_heldout=json.loads(comparison.read_text())["n_paired"],
+            n_heldout=compared["n_paired"],
             accuracy={"before": accuracy["before"], "after": accuracy["after"], "delta": accuracy["delta"],
                       "ci": accuracy["delta_ci95"], "mcnemar_p": accuracy["mcnemar_p"]},
             format_compliance={"before": fmt["before"], "after": fmt["after"]},
