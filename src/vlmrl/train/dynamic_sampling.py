@@ -199,13 +199,9 @@ def take_rows(batch: dict[str, Any], rows: list[int]) -> dict[str, Any]:
 
 
 def _pad(tensor: torch.Tensor, width: int, value: float, *, left: bool, dim: int = 1) -> torch.Tensor:
-    missing = width - tensor.shape[dim]
-    if missing <= 0:
-        return tensor
-    shape = list(tensor.shape)
-    shape[dim] = missing
-    fill = torch.full(shape, value, dtype=tensor.dtype, device=tensor.device)
-    return torch.cat([fill, tensor] if left else [tensor, fill], dim=dim)
+    missing = max(0, width - tensor.shape[dim])
+    after_dim = [0, 0] * (tensor.ndim - 1 - dim)  # F.pad's pairs run from the last dimension back
+    return torch.nn.functional.pad(tensor, (*after_dim, *((missing, 0) if left else (0, missing))), value=value)
 
 
 def _pad_all(tensor: torch.Tensor, shape: list[int], value: float) -> torch.Tensor:
