@@ -5,7 +5,16 @@ cache folder of its own per seed so that every run builds its demo policy anew, 
 
 Writes OUTDIR/h200_demo_gpu_seeds.json (one entry per run: seed, accuracy before/after with its interval and
 McNemar p, the visual gain with its interval, the per-family table, the warm start's check curve and whether it
-reached its criterion, wall times) and each run's log. Runs in parallel share the GPU and the host (the record
+reached its criterion, wall times, the training's clock and steps, each held-out item's outcome) and each run's
+log. `--budget-from RECORD` gives each seed `train.time_budget_minutes` equal to its training time in RECORD
+and writes h200_demo_gpu_seeds_budgeted.json: the dynamic-sampling comparison at equal cost is
+
+    python benchmarks/demo_gpu_seeds.py OUT --seeds 0 1 2 --parallel 3
+    python benchmarks/demo_gpu_seeds.py OUT --seeds 0 1 2 --parallel 3 --work W2 \
+        --budget-from OUT/h200_demo_gpu_seeds.json train.dynamic_sampling.enabled=true
+    python benchmarks/dynamic_sampling_pairs.py OUT/h200_demo_gpu_seeds.json OUT/h200_demo_gpu_seeds_budgeted.json
+
+(both with the same number of runs at once, so that the two share the machine alike). Runs in parallel share the GPU and the host (the record
 says how many ran at once): their wall times are an upper bound on a run alone, their numbers are not
 affected. CPU smoke of the code path: `--smoke` (the `demo-policy-gpu-smoke` recipe, toy sizes).
 """
@@ -13,6 +22,7 @@ affected. CPU smoke of the code path: `--smoke` (the `demo-policy-gpu-smoke` rec
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -27,10 +37,12 @@ SMOKE = ["model.name=demo-policy-gpu-smoke", "data.image_size=64", "data.num_syn
          "train.save_steps=1"]
 
 
-def run_seed(seed: int, work: Path, out: Path, extra: list[str]) -> dict:
+def run_seed(seed: int, work: Path, out: Path, extra: list[str], budget: dict[int, float] | None = None) -> dict:
     cache, runs = work / f"cache-seed{seed}", work / "runs"
     command = [sys.executable, "-m", "vlmrl.cli", "run", "demo-gpu", "--set", f"run.seed={seed}",
                "--set", f"run.output_dir={runs}", "--set", f"run.name=demo-gpu-seed{seed}"]
+    if budget is not None:
+        extra = [*extra, f"train.time_budget_minutes={budget[seed] / 60!r}"]
     for item in extra:
         command += ["--set", item]
     env = {**os.environ, "VLMRL_CACHE": str(cache), "PYTHONUNBUFFERED": "1"}
@@ -69,10 +81,35 @@ def read_seed(seed: int, work: Path) -> dict:
                                "largest_drop": largest_drop(info.get("reading_checks", [])),
                                "collapsed": collapsed(info.get("reading_checks", [])),
                                "checks": info.get("reading_checks", [])}
-    comparison = runs / f"demo-gpu-seed{seed}" / "comparison.json"
+    run = runs / f"demo-gpu-seed{seed}"
+    comparison = run / "comparison.json"
     if comparison.exists():
         entry.update(summarize(json.loads(comparison.read_text())))
+    entry.update(training(run))
     return entry
+
+
+def training(run: Path) -> dict:
+    """The RL stage's cost and the held-out outcomes item by item (for paired comparisons between records): the
+    training's own clock (`elapsed_s` of its last step, what `train.time_budget_minutes` counts), its steps, why
+    it stopped, the dynamic-sampling totals, and per item (sorted by id) 1/0 for correct after training, with the
+    true image and with the swapped one."""
+    out: dict = {}
+    summary = run / "train" / "summary.json"
+    if summary.exists():
+        info = json.loads(summary.read_text())
+        steps = [json.loads(line) for line in (run / "train" / "metrics.jsonl").read_text().splitlines()
+                 if line.strip() and "train_runtime" not in line]
+        out["train"] = {"steps": info.get("steps"), "elapsed_s": steps[-1].get("elapsed_s") if steps else None,
+                        "rollout_tokens": steps[-1].get("rollout_tokens") if steps else None,
+                        "stopped_by": info.get("stopped_by"), "dynamic_sampling": info.get("dynamic_sampling")}
+    for name, key in (("after_records.jsonl", "after_correct"), ("after_swapped_records.jsonl", "after_swapped_correct")):
+        if (run / name).exists():
+            rows = sorted((json.loads(line) for line in (run / name).read_text().splitlines() if line.strip()),
+                          key=lambda r: r["id"])
+            out[key] = "".join("1" if r.get("correct") else "0" for r in rows)
+            out["item_ids_sha256"] = hashlib.sha256("\n".join(r["id"] for r in rows).encode()).hexdigest()
+    return out
 
 
 def summarize(comparison: dict) -> dict:
@@ -130,27 +167,36 @@ def main() -> int:
     parser.add_argument("--collect", action="store_true",
                         help="run nothing: the record from the run folders and caches already in --work and the "
                              "logs in OUT (a run whose report.html exists, or whose log ends listing it, finished)")
+    parser.add_argument("--budget-from", type=Path,
+                        help="an earlier record of these seeds: each run gets train.time_budget_minutes = that "
+                             "seed's training time there (its train.elapsed_s), to compare settings at equal cost")
     parser.add_argument("extra", nargs="*", help="section.field=value overrides for every run")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()
     args.out.mkdir(parents=True, exist_ok=True)
     extra = (SMOKE if args.smoke else []) + args.extra
+    budget = None
+    if args.budget_from:
+        earlier = {e["seed"]: e.get("train", {}).get("elapsed_s") for e in json.loads(args.budget_from.read_text())["runs"]}
+        budget = {seed: float(earlier[seed]) for seed in args.seeds}  # a seed the record lacks: KeyError, on purpose
     if args.collect:
         entries = [{"seed": seed, "collected": True, "exit_status": 0 if finished(seed, args.work, args.out) else None,
                     **read_seed(seed, args.work)} for seed in args.seeds]
     else:
         with ThreadPoolExecutor(max_workers=args.parallel) as pool:
-            entries = list(pool.map(lambda seed: run_seed(seed, args.work, args.out, extra), args.seeds))
+            entries = list(pool.map(lambda seed: run_seed(seed, args.work, args.out, extra, budget), args.seeds))
     record = {
         "what": "vlmrl run demo-gpu on several seeds, each building its demo policy anew (a cache of its own)",
         "command": "PYTHONPATH=src python benchmarks/demo_gpu_seeds.py OUT " + " ".join(
             [f"--seeds {' '.join(map(str, args.seeds))}", f"--parallel {args.parallel}", *(["--smoke"] if args.smoke else []),
-             *args.extra]),
+             *([f"--budget-from {args.budget_from.name}"] if args.budget_from else []), *args.extra]),
+        "budget_s": budget,
         "runs_at_once": args.parallel, "shared_host": args.parallel > 1, "smoke": args.smoke,
         **environment(), "runs": entries,
         "holds": {str(e["seed"]): holds(e) for e in entries},
         "holds_on_every_seed": all(holds(e) for e in entries),
     }
     name = "cpu_demo_gpu_seeds_smoke.json" if args.smoke else "h200_demo_gpu_seeds.json"
+    name = name.replace(".json", "_budgeted.json") if budget else name
     (args.out / name).write_text(json.dumps(record, indent=2) + "\n")
     for e in entries:
         acc, vis, ws = e.get("accuracy", {}), e.get("visual_gain", {}), e.get("warm_start", {})

@@ -74,3 +74,23 @@ def test_reading_check_counts_right_answers_per_family(monkeypatch):
     assert result == {"greedy_accuracy": bars / len(items), "format_rate": 1.0,  # every answer in the structure
                       "by_family": {"bar_value": 1.0, "count_squares": 0.0}}
     assert model.training
+
+
+def test_a_warm_start_short_of_its_criterion_is_said_once_per_process(tmp_path, monkeypatch):
+    """A run resolves its policy once per stage: the note that its warm start stopped short came once per stage
+    (ten lines in one `vlmrl run`); it is said once, and not at all for a policy that reached its criterion."""
+    import json
+
+    from vlmrl.models import demo
+
+    said: list[str] = []
+    for reached, recipe in ((False, {"name": "short", "stop_accuracy": 0.45}), (True, {"name": "ok", "stop_accuracy": 0.45})):
+        folder = tmp_path / recipe["name"]
+        folder.mkdir()
+        (folder / "demo_policy.json").write_text(json.dumps({
+            "reached_criterion": reached, "sft_steps_run": 80, "recipe": recipe,
+            "reading_checks": [{"step": 40, "greedy_accuracy": 0.125}]}))
+        monkeypatch.setattr(demo, "demo_policy_dir", lambda recipe, folder=folder: folder)
+        for _ in range(3):
+            assert demo.ensure_demo_policy(recipe, say=said.append) == folder
+    assert len(said) == 1 and "short of its reading criterion (0.45 greedy; best 0.125, kept)" in said[0]

@@ -272,6 +272,31 @@ def test_resume_continues_from_the_last_checkpoint_without_duplicating_steps(
     check_records(run_dir / "train", steps=[1, 2, 3])
 
 
+def test_a_time_budget_stops_at_the_step_that_spends_it_and_the_run_is_then_done(
+    quick_trained, tmp_path: Path, learnable
+) -> None:
+    """train.time_budget_minutes counts the resumed sessions too: given a budget a little past what steps 1-2
+    spent, the resumed run trains step 3 and stops there (checkpoint saved, `stopped_by` said), not step 4; a
+    rerun is done; killed before the summary, the checkpoint past the budget ends the training."""
+    run_dir = copy_run(quick_trained, tmp_path)
+    spent = step_rows(run_dir / "train" / "metrics.jsonl")[-1]["elapsed_s"]
+    budgeted = quick_config(tmp_path, "train.max_steps=4", f"train.time_budget_minutes={(spent + 1e-3) / 60!r}")
+    result = train(budgeted, run_dir)
+    assert result.summary["resumed_from_step"] == 2 and result.summary["steps"] == 3
+    assert result.summary["stopped_by"] == "time_budget"
+    check_records(run_dir / "train", steps=[1, 2, 3])
+    assert (run_dir / "train" / "checkpoints" / "checkpoint-3").is_dir()
+    assert step_rows(run_dir / "train" / "metrics.jsonl")[-1]["elapsed_s"] >= spent + 1e-3
+    assert train(budgeted, run_dir).already_done
+
+    (run_dir / "train" / "summary.json").unlink()
+    finished = train(budgeted, run_dir)
+    assert finished.summary["finished_from_checkpoint"] == "checkpoint-3" and finished.summary["train_seconds"] == 0
+    assert finished.summary["stopped_by"] == "time_budget"
+    check_records(run_dir / "train", steps=[1, 2, 3])
+    assert train(quick_config(tmp_path), run_dir).summary["stopped_by"] is None  # unbudgeted: no stop said
+
+
 def test_checkpoints_of_another_training_config_are_not_resumed(quick_prepared, tmp_path: Path, learnable) -> None:
     run_dir = copy_run(quick_prepared, tmp_path)
     train(quick_config(tmp_path, "train.max_steps=1"), run_dir)

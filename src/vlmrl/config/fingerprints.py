@@ -38,7 +38,7 @@ EVAL_FIELDS = ("eval.batch_size", "eval.max_new_tokens", "eval.do_sample", "eval
 TRAIN_FIELDS = ("train.algorithm", "train.loss_type", "train.learning_rate", "train.optim",
                 "train.per_device_train_batch_size", "train.gradient_accumulation_steps", "train.num_generations",
                 "train.steps_per_generation", "train.max_completion_length", "train.temperature",
-                "train.num_train_epochs", "train.max_steps", "train.max_grad_norm", "train.gradient_checkpointing",
+                "train.num_train_epochs", "train.max_steps", "train.time_budget_minutes", "train.max_grad_norm", "train.gradient_checkpointing",
                 "train.save_steps", "train.auto_batch", "train.rollout.fast", "train.rollout.prompt_bucket",
                 "train.rollout_correction", "train.dynamic_sampling.enabled", "train.dynamic_sampling.max_rounds",
                 "train.dynamic_sampling.accuracy_range", "train.dynamic_sampling.accuracy_reward",
@@ -64,7 +64,7 @@ STAGE_FIELDS: dict[str, tuple[str, ...]] = {
 
 # Train fields a resumed training may change: how long it trains, how often it logs, saves or validates, and when
 # it stops on degenerate output. Left out of the checkpoints' fingerprint, so a run given more steps resumes.
-RESUMABLE_FIELDS = ("train.max_steps", "train.num_train_epochs", "train.save_steps", "train.eval_every_steps",
+RESUMABLE_FIELDS = ("train.max_steps", "train.num_train_epochs", "train.time_budget_minutes", "train.save_steps", "train.eval_every_steps",
                     "train.eval_subset", "train.trl_overrides.logging_steps", "train.trl_overrides.save_total_limit",
                     "health.stop_on_gibberish_steps")
 

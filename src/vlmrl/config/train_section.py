@@ -111,6 +111,13 @@ class TrainConfig(_Section):
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature of rollouts.")
     num_train_epochs: float = Field(1.0, gt=0.0, description="Passes over the training set.")
     max_steps: int = Field(-1, description="Optimizer steps (>= 1); -1 = derived from num_train_epochs.")
+    time_budget_minutes: float | None = Field(
+        None, gt=0.0,
+        description="Stop training at the first optimizer step that ends past this many wall-clock minutes of "
+        "training (`elapsed_s` in train/metrics.jsonl, a resumed run's earlier sessions included), saving a "
+        "checkpoint there; the summary says `stopped_by: time_budget`. The learning-rate schedule still spans "
+        "max_steps. For comparing settings at equal cost (docs/rewards.md). None: no limit.",
+    )
     max_grad_norm: float = Field(0.1, gt=0.0, description="Gradient clipping norm.")
     gradient_checkpointing: bool = Field(True, description="Trade compute for activation memory.")
     save_steps: int = Field(50, gt=0, description="Checkpoint every N optimizer steps.")

@@ -117,13 +117,17 @@ def demo_policy_dir(recipe: dict = DEMO_RECIPE) -> Path:
 
 def ensure_demo_policy(recipe: dict = DEMO_RECIPE, say=None) -> Path:
     """The demo policy's folder, building it first if this machine has not yet. When its warm start stopped
-    short of its reading criterion, says so in one line (on every use, not only on the build)."""
+    short of its reading criterion, says so in one line, once per process (every run, not only the build's)."""
     folder = demo_policy_dir(recipe)
     if not (folder / "demo_policy.json").exists():
         _build_into(folder, recipe, say)
-    if (note := warm_start_note(folder)) is not None:
+    if folder not in _NOTED and (note := warm_start_note(folder)) is not None:
+        _NOTED.add(folder)
         (say or log.warning)(note)
     return folder
+
+
+_NOTED: set[Path] = set()  # the policies whose short warm start this process has said (a run resolves it per stage)
 
 
 def _build_into(folder: Path, recipe: dict, say) -> None:

@@ -5,6 +5,7 @@
   across a resume, so learning can be read against time and rollout cost, not only steps.
 - `RolloutRecorder` -> `train/rollouts.jsonl`: every completion of every generation batch (item id, text, each
   reward, advantage, length, truncated), so an item's learning history can be followed.
+- `TimeBudget`: `train.time_budget_minutes`, training stopped (and a checkpoint saved) once that much time is spent.
 - `HealthMonitor`   -> `train/health.jsonl`: per-step gibberish / format / truncation / zero-variance rates and
   NaN checks, against the thresholds in `config.health`; crossing one warns, NaN/Inf saves and stops; and the
   rollout engine's mismatch with the loss pass (`vlmrl.engine.rollout.mismatch.MismatchWatch`: a jump or drift warns).
@@ -76,14 +77,37 @@ class MetricsRecorder(TrainerCallback):
         self._tokens = int(last.get(ROLLOUT_TOKENS) or 0) - (self.recorder.tokens_generated if self.recorder else 0)
         self._started = time.perf_counter()
 
+    def elapsed(self) -> float:
+        """Wall-clock seconds of training so far, earlier sessions of a resume included (0 before it begins)."""
+        return 0.0 if self._started is None else self._seconds + time.perf_counter() - self._started
+
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "train_runtime" not in logs and self._started is not None:
-            logs[ELAPSED] = round(self._seconds + time.perf_counter() - self._started, 3)
+            logs[ELAPSED] = round(self.elapsed(), 3)
             if self.recorder is not None:
                 logs[ROLLOUT_TOKENS] = self._tokens + self.recorder.tokens_generated
         if not (state.is_world_process_zero and logs):
             return
         append_jsonl(self.path, [{"step": state.global_step, "epoch": state.epoch, **logs}])
+
+
+class TimeBudget(TrainerCallback):
+    """`train.time_budget_minutes`: stop at the first optimizer step that ends past `seconds` of training, by the
+    MetricsRecorder's clock (so a resumed run's earlier sessions count), and save a checkpoint there. Every process
+    stops at the same step (the verdict is agreed across them)."""
+
+    def __init__(self, seconds: float, clock: MetricsRecorder):
+        self.seconds = seconds
+        self.clock = clock
+        self.stopped_at: int | None = None  # the step it stopped training at; None: it did not
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        spent = self.clock.elapsed() >= self.seconds and state.global_step < state.max_steps
+        device = next(model.parameters()).device if model is not None else "cpu"
+        if _any_process(spent, device):
+            control.should_training_stop = True
+            control.should_save = True
+            self.stopped_at = state.global_step
 
 
 class _RecordingReward:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from vlmrl.common.io import read_json, write_json_atomic
+from vlmrl.common.io import read_json, read_jsonl, write_json_atomic
 from vlmrl.models.loading import adapter_files_problem
 from vlmrl.run import layout
 
@@ -97,10 +97,21 @@ def checkpoint_step(folder: Path) -> int:
     return int(folder.name.removeprefix("checkpoint-"))
 
 
-def ends_training(checkpoint: Path | None, max_steps: int) -> bool:
-    """Whether resuming `checkpoint` has nothing left to train: it is at `max_steps` (when positive). With an
+def ends_training(checkpoint: Path | None, max_steps: int, metrics: Path | None = None,
+                  budget_minutes: float | None = None) -> bool:
+    """Whether resuming `checkpoint` has nothing left to train: it is at `max_steps` (when positive), or, given
+    `train.time_budget_minutes`, `metrics` (train/metrics.jsonl) shows the budget spent by its step. With an
     epoch count instead, transformers itself trains nothing from the last step."""
-    return checkpoint is not None and max_steps > 0 and checkpoint_step(checkpoint) >= max_steps
+    if checkpoint is None:
+        return False
+    step = checkpoint_step(checkpoint)
+    if max_steps > 0 and step >= max_steps:
+        return True
+    if budget_minutes is None or metrics is None or not metrics.is_file():
+        return False
+    spent = [r["elapsed_s"] for r in read_jsonl(metrics)
+             if r.get("step", 0) <= step and isinstance(r.get("elapsed_s"), (int, float))]
+    return bool(spent) and max(spent) >= budget_minutes * 60
 
 
 TRAINING_STATE = ("optimizer.pt", "scheduler.pt", "scaler.pt", "trainer_state.json", layout.CHECKPOINT_STAMP)

@@ -114,7 +114,8 @@ def train(config: Config, run_dir: Path, *, resume: bool = True, console_callbac
         return done
     started_at = utc_now()
     inputs = _prepare_inputs(config, run_dir, resume=resume, say=say)  # step 1
-    if ends_training(inputs.last, config.train.max_steps):  # killed after the last checkpoint, before the summary
+    if ends_training(inputs.last, config.train.max_steps, run_dir / layout.METRICS,
+                     config.train.time_budget_minutes):  # killed after the last checkpoint, before the summary
         return _finish_from(inputs.last, config, run_dir, inputs, started_at=started_at, say=say)
     trackers = _trackers(config, run_dir)
     _note_gspo(config, inputs.notes, say)
@@ -256,6 +257,7 @@ def _summary(config: Config, inputs: _Inputs, built: BuiltTrainer, trained: _Tra
         "notes": inputs.notes,
         "health_warnings": built.health.warning_count,
         "reward_never_varied": trained.never_varied,  # every group tied at every step: the adapter is its initialisation
+        "stopped_by": "time_budget" if built.budget and built.budget.stopped_at is not None else None,
         **built.engine.as_dict(),  # fast_generation, loss_pass, rollout_correction, dynamic_sampling
         "compile_cache": compile_cache.as_dict(),
         "auto_batch": inputs.batch.as_dict() if inputs.batch else None,
@@ -287,8 +289,11 @@ def _finish_from(checkpoint: Path, config: Config, run_dir: Path, inputs: _Input
 
     step = checkpoint_step(checkpoint)
     final_dir = run_dir / layout.FINAL
-    (say or log.warning)(f"train: {checkpoint.name} is the last step (train.max_steps={config.train.max_steps}): "
-                         f"training was done; saving it as {final_dir} and writing the summary, training nothing")
+    budget = not 0 < config.train.max_steps <= step  # ends_training: then the checkpoint is past the time budget
+    limit = (f"train.time_budget_minutes={config.train.time_budget_minutes:g}" if budget
+             else f"train.max_steps={config.train.max_steps}")
+    (say or log.warning)(f"train: {checkpoint.name} is the last step ({limit}): training was done; saving it as "
+                         f"{final_dir} and writing the summary, training nothing")
     source = loading.resolve_model_source(config.model.name, run_dir, config.run.seed)
     summary = {
         **_summary_head(config, inputs.args),
@@ -305,6 +310,7 @@ def _finish_from(checkpoint: Path, config: Config, run_dir: Path, inputs: _Input
         "notes": inputs.notes,
         "health_warnings": sum(len(r.get("warnings") or []) for r in read_jsonl(run_dir / layout.HEALTH)),
         "reward_never_varied": reward_never_varied(run_dir / layout.HEALTH),
+        "stopped_by": "time_budget" if budget else None,
         "report_to": list(config.train.report_to),
         "provenance": provenance(started_at=started_at, finished_at=utc_now()),
     }

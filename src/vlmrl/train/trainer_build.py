@@ -144,6 +144,7 @@ class BuiltTrainer:
     health: Any  # vlmrl.train.callbacks.HealthMonitor: halted, warning_count
     validation: Any  # vlmrl.train.validation.ValidationCallback, or None without train.eval_every_steps
     engine: Engine
+    budget: Any = None  # vlmrl.train.callbacks.TimeBudget (stopped_at), or None without train.time_budget_minutes
 
 
 def build_trainer(config: Config, run_dir: Path, *, model: Any, loaded: Any, rewards: list, args: Any, dataset: Any,
@@ -153,7 +154,13 @@ def build_trainer(config: Config, run_dir: Path, *, model: Any, loaded: Any, rew
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOTrainer
 
-    from vlmrl.train.callbacks import HealthMonitor, MetricsRecorder, RolloutRecorder, TrainProgress
+    from vlmrl.train.callbacks import (
+        HealthMonitor,
+        MetricsRecorder,
+        RolloutRecorder,
+        TimeBudget,
+        TrainProgress,
+    )
     from vlmrl.train.resume import CheckpointStamp
     from vlmrl.train.validation import ValidationCallback
 
@@ -165,13 +172,16 @@ def build_trainer(config: Config, run_dir: Path, *, model: Any, loaded: Any, rew
     validation = (ValidationCallback(config, run_dir, processor=loaded.processor, trackers=trackers, say=say,
                                      base_record=base_identity(config.model.name, loaded.source))
                   if config.train.eval_every_steps else None)
+    metrics = MetricsRecorder(run_dir / layout.METRICS, recorder)
+    minutes = config.train.time_budget_minutes
+    budget = TimeBudget(minutes * 60, metrics) if minutes is not None else None
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=[recorder.wrap(rewards[0].fn), *(r.fn for r in rewards[1:])],
         args=args,
         train_dataset=dataset,
         processing_class=loaded.processor,
-        callbacks=[MetricsRecorder(run_dir / layout.METRICS, recorder), recorder, health, *watchers,
+        callbacks=[metrics, *([budget] if budget else []), recorder, health, *watchers,
                    *([validation] if validation else []), CheckpointStamp(layout.checkpoint_fingerprint(config))],
     )
     trainer.remove_callback(PrinterCallback)  # TrainProgress prints one readable line per step instead
@@ -180,7 +190,7 @@ def build_trainer(config: Config, run_dir: Path, *, model: Any, loaded: Any, rew
     health.attach(recorder)
     if isinstance(progress, TrainProgress):
         progress.recorder = recorder
-    return BuiltTrainer(trainer, health, validation, engine)
+    return BuiltTrainer(trainer, health, validation, engine, budget)
 
 
 def enable_engine(trainer: Any, config: Config) -> Engine:
