@@ -74,3 +74,22 @@ def test_variant_paths_run_through_the_script_only(variants, monkeypatch):
     _load(ROOT / "benchmarks" / "engine_variants.py", monkeypatch).register()
     result = runner.invoke(app, ["bench", "--paths", "vlmrl,vlmrl-merged,vlmrl-nope"], terminal_width=200)
     assert result.exit_code != 0 and "unknown bench path(s) vlmrl-nope;" in result.output  # the variant is known
+
+
+def test_dynamic_sampling_pairs_compares_item_by_item_and_refuses_other_items(monkeypatch):
+    """The on/off comparison pairs each held-out item's outcome across the two records: the difference and its
+    discordant counts come from the items, and two records of other held-out sets are not compared."""
+    pairs = _load(ROOT / "benchmarks" / "dynamic_sampling_pairs.py", monkeypatch)
+
+    def record(after: str, swapped: str, ids: str = "h") -> dict:
+        return {"runs": [{"seed": 0, "after_correct": after, "after_swapped_correct": swapped, "item_ids_sha256": ids,
+                          "accuracy": {"before": 0.25, "delta": 0.25}}]}
+
+    result = pairs.compare(record("1100", "1000"), record("1110", "0000"))
+    diff = result["per_seed"][0]["on_minus_off"]
+    assert (diff["items_only_on_right"], diff["items_only_off_right"]) == (1, 0)
+    assert diff["accuracy_diff"] == 0.25 and diff["mcnemar_p"] == 1.0
+    assert diff["visual_gain_diff"] == (3 - 0) / 4 - (2 - 1) / 4
+    assert result["per_seed"][0]["off"]["accuracy_after"] == 0.5 and result["pooled_on_minus_off"] == diff
+    with pytest.raises(SystemExit, match="held-out items differ"):
+        pairs.compare(record("1100", "1000"), record("1110", "0000", ids="other"))
