@@ -281,8 +281,10 @@ def test_a_time_budget_stops_at_the_step_that_spends_it_and_the_run_is_then_done
     run_dir = copy_run(quick_trained, tmp_path)
     spent = step_rows(run_dir / "train" / "metrics.jsonl")[-1]["elapsed_s"]
     budgeted = quick_config(tmp_path, "train.max_steps=4", f"train.time_budget_minutes={(spent + 1e-3) / 60!r}")
-    result = train(budgeted, run_dir)
+    said: list[str] = []
+    result = train(budgeted, run_dir, console_callback=said.append)
     assert result.summary["resumed_from_step"] == 2 and result.summary["steps"] == 3
+    assert any(line.startswith("train: stopped at step 3 of 4: train.time_budget_minutes=") for line in said), said
     assert result.summary["stopped_by"] == "time_budget"
     check_records(run_dir / "train", steps=[1, 2, 3])
     assert (run_dir / "train" / "checkpoints" / "checkpoint-3").is_dir()

@@ -230,6 +230,9 @@ def _run(built: BuiltTrainer, config: Config, run_dir: Path, last: Path | None, 
     if built.health.halted:
         raise TrainError(f"training stopped at step {trainer.state.global_step}: {built.health.halted} "
                          f"(checkpoints under {run_dir / layout.CHECKPOINTS}; see {run_dir / layout.HEALTH}).")
+    if built.budget is not None and built.budget.stopped_at is not None and distributed.is_main_process():
+        (say or log.warning)(f"train: stopped at step {built.budget.stopped_at} of {trainer.state.max_steps}: "
+                             f"train.time_budget_minutes={config.train.time_budget_minutes:g} spent (checkpoint saved)")
     never_varied = distributed.is_main_process() and reward_never_varied(run_dir / layout.HEALTH)
     if never_varied:
         (say or log.warning)(nothing_learned_line(config.contract))
