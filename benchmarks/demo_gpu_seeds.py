@@ -9,13 +9,14 @@ reached its criterion, wall times, the training's clock and steps, each held-out
 log. `--budget-from RECORD` gives each seed `train.time_budget_minutes` equal to its training time in RECORD
 and writes h200_demo_gpu_seeds_budgeted.json: the dynamic-sampling comparison at equal cost is
 
-    python benchmarks/demo_gpu_seeds.py OUT --seeds 0 1 2 --parallel 3
-    python benchmarks/demo_gpu_seeds.py OUT --seeds 0 1 2 --parallel 3 --work W2 \
-        --budget-from OUT/h200_demo_gpu_seeds.json train.dynamic_sampling.enabled=true
-    python benchmarks/dynamic_sampling_pairs.py OUT/h200_demo_gpu_seeds.json OUT/h200_demo_gpu_seeds_budgeted.json
+    python benchmarks/demo_gpu_seeds.py OUT --seeds 0 1 2 --parallel 3 --work W
+    mkdir -p W2; for s in 0 1 2; do ln -s "$(realpath W)/cache-seed$s" W2/; done  # the same policy builds
+    python benchmarks/demo_gpu_seeds.py OUT2 --seeds 0 1 2 --parallel 3 --work W2 --budget-from
+        OUT/h200_demo_gpu_seeds.json train.dynamic_sampling.enabled=true
+    python benchmarks/dynamic_sampling_pairs.py OUT/h200_demo_gpu_seeds.json OUT2/h200_demo_gpu_seeds_budgeted.json
 
-(both with the same number of runs at once, so that the two share the machine alike). Runs in parallel share the GPU and the host (the record
-says how many ran at once): their wall times are an upper bound on a run alone, their numbers are not
+(both with the same number of runs at once, so that the two share the machine alike). Runs in parallel share
+the GPU and the host (the record says how many ran at once): their wall times are an upper bound on a run alone, their numbers are not
 affected. CPU smoke of the code path: `--smoke` (the `demo-policy-gpu-smoke` recipe, toy sizes).
 """
 

@@ -61,7 +61,9 @@ def compare(off_record: dict, on_record: dict) -> dict:
                    bits(off["after_swapped_correct"]), bits(on["after_swapped_correct"]))
         for key, column in zip(pooled, columns):
             pooled[key] += column
-        per_seed.append({"seed": seed, "off": arm(off), "on": arm(on), "on_minus_off": paired(*columns)})
+        per_seed.append({"seed": seed, "off": arm(off), "on": arm(on), "on_minus_off": paired(*columns),
+                         # both arms trained the one policy build (ON's cache pointed at OFF's): the same checks
+                         "same_policy": off.get("warm_start") == on.get("warm_start")})
     return {"seeds": seeds, "per_seed": per_seed,
             "pooled_on_minus_off": paired(pooled["off"], pooled["on"], pooled["off_swapped"], pooled["on_swapped"])}
 
