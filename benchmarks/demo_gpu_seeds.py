@@ -3,17 +3,17 @@ cache folder of its own per seed so that every run builds its demo policy anew, 
 
     PYTHONPATH=src python benchmarks/demo_gpu_seeds.py OUTDIR [--seeds 0 1 2] [--parallel 3] [-- extra --set args]
 
-Writes OUTDIR/h200_demo_gpu_seeds.json (one entry per run: seed, accuracy before/after with its interval and
+Writes OUTDIR/demo_gpu_seeds.json (one entry per run: seed, accuracy before/after with its interval and
 McNemar p, the visual gain with its interval, the per-family table, the warm start's check curve and whether it
 reached its criterion, wall times, the training's clock and steps, each held-out item's outcome) and each run's
 log. `--budget-from RECORD` gives each seed `train.time_budget_minutes` equal to its training time in RECORD
-and writes h200_demo_gpu_seeds_budgeted.json: the dynamic-sampling comparison at equal cost is
+and writes demo_gpu_seeds_budgeted.json: the dynamic-sampling comparison at equal cost is
 
     python benchmarks/demo_gpu_seeds.py OUT --seeds 0 1 2 --parallel 3 --work W
     mkdir -p W2; for s in 0 1 2; do ln -s "$(realpath W)/cache-seed$s" W2/; done  # the same policy builds
     python benchmarks/demo_gpu_seeds.py OUT2 --seeds 0 1 2 --parallel 3 --work W2 --budget-from
-        OUT/h200_demo_gpu_seeds.json train.dynamic_sampling.enabled=true
-    python benchmarks/dynamic_sampling_pairs.py OUT/h200_demo_gpu_seeds.json OUT2/h200_demo_gpu_seeds_budgeted.json
+        OUT/demo_gpu_seeds.json train.dynamic_sampling.enabled=true
+    python benchmarks/dynamic_sampling_pairs.py OUT/demo_gpu_seeds.json OUT2/demo_gpu_seeds_budgeted.json
 
 (both with the same number of runs at once, so that the two share the machine alike). Runs in parallel share
 the GPU and the host (the record says how many ran at once): their wall times are an upper bound on a run alone, their numbers are not
@@ -196,7 +196,7 @@ def main() -> int:
         "holds": {str(e["seed"]): holds(e) for e in entries},
         "holds_on_every_seed": all(holds(e) for e in entries),
     }
-    name = "cpu_demo_gpu_seeds_smoke.json" if args.smoke else "h200_demo_gpu_seeds.json"
+    name = "cpu_demo_gpu_seeds_smoke.json" if args.smoke else "demo_gpu_seeds.json"
     name = name.replace(".json", "_budgeted.json") if budget else name
     (args.out / name).write_text(json.dumps(record, indent=2) + "\n")
     for e in entries:

@@ -2,7 +2,7 @@
 same seeds: OFF (the demo as shipped) and ON (`train.dynamic_sampling.enabled=true`, each seed given OFF's training
 time as `train.time_budget_minutes` through `--budget-from`).
 
-    python benchmarks/dynamic_sampling_pairs.py OFF.json ON.json [--out benchmarks/results/h200_dynamic_sampling.json]
+    python benchmarks/dynamic_sampling_pairs.py OFF.json ON.json [--out benchmarks/results/demo_gpu_dynamic_sampling.json]
 
 Per seed and pooled over seeds, on the same held-out items (checked by the hash of their ids): held-out accuracy
 after training and the visual gain (accuracy with the true image minus with a swapped one) for each arm with 95%
@@ -72,7 +72,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("off", type=Path)
     parser.add_argument("on", type=Path)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/h200_dynamic_sampling.json"))
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/demo_gpu_dynamic_sampling.json"))
     args = parser.parse_args()
     off_record, on_record = json.loads(args.off.read_text()), json.loads(args.on.read_text())
     result = {
