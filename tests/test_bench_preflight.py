@@ -255,10 +255,11 @@ def test_step_clock_splits_peaks_into_rollouts_and_the_rest(monkeypatch):
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: next(allocated))
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: next(reserved))
     clock = StepClock()
-    trainer = SimpleNamespace(_generate_single_turn=lambda x: x * 2)
+    trainer = SimpleNamespace(_generate_single_turn=lambda n: ([[1] * n, [2] * (n + 1)], None))  # TRL's shape
     clock.wrap_generation(trainer)
-    assert trainer._generate_single_turn(1) == 2 and trainer._generate_single_turn(2) == 4
+    assert trainer._generate_single_turn(1)[0] == [[1], [2, 2]] and trainer._generate_single_turn(2)[1] is None
     assert clock.generation_peaks == [30, 25] and clock.other_peak == 12
+    assert clock._lengths == [[1, 2], [2, 3]]  # each rollout's completion lengths, for the step's record
     assert clock.take_peak() == 11 and clock.reserved_peak == 50
 
 

@@ -23,6 +23,19 @@ def decode_floor_ms(weight_bytes: float, kv_bytes_per_token: float, batch: int, 
     return 1e3 * (weight_bytes + kv_bytes_per_token * batch * mean_context) / bandwidth
 
 
+def ragged_decode_floor_ms(weight_bytes: float, kv_bytes_per_token: float, prompt: int, lengths: list[int],
+                           bandwidth: float) -> float:
+    """Mean time per decode step of a rollout whose rows end at `lengths` (it runs max(lengths) steps), if every
+    step read the weights once plus the KV cache of the rows still generating: a finished row's is not read.
+
+    >>> ragged_decode_floor_ms(0.0, 1.0, 0, [2, 2], 1e3) == decode_floor_ms(0.0, 1.0, 2, 0, 1, 1e3)
+    True
+    """
+    steps = max(lengths)
+    kv_tokens = sum(n * prompt + n * (n - 1) / 2 for n in lengths)  # row i reads prompt + t at its steps t < n
+    return 1e3 * (weight_bytes + kv_bytes_per_token * kv_tokens / steps) / bandwidth
+
+
 def train_floor_s(language_params: float, tokens: float, flops: float) -> float:
     return 6 * language_params * tokens / flops
 

@@ -27,6 +27,7 @@ import torch
 
 from vlmrl.bench.comm import CommProfile
 from vlmrl.bench.floors import measure_ceilings
+from vlmrl.bench.ragged import force_lengths
 from vlmrl.bench.shaped import (
     GIB,
     LORA_TARGETS,
@@ -76,6 +77,7 @@ class StepClock:
         self.steps: list[dict] = []
         self._start = 0.0
         self._gen = 0.0
+        self._lengths: list[list[int]] = []  # this step's rollouts: each completion's length (its end token included)
         self.generation_peaks: list[int] = []  # bytes, per generate call: is the first (compiling) call special?
         self.other_peak = 0
         self.reserved_peak = 0  # the allocator's own peak, kept across the per-phase resets
@@ -93,11 +95,12 @@ class StepClock:
 
             def on_step_begin(self, args, state, control, **kwargs):
                 _sync()
-                clock._start, clock._gen = time.perf_counter(), 0.0
+                clock._start, clock._gen, clock._lengths = time.perf_counter(), 0.0, []
 
             def on_step_end(self, args, state, control, **kwargs):
                 _sync()
-                clock.steps.append({"seconds": time.perf_counter() - clock._start, "generate_seconds": clock._gen})
+                clock.steps.append({"seconds": time.perf_counter() - clock._start, "generate_seconds": clock._gen,
+                                    "rollout_lengths": clock._lengths})
 
         return Clock()
 
@@ -112,6 +115,7 @@ class StepClock:
             _sync()
             self._gen += time.perf_counter() - start
             self.generation_peaks.append(self.take_peak())
+            self._lengths.append([len(ids) for ids in out[0]])  # TRL's (completion_ids, logprobs)
             return out
 
         trainer._generate_single_turn = timed
@@ -179,9 +183,10 @@ def train_and_measure(path: str, settings: BenchSettings, model: Any, processor:
         steps_per_generation=settings.steps_per_generation,
         num_generations=settings.generations,
         max_completion_length=settings.completion,
-        # Full-length completions; and no image/video delimiter tokens, which a random-weight model samples
-        # (TRL suppresses only the image token; a stray <|vision_start|> crashes the next forward pass).
-        generation_kwargs={"min_new_tokens": settings.completion,
+        # Full-length completions (or ragged ones, `vlmrl.bench.ragged`); and no image/video delimiter tokens,
+        # which a random-weight model samples (TRL suppresses only the image token; a stray <|vision_start|>
+        # crashes the next forward pass).
+        generation_kwargs={**({} if settings.ragged_median else {"min_new_tokens": settings.completion}),
                            "suppress_tokens": multimodal_token_ids(model.config)},
         importance_sampling_level="sequence" if settings.algorithm == "gspo" else "token",
         loss_type="dr_grpo",
@@ -212,6 +217,8 @@ def train_and_measure(path: str, settings: BenchSettings, model: Any, processor:
         fast, loss_pass = VARIANTS.get(path, vlmrl_engine)(trainer, settings)
     # the sampler's log-probs against the loss pass's at every step, measured only (the loss stays TRL's)
     mismatch = enable_rollout_mismatch(trainer, correction="none") if path not in UNSLOTH_PATHS else None
+    if settings.ragged_median:  # after the mismatch's recorder: it sees the logits before the forcing
+        force_lengths(trainer, settings.ragged_median, settings.completion)
     clock.wrap_generation(trainer)
     started = time.perf_counter()
     error = None

@@ -62,6 +62,9 @@ class BenchSettings:
     # model earns nothing from the seed's two rewards, so its advantages and gradients are zero; with this one every
     # group's rewards differ and the optimizer step moves the adapter (e.g. to see fp16's loss scaler at work).
     varied_reward: bool = False
+    # Ragged completions (`vlmrl.bench.ragged`): each completion's length drawn from a log-normal with this median
+    # and a tenth at the cap (`completion`); None = every completion forced to the cap.
+    ragged_median: int | None = None
 
 
 def batching(settings: dict) -> tuple[int, int]:

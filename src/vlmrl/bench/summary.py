@@ -11,7 +11,8 @@ from dataclasses import asdict
 
 import torch
 
-from vlmrl.bench.floors import decode_floor_ms, train_floor_s
+from vlmrl.bench.floors import decode_floor_ms, ragged_decode_floor_ms, train_floor_s
+from vlmrl.bench.ragged import draw_lengths
 from vlmrl.bench.shaped import BenchSettings, batching
 from vlmrl.common.provenance import package_version
 from vlmrl.preflight.memory import kv_bytes_per_token, language_param_count
@@ -49,6 +50,15 @@ def rollouts_per_step(settings: dict) -> tuple[int, int]:
     return max(1, micro * accumulation // rows), rows
 
 
+def completion_lengths(settings: BenchSettings) -> list[int]:
+    """Each completion's length in one optimizer step: the cap (forced), or each rollout's drawn lengths
+    (`vlmrl.bench.ragged`; every rollout draws the same)."""
+    if not settings.ragged_median:
+        return [settings.completion] * (settings.prompts * settings.generations)
+    rollouts, rows = rollouts_per_step(asdict(settings))
+    return draw_lengths(rows, settings.ragged_median, settings.completion) * rollouts
+
+
 def summarize(settings: BenchSettings, shapes: dict, ceilings: dict, results: list[dict], prompt_tokens: int) -> dict:
     """Per-path steady-state figures (first step excluded when there are more) and the floors."""
     text = shapes["text_config"]
@@ -56,13 +66,20 @@ def summarize(settings: BenchSettings, shapes: dict, ceilings: dict, results: li
     language = language_param_count(text)
     weight_bytes = language * (0.5 if settings.load_in_4bit else 2)
     bandwidth = ceilings["copy_bandwidth_tbs"] * 1e12
-    tokens = batch * (prompt_tokens + settings.completion)
+    kv = kv_bytes_per_token(text)
+    lengths = completion_lengths(settings)
+    token_steps = max(lengths)  # a rollout runs until its longest row ends
+    tokens = sum(prompt_tokens + n for n in lengths)
     floors = {
-        "decode_ms_per_step": decode_floor_ms(weight_bytes, kv_bytes_per_token(text), batch, prompt_tokens,
-                                              settings.completion, bandwidth),
+        "decode_ms_per_step": (ragged_decode_floor_ms(weight_bytes, kv, prompt_tokens, lengths, bandwidth)
+                               if settings.ragged_median else
+                               decode_floor_ms(weight_bytes, kv, batch, prompt_tokens, settings.completion, bandwidth)),
         "train_seconds_per_step": train_floor_s(language, tokens, ceilings["matmul_tflops"] * 1e12),
     }
-    floors["step_seconds"] = floors["decode_ms_per_step"] * settings.completion / 1e3 + floors["train_seconds_per_step"]
+    if settings.ragged_median:  # an engine that keeps reading the finished rows' cache until the rollout ends
+        floors["decode_ms_per_step_all_rows"] = decode_floor_ms(weight_bytes, kv, len(lengths), prompt_tokens,
+                                                                token_steps, bandwidth)
+    floors["step_seconds"] = floors["decode_ms_per_step"] * token_steps / 1e3 + floors["train_seconds_per_step"]
     paths = {}
     for r in results:
         unprofiled = [s for s in r["steps"] if not s.get("profiled")]  # a profiled step is slower (vlmrl.bench.comm)
@@ -80,8 +97,11 @@ def summarize(settings: BenchSettings, shapes: dict, ceilings: dict, results: li
             "first_step_seconds": r["steps"][0]["seconds"],
             "step_seconds": step,
             "generate_seconds": gen,
-            "decode_ms_per_step": 1e3 * gen / settings.completion,
-            "decode_tokens_per_second": batch * settings.completion / gen if gen else None,
+            "decode_ms_per_step": 1e3 * gen / token_steps,
+            "decode_tokens_per_second": sum(lengths) / gen if gen else None,
+            # ragged: did every rollout end its rows at the drawn lengths? (None: forced, or not recorded)
+            "lengths_as_drawn": (all(r == lengths[:len(r)] for s in steps for r in s["rollout_lengths"])
+                                 if settings.ragged_median and all("rollout_lengths" in s for s in steps) else None),
             "train_tokens_per_second": tokens / (step - gen) if step > gen else None,
             "peak_memory_gib": r["peak_memory_gib"],
             "generation_peak_gib": r.get("generation_peak_gib"),
@@ -123,6 +143,9 @@ def summarize(settings: BenchSettings, shapes: dict, ceilings: dict, results: li
         "prompt_tokens": prompt_tokens,
         "language_params": language,
         "floors": floors,
+        "ragged": ({"median": settings.ragged_median, "cap": settings.completion, "mean_length": sum(lengths) / len(lengths),
+                    "token_steps": token_steps, "useful_fraction": sum(lengths) / (len(lengths) * token_steps)}
+                   if settings.ragged_median else None),
         "paths": paths,
         "ratios": ratios,
         "raw": results,
@@ -140,7 +163,7 @@ def markdown_table(summary: dict) -> str:
     s = summary["settings"]
     lines = [
         f"Device: {summary['device']}; shapes {s['shapes']}; {s['prompts']} prompts x {s['generations']} generations, "
-        f"completion {s['completion']} tokens (forced), prompt {summary['prompt_tokens']} tokens, LoRA r={s['lora_r']}, "
+        f"{completion_words(summary)}, prompt {summary['prompt_tokens']} tokens, LoRA r={s['lora_r']}, "
         f"{s['algorithm'].upper()}, {'4-bit, ' if s['load_in_4bit'] else ''}{s.get('dtype', 'bfloat16')}"
         + (f", {s['micro_batch']} completions per micro-step" if s.get("micro_batch") else "")
         + (f", {s['steps_per_generation']} micro-steps per rollout" if s.get("steps_per_generation") else "")
@@ -166,10 +189,17 @@ def markdown_table(summary: dict) -> str:
     f = summary["floors"]
     lines.append(f"| floor | {f['step_seconds']:.1f} | | | {f['decode_ms_per_step']:.1f} | | | | | | |")
     c = summary["ceilings"]
+    kv_read = ("the KV cache of the rows still generating" if summary.get("ragged") else "mean KV cache")
     lines += ["", (f"Ceilings measured in this run: {c['matmul_tflops']:.0f} TFLOP/s bf16 matmul, "
-                   f"{c['copy_bandwidth_tbs']:.2f} TB/s device copy. Floors: decode = (weights + mean KV cache) / "
+                   f"{c['copy_bandwidth_tbs']:.2f} TB/s device copy. Floors: decode = (weights + {kv_read}) / "
                    f"bandwidth; training = 6 x {summary['language_params'] / 1e9:.2f}B language parameters x tokens / "
                    "matmul rate.")]
+    if summary.get("ragged"):
+        drawn = {name: p["lengths_as_drawn"] for name, p in summary["paths"].items() if "lengths_as_drawn" in p}
+        lines.append(f"Reading every row's cache until the rollout ends, the decode floor is "
+                     f"{f['decode_ms_per_step_all_rows']:.1f} ms. Completions ended at the drawn lengths: "
+                     + ", ".join(f"{name} {'yes' if ok else 'no' if ok is False else 'not recorded'}"
+                                 for name, ok in drawn.items()) + ".")
     rollouts, rows = rollouts_per_step(s)
     if rollouts > 1:
         each = ", ".join(f"{name} {p['decode_ms_per_step'] / rollouts:.1f} ms" for name, p in summary["paths"].items()
@@ -206,6 +236,16 @@ def markdown_table(summary: dict) -> str:
             kernels = (p.get("loss_pass") or {}).get("kernels")
             lines.append(f"{name}: {', '.join(ran)}" + (f"; loss pass kernels: {kernels}" if kernels else "") + ".")
     return "\n".join(lines) + "\n"
+
+
+def completion_words(summary: dict) -> str:
+    """How long the completions were, as the table's first line says it."""
+    s, ragged = summary["settings"], summary.get("ragged")
+    if not ragged:
+        return f"completion {s['completion']} tokens (forced)"
+    return (f"completions ragged (median {ragged['median']}, a tenth at the {ragged['cap']}-token cap: mean "
+            f"{ragged['mean_length']:.0f} tokens, {ragged['token_steps']} token steps per rollout, "
+            f"{ragged['useful_fraction']:.0%} of the rows' steps generating)")
 
 
 def scaling_table(one: dict, many: dict, path: str = "vlmrl") -> tuple[str, dict]:

@@ -52,6 +52,10 @@ def bench(
     comm_profile: Annotated[bool, typer.Option(
         "--comm-profile", help="Run one more step, profiled, for its NCCL kernel time (the communication share on "
         "several GPUs); that step is left out of the step times.")] = False,
+    ragged_median: Annotated[int | None, typer.Option(
+        help="Ragged completions instead of forced ones: each completion's length drawn from a log-normal with this "
+             "median and a tenth at the --completion cap (e.g. 600 with --completion 4096); the floors count "
+             "only the rows still generating.")] = None,
     varied_reward: Annotated[bool, typer.Option(
         "--varied-reward", help="Add a third reward that differs between completions (a hash of the text): "
         "the random-weight model then gets non-zero advantages and real gradients.")] = False,
@@ -82,6 +86,10 @@ def bench(
         fail(f"--micro-batch {micro_batch} --steps-per-generation {steps_per_generation}: the micro-batch must "
              f"divide the {completions} completions of a step, and a rollout (micro-batch x steps per generation) "
              f"hold whole groups of {BenchSettings.generations}.")
+    if ragged_median is not None and not 1 <= ragged_median < completion:
+        fail(f"--ragged-median {ragged_median}: give a median of at least 1 and below --completion ({completion}).")
+    if ragged_median is not None and generation_batches:
+        fail("--ragged-median measures the side-by-side table; --generation-batches forces full-length completions.")
     if "unsloth" in paths.split(","):
         _unsloth_bench_checks(generation_batches is not None)
     try:
@@ -97,7 +105,7 @@ def bench(
                              load_in_4bit=load_in_4bit, memory_cap_gib=memory_cap_gib, dtype=dtype,
                              micro_batch=micro_batch, steps_per_generation=steps_per_generation,
                              compile_cache=str(compile_cache) if compile_cache else None, comm_profile=comm_profile,
-                             varied_reward=varied_reward)
+                             varied_reward=varied_reward, ragged_median=ragged_median)
     if batches is not None:
         _bench_throughput(settings, batches, out)
         return
