@@ -93,3 +93,37 @@ def test_dynamic_sampling_pairs_compares_item_by_item_and_refuses_other_items(mo
     assert result["per_seed"][0]["off"]["accuracy_after"] == 0.5 and result["pooled_on_minus_off"] == diff
     with pytest.raises(SystemExit, match="held-out items differ"):
         pairs.compare(record("1100", "1000"), record("1110", "0000", ids="other"))
+
+
+NCU_CSV = '''==PROF== Connected to process 4242 (/usr/bin/python3)
+==PROF== Profiling "nvjet_sm90_tst_128x32" - 0: 0%....50%....100% - 1 pass
+"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
+"0","4242","python3","127.0.0.1","nvjet_sm90_tst_128x32_64x10_4x1_v_bz_TNT","1","7","(384, 1, 1)","(132, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","byte","33,554,432"
+"0","4242","python3","127.0.0.1","nvjet_sm90_tst_128x32_64x10_4x1_v_bz_TNT","1","7","(384, 1, 1)","(132, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","byte","65,536"
+"0","4242","python3","127.0.0.1","nvjet_sm90_tst_128x32_64x10_4x1_v_bz_TNT","1","7","(384, 1, 1)","(132, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","nsecond","16,000"
+"1","4242","python3","127.0.0.1","triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0","1","7","(512, 1, 1)","(32, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","byte","0"
+"1","4242","python3","127.0.0.1","triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0","1","7","(512, 1, 1)","(32, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","byte","0"
+"1","4242","python3","127.0.0.1","triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0","1","7","(512, 1, 1)","(32, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","usecond","3.5"
+'''
+
+
+def test_token_step_ncu_reads_ncu_csv_and_sets_each_kernel_against_its_bytes(monkeypatch):
+    ncu = _load(ROOT / "benchmarks" / "token_step_ncu.py", monkeypatch)
+    kernels = ncu.read_ncu_csv(NCU_CSV)
+    assert [(k["id"], k["bytes_read"], k["bytes_written"]) for k in kernels] == [(0, 33554432, 65536), (1, 0, 0)]
+    assert kernels[0]["seconds"] == pytest.approx(16e-6) and kernels[1]["seconds"] == pytest.approx(3.5e-6)
+    result = ncu.profile(kernels, bandwidth=4.2e12)
+    matmul, norm = result["per_kernel"]
+    assert (matmul["kind"], norm["kind"]) == ("matmul", "norm")
+    assert matmul["x_bytes"] == pytest.approx(16e-6 / ((33554432 + 65536) / 4.2e12))
+    assert matmul["achieved_tbs"] == pytest.approx((33554432 + 65536) / 16e-6 / 1e12)
+    assert norm["x_bytes"] is None  # no DRAM traffic: nothing to set it against
+    assert result["step"]["us"] == pytest.approx(19.5) and list(result["by_kind"]) == ["matmul", "norm"]
+    table = ncu.markdown(result)
+    assert "One token step: 2 kernels, 20 us of kernel time" in table and "no DRAM bytes" in table
+    with pytest.raises(ValueError, match="no ncu CSV header"):
+        ncu.read_ncu_csv("==PROF== nothing profiled\n")
+    with pytest.raises(ValueError, match="lack some of"):
+        ncu.read_ncu_csv("\n".join(NCU_CSV.splitlines()[:4]))
+    with pytest.raises(ValueError, match="profiled no kernel"):
+        ncu.profile([], 4.2e12)

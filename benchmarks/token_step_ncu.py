@@ -1,0 +1,229 @@
+"""One token step of a bench rollout, kernel by kernel, with Nsight Compute: each kernel's time, the DRAM bytes it
+moved, and how far it sits from the time those bytes need at the device's copy bandwidth measured in the same run.
+
+Runs `vlmrl bench`'s vlmrl path (its settings: bf16, or --load-in-4bit with a memory cap; forced or ragged
+completions) for two optimizer steps under `ncu --profile-from-start off --graph-profiling node`. In the second
+(steady) step's rollout, a logits processor that runs after every other one starts the profiler at token step K
+and stops it at K+1: exactly one cycle is captured, the sampling of step K, then the forward of step K+1 (a
+CUDA-graph replay, each of its nodes profiled as a kernel) and its logits processors.
+
+Writes OUT/token_step_ncu.csv (ncu's own), OUT/bench/ (the bench's files, the measured bandwidth among them) and
+OUT/token_step_profile.json + .md: per kernel, in launch order, its time, bytes read + written, achieved
+bandwidth and "x bytes" = its time / (its bytes / bandwidth); per kind (matmul, nf4 weights, attention, norm,
+sampling, Triton elementwise, other) the same totals; the step's kernel time against all its bytes at the
+bandwidth. ncu runs each kernel alone, its caches flushed first (`--cache-control all`) at the application's
+clocks (`--clock-control none`): the kernel times add up to the step without launch gaps or overlap.
+
+Usage (CUDA; ncu on PATH or in /usr/local/cuda/bin):
+    python benchmarks/token_step_ncu.py OUT [--load-in-4bit --memory-cap-gib 24] [--completion 1024]
+        [--ragged-median 600] [--token-step 256]
+    python benchmarks/token_step_ncu.py OUT --parse          # the tables again from OUT/token_step_ncu.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+METRICS = ("gpu__time_duration.sum", "dram__bytes_read.sum", "dram__bytes_write.sum")
+UNITS = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "nsecond": 1e-9, "usecond": 1e-6, "msecond": 1e-3,
+         "second": 1}
+# First match wins: nf4 before matmul (its kernels are GEMMs too), norm before Triton (inductor names its fused
+# RMSNorm after its ops: mean, rsqrt).
+KINDS = (("nf4 weights", ("nf4", "4bit", "dequantize", "kgemm_4bit")),
+         ("attention", ("attention", "flash", "fmha", "sdpa", "partial", "combine")),
+         ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitk", "gemv", "second_step")),
+         ("norm", ("rsqrt", "norm")),
+         ("sampling", ("softmax", "multinomial", "sort", "topk", "argmax", "exponential", "cumsum", "logsumexp",
+                       "scatter", "gather")),
+         ("triton elementwise", ("triton",)))
+
+
+def kind(name: str) -> str:
+    lowered = name.lower()
+    return next((k for k, keys in KINDS if any(key in lowered for key in keys)), "other")
+
+
+def read_ncu_csv(text: str) -> list[dict]:
+    """Kernels of ncu's `--csv` details page (one row per kernel and metric), in launch order: name, seconds,
+    bytes read and written. Lines before ncu's header (its own messages) are skipped."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith('"ID",')), None)
+    if start is None:
+        raise ValueError("no ncu CSV header (a line starting with \"ID\",) found")
+    kernels: dict[str, dict] = {}
+    for row in csv.DictReader(lines[start:]):
+        metric = row.get("Metric Name")
+        if metric not in METRICS:
+            continue
+        entry = kernels.setdefault(row["ID"], {"id": int(row["ID"]), "name": row["Kernel Name"]})
+        value = float(row["Metric Value"].replace(",", "")) * UNITS.get(row.get("Metric Unit") or "", 1)
+        entry[metric] = value
+    missing = [k["id"] for k in kernels.values() if any(m not in k for m in METRICS)]
+    if missing:
+        raise ValueError(f"kernels {missing[:5]} lack some of {', '.join(METRICS)}")
+    return [{"id": k["id"], "name": k["name"], "seconds": k[METRICS[0]], "bytes_read": k[METRICS[1]],
+             "bytes_written": k[METRICS[2]]} for k in sorted(kernels.values(), key=lambda k: k["id"])]
+
+
+def profile(kernels: list[dict], bandwidth: float) -> dict:
+    """Per kernel and per kind: time, bytes, achieved bandwidth, time / (bytes / `bandwidth` in bytes/s)."""
+    if not kernels:
+        raise ValueError("ncu profiled no kernel: did the token step run inside the profiler's window?")
+
+    def figures(seconds: float, moved: float) -> dict:
+        return {"us": seconds * 1e6, "bytes": moved, "achieved_tbs": moved / seconds / 1e12 if seconds else None,
+                "x_bytes": seconds / (moved / bandwidth) if moved else None}
+
+    rows = []
+    for k in kernels:
+        moved = k["bytes_read"] + k["bytes_written"]
+        rows.append({"id": k["id"], "name": k["name"], "kind": kind(k["name"]), **figures(k["seconds"], moved)})
+    by_kind: dict[str, dict] = {}
+    for r in rows:
+        total = by_kind.setdefault(r["kind"], {"kernels": 0, "seconds": 0.0, "bytes": 0.0})
+        total["kernels"] += 1
+        total["seconds"] += r["us"] / 1e6
+        total["bytes"] += r["bytes"]
+    seconds, moved = sum(r["us"] for r in rows) / 1e6, sum(r["bytes"] for r in rows)
+    return {"bandwidth_tbs": bandwidth / 1e12, "kernels": len(rows), "step": figures(seconds, moved),
+            "by_kind": {name: {"kernels": t["kernels"], **figures(t["seconds"], t["bytes"])}
+                        for name, t in sorted(by_kind.items(), key=lambda kv: -kv[1]["seconds"])},
+            "per_kernel": rows}
+
+
+def markdown(result: dict, top: int = 25) -> str:
+    def line(label: str, f: dict, count: int | str = "") -> str:
+        tbs = f"{f['achieved_tbs']:.2f}" if f["achieved_tbs"] is not None else ""
+        x = f"{f['x_bytes']:.1f}" if f["x_bytes"] is not None else "no DRAM bytes"
+        return f"| {label} | {count} | {f['us']:.1f} | {f['bytes'] / 1e6:.2f} | {tbs} | {x} |"
+
+    s = result["step"]
+    head = (f"One token step: {result['kernels']} kernels, {s['us']:.0f} us of kernel time, {s['bytes'] / 1e9:.3f} "
+            f"GB moved; at the measured {result['bandwidth_tbs']:.2f} TB/s those bytes need "
+            f"{s['bytes'] / (result['bandwidth_tbs'] * 1e12) * 1e6:.0f} us ({s['x_bytes']:.2f}x).")
+    lines = [head, "",
+             "| kind | kernels | us | MB | TB/s | x bytes |", "|---|---|---|---|---|---|"]
+    lines += [line(name, f, f["kernels"]) for name, f in result["by_kind"].items()]
+    lines += ["", f"The {top} longest kernels:", "", "| kernel | kind | us | MB | TB/s | x bytes |",
+              "|---|---|---|---|---|---|"]
+    longest = sorted(result["per_kernel"], key=lambda r: -r["us"])[:top]
+    lines += [line(f"`{r['name'][:80]}`", r, r["kind"]) for r in longest]
+    return "\n".join(lines) + "\n"
+
+
+def write(out: Path) -> dict:
+    """The tables from OUT/token_step_ncu.csv and the bandwidth the bench measured (OUT/bench/bench.json)."""
+    bench = json.loads((out / "bench" / "bench.json").read_text())
+    result = profile(read_ncu_csv((out / "token_step_ncu.csv").read_text()),
+                     bench["ceilings"]["copy_bandwidth_tbs"] * 1e12)
+    command = out / "token_step_command.json"
+    result |= {"settings": bench["settings"], "device": bench["device"], "versions": bench["versions"],
+               **(json.loads(command.read_text()) if command.exists() else {})}
+    (out / "token_step_profile.json").write_text(json.dumps(result, indent=2))
+    (out / "token_step_profile.md").write_text(markdown(result))
+    return result
+
+
+def child(args: argparse.Namespace) -> None:
+    """The bench under ncu, the profiler's window around token step `args.token_step` of the second rollout."""
+    import torch
+    from transformers import LogitsProcessorList
+
+    from vlmrl import bench
+    from vlmrl.engine.patch import replaced
+
+    class Window:
+        def __init__(self, step: int):
+            self.step, self.calls = step, 0
+
+        def __call__(self, input_ids, scores):
+            self.calls += 1
+            if self.calls in (self.step, self.step + 1):
+                torch.cuda.synchronize()
+                (torch.cuda.profiler.start if self.calls == self.step else torch.cuda.profiler.stop)()
+            return scores
+
+    wrap = bench.StepClock.wrap_generation
+    state = {"rollouts": 0}
+
+    def wrap_generation(self, trainer):
+        wrap(self, trainer)
+        timed = trainer._generate_single_turn
+
+        def generate(*a, **k):
+            state["rollouts"] += 1
+            if state["rollouts"] != 2:
+                return timed(*a, **k)
+            model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+            window, original = Window(args.token_step), model.generate
+
+            def windowed(*ga, **gk):  # entered first, so its processor is appended after every other one
+                processors = LogitsProcessorList(gk.pop("logits_processor", None) or [])
+                processors.append(window)
+                return original(*ga, logits_processor=processors, **gk)
+
+            with replaced(model, "generate", windowed):
+                return timed(*a, **k)
+
+        trainer._generate_single_turn = generate
+
+    bench.StepClock.wrap_generation = wrap_generation
+    settings = bench.BenchSettings(paths=["vlmrl"], steps=2, completion=args.completion,
+                                   load_in_4bit=args.load_in_4bit, memory_cap_gib=args.memory_cap_gib,
+                                   ragged_median=args.ragged_median)
+    with tempfile.TemporaryDirectory() as work:
+        bench.run_bench(settings, args.out / "bench", Path(work))
+    if state["rollouts"] < 2:
+        raise SystemExit("the second rollout never ran: nothing was profiled")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--load-in-4bit", action="store_true")
+    parser.add_argument("--memory-cap-gib", type=float)
+    parser.add_argument("--completion", type=int, default=1024)
+    parser.add_argument("--ragged-median", type=int)
+    parser.add_argument("--token-step", type=int, default=256, help="the profiled cycle starts at this step (1 = the first)")
+    parser.add_argument("--parse", action="store_true", help="only rebuild the tables from OUT's CSV")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args)
+        return 0
+    if not args.parse:
+        if not 1 <= args.token_step < args.completion:
+            parser.error(f"--token-step {args.token_step}: from 1 to below --completion ({args.completion})")
+        ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
+        args.out.mkdir(parents=True, exist_ok=True)
+        forwarded = [f"--completion={args.completion}", f"--token-step={args.token_step}",
+                     *(["--load-in-4bit"] if args.load_in_4bit else []),
+                     *([f"--memory-cap-gib={args.memory_cap_gib}"] if args.memory_cap_gib else []),
+                     *([f"--ragged-median={args.ragged_median}"] if args.ragged_median else [])]
+        command = [ncu, "--profile-from-start", "off", "--graph-profiling", "node", "--clock-control", "none",
+                   "--cache-control", "all", "--metrics", ",".join(METRICS), "--csv", "--print-units", "base",
+                   "--log-file", str(args.out / "token_step_ncu.csv"),
+                   sys.executable, str(Path(__file__).resolve()), str(args.out), "--child", *forwarded]
+        print(" ".join(command), flush=True)
+        (args.out / "token_step_command.json").write_text(json.dumps(
+            {"command": "python benchmarks/token_step_ncu.py OUT " + " ".join(forwarded), "ncu": command[:14],
+             "token_step": args.token_step}, indent=2))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).resolve().parents[1] / "src"), os.environ.get("PYTHONPATH", "")])}
+        if subprocess.run(command, env=env, check=False).returncode:
+            return 1
+    result = write(args.out)
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
