@@ -135,10 +135,9 @@ def write(out: Path) -> dict:
 def child(args: argparse.Namespace) -> None:
     """The bench under ncu, the profiler's window around token step `args.token_step` of the second rollout."""
     import torch
-    from transformers import LogitsProcessorList
 
     from vlmrl import bench
-    from vlmrl.engine.patch import replaced
+    from vlmrl.engine.rollout.sampling import appended_processor
 
     class Window:
         def __init__(self, step: int):
@@ -163,14 +162,9 @@ def child(args: argparse.Namespace) -> None:
             if state["rollouts"] != 2:
                 return timed(*a, **k)
             model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
-            window, original = Window(args.token_step), model.generate
-
-            def windowed(*ga, **gk):  # entered first, so its processor is appended after every other one
-                processors = LogitsProcessorList(gk.pop("logits_processor", None) or [])
-                processors.append(window)
-                return original(*ga, logits_processor=processors, **gk)
-
-            with replaced(model, "generate", windowed):
+            window = Window(args.token_step)
+            # entered before the inner wrappers', so its processor is appended after every other one
+            with appended_processor(model, lambda ga, gk: window):
                 return timed(*a, **k)
 
         trainer._generate_single_turn = generate

@@ -16,16 +16,14 @@ Left out: the figures over these lengths (`vlmrl.bench.summary`, `vlmrl.bench.fl
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 from statistics import NormalDist
 from typing import Any
 
 import numpy as np
 import torch
 
-from vlmrl.engine.patch import replaced
+from vlmrl.engine.rollout.sampling import appended_processor
 
 TAIL = 0.1  # the fraction of completions drawn at or past the cap
 
@@ -95,19 +93,11 @@ def force_lengths(trainer: Any, median: int, cap: int, seed: int = 0) -> None:
     trainer._generate_single_turn = generate
 
 
-@contextlib.contextmanager
-def _forced(model: Any, median: int, cap: int, seed: int, eos_ids: list[int]) -> Iterator[None]:
+def _forced(model: Any, median: int, cap: int, seed: int, eos_ids: list[int]) -> Any:
     """For the block, `model.generate` also runs `ForcedLengths` (after any processors it is given)."""
-    from transformers import LogitsProcessorList
 
-    original = model.generate
+    def make(args: tuple, kwargs: dict) -> ForcedLengths:
+        ids = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else args[0]
+        return ForcedLengths(draw_lengths(ids.shape[0], median, cap, seed), eos_ids)
 
-    def generate(*args: Any, **kwargs: Any) -> Any:
-        rows = (kwargs.get("input_ids") if kwargs.get("input_ids") is not None else args[0]).shape[0]
-        lengths = draw_lengths(rows, median, cap, seed)
-        processors = LogitsProcessorList(kwargs.pop("logits_processor", None) or [])
-        processors.append(ForcedLengths(lengths, eos_ids))
-        return original(*args, logits_processor=processors, **kwargs)
-
-    with replaced(model, "generate", generate):
-        yield
+    return appended_processor(model, make)

@@ -15,13 +15,16 @@ from) and before top-k / top-p truncation (transformers applies those after the 
 The loss pass computes log_softmax(logits / temperature) too; the difference between the two is the mismatch
 `vlmrl.engine.rollout.mismatch` measures and corrects.
 
+`appended_processor(model, make, finish)` is how a processor joins each `generate` call of a block (the recorder
+here; the bench's forced lengths and profiler window too).
+
 Left out: vLLM (it returns its own log-probs), continuous batching (no processors), beam search.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -101,21 +104,36 @@ def enable_sampler_logprobs(trainer: Any) -> str:
 
 
 @contextlib.contextmanager
-def _with_processor(model: Any, recorder: SamplerLogprobs) -> Iterator[list[torch.Tensor]]:
-    """For the block, `model.generate` also runs `recorder` (after any processors it is given) and appends the
-    log-probs of what it generated to the yielded list."""
+def appended_processor(model: Any, make: Callable[[tuple, dict], Any],
+                       finish: Callable[[Any, Any], None] | None = None) -> Iterator[None]:
+    """For the block, each `model.generate` call also runs the logits processor `make(args, kwargs)` returns for
+    that call, after any processors it is given, and `finish(processor, output)` once the call returns. Someone's
+    own wrapper on the instance is put back as it was."""
     from transformers import LogitsProcessorList
 
-    seen: list[torch.Tensor] = []
     original = model.generate
 
     def generate(*args: Any, **kwargs: Any) -> Any:
         processors = LogitsProcessorList(kwargs.pop("logits_processor", None) or [])
-        processors.append(recorder)
+        processor = make(args, kwargs)
+        processors.append(processor)
         out = original(*args, logits_processor=processors, **kwargs)
-        sequences = out if isinstance(out, torch.Tensor) else out.sequences
-        seen.append(recorder.finish(sequences))
+        if finish is not None:
+            finish(processor, out)
         return out
 
-    with replaced(model, "generate", generate):  # someone's own wrapper on the instance is put back as it was
+    with replaced(model, "generate", generate):
+        yield
+
+
+@contextlib.contextmanager
+def _with_processor(model: Any, recorder: SamplerLogprobs) -> Iterator[list[torch.Tensor]]:
+    """For the block, `model.generate` also runs `recorder` (after any processors it is given) and appends the
+    log-probs of what it generated to the yielded list."""
+    seen: list[torch.Tensor] = []
+
+    def finish(processor: SamplerLogprobs, out: Any) -> None:
+        seen.append(processor.finish(out if isinstance(out, torch.Tensor) else out.sequences))
+
+    with appended_processor(model, lambda args, kwargs: recorder, finish):
         yield seen
