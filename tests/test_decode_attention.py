@@ -197,7 +197,9 @@ def test_rollouts_run_it_and_the_setting_is_recorded(tiny):
 
     on = trainer(model)
     fast = enable_fast_generation(on)  # kernels on: the product's default
-    assert fast.cache_read.endswith("token steps skip the blocks nothing attends to (vlmrl.engine.rollout.decode_attention)")
+    assert fast.cache_read.endswith("token steps skip the blocks nothing attends to (vlmrl.engine.rollout.decode_attention), "
+                                    "and rows that have ended attend to their own position only "
+                                    "(vlmrl.engine.rollout.finished)")
     on._generate_single_turn()
     assert seen == [True] and not attention._decode_kernel  # on for the rollout only
     off = trainer(model)

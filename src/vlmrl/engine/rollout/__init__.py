@@ -10,6 +10,8 @@ The pieces, and where each is switched on:
                  and for compiled decoding by `generation`.
   decode_attention  a Triton kernel for a token step's attention that skips the cache blocks nothing attends to;
                  `attention` runs it inside rollouts and compiled decoding (`train.rollout.kernels`).
+  finished       rows that have met their end-of-sequence token attend to their own position only at later token
+                 steps, so the decode kernel reads one block of their cache; on wherever the decode kernel is.
   stacked        projections that read the same input (q/k/v, gate/up) run in rollouts as one matmul with their
                  adapters' first factors, one for the second; the base weights moved once into stacked tensors.
                  Wherever it applies.

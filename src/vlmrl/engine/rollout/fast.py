@@ -10,6 +10,7 @@ the duration of each rollout only:
 - the stacked LoRA projections (`stacked`, with `kernels` their second step as one Triton kernel, `second_factors`),
   or where they do not apply the bf16 adapter copies (`adapter_cast`), the optimizer state on the host meanwhile
   (`offload`); the record says which and why;
+- with the decode kernel, rows that have ended read one block of their cache, not all of it (`finished`);
 - the stop flag read one token step late on CUDA (`deferred_stop_check`), so the host does not wait for the GPU;
 - compiling over a bitsandbytes 4-bit base where bitsandbytes' ops are traceable (`compile_over_4bit`).
 Once per trainer: the static cache's length rounded up to a multiple of `bucket` (`bucket_static_cache`: a
@@ -36,7 +37,8 @@ import torch
 log = logging.getLogger(__name__)
 
 # What the record adds when token steps run vlmrl's kernels.
-KERNEL_READ = "; token steps skip the blocks nothing attends to (vlmrl.engine.rollout.decode_attention)"
+KERNEL_READ = ("; token steps skip the blocks nothing attends to (vlmrl.engine.rollout.decode_attention), and rows "
+               "that have ended attend to their own position only (vlmrl.engine.rollout.finished)")
 SECOND_KERNEL = "; token steps: each group's second step one Triton kernel (vlmrl.engine.rollout.second_factors)"
 SECOND_KERNEL_FALLBACK = "; token steps: each group's second step on cuBLAS (the Triton kernel is bfloat16 only)"
 
@@ -78,6 +80,7 @@ def enable_fast_generation(
         return FastGeneration(False, "continuous batching is configured; it manages its own cache")
     from vlmrl.engine.rollout.attention import NAME, packed_gqa, packed_gqa_applies
     from vlmrl.engine.rollout.attention import decode_kernel as decode_kernel_context
+    from vlmrl.engine.rollout.finished import finished_rows_read_one_block
     from vlmrl.engine.rollout.offload import OptimizerStateOffload
 
     # Once per trainer: compilation on TRL's own GenerationConfig, over a bucketed static cache.
@@ -98,6 +101,7 @@ def enable_fast_generation(
     contexts = [
         ("attention", (lambda: packed_gqa(trainer.model)) if attention else None),
         ("decode_kernel", decode_kernel_context if kernel else None),
+        ("finished_rows", (lambda: finished_rows_read_one_block(trainer.model)) if kernel else None),
         ("offload", offload.active if offload else None),  # frees the optimizer state before the copies take theirs
         ("adapter_copies", copies.active if copies else None),
         ("stacked", functools.partial(stack.active, fused=kernels) if stack else None),
