@@ -69,7 +69,7 @@ def test_each_variant_changes_only_its_own_setting():
         "vlmrl-guards-once": {"guards_once": True}, "vlmrl-second-cublas": {"second_cublas": True},
         "vlmrl-bnb": {"nf4_kernel": "off"}, "vlmrl-nf4-v1": {"nf4_kernel": "v1"},
         "vlmrl-nf4-folded": {"nf4_kernel": "folded"}, "vlmrl-nf4-summed": {"nf4_kernel": "summed"},
-        "vlmrl-nf4-by-rule": {"nf4_kernel": "by_rule"}}
+        "vlmrl-nf4-by-rule": {"nf4_kernel": "by_rule"}, "vlmrl-finished-read": {"finished_read": True}}
     for keywords in options.values():
         inspect.signature(rollout.apply).bind("trainer", "fast", **keywords)  # apply takes these keywords
 
@@ -142,6 +142,22 @@ def test_the_kernel_variants_take_the_products_pieces_out_again():
     fast = rollout.apply(sdpa, enable_fast_generation(sdpa), sdpa_decode=True)
     assert fast.cache_read == "the whole static cache (the decode kernel needs vlmrl_sdpa)"
     assert "decode_kernel" not in dict(sdpa.vlmrl_rollout_contexts)
+
+
+def test_the_finished_read_variant_lets_ended_rows_read_their_whole_cache():
+    from vlmrl.engine.rollout.fast import KERNEL_READ
+
+    names = ("attention", "decode_kernel", "finished_rows", "stop_check")
+    trainer = SimpleNamespace(model=None, _generate_single_turn=lambda: None)
+    wrap_rollouts(trainer, [(name, contextlib.nullcontext) for name in names])
+    fast = FastGeneration(True, "", cache_read="the whole static cache" + KERNEL_READ)
+    record = rollout.apply(trainer, fast, finished_read=True)
+    assert [name for name, _ in trainer.vlmrl_rollout_contexts] == ["attention", "decode_kernel", "stop_check"]
+    assert record.cache_read == ("the whole static cache; token steps skip the blocks nothing attends to "
+                                 "(vlmrl.engine.rollout.decode_attention), rows that have ended reading all of theirs (a bench variant)")
+    wrap_rollouts(trainer, [(name, contextlib.nullcontext) for name in names])
+    rollout.apply(trainer, fast, sdpa_decode=True)  # no decode kernel: nothing to narrow for
+    assert [name for name, _ in trainer.vlmrl_rollout_contexts] == ["attention", "stop_check"]
 
 
 def _named_trainer(model, seen: list) -> SimpleNamespace:

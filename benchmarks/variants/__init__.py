@@ -93,6 +93,8 @@ VARIANTS: dict[str, Variant] = {
     # the product's nf4 kernel with its settings by rule (nf4.rule_config), without the TUNED_SM90 table
     "vlmrl-nf4-by-rule": Variant(rollout={"nf4_kernel": "by_rule"}),
     "vlmrl-nf4-unfused": Variant(),
+    # rows that have ended keep reading their whole cache at token steps (the product narrows their mask)
+    "vlmrl-finished-read": Variant(rollout={"finished_read": True}),
 }
 
 

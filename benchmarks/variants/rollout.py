@@ -31,6 +31,7 @@ import torch
 from vlmrl.engine.patch import replaced
 from vlmrl.engine.rollout import stacked
 from vlmrl.engine.rollout.fast import (
+    FINISHED_READ,
     KERNEL_READ,
     SECOND_KERNEL,
     FastGeneration,
@@ -84,7 +85,7 @@ def input_cast(trainer: Any, loss_pass: Any) -> Any:
 
 def apply(trainer: Any, fast: FastGeneration, *, merge: bool = False, filled_window: int = 0,
           guards_once: bool = False, sdpa_decode: bool = False, second_cublas: bool = False,
-          nf4_kernel: str = "") -> FastGeneration:
+          nf4_kernel: str = "", finished_read: bool = False) -> FastGeneration:
     """Add the variants to `trainer`'s rollouts (set up by `enable_fast_generation`, which returned
     `fast`) and return `fast` with what was done. `merge`: the adapter merged for each rollout; `filled_window` > 0:
     attention over the filled cache positions in windows of that many; `guards_once`: dynamo's guards checked until
@@ -94,7 +95,8 @@ def apply(trainer: Any, fast: FastGeneration, *, merge: bool = False, filled_win
     through the kernel's first design (`nf4_v1`, on for the trainer's life, as the product's is); "folded", the
     product's kernel with the LoRA branch's second factor and sum folded into its last pass (`nf4_lora`); "summed",
     the same with the branch's factors as PEFT runs them and only its scale and sum in that pass; "by_rule", the
-    product's kernel with `nf4.rule_config`'s settings everywhere (no `TUNED_SM90`). Call it right
+    product's kernel with `nf4.rule_config`'s settings everywhere (no `TUNED_SM90`); `finished_read`: rows that have
+    ended keep reading their whole cache at token steps (the product narrows their mask, `finished`). Call it right
     after `enable_fast_generation`, before anything else wraps the trainer's rollout call. Returns a `VariantRecord`
     (`fast` itself when fast generation is off)."""
     if not fast.enabled:
@@ -121,8 +123,12 @@ def apply(trainer: Any, fast: FastGeneration, *, merge: bool = False, filled_win
         else:
             changes["cache_read"] = f"{read} (the filled window needs vlmrl_sdpa)"
     if sdpa_decode:
-        contexts = [(name, factory) for name, factory in contexts if name != "decode_kernel"]
+        contexts = [(name, factory) for name, factory in contexts if name not in ("decode_kernel", "finished_rows")]
         changes["cache_read"] = changes.get("cache_read", fast.cache_read or "").replace(KERNEL_READ, "")
+    elif finished_read:
+        contexts = [(name, factory) for name, factory in contexts if name != "finished_rows"]
+        changes["cache_read"] = changes.get("cache_read", fast.cache_read or "").replace(
+            FINISHED_READ, ", rows that have ended reading all of theirs (a bench variant)")
     if second_cublas:
         contexts = [(name, functools.partial(factory.func, fused=False) if name == "stacked" else factory)
                     for name, factory in contexts]

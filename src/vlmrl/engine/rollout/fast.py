@@ -37,8 +37,8 @@ import torch
 log = logging.getLogger(__name__)
 
 # What the record adds when token steps run vlmrl's kernels.
-KERNEL_READ = ("; token steps skip the blocks nothing attends to (vlmrl.engine.rollout.decode_attention), and rows "
-               "that have ended attend to their own position only (vlmrl.engine.rollout.finished)")
+FINISHED_READ = ", and rows that have ended attend to their own position only (vlmrl.engine.rollout.finished)"
+KERNEL_READ = "; token steps skip the blocks nothing attends to (vlmrl.engine.rollout.decode_attention)" + FINISHED_READ
 SECOND_KERNEL = "; token steps: each group's second step one Triton kernel (vlmrl.engine.rollout.second_factors)"
 SECOND_KERNEL_FALLBACK = "; token steps: each group's second step on cuBLAS (the Triton kernel is bfloat16 only)"
 
