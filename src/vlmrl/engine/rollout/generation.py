@@ -7,7 +7,8 @@ rendered by the processor's own chat template (so Qwen's `<|vision_start|><|imag
 
 On CUDA with `compile` on, decoding uses a static KV cache and `torch.compile` (several times faster per token:
 benchmarks/NOTES.md), with the stop check read one step late so the host does not wait on
-the device between token steps (`vlmrl.engine.rollout.fast.deferred_stop_check`). On the CPU the plain dynamic-cache path
+the device between token steps (`vlmrl.engine.rollout.fast.deferred_stop_check`), and answers that have ended
+no longer read their KV cache (`vlmrl.engine.rollout.finished`). On the CPU the plain dynamic-cache path
 is used: compilation costs more than it saves for tiny models.
 """
 
@@ -117,6 +118,7 @@ def generate_batch(
             deferred_stop_check,
             prefill_into_dynamic_cache,
         )
+        from vlmrl.engine.rollout.finished import finished_rows_read_one_block
 
         use_packed_gqa(model)
         prefill_into_dynamic_cache(model)
@@ -128,6 +130,7 @@ def generate_batch(
         stop_check.enter_context(deferred_stop_check())
         stop_check.enter_context(compile_over_4bit(model))
         stop_check.enter_context(decode_kernel())
+        stop_check.enter_context(finished_rows_read_one_block(model))
     batch = encode_batch(processor, prompts, images, device, bucket=bucket, systems=systems)
     with stop_check:
         output = model.generate(**batch, **kwargs)
