@@ -10,7 +10,7 @@ CUDA-graph replay, each of its nodes profiled as a kernel) and its logits proces
 Writes OUT/token_step_ncu.csv (ncu's own), OUT/bench/ (the bench's files, the measured bandwidth among them) and
 OUT/token_step_profile.json + .md: per kernel, in launch order, its time, bytes read + written, achieved
 bandwidth and "x bytes" = its time / (its bytes / bandwidth); per kind (matmul, nf4 weights, attention, norm,
-sampling, Triton elementwise, other) the same totals; the step's kernel time against all its bytes at the
+sampling, Triton elementwise, other) and per kernel name (with its count: per layer, per step) the same totals; the step's kernel time against all its bytes at the
 bandwidth. ncu runs each kernel alone, its caches flushed first (`--cache-control all`) at the application's
 clocks (`--clock-control none`): the kernel times add up to the step without launch gaps or overlap.
 
@@ -86,17 +86,20 @@ def profile(kernels: list[dict], bandwidth: float) -> dict:
     for k in kernels:
         moved = k["bytes_read"] + k["bytes_written"]
         rows.append({"id": k["id"], "name": k["name"], "kind": kind(k["name"]), **figures(k["seconds"], moved)})
-    by_kind: dict[str, dict] = {}
-    for r in rows:
-        total = by_kind.setdefault(r["kind"], {"kernels": 0, "seconds": 0.0, "bytes": 0.0})
-        total["kernels"] += 1
-        total["seconds"] += r["us"] / 1e6
-        total["bytes"] += r["bytes"]
+    def grouped(key: str) -> dict:
+        groups: dict[str, dict] = {}
+        for r in rows:
+            total = groups.setdefault(r[key], {"kind": r["kind"], "kernels": 0, "seconds": 0.0, "bytes": 0.0})
+            total["kernels"] += 1
+            total["seconds"] += r["us"] / 1e6
+            total["bytes"] += r["bytes"]
+        return {name: {"kernels": t["kernels"], **({"kind": t["kind"]} if key == "name" else {}),
+                       **figures(t["seconds"], t["bytes"])}
+                for name, t in sorted(groups.items(), key=lambda kv: -kv[1]["seconds"])}
+
     seconds, moved = sum(r["us"] for r in rows) / 1e6, sum(r["bytes"] for r in rows)
     return {"bandwidth_tbs": bandwidth / 1e12, "kernels": len(rows), "step": figures(seconds, moved),
-            "by_kind": {name: {"kernels": t["kernels"], **figures(t["seconds"], t["bytes"])}
-                        for name, t in sorted(by_kind.items(), key=lambda kv: -kv[1]["seconds"])},
-            "per_kernel": rows}
+            "by_kind": grouped("kind"), "by_name": grouped("name"), "per_kernel": rows}
 
 
 def markdown(result: dict, top: int = 25) -> str:
@@ -112,10 +115,11 @@ def markdown(result: dict, top: int = 25) -> str:
     lines = [head, "",
              "| kind | kernels | us | MB | TB/s | x bytes |", "|---|---|---|---|---|---|"]
     lines += [line(name, f, f["kernels"]) for name, f in result["by_kind"].items()]
-    lines += ["", f"The {top} longest kernels:", "", "| kernel | kind | us | MB | TB/s | x bytes |",
+    lines += ["", f"The {top} kernels (by name) that take the most time, with how many times the step ran each (a "
+              "per-layer kernel runs once per layer):", "", "| kernel | kind, calls | us | MB | TB/s | x bytes |",
               "|---|---|---|---|---|---|"]
-    longest = sorted(result["per_kernel"], key=lambda r: -r["us"])[:top]
-    lines += [line(f"`{r['name'][:80]}`", r, r["kind"]) for r in longest]
+    lines += [line(f"`{name[:80]}`", f, f"{f['kind']}, {f['kernels']}")
+              for name, f in list(result["by_name"].items())[:top]]
     return "\n".join(lines) + "\n"
 
 

@@ -119,8 +119,11 @@ def test_token_step_ncu_reads_ncu_csv_and_sets_each_kernel_against_its_bytes(mon
     assert matmul["achieved_tbs"] == pytest.approx((33554432 + 65536) / 16e-6 / 1e12)
     assert norm["x_bytes"] is None  # no DRAM traffic: nothing to set it against
     assert result["step"]["us"] == pytest.approx(19.5) and list(result["by_kind"]) == ["matmul", "norm"]
+    norm_name = "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0"
+    assert result["by_name"][norm_name]["kernels"] == 1 and result["by_name"][norm_name]["kind"] == "norm"
     table = ncu.markdown(result)
     assert "One token step: 2 kernels, 20 us of kernel time" in table and "no DRAM bytes" in table
+    assert f"| `{norm_name}` | norm, 1 | 3.5 |" in table
     with pytest.raises(ValueError, match="no ncu CSV header"):
         ncu.read_ncu_csv("==PROF== nothing profiled\n")
     with pytest.raises(ValueError, match="lack some of"):
