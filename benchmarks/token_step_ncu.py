@@ -115,8 +115,8 @@ def markdown(result: dict, top: int = 25) -> str:
     lines = [head, "",
              "| kind | kernels | us | MB | TB/s | x bytes |", "|---|---|---|---|---|---|"]
     lines += [line(name, f, f["kernels"]) for name, f in result["by_kind"].items()]
-    lines += ["", f"The {top} kernels (by name) that take the most time, with how many times the step ran each (a "
-              "per-layer kernel runs once per layer):", "", "| kernel | kind, calls | us | MB | TB/s | x bytes |",
+    lines += ["", (f"The {top} kernels (by name) that take the most time, with how many times the step ran each (a "
+                   "per-layer kernel runs once per layer):"), "", "| kernel | kind, calls | us | MB | TB/s | x bytes |",
               "|---|---|---|---|---|---|"]
     lines += [line(f"`{name[:80]}`", f, f"{f['kind']}, {f['kernels']}")
               for name, f in list(result["by_name"].items())[:top]]
