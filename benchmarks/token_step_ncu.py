@@ -10,8 +10,8 @@ CUDA-graph replay, each of its nodes profiled as a kernel) and its logits proces
 Writes OUT/token_step_ncu.csv (ncu's own), OUT/bench/ (the bench's files, the measured bandwidth among them) and
 OUT/token_step_profile.json + .md: per kernel, in launch order, its time, bytes read + written, achieved
 bandwidth and "x bytes" = its time / (its bytes / bandwidth); per kind (matmul, nf4 weights, attention, norm,
-sampling, Triton elementwise, other) and per kernel name (with its count: per layer, per step) the same totals; the step's kernel time against all its bytes at the
-bandwidth. ncu runs each kernel alone, its caches flushed first (`--cache-control all`) at the application's
+sampling, Triton elementwise, other) and per kernel name (with its count: per layer, per step) the same totals;
+the step's kernel time against all its bytes at the bandwidth. ncu runs each kernel alone, its caches flushed first (`--cache-control all`) at the application's
 clocks (`--clock-control none`): the kernel times add up to the step without launch gaps or overlap.
 
 Usage (CUDA; ncu on PATH or in /usr/local/cuda/bin):
