@@ -130,3 +130,34 @@ def test_token_step_ncu_reads_ncu_csv_and_sets_each_kernel_against_its_bytes(mon
         ncu.read_ncu_csv("\n".join(NCU_CSV.splitlines()[:4]))
     with pytest.raises(ValueError, match="profiled no kernel"):
         ncu.profile([], 4.2e12)
+
+
+# ncu's raw page (`--page raw --csv --print-units base`): a column per metric, a units row under the header
+NCU_RAW = """==PROF== Disconnected
+"ID","Process ID","Kernel Name","gpu__time_duration.sum","dram__throughput.avg.pct_of_peak_sustained_elapsed",\
+"smsp__average_warp_latency_issue_stalled_long_scoreboard.ratio","smsp__average_warp_latency_issue_stalled_mio_throttle.ratio",\
+"smsp__average_warp_latency_issue_stalled_not_issued.ratio","smsp__average_warp_latency_issue_stalled_wait.ratio"
+"","","","nsecond","%","","","",""
+"0","11","nf4_tiles","52,100","12.5","7.25","2.5","30.0","1.5"
+"1","11","nf4_splits","3,000","40.0","0.5","","30.0","0.25"
+"2","11","nf4_tiles","20,000","20.0","3.0","4.0","30.0","1.0"
+"""
+
+
+def test_nf4_stalls_reads_ncu_raw_page_and_ranks_each_kernels_stall_reasons(monkeypatch):
+    stalls = _load(ROOT / "benchmarks" / "nf4_stalls.py", monkeypatch)
+    raw = stalls.read_raw(NCU_RAW)
+    assert [k["id"] for k in raw] == [0, 1, 2]  # the units row is not a kernel
+    assert raw[0]["metrics"]["gpu__time_duration.sum"] == 52100
+    result = stalls.tables(raw, ["12288x4096", "4096x4096"])
+    tiles, splits, second = result["kernels"]
+    assert (tiles["label"], splits["label"], second["label"]) == (
+        "12288x4096", "12288x4096 (sum of K splits)", "4096x4096")
+    assert tiles["us"] == pytest.approx(52.1) and tiles["dram %"] == 12.5
+    # largest first; "not_issued" is not a reason of its own; a blank cell is no figure
+    assert tiles["stalls"] == [("long_scoreboard", 7.25), ("mio_throttle", 2.5), ("wait", 1.5)]
+    assert splits["stalls"] == [("long_scoreboard", 0.5), ("wait", 0.25)]
+    assert second["stalls"][0] == ("mio_throttle", 4.0)
+    assert "| 12288x4096 | 52.1 | 12.5 |" in stalls.markdown(result)
+    with pytest.raises(ValueError, match="no ncu CSV header"):
+        stalls.read_raw("==PROF== nothing profiled\n")
