@@ -1,6 +1,6 @@
 """Where the nf4 token-step kernel waits: one launch of `vlmrl.engine.rollout.nf4`'s kernel per projection shape of
 Qwen3-VL-8B, profiled whole by Nsight Compute (`--set full` with its source counters), so the warp-state table
-says why the loop stalls (table lookups, the tensor-core step, the weight loads) and the SASS view where.
+says why the loop stalls (table lookups, the tensor-core step, the weight loads) and the SASS view at which instructions.
 
 The instruction count (`benchmarks/nf4_sass.py`) says the loop issues about a fifth of the time it takes; this is
 the measurement that says what it waits on, before a new design is written.
@@ -12,8 +12,8 @@ then once inside the profiler's window.
 
 Writes OUT/nf4_stalls.ncu-rep (open it in Nsight Compute), OUT/nf4_stalls_details.csv (every section's metrics per
 kernel), OUT/nf4_stalls_source_<i>.csv (per SASS instruction: its stall samples, where ncu's version prints them)
-and OUT/nf4_stalls.json + .md: per kernel, its time, DRAM throughput, issue-slot use and the warp stall reasons
-that take most of its cycles.
+and OUT/nf4_stalls.json + .md: per kernel, its time, DRAM read throughput, occupancy, issue-slot use, the warp stall
+reasons that take most of its cycles and the opcodes its warps were found at.
 
 Usage (CUDA, bitsandbytes; ncu on PATH or in /usr/local/cuda/bin):
     python benchmarks/nf4_stalls.py OUT [--rows 32] [--shapes 4096x4096,12288x4096]
@@ -32,27 +32,13 @@ import sys
 from pathlib import Path
 
 SHAPES = "4096x4096,1024x4096,12288x4096,4096x12288"  # (out, in) of q/o, k/v, gate/up, down
-STALL = "smsp__average_warp_latency_issue_stalled_"  # + reason: cycles a warp spends stalled for it, per issue
-SUMMARY = {"gpu__time_duration.sum": "us", "dram__throughput.avg.pct_of_peak_sustained_elapsed": "dram %",
-           "sm__inst_executed_pipe_tensor.sum": "tensor insts", "smsp__issue_active.avg.pct_of_peak_sustained_active":
-           "issue %", "launch__registers_per_thread": "registers", "sm__warps_active.avg.pct_of_peak_sustained_active":
-           "occupancy %"}
-
-
-def read_details(text: str) -> list[dict]:
-    """ncu's `--page details --csv --print-units base` rows grouped per kernel launch: {"id", "name", metrics}."""
-    lines = text.splitlines()
-    start = next((i for i, line in enumerate(lines) if line.startswith('"ID",')), None)
-    if start is None:
-        raise ValueError('no ncu CSV header (a line starting with "ID",) found')
-    kernels: dict[str, dict] = {}
-    for row in csv.DictReader(lines[start:]):
-        entry = kernels.setdefault(row["ID"], {"id": int(row["ID"]), "name": row["Kernel Name"], "metrics": {}})
-        try:
-            entry["metrics"][row["Metric Name"]] = float(row["Metric Value"].replace(",", ""))
-        except (TypeError, ValueError):
-            entry["metrics"][row["Metric Name"]] = row["Metric Value"]
-    return [kernels[k] for k in sorted(kernels, key=int)]
+# cycles warps spend stalled for each reason, per issued instruction (ncu 2025's raw names)
+STALL, PER_ISSUE = "smsp__average_warps_issue_stalled_", "_per_issue_active.ratio"
+SUMMARY = {"gpu__time_duration.sum": "us", "dram__bytes_read.sum.pct_of_peak_sustained_elapsed": "dram read %",
+           "launch__grid_size": "programs", "launch__registers_per_thread": "registers",
+           "sm__warps_active.avg.pct_of_peak_sustained_active": "occupancy %",
+           "smsp__issue_active.avg.pct_of_peak_sustained_active": "issue %",
+           "smsp__inst_executed.sum": "warp instructions"}
 
 
 def read_raw(text: str) -> list[dict]:
@@ -78,10 +64,10 @@ def read_raw(text: str) -> list[dict]:
 
 
 def stalls(metrics: dict, top: int = 6) -> list[tuple[str, float]]:
-    """The stall reasons with the most cycles per issued instruction, largest first (`.ratio` metrics)."""
-    found = {name[len(STALL):].removesuffix(".ratio"): value for name, value in metrics.items()
-             if name.startswith(STALL) and name.endswith(".ratio") and isinstance(value, float)
-             and not name[len(STALL):].startswith("not_issued")}
+    """The stall reasons with the most cycles per issued instruction, largest first ("selected" is the issue
+    itself: one cycle per instruction)."""
+    found = {name[len(STALL):-len(PER_ISSUE)]: value for name, value in metrics.items()
+             if name.startswith(STALL) and name.endswith(PER_ISSUE) and isinstance(value, float)}
     return sorted(found.items(), key=lambda kv: -kv[1])[:top]
 
 
@@ -96,7 +82,29 @@ def labels(names: list[str], shapes: list[str]) -> list[str]:
     return out
 
 
-def tables(raw: list[dict], shapes: list[str]) -> dict:
+def read_source(text: str) -> dict[str, dict[str, float]]:
+    """ncu's `--page source --print-source sass --csv` for one kernel: per opcode (its first dotted part), the share
+    of the warp-state samples that found a warp at it and the share of instructions executed."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith('"Address",')), None)
+    if start is None:
+        raise ValueError('no SASS source table (a line starting with "Address",) found')
+    samples: dict[str, float] = {}
+    executed: dict[str, float] = {}
+    for row in csv.DictReader(lines[start:]):
+        words = (row.get("Source") or "").split()
+        words = words[1:] if words and words[0].startswith("@") else words  # a predicate
+        if not words:
+            continue
+        op = words[0].split(".")[0]
+        samples[op] = samples.get(op, 0) + float((row["Warp Stall Sampling (All Samples)"] or "0").replace(",", ""))
+        executed[op] = executed.get(op, 0) + float((row["Instructions Executed"] or "0").replace(",", ""))
+    total_s, total_e = sum(samples.values()) or 1.0, sum(executed.values()) or 1.0
+    return {op: {"samples": samples[op] / total_s, "instructions": executed[op] / total_e}
+            for op in sorted(samples, key=lambda o: -samples[o])}
+
+
+def tables(raw: list[dict], shapes: list[str], sources: list[dict] | None = None) -> dict:
     kernels = []
     for k, label in zip(raw, labels([k["name"] for k in raw], shapes), strict=True):
         m = k["metrics"]
@@ -105,6 +113,9 @@ def tables(raw: list[dict], shapes: list[str]) -> dict:
         if entry["us"] is not None:
             entry["us"] = entry["us"] / 1e3  # ncu's base unit for durations is the nanosecond
         entry["stalls"] = stalls(m)
+        opcodes = sources[len(kernels)] if sources and len(kernels) < len(sources) else {}
+        if opcodes:
+            entry["opcodes"] = dict(list(opcodes.items())[:8])
         kernels.append(entry)
     return {"kernels": kernels}
 
@@ -118,12 +129,20 @@ def markdown(result: dict) -> str:
     for k in result["kernels"]:
         reasons = ", ".join(f"{name} {value:.1f}" for name, value in k["stalls"])
         lines.append(f"| {k['label']} | {' | '.join(num(k[s]) for s in SUMMARY.values())} | {reasons} |")
+    lines += ["", "Where the warps were found (share of warp-state samples, share of instructions executed), per opcode:",
+              ""]
+    lines += [f"- {k['label']}: " + ", ".join(f"{op} {f['samples']:.0%} / {f['instructions']:.0%}"
+                                             for op, f in k["opcodes"].items())
+              for k in result["kernels"] if k.get("opcodes")]
     return "\n".join(lines) + "\n"
 
 
 def write(out: Path) -> dict:
     command = json.loads((out / "nf4_stalls_command.json").read_text())
-    result = tables(read_raw((out / "nf4_stalls_raw.csv").read_text()), command["shapes"]) | command
+    raw = read_raw((out / "nf4_stalls_raw.csv").read_text())
+    sources = [read_source(path.read_text()) if (path := out / f"nf4_stalls_source_{i}.csv").exists() else {}
+               for i in range(len(raw))]
+    result = tables(raw, command["shapes"], sources) | command
     (out / "nf4_stalls.json").write_text(json.dumps(result, indent=2))
     (out / "nf4_stalls.md").write_text(markdown(result))
     return result

@@ -33,8 +33,9 @@ import tempfile
 from pathlib import Path
 
 METRICS = ("gpu__time_duration.sum", "dram__bytes_read.sum", "dram__bytes_write.sum")
+# ncu 2025.3 prints durations in "ns" even with --print-units base; older releases spell them out
 UNITS = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "nsecond": 1e-9, "usecond": 1e-6, "msecond": 1e-3,
-         "second": 1}
+         "second": 1, "ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1}
 # First match wins: nf4 before matmul (its kernels are GEMMs too), norm before Triton (inductor names its fused
 # RMSNorm after its ops: mean, rsqrt).
 KINDS = (("nf4 weights", ("nf4", "4bit", "dequantize", "kgemm_4bit")),
@@ -64,7 +65,10 @@ def read_ncu_csv(text: str) -> list[dict]:
         if metric not in METRICS:
             continue
         entry = kernels.setdefault(row["ID"], {"id": int(row["ID"]), "name": row["Kernel Name"]})
-        value = float(row["Metric Value"].replace(",", "")) * UNITS.get(row.get("Metric Unit") or "", 1)
+        unit = row.get("Metric Unit") or ""
+        if unit not in UNITS:
+            raise ValueError(f"{metric}: unit {unit!r} is not one this reader knows")
+        value = float(row["Metric Value"].replace(",", "")) * UNITS[unit]
         entry[metric] = value
     missing = [k["id"] for k in kernels.values() if any(m not in k for m in METRICS)]
     if missing:

@@ -100,7 +100,7 @@ NCU_CSV = '''==PROF== Connected to process 4242 (/usr/bin/python3)
 "ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
 "0","4242","python3","127.0.0.1","nvjet_sm90_tst_128x32_64x10_4x1_v_bz_TNT","1","7","(384, 1, 1)","(132, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","byte","33,554,432"
 "0","4242","python3","127.0.0.1","nvjet_sm90_tst_128x32_64x10_4x1_v_bz_TNT","1","7","(384, 1, 1)","(132, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","byte","65,536"
-"0","4242","python3","127.0.0.1","nvjet_sm90_tst_128x32_64x10_4x1_v_bz_TNT","1","7","(384, 1, 1)","(132, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","nsecond","16,000"
+"0","4242","python3","127.0.0.1","nvjet_sm90_tst_128x32_64x10_4x1_v_bz_TNT","1","7","(384, 1, 1)","(132, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","ns","16,000"
 "1","4242","python3","127.0.0.1","triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0","1","7","(512, 1, 1)","(32, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","byte","0"
 "1","4242","python3","127.0.0.1","triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0","1","7","(512, 1, 1)","(32, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","byte","0"
 "1","4242","python3","127.0.0.1","triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0","1","7","(512, 1, 1)","(32, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","usecond","3.5"
@@ -128,36 +128,54 @@ def test_token_step_ncu_reads_ncu_csv_and_sets_each_kernel_against_its_bytes(mon
         ncu.read_ncu_csv("==PROF== nothing profiled\n")
     with pytest.raises(ValueError, match="lack some of"):
         ncu.read_ncu_csv("\n".join(NCU_CSV.splitlines()[:4]))
+    with pytest.raises(ValueError, match="unit 'cycle' is not one"):  # never read as seconds
+        ncu.read_ncu_csv(NCU_CSV.replace('"usecond","3.5"', '"cycle","3.5"'))
     with pytest.raises(ValueError, match="profiled no kernel"):
         ncu.profile([], 4.2e12)
 
 
 # ncu's raw page (`--page raw --csv --print-units base`): a column per metric, a units row under the header
 NCU_RAW = """==PROF== Disconnected
-"ID","Process ID","Kernel Name","gpu__time_duration.sum","dram__throughput.avg.pct_of_peak_sustained_elapsed",\
-"smsp__average_warp_latency_issue_stalled_long_scoreboard.ratio","smsp__average_warp_latency_issue_stalled_mio_throttle.ratio",\
-"smsp__average_warp_latency_issue_stalled_not_issued.ratio","smsp__average_warp_latency_issue_stalled_wait.ratio"
-"","","","nsecond","%","","","",""
-"0","11","nf4_tiles","52,100","12.5","7.25","2.5","30.0","1.5"
-"1","11","nf4_splits","3,000","40.0","0.5","","30.0","0.25"
-"2","11","nf4_tiles","20,000","20.0","3.0","4.0","30.0","1.0"
+"ID","Process ID","Kernel Name","gpu__time_duration.sum","launch__grid_size",\
+"smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",\
+"smsp__average_warps_issue_stalled_mio_throttle_per_issue_active.ratio",\
+"smsp__average_warps_issue_stalled_selected_per_issue_active.ratio",\
+"smsp__average_warps_issue_stalled_wait_per_issue_active.ratio"
+"","","","ns","","inst","inst","inst","inst"
+"0","11","nf4_tiles","52,100","256","0.75","0.25","1","1.5"
+"1","11","nf4_splits","3,000","64","0.5","","1","0.25"
+"2","11","nf4_tiles","20,000","128","0.5","4.0","1","1.0"
+"""
+# ncu's source page (`--page source --print-source sass --csv`) for one kernel
+NCU_SOURCE = """"Kernel Name","nf4_tiles",
+"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)","Instructions Executed"
+"0x10","      PRMT R1, R2, 0x7610, R3","30","20","2,048"
+"0x20","      @!P0 LDG.E R4, desc[UR4][R6.64]","10","10","1,024"
+"0x30","      PRMT R5, R2, 0x7632, R5","30","25","1,024"
+"0x40","      FMUL R7, R4, R8","30","15","4,096"
 """
 
 
-def test_nf4_stalls_reads_ncu_raw_page_and_ranks_each_kernels_stall_reasons(monkeypatch):
+def test_nf4_stalls_reads_ncu_raw_and_source_pages(monkeypatch):
     stalls = _load(ROOT / "benchmarks" / "nf4_stalls.py", monkeypatch)
     raw = stalls.read_raw(NCU_RAW)
     assert [k["id"] for k in raw] == [0, 1, 2]  # the units row is not a kernel
     assert raw[0]["metrics"]["gpu__time_duration.sum"] == 52100
-    result = stalls.tables(raw, ["12288x4096", "4096x4096"])
+    source = stalls.read_source(NCU_SOURCE)
+    assert list(source) == ["PRMT", "FMUL", "LDG"]  # most samples first; a predicate is not an opcode
+    assert source["PRMT"] == {"samples": 0.6, "instructions": 3072 / 8192}
+    result = stalls.tables(raw, ["12288x4096", "4096x4096"], [source, {}, {}])
     tiles, splits, second = result["kernels"]
     assert (tiles["label"], splits["label"], second["label"]) == (
         "12288x4096", "12288x4096 (sum of K splits)", "4096x4096")
-    assert tiles["us"] == pytest.approx(52.1) and tiles["dram %"] == 12.5
-    # largest first; "not_issued" is not a reason of its own; a blank cell is no figure
-    assert tiles["stalls"] == [("long_scoreboard", 7.25), ("mio_throttle", 2.5), ("wait", 1.5)]
-    assert splits["stalls"] == [("long_scoreboard", 0.5), ("wait", 0.25)]
-    assert second["stalls"][0] == ("mio_throttle", 4.0)
-    assert "| 12288x4096 | 52.1 | 12.5 |" in stalls.markdown(result)
+    assert tiles["us"] == pytest.approx(52.1) and tiles["programs"] == 256
+    # largest first; a blank cell is no figure
+    assert tiles["stalls"] == [("wait", 1.5), ("selected", 1.0), ("long_scoreboard", 0.75), ("mio_throttle", 0.25)]
+    assert splits["stalls"] == [("selected", 1.0), ("long_scoreboard", 0.5), ("wait", 0.25)]
+    assert second["stalls"][0] == ("mio_throttle", 4.0) and "opcodes" not in second
+    table = stalls.markdown(result)
+    assert "| 12288x4096 | 52.1 |" in table and "- 12288x4096: PRMT 60% / 38%, FMUL 30% / 50%, LDG 10% / 12%" in table
     with pytest.raises(ValueError, match="no ncu CSV header"):
         stalls.read_raw("==PROF== nothing profiled\n")
+    with pytest.raises(ValueError, match="no SASS source table"):
+        stalls.read_source("nothing\n")

@@ -117,6 +117,21 @@ def test_tiles_and_splits_give_the_same_values(rows, k, config, matmul):
     _check(got, x, packed, qs, bias)
 
 
+@pytest.mark.parametrize("split", [2, 6, 64, 100])  # 100: more splits than a program's loads in flight at 128 outputs
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_split_sum_adds_the_shares_in_order_and_rounds_once(split, bias):
+    target = torch.randn(split, 3, 200, generator=torch.Generator().manual_seed(split)).to(DEVICE) * 1e3
+    b = torch.randn(200).to(DEVICE, torch.bfloat16) if bias else None
+    out = torch.empty(3, 200, device=DEVICE, dtype=torch.bfloat16)
+    nf4.sum_splits(target, b, out, 1, nf4.interpreted())
+    expected = torch.zeros(3, 200, device=DEVICE)
+    for share in target:  # float32, split 0 first: the order the tile kernel's splits were always summed in
+        expected += share
+    if b is not None:
+        expected += b.float()
+    assert torch.equal(out, expected.to(torch.bfloat16))  # bit for bit: rounded once, ties to even
+
+
 def test_the_record_counts_the_layers_that_take_measured_settings(monkeypatch):
     for rows in (16, 32):  # as if these shapes were measured at both row tiles
         monkeypatch.setitem(nf4.TUNED_SM90, (192, 256, 64, rows), [64, 64, 4, 1, 2])

@@ -165,13 +165,12 @@ def launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: t
                num_warps=warps, num_stages=stages, enable_fp_fusion=False)  # round a*b and +c apart, as bnb does
     if not partial:
         return out
+    if lora is None:
+        nf4.sum_splits(target, bias, out, xq, interpret)
+        return out
     size, block = rows * n, 1024
     grid = (-(-size // block),)
     bias_or_out = bias if bias is not None else out
-    if lora is None:
-        nf4_triton.kernels(interpret)[1][grid](target, bias_or_out, out, size, n, split, HAS_BIAS=bias is not None,
-                                               XQ=xq, EXACT=interpret, BLOCK=block, enable_fp_fusion=False)
-        return out
     xa, second, scale = lora
     summed = second is None
     splits(interpret)[grid](target, bias_or_out, out, size, n, split, xa, xa if summed else second,

@@ -11,7 +11,7 @@ order: each weight bit-equal, each output within one bf16/fp16 unit in the last 
 outputs near zero are counted). Its Triton source is `nf4_triton`; the first design, which lost to this one, is a
 benchmark plugin (benchmarks/variants/nf4_v1.py).
 
-Public: `nf4_matmul`; `nf4_decode(model)`, which routes `Linear4bit` forwards of `MIN_ROWS` to `MAX_ROWS` rows
+Public: `nf4_matmul`; `launch` and `sum_splits` (its K splits' in-order sum), which it runs; `nf4_decode(model)`, which routes `Linear4bit` forwards of `MIN_ROWS` to `MAX_ROWS` rows
 without gradients through the kernel while active (one-row steps, where bitsandbytes runs its gemv, prompt passes,
 training and unsupported layers stay on bitsandbytes, the fallback); `unsupported_reason(model)`, for the caller to
 record why a model stays there; `gpu_reason(device)`, the product's rule for where the kernel is on; `probe(model)`,
@@ -366,7 +366,7 @@ def launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: t
     block_m = block_rows(rows)
     out = torch.empty(rows, n, device=x.device, dtype=x.dtype)
     interpret = interpreted()
-    main, reduce = nf4_triton.kernels(interpret)
+    main = nf4_triton.kernels(interpret)[0]
     nested = code2 is not None
     partial = split > 1
     target = torch.empty(split, rows, n, device=x.device, dtype=torch.float32) if partial else out
@@ -379,9 +379,16 @@ def launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: t
                PARTIAL=partial, WQ=rounding, XQ=xq, EXACT=interpret, EVEN=(k // 2) % tile == 0,
                num_warps=warps, num_stages=stages, enable_fp_fusion=False)  # round a*b and +c apart, as bnb does
     if partial:
-        size = rows * n
-        block = 1024
-        reduce[(-(-size // block),)](target, bias if bias is not None else out, out, size, n, split,
-                                     HAS_BIAS=bias is not None, XQ=xq, EXACT=interpret, BLOCK=block,
-                                     enable_fp_fusion=False)
+        sum_splits(target, bias, out, xq, interpret)
     return out
+
+
+def sum_splits(target: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, xq: int, interpret: bool) -> None:
+    """`out` = the K splits' fp32 shares `target` [split, rows, n] summed in order, `bias` added, rounded once.
+    A program takes fewer outputs the more splits there are, so that each thread keeps at most 64 loads in flight."""
+    split, rows, n = target.shape
+    size = rows * n
+    block = min(1024, 128 * (1 << ((max(1, 64 // split)).bit_length() - 1)))
+    nf4_triton.kernels(interpret)[1][(-(-size // block),)](
+        target, bias if bias is not None else out, out, size, n, SPLITS=split, HAS_BIAS=bias is not None, XQ=xq,
+        EXACT=interpret, BLOCK=block, enable_fp_fusion=False)

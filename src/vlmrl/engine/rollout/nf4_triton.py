@@ -3,7 +3,7 @@ what it computes and how it is checked).
 
 Public: `kernels(interpret)` -> (`nf4_tiles`: 2-D tiles of packed bytes decoded and joined back into the rows' order
 (high nibble first) against x's columns read along k, each program writing its fp32 share when K is split, else the
-rounded output; `nf4_splits`: the fixed-order sum of K splits, bias added and rounded once). Building them also
+rounded output; `nf4_splits`: the fixed-order sum of K splits, unrolled over their count, bias added and rounded once). Building them also
 puts their device helpers (`rounded`, `dot_operand`, `store_tile`) in this module's globals, where Triton finds
 them (and other kernels built on them may take them). Limits: those of `nf4` (nf4 codes, bf16/fp16 activations,
 CUDA or Triton's interpreter).
@@ -71,13 +71,15 @@ def kernels(interpret: bool) -> tuple[Any, Any]:
     globals()["store_tile"] = store_tile
 
     @triton.jit
-    def nf4_splits(Partial, Bias, Out, size, N, splits, HAS_BIAS: tl.constexpr, XQ: tl.constexpr,
+    def nf4_splits(Partial, Bias, Out, size, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, XQ: tl.constexpr,
                    EXACT: tl.constexpr, BLOCK: tl.constexpr):
-        # the splits' shares summed in order, the bias added, rounded once
+        # the splits' shares summed in order, the bias added, rounded once. Unrolled, so every split's load is in
+        # flight at once: a loop over a runtime count waited out one memory latency per split (the profile in
+        # benchmarks/NOTES.md: the sum took as long as the projection it finished at 16-64 splits)
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = i < size
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for s in range(splits):
+        for s in tl.static_range(SPLITS):
             acc += tl.load(Partial + s * size + i, mask=ok, other=0.0)
         if HAS_BIAS:
             acc += tl.load(Bias + i % N, mask=ok, other=0.0).to(tl.float32)
