@@ -58,7 +58,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-dense", action="store_true", help="skip the dense bf16 matmul (saves 2 bytes per weight)")
     p.add_argument("--sweep-seconds", type=float, default=240.0, help="time for each kernel's tile sweep (0: none)")
     p.add_argument("--kernels", default="v1,v2", help="vlmrl's nf4 kernels to measure (v1: the first "
-                   "design, nf4_v1.nf4_matmul_v1; v2: the product's, nf4.nf4_matmul), comma-separated")
+                   "design, nf4_v1.nf4_matmul_v1; v2: the product's, nf4.nf4_matmul; pairs: the product's with one "
+                   "table lookup a byte, nf4_pairs.nf4_matmul_pairs), comma-separated")
     p.add_argument("--lora", type=int, default=0, help="a LoRA branch of this rank on every projection (0: none): "
                    "the product's kernel then also runs with the branch as PEFT's ops, folded into its last "
                    "pass, and with only its scale and sum there (benchmarks/variants/nf4_lora.py)")
@@ -155,10 +156,12 @@ def weight_bytes(module: torch.nn.Module) -> int:
 
 # per kernel: its label, module, function and config chooser
 KERNELS = {"v1": ("nf4 kernel", "variants.nf4_v1", "nf4_matmul_v1", "_config"),
-           "v2": ("nf4 kernel v2", "vlmrl.engine.rollout.nf4", "nf4_matmul", "_config")}
+           "v2": ("nf4 kernel v2", "vlmrl.engine.rollout.nf4", "nf4_matmul", "_config"),
+           "pairs": ("nf4 kernel, one lookup a byte", "variants.nf4_pairs", "nf4_matmul_pairs", "_config")}
 # per kernel: packed bytes per weight row per step, and pipeline stages (1: Triton's pipeliner off, which
 # otherwise stages every table lookup through shared memory, 4 bytes a copy: nf4._config)
-SWEEP = {"v1": {"tiles": (64, 128), "stages": (1, 2, 3)}, "v2": {"tiles": (32, 64, 128), "stages": (1, 3)}}
+SWEEP = {"v1": {"tiles": (64, 128), "stages": (1, 2, 3)}, "v2": {"tiles": (32, 64, 128), "stages": (1, 3)},
+         "pairs": {"tiles": (32, 64, 128), "stages": (1, 3)}}
 
 
 LORA_SCALE = 1.0  # lora_alpha / r of the seed recipe (r = alpha = 16)
@@ -416,7 +419,7 @@ def numerics(layers: list, inputs: dict, dtype: torch.dtype, rows: int, bnb: obj
     `branches`, the folded LoRA branch ("folded") and the one summed in the split pass ("summed") against PEFT's
     eager sum over dequantize + matmul, its unit taken at the larger term too (as the CPU tests of the fold did,
     tests/test_nf4_lora.py in git history)."""
-    names = {"v1": "kernel", "v2": "kernel_v2"}
+    names = {"v1": "kernel", "v2": "kernel_v2", "pairs": "kernel_pairs"}
     found = {f"{names[k]}_{what}": zero for k in kernels for what, zero in (("ulps", 0), ("units", 0.0))}
     found |= {"linear4bit_ulps": 0, "linear4bit_units": 0.0}
     with fp32_reductions():
@@ -474,6 +477,7 @@ def markdown(r: dict) -> str:
     about = ("Numerics against dequantize + matmul over one layer's projections: the largest distance in "
              "representable values (ulps), and in units at max(|output|, 2^-12 sum |x w|) (units):")
     shown = [(name, label) for name, label in (("kernel", "nf4 kernel"), ("kernel_v2", "nf4 kernel v2"),
+                                               ("kernel_pairs", "nf4 kernel, one lookup a byte"),
                                                ("linear4bit", "Linear4bit forward"),
                                                ("folded", "v2 + LoRA folded, against PEFT's sum"),
                                                ("summed", "v2 + LoRA summed in the split pass, against PEFT's sum"))
@@ -485,7 +489,7 @@ def markdown(r: dict) -> str:
               + " |" for n in r["numerics"]]
     exact = [(key.removesuffix("_exact_units"), label) for key, label in (
         ("kernel_exact_units", "nf4 kernel"), ("kernel_v2_exact_units", "nf4 kernel v2"),
-        ("dequantize_exact_units", "dequantize + matmul")) if any(key in n for n in r["numerics"])]
+        ("kernel_pairs_exact_units", "nf4 kernel, one lookup a byte"), ("dequantize_exact_units", "dequantize + matmul")) if any(key in n for n in r["numerics"])]
     if exact:
         lines += ["", ("Each one's own distance from the exact product (float64 sums of the same rounded weights), "
                        "in the same units:"), "", "| dtype | rows | " + " | ".join(label for _, label in exact) + " |",

@@ -13,6 +13,7 @@ shows (benchmarks/nf4_matmul.py).
 
     python benchmarks/nf4_sass.py [--rows 32] [--blocksize 64] [--dtype bfloat16] [--top 12] [--json FILE]
     python benchmarks/nf4_sass.py --tuned [--json FILE]    each tile of nf4.TUNED_SM90, a table row each
+    python benchmarks/nf4_sass.py --tuned --kernel pairs    the same tiles of the variant with one lookup a byte
 
 Needs Triton with its NVIDIA backend (the CPU wheel carries ptxas and nvdisasm); exits 2 with one line without.
 """
@@ -46,9 +47,11 @@ def loop_opcodes(sass: str) -> collections.Counter:
     raise SystemExit("no loop found in the disassembly")
 
 
-def build(rows: int, blocksize: int, dtype: str, shape: tuple[int, int, int] | None = None) -> dict:
+def build(rows: int, blocksize: int, dtype: str, shape: tuple[int, int, int] | None = None,
+          design: str = "v2") -> dict:
     """The loop's counts for the rule's tile at `rows` (`nf4.tile_shape`), or `shape` = (block_n, packed bytes a
-    step, warps) given (one of `nf4.TUNED_SM90`'s)."""
+    step, warps) given (one of `nf4.TUNED_SM90`'s); `design` "pairs": the variant with one table lookup a byte
+    (benchmarks/variants/nf4_pairs.py) in place of the product's."""
     try:
         import triton
         from triton.backends.compiler import GPUTarget
@@ -58,7 +61,13 @@ def build(rows: int, blocksize: int, dtype: str, shape: tuple[int, int, int] | N
         raise SystemExit(2) from error
     from vlmrl.engine.rollout import nf4, nf4_triton
 
-    tiles = nf4_triton.kernels(False)[0]
+    if design == "pairs":
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        from variants import nf4_pairs
+
+        tiles = nf4_pairs._tiles(False)
+    else:
+        tiles = nf4_triton.kernels(False)[0]
     block_n, tile, warps = shape or nf4.tile_shape(rows, blocksize)
     xt = {"bfloat16": "bf16", "float16": "fp16"}[dtype]
     signature = {"X": f"*{xt}", "Packed": "*u8", "Absmax": "*u8", "Code2": "*fp32", "Absmax2": "*fp32",
@@ -85,7 +94,7 @@ def build(rows: int, blocksize: int, dtype: str, shape: tuple[int, int, int] | N
     opcodes = loop_opcodes(sass)
     weights_per_thread = block_n * tile * 2 // (warps * 32)
     total = sum(opcodes.values())
-    return {"rows": rows, "blocksize": blocksize, "dtype": dtype, "triton": triton.__version__,
+    return {"kernel": design, "rows": rows, "blocksize": blocksize, "dtype": dtype, "triton": triton.__version__,
             "tile": {"block_n": block_n, "packed_bytes": tile, "warps": warps, "block_m": constants["BLOCK_M"]},
             "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
             "spill_bytes": int(re.search(r"LOCAL:(\d+)", usage).group(1)),
@@ -93,7 +102,7 @@ def build(rows: int, blocksize: int, dtype: str, shape: tuple[int, int, int] | N
             "instructions_per_weight": total / weights_per_thread, "opcodes": dict(opcodes.most_common())}
 
 
-def tuned() -> list[dict]:
+def tuned(design: str = "v2") -> list[dict]:
     """Each distinct tile of `nf4.TUNED_SM90` (the measured settings the product takes on sm_90), built in bf16, with
     the projections that take it."""
     from vlmrl.engine.rollout import nf4
@@ -101,7 +110,7 @@ def tuned() -> list[dict]:
     tiles: dict[tuple, list[str]] = {}
     for (n, k, blocksize, rows), (block_n, tile, warps, *_) in nf4.TUNED_SM90.items():
         tiles.setdefault((rows, blocksize, block_n, tile, warps), []).append(f"{n} x {k}")
-    return [build(rows, blocksize, "bfloat16", (block_n, tile, warps)) | {"shapes": shapes}
+    return [build(rows, blocksize, "bfloat16", (block_n, tile, warps), design) | {"shapes": shapes}
             for (rows, blocksize, block_n, tile, warps), shapes in tiles.items()]
 
 
@@ -113,9 +122,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--top", type=int, default=12, help="opcodes to print")
     p.add_argument("--json", type=Path, help="write the counts here too")
     p.add_argument("--tuned", action="store_true", help="build each tile of nf4.TUNED_SM90 instead (bf16), a line each")
+    p.add_argument("--kernel", choices=("v2", "pairs"), default="v2",
+                   help="the product's tile kernel, or the variant with one table lookup a byte")
     args = p.parse_args(argv)
     if args.tuned:
-        results = tuned()
+        results = tuned(args.kernel)
         print("| rows | blocksize | tile (block_n, packed bytes, warps) | projections | registers | spilled bytes "
               "| instructions per weight |\n|---|---|---|---|---|---|---|")
         for r in results:
@@ -126,7 +137,7 @@ def main(argv: list[str]) -> int:
         if args.json:
             args.json.write_text(json.dumps(results, indent=1) + "\n")
         return 0
-    result = build(args.rows, args.blocksize, args.dtype)
+    result = build(args.rows, args.blocksize, args.dtype, design=args.kernel)
     print(f"nf4_tiles for sm_90 (Triton {result['triton']}), {args.rows} rows, blocksize {args.blocksize}, "
           f"{args.dtype}: tile {result['tile']}, {result['registers']} registers, {result['spill_bytes']} bytes "
           f"spilled; loop {result['loop_instructions']} instructions for {result['weights_per_thread']} weights a "

@@ -74,7 +74,7 @@ def test_each_variant_changes_only_its_own_setting():
         inspect.signature(rollout.apply).bind("trainer", "fast", **keywords)  # apply takes these keywords
 
 
-@pytest.mark.parametrize("name", ["merge", "rollout", "nf4_v1", "nf4_lora", "nf4_launch"])
+@pytest.mark.parametrize("name", ["merge", "rollout", "nf4_v1", "nf4_lora", "nf4_launch", "nf4_pairs"])
 def test_each_plugin_module_imports(name):
     importlib.import_module(f"variants.{name}")
 
@@ -394,3 +394,28 @@ def test_the_nf4_variants_swap_the_products_kernel(variant, record, given, route
     if trainer.vlmrl_nf4_decode is not None:  # (closed by the "off" variant)
         trainer.vlmrl_nf4_decode.close()
     assert "forward" not in model[0].__dict__
+
+
+@pytest.mark.parametrize(("rows", "k", "config", "nested"), [
+    (5, 320, [16, 64, 4, 1, 2], True),  # K split, the second split a partial tile
+    (3, 256, [32, 32, 4, 1, 1], False),  # no split: bias and rounding in the tile kernel
+])
+def test_one_lookup_a_byte_gives_the_products_values_bit_for_bit(rows, k, config, nested):
+    """The pair table holds the 16-value table's own float32 values: the same weights, the same sums in the same
+    order, so the same bits as the product's kernel with the same settings (in Triton's interpreter)."""
+    from variants import nf4_launch, nf4_pairs
+
+    from tests.helpers import nf4_quantized
+    from vlmrl.engine.rollout import nf4
+
+    if not nf4.HAS_TRITON or not nf4.interpreted():
+        pytest.skip("needs Triton's interpreter (tests/conftest.py)")
+    packed, qs = nf4_quantized(96, k, nested=nested, seed=3)
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    bias = torch.randn(96).to(torch.bfloat16)
+    got = nf4_pairs.nf4_matmul_pairs(x, packed, bias, quant_state=qs, config=config)
+    assert nf4_launch.failure(x, "pairs") is None  # the kernel ran, not dequantize + matmul
+    assert torch.equal(got, nf4.nf4_matmul(x, packed, bias, quant_state=qs, config=config))
+    table = nf4_pairs.pair_table(qs.code)
+    assert torch.equal(table[:16], qs.code.float())
+    assert torch.equal(table[16:].view(256, 2)[0x7A], torch.stack([qs.code[7], qs.code[10]]).float())
