@@ -25,11 +25,11 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from token_step_ncu import ncu_path, run_with_src
 
 SHAPES = "4096x4096,1024x4096,12288x4096,4096x12288"  # (out, in) of q/o, k/v, gate/up, down
 # cycles warps spend stalled for each reason, per issued instruction (ncu 2025's raw names)
@@ -183,7 +183,7 @@ def main() -> int:
         child(args)
         return 0
     if not args.parse:
-        ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
+        ncu = ncu_path()
         args.out.mkdir(parents=True, exist_ok=True)
         report = args.out / "nf4_stalls.ncu-rep"
         command = [ncu, "--profile-from-start", "off", "--set", "full", "--import-source", "no",
@@ -195,9 +195,7 @@ def main() -> int:
         (args.out / "nf4_stalls_command.json").write_text(json.dumps(
             {"command": f"python benchmarks/nf4_stalls.py OUT --rows {args.rows} --shapes {args.shapes}",
              "rows": args.rows, "shapes": args.shapes.split(",")}, indent=2))
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [str(Path(__file__).resolve().parents[1] / "src"), os.environ.get("PYTHONPATH", "")])}
-        if subprocess.run(command, env=env, check=False).returncode:
+        if run_with_src(command):
             return 1
         for page, name in (("raw", "nf4_stalls_raw.csv"), ("details", "nf4_stalls_details.csv")):
             text = subprocess.run([ncu, "--import", str(report), "--page", page, "--csv", "--print-units", "base"],

@@ -187,6 +187,17 @@ def child(args: argparse.Namespace) -> None:
         raise SystemExit("the second rollout never ran: nothing was profiled")
 
 
+def ncu_path() -> str:
+    return shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
+
+
+def run_with_src(command: list[str]) -> int:
+    """`command`'s exit status, run with this checkout's src/ first on PYTHONPATH (the profiled child imports vlmrl)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).resolve().parents[1] / "src"), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run(command, env=env, check=False).returncode
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
@@ -204,7 +215,7 @@ def main() -> int:
     if not args.parse:
         if not 1 <= args.token_step < args.completion:
             parser.error(f"--token-step {args.token_step}: from 1 to below --completion ({args.completion})")
-        ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
+        ncu = ncu_path()
         args.out.mkdir(parents=True, exist_ok=True)
         forwarded = [f"--completion={args.completion}", f"--token-step={args.token_step}",
                      *(["--load-in-4bit"] if args.load_in_4bit else []),
@@ -218,9 +229,7 @@ def main() -> int:
         (args.out / "token_step_command.json").write_text(json.dumps(
             {"command": "python benchmarks/token_step_ncu.py OUT " + " ".join(forwarded), "ncu": command[:14],
              "token_step": args.token_step}, indent=2))
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [str(Path(__file__).resolve().parents[1] / "src"), os.environ.get("PYTHONPATH", "")])}
-        if subprocess.run(command, env=env, check=False).returncode:
+        if run_with_src(command):
             return 1
     result = write(args.out)
     print(markdown(result))

@@ -71,7 +71,8 @@ def _tiles(interpret: bool) -> Any:
     import triton.language as tl
 
     nf4_triton.kernels(interpret)  # builds rounded, dot_operand and store_tile for this `interpret`
-    globals().update(dot_operand=nf4_triton.dot_operand, store_tile=nf4_triton.store_tile, tl=tl)
+    globals().update(dot_operand=nf4_triton.dot_operand, store_tile=nf4_triton.store_tile,
+                     block_scales=nf4_triton.block_scales, times_x=nf4_triton.times_x, tl=tl)
 
     @triton.jit
     def nf4_tiles_pairs(X, Packed, Absmax, Code2, Absmax2, Offset, Lut, Bias, Out, M, N, K, stride_x, per_split,
@@ -103,32 +104,14 @@ def _tiles(interpret: bool) -> Any:
                 following = tl.load(bytes_ + tl.minimum(kh + KH, end - KH), mask=n_ok[:, None], other=0)
             else:
                 following = tl.load(bytes_ + kh + KH, mask=n_ok[:, None] & (kh + j + KH < end)[None, :], other=0)
-            scale = tl.zeros((BLOCK_N, KH), dtype=tl.float32)
-            for b in tl.static_range(NB):
-                block = n * blocks + kh // HALF + b
-                ok = n_ok & (kh // HALF + b < blocks)
-                if NESTED:
-                    code = tl.load(Absmax + block, mask=ok, other=0).to(tl.int32)
-                    s = tl.load(Code2 + code) * tl.load(Absmax2 + block // BLOCKSIZE2, mask=ok, other=0.0)
-                    s = s + offset
-                else:
-                    s = tl.load(Absmax + block, mask=ok, other=0.0)
-                scale = tl.where((j // HALF == b)[None, :], s[:, None], scale)
+            scale = block_scales(Absmax, Code2, Absmax2, offset, n, n_ok, blocks, kh, j, BLOCKSIZE2,  # noqa: F821
+                                 HALF, NB, BLOCK_N, KH, NESTED)
             pair = tl.load(pairs + q)  # little-endian: the first value in the low word
             first = (pair & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
             second = (pair >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
             high = dot_operand(first * scale, WQ, XQ, X.dtype.element_ty, EXACT)  # noqa: F821 (set above)
             low = dot_operand(second * scale, WQ, XQ, X.dtype.element_ty, EXACT)  # noqa: F821
-            w = tl.reshape(tl.join(high, low), (BLOCK_N, 2 * KH))
-            t = 2 * kh + tl.arange(0, 2 * KH)
-            xk = X + m[None, :] * stride_x + t[:, None]
-            if EVEN:
-                xs = tl.load(xk, mask=m_ok[None, :], other=0.0)
-            else:
-                xs = tl.load(xk, mask=m_ok[None, :] & (t < 2 * end)[:, None], other=0.0)
-            if EXACT:
-                xs = xs.to(tl.float32)
-            acc = tl.dot(w, xs, acc)
+            acc = times_x(acc, high, low, X, m, m_ok, stride_x, kh, end, BLOCK_N, KH, EVEN, EXACT)  # noqa: F821
         store_tile(acc, Out, Bias, n, m, n_ok, m_ok, M, N, PARTIAL, HAS_BIAS, XQ, EXACT)  # noqa: F821
 
     return nf4_tiles_pairs

@@ -4,7 +4,7 @@ what it computes and how it is checked).
 Public: `kernels(interpret)` -> (`nf4_tiles`: 2-D tiles of packed bytes decoded and joined back into the rows' order
 (high nibble first) against x's columns read along k, each program writing its fp32 share when K is split, else the
 rounded output; `nf4_splits`: the fixed-order sum of K splits, unrolled over their count, bias added and rounded once). Building them also
-puts their device helpers (`rounded`, `dot_operand`, `store_tile`) in this module's globals, where Triton finds
+puts their device helpers (`rounded`, `dot_operand`, `store_tile`, `block_scales`, `times_x`) in this module's globals, where Triton finds
 them (and other kernels built on them may take them). Limits: those of `nf4` (nf4 codes, bf16/fp16 activations,
 CUDA or Triton's interpreter).
 """
@@ -71,6 +71,46 @@ def kernels(interpret: bool) -> tuple[Any, Any]:
     globals()["store_tile"] = store_tile
 
     @triton.jit
+    def block_scales(Absmax, Code2, Absmax2, offset, n, n_ok, blocks, kh, j, BLOCKSIZE2: tl.constexpr,
+                     HALF: tl.constexpr, NB: tl.constexpr, BLOCK_N: tl.constexpr, KH: tl.constexpr,
+                     NESTED: tl.constexpr):
+        # [BLOCK_N, KH]: each packed byte's block scale, the step's NB blocks' absmax (decoded through the nested
+        # state when double-quantised) spread over their HALF bytes by selects
+        scale = tl.zeros((BLOCK_N, KH), dtype=tl.float32)
+        for b in tl.static_range(NB):
+            block = n * blocks + kh // HALF + b
+            ok = n_ok & (kh // HALF + b < blocks)
+            if NESTED:
+                code = tl.load(Absmax + block, mask=ok, other=0).to(tl.int32)
+                s = tl.load(Code2 + code) * tl.load(Absmax2 + block // BLOCKSIZE2, mask=ok, other=0.0)
+                s = s + offset  # rounded apart from the product (no fusion), as bitsandbytes does
+            else:
+                s = tl.load(Absmax + block, mask=ok, other=0.0)
+            scale = tl.where((j // HALF == b)[None, :], s[:, None], scale)
+        return scale
+
+    globals()["block_scales"] = block_scales
+
+    @triton.jit
+    def times_x(acc, high, low, X, m, m_ok, stride_x, kh, end, BLOCK_N: tl.constexpr, KH: tl.constexpr,
+                EVEN: tl.constexpr, EXACT: tl.constexpr):
+        # acc + the step's weights (each byte's high-nibble weights, then its low ones, [BLOCK_N, KH] each) times
+        # x's [2 KH, BLOCK_M] tile, the weights joined back into the row's order first (2c, 2c + 1), so x is read
+        # along k, contiguous: coalesced loads
+        w = tl.reshape(tl.join(high, low), (BLOCK_N, 2 * KH))
+        t = 2 * kh + tl.arange(0, 2 * KH)
+        xk = X + m[None, :] * stride_x + t[:, None]
+        if EVEN:
+            xs = tl.load(xk, mask=m_ok[None, :], other=0.0)
+        else:
+            xs = tl.load(xk, mask=m_ok[None, :] & (t < 2 * end)[:, None], other=0.0)
+        if EXACT:
+            xs = xs.to(tl.float32)
+        return tl.dot(w, xs, acc)
+
+    globals()["times_x"] = times_x
+
+    @triton.jit
     def nf4_splits(Partial, Bias, Out, size, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, XQ: tl.constexpr,
                    EXACT: tl.constexpr, BLOCK: tl.constexpr):
         # the splits' shares summed in order, the bias added, rounded once. Unrolled, so every split's load is in
@@ -121,29 +161,11 @@ def kernels(interpret: bool) -> tuple[Any, Any]:
                 following = tl.load(bytes_ + tl.minimum(kh + KH, end - KH), mask=n_ok[:, None], other=0)
             else:
                 following = tl.load(bytes_ + kh + KH, mask=n_ok[:, None] & (kh + j + KH < end)[None, :], other=0)
-            scale = tl.zeros((BLOCK_N, KH), dtype=tl.float32)
-            for b in tl.static_range(NB):
-                block = n * blocks + kh // HALF + b
-                ok = n_ok & (kh // HALF + b < blocks)
-                if NESTED:
-                    code = tl.load(Absmax + block, mask=ok, other=0).to(tl.int32)
-                    s = tl.load(Code2 + code) * tl.load(Absmax2 + block // BLOCKSIZE2, mask=ok, other=0.0)
-                    s = s + offset  # rounded apart from the product (no fusion), as bitsandbytes does
-                else:
-                    s = tl.load(Absmax + block, mask=ok, other=0.0)
-                scale = tl.where((j // HALF == b)[None, :], s[:, None], scale)
+            scale = block_scales(Absmax, Code2, Absmax2, offset, n, n_ok, blocks, kh, j, BLOCKSIZE2, HALF, NB,
+                                 BLOCK_N, KH, NESTED)
             high = dot_operand(tl.load(Lut + (q >> 4)) * scale, WQ, XQ, X.dtype.element_ty, EXACT)
             low = dot_operand(tl.load(Lut + (q & 15)) * scale, WQ, XQ, X.dtype.element_ty, EXACT)
-            w = tl.reshape(tl.join(high, low), (BLOCK_N, 2 * KH))  # weights 2c, 2c + 1: the row's own order
-            t = 2 * kh + tl.arange(0, 2 * KH)
-            xk = X + m[None, :] * stride_x + t[:, None]  # [2 KH, BLOCK_M], contiguous along k: coalesced loads
-            if EVEN:
-                xs = tl.load(xk, mask=m_ok[None, :], other=0.0)
-            else:
-                xs = tl.load(xk, mask=m_ok[None, :] & (t < 2 * end)[:, None], other=0.0)
-            if EXACT:
-                xs = xs.to(tl.float32)
-            acc = tl.dot(w, xs, acc)
+            acc = times_x(acc, high, low, X, m, m_ok, stride_x, kh, end, BLOCK_N, KH, EVEN, EXACT)
         store_tile(acc, Out, Bias, n, m, n_ok, m_ok, M, N, PARTIAL, HAS_BIAS, XQ, EXACT)
 
     return nf4_tiles, nf4_splits
