@@ -1,9 +1,9 @@
 """Where the nf4 token-step kernel waits: one launch of `vlmrl.engine.rollout.nf4`'s kernel per projection shape of
-Qwen3-VL-8B, profiled whole by Nsight Compute (`--set full` with its source counters), so the warp-state table
-says why the loop stalls (table lookups, the tensor-core step, the weight loads) and the SASS view at which instructions.
+Qwen3-VL-8B, profiled whole by Nsight Compute (`--set full` with its source counters), so the warp-state table says
+why the loop stalls (table lookups, the tensor-core step, the weight loads) and the SASS view at which instructions.
 
-The instruction count (`benchmarks/nf4_sass.py`) says the loop issues about a fifth of the time it takes; this is
-the measurement that says what it waits on, before a new design is written.
+The instruction count (`benchmarks/nf4_sass.py`) bounds the loop's time from below; this is the measurement that
+says what it waits on, before a new design is written.
 
 For each shape (q/o 4096 x 4096, k/v 1024 x 4096, gate/up 12288 x 4096, down 4096 x 12288, stacked as in the
 rollouts where that applies) and a batch of rows (32 by default: a rollout's token step), random weights
@@ -129,8 +129,8 @@ def markdown(result: dict) -> str:
     for k in result["kernels"]:
         reasons = ", ".join(f"{name} {value:.1f}" for name, value in k["stalls"])
         lines.append(f"| {k['label']} | {' | '.join(num(k[s]) for s in SUMMARY.values())} | {reasons} |")
-    lines += ["", "Where the warps were found (share of warp-state samples, share of instructions executed), per opcode:",
-              ""]
+    lines += ["", ("Where the warps were found (share of warp-state samples, share of instructions executed), "
+                   "per opcode:"), ""]
     lines += [f"- {k['label']}: " + ", ".join(f"{op} {f['samples']:.0%} / {f['instructions']:.0%}"
                                              for op, f in k["opcodes"].items())
               for k in result["kernels"] if k.get("opcodes")]

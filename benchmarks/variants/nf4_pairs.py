@@ -6,8 +6,8 @@ Why: under Nsight Compute the product's tile loop is bound by its own instructio
 nf4 kernel waits on"): each nibble's lookup is a global load with its own 64-bit address (LEA, LEA.HI.X, LDG) after
 a shift or mask. Here the byte itself is the index into 256 (first, second) float32 pairs, one 8-byte load a byte;
 the pair's halves are the two weights' table values, exactly those of the 16-value table, so the values are the
-product's (bitsandbytes' dequantize-then-matmul up to summation order). Built offline for sm_90 the loop takes about
-30% fewer instructions per weight (NOTES). What it may cost instead: a warp's 32 lookups now land on up to 16 of the
+product's (bitsandbytes' dequantize-then-matmul up to summation order). Built offline for sm_90 the loop takes
+fewer instructions per weight (benchmarks/NOTES.md has the counts). What it may cost instead: a warp's 32 lookups now land on up to 16 of the
 2 KB table's cache lines, where the 16-value table fits one, so L1 serves each load in several passes; only a GPU
 run says which wins.
 

@@ -11,15 +11,15 @@ order: each weight bit-equal, each output within one bf16/fp16 unit in the last 
 outputs near zero are counted). Its Triton source is `nf4_triton`; the first design, which lost to this one, is a
 benchmark plugin (benchmarks/variants/nf4_v1.py).
 
-Public: `nf4_matmul`; `launch` and `sum_splits` (its K splits' in-order sum), which it runs; `nf4_decode(model)`, which routes `Linear4bit` forwards of `MIN_ROWS` to `MAX_ROWS` rows
-without gradients through the kernel while active (one-row steps, where bitsandbytes runs its gemv, prompt passes,
-training and unsupported layers stay on bitsandbytes, the fallback); `unsupported_reason(model)`, for the caller to
-record why a model stays there; `gpu_reason(device)`, the product's rule for where the kernel is on; `probe(model)`,
-a launch on the model's first routed layer, and `failure(x)`, why the kernel fell back; `is_linear4bit` and
-`layer_reason(layer)`, which layers it takes; `forwards_replaced`, its patching of forwards; its settings on a GPU:
-`TUNED_SM90` (measured, Qwen3-VL-8B's shapes on sm_90; `measured_settings(model)` says how many layers take them)
-or else `rule_config`, whose tiles `tile_shape` and `block_rows` give (benchmarks/nf4_sass.py builds them
-offline).
+Public: `nf4_matmul`; `launch` and `sum_splits` (its K splits' in-order sum), which it runs; `nf4_decode(model)`,
+which routes `Linear4bit` forwards of `MIN_ROWS` to `MAX_ROWS` rows without gradients through the kernel while
+active (one-row steps, where bitsandbytes runs its gemv, prompt passes, training and unsupported layers stay on
+bitsandbytes, the fallback); `unsupported_reason(model)`, for the caller to record why a model stays there;
+`gpu_reason(device)`, the product's rule for where the kernel is on; `probe(model)`, a launch on the model's first
+routed layer, and `failure(x)`, why the kernel fell back; `is_linear4bit` and `layer_reason(layer)`, which layers it
+takes; `forwards_replaced`, its patching of forwards; its settings on a GPU: `TUNED_SM90` (measured, Qwen3-VL-8B's
+shapes on sm_90; `measured_settings(model)` says how many layers take them) or else `rule_config`, whose tiles
+`tile_shape` and `block_rows` give (benchmarks/nf4_sass.py builds them offline).
 `vlmrl.engine.rollout.fast` turns it on for a 4-bit base's rollouts. Limits: nf4 (not fp4), blocksizes 32-256
 dividing in_features, bf16/fp16 activations, CUDA (Triton's interpreter on a CPU, for tests); on by default only on
 the GPUs where it was measured faster than bitsandbytes (`gpu_reason`). No maintained library fits (package index,
