@@ -158,6 +158,11 @@ def weight_bytes(module: torch.nn.Module) -> int:
 KERNELS = {"v1": ("nf4 kernel", "variants.nf4_v1", "nf4_matmul_v1", "_config"),
            "v2": ("nf4 kernel v2", "vlmrl.engine.rollout.nf4", "nf4_matmul", "_config"),
            "pairs": ("nf4 kernel, one lookup a byte", "variants.nf4_pairs", "nf4_matmul_pairs", "_config")}
+def _column(kernel: str) -> str:
+    """The numerics' key prefix of a KERNELS entry ("kernel" for the first design, as its records have it)."""
+    return "kernel" if kernel == "v1" else f"kernel_{kernel}"
+
+
 # per kernel: packed bytes per weight row per step, and pipeline stages (1: Triton's pipeliner off, which
 # otherwise stages every table lookup through shared memory, 4 bytes a copy: nf4._config)
 SWEEP = {"v1": {"tiles": (64, 128), "stages": (1, 2, 3)}, "v2": {"tiles": (32, 64, 128), "stages": (1, 3)},
@@ -419,7 +424,7 @@ def numerics(layers: list, inputs: dict, dtype: torch.dtype, rows: int, bnb: obj
     `branches`, the folded LoRA branch ("folded") and the one summed in the split pass ("summed") against PEFT's
     eager sum over dequantize + matmul, its unit taken at the larger term too (as the CPU tests of the fold did,
     tests/test_nf4_lora.py in git history)."""
-    names = {"v1": "kernel", "v2": "kernel_v2", "pairs": "kernel_pairs"}
+    names = {k: _column(k) for k in KERNELS}
     found = {f"{names[k]}_{what}": zero for k in kernels for what, zero in (("ulps", 0), ("units", 0.0))}
     found |= {"linear4bit_ulps": 0, "linear4bit_units": 0.0}
     with fp32_reductions():
@@ -476,9 +481,8 @@ def markdown(r: dict) -> str:
                      f"{_num(graph and graph / floor, 1)} |")
     about = ("Numerics against dequantize + matmul over one layer's projections: the largest distance in "
              "representable values (ulps), and in units at max(|output|, 2^-12 sum |x w|) (units):")
-    shown = [(name, label) for name, label in (("kernel", "nf4 kernel"), ("kernel_v2", "nf4 kernel v2"),
-                                               ("kernel_pairs", "nf4 kernel, one lookup a byte"),
-                                               ("linear4bit", "Linear4bit forward"),
+    labels = [(_column(k), label) for k, (label, *_) in KERNELS.items()]
+    shown = [(name, label) for name, label in (*labels, ("linear4bit", "Linear4bit forward"),
                                                ("folded", "v2 + LoRA folded, against PEFT's sum"),
                                                ("summed", "v2 + LoRA summed in the split pass, against PEFT's sum"))
              if any(f"{name}_ulps" in n for n in r["numerics"])]
@@ -487,9 +491,8 @@ def markdown(r: dict) -> str:
     lines += [f"| {n['dtype']} | {n['rows']} | "
               + " | ".join(f"{n.get(f'{name}_ulps', '')} | {_num(n.get(f'{name}_units'))}" for name, _ in shown)
               + " |" for n in r["numerics"]]
-    exact = [(key.removesuffix("_exact_units"), label) for key, label in (
-        ("kernel_exact_units", "nf4 kernel"), ("kernel_v2_exact_units", "nf4 kernel v2"),
-        ("kernel_pairs_exact_units", "nf4 kernel, one lookup a byte"), ("dequantize_exact_units", "dequantize + matmul")) if any(key in n for n in r["numerics"])]
+    exact = [(name, label) for name, label in (*labels, ("dequantize", "dequantize + matmul"))
+             if any(f"{name}_exact_units" in n for n in r["numerics"])]
     if exact:
         lines += ["", ("Each one's own distance from the exact product (float64 sums of the same rounded weights), "
                        "in the same units:"), "", "| dtype | rows | " + " | ".join(label for _, label in exact) + " |",

@@ -62,8 +62,7 @@ def build(rows: int, blocksize: int, dtype: str, shape: tuple[int, int, int] | N
     from vlmrl.engine.rollout import nf4, nf4_triton
 
     if design == "pairs":
-        sys.path.insert(0, str(ROOT / "benchmarks"))
-        from variants import nf4_pairs
+        from variants import nf4_pairs  # beside this script, on sys.path as it runs
 
         tiles = nf4_pairs._tiles(False)
     else:

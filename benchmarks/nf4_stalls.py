@@ -23,13 +23,12 @@ Usage (CUDA, bitsandbytes; ncu on PATH or in /usr/local/cuda/bin):
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import subprocess
 import sys
 from pathlib import Path
 
-from token_step_ncu import ncu_path, run_with_src
+from token_step_ncu import csv_rows, ncu_path, run_with_src
 
 SHAPES = "4096x4096,1024x4096,12288x4096,4096x12288"  # (out, in) of q/o, k/v, gate/up, down
 # cycles warps spend stalled for each reason, per issued instruction (ncu 2025's raw names)
@@ -44,13 +43,8 @@ SUMMARY = {"gpu__time_duration.sum": "us", "dram__bytes_read.sum.pct_of_peak_sus
 def read_raw(text: str) -> list[dict]:
     """ncu's `--page raw --csv --print-units base`: one row per kernel, a column per metric (a units row after the
     header). The stall reasons are raw metrics, not a details-page row."""
-    lines = text.splitlines()
-    start = next((i for i, line in enumerate(lines) if line.startswith('"ID",')), None)
-    if start is None:
-        raise ValueError('no ncu CSV header (a line starting with "ID",) found')
-    rows = list(csv.DictReader(lines[start:]))
     kernels = []
-    for row in rows:
+    for row in csv_rows(text):
         if not row.get("ID", "").strip().isdigit():
             continue  # the units row
         metrics = {}
@@ -85,13 +79,9 @@ def labels(names: list[str], shapes: list[str]) -> list[str]:
 def read_source(text: str) -> dict[str, dict[str, float]]:
     """ncu's `--page source --print-source sass --csv` for one kernel: per opcode (its first dotted part), the share
     of the warp-state samples that found a warp at it and the share of instructions executed."""
-    lines = text.splitlines()
-    start = next((i for i, line in enumerate(lines) if line.startswith('"Address",')), None)
-    if start is None:
-        raise ValueError('no SASS source table (a line starting with "Address",) found')
     samples: dict[str, float] = {}
     executed: dict[str, float] = {}
-    for row in csv.DictReader(lines[start:]):
+    for row in csv_rows(text, "Address", "SASS source table"):
         words = (row.get("Source") or "").split()
         words = words[1:] if words and words[0].startswith("@") else words  # a predicate
         if not words:
@@ -105,15 +95,17 @@ def read_source(text: str) -> dict[str, dict[str, float]]:
 
 
 def tables(raw: list[dict], shapes: list[str], sources: list[dict] | None = None) -> dict:
+    """Per launch: its shape, the SUMMARY figures, its top stall reasons and (where `sources` has its SASS table)
+    the 8 opcodes its warps were found at most."""
     kernels = []
-    for k, label in zip(raw, labels([k["name"] for k in raw], shapes), strict=True):
+    sources = sources or [{}] * len(raw)
+    for k, label, opcodes in zip(raw, labels([k["name"] for k in raw], shapes), sources, strict=True):
         m = k["metrics"]
         entry = {"label": label, "name": k["name"],
                  **{short: m.get(metric) for metric, short in SUMMARY.items()}}
         if entry["us"] is not None:
             entry["us"] = entry["us"] / 1e3  # ncu's base unit for durations is the nanosecond
         entry["stalls"] = stalls(m)
-        opcodes = sources[len(kernels)] if sources and len(kernels) < len(sources) else {}
         if opcodes:
             entry["opcodes"] = dict(list(opcodes.items())[:8])
         kernels.append(entry)
@@ -197,11 +189,12 @@ def main() -> int:
              "rows": args.rows, "shapes": args.shapes.split(",")}, indent=2))
         if run_with_src(command):
             return 1
+        pages = {}
         for page, name in (("raw", "nf4_stalls_raw.csv"), ("details", "nf4_stalls_details.csv")):
-            text = subprocess.run([ncu, "--import", str(report), "--page", page, "--csv", "--print-units", "base"],
-                                  capture_output=True, text=True, check=False).stdout
-            (args.out / name).write_text(text)
-        for i in range(len(read_raw((args.out / "nf4_stalls_raw.csv").read_text()))):
+            pages[page] = subprocess.run([ncu, "--import", str(report), "--page", page, "--csv", "--print-units",
+                                          "base"], capture_output=True, text=True, check=False).stdout
+            (args.out / name).write_text(pages[page])
+        for i in range(len(read_raw(pages["raw"]))):
             text = subprocess.run([ncu, "--import", str(report), "--page", "source", "--csv", "--print-source",
                                    "sass", "--launch-skip", str(i), "--launch-count", "1"],
                                   capture_output=True, text=True, check=False)

@@ -11,8 +11,9 @@ Writes OUT/token_step_ncu.csv (ncu's own), OUT/bench/ (the bench's files, the me
 OUT/token_step_profile.json + .md: per kernel, in launch order, its time, bytes read + written, achieved
 bandwidth and "x bytes" = its time / (its bytes / bandwidth); per kind (matmul, nf4 weights, attention, norm,
 sampling, Triton elementwise, other) and per kernel name (with its count: per layer, per step) the same totals;
-the step's kernel time against all its bytes at the bandwidth. ncu runs each kernel alone, its caches flushed first (`--cache-control all`) at the application's
-clocks (`--clock-control none`): the kernel times add up to the step without launch gaps or overlap.
+the step's kernel time against all its bytes at the bandwidth. ncu runs each kernel alone, its caches flushed first
+(`--cache-control all`) at the application's clocks (`--clock-control none`): the kernel times add up to the step
+without launch gaps or overlap.
 
 Usage (CUDA; ncu on PATH or in /usr/local/cuda/bin):
     python benchmarks/token_step_ncu.py OUT [--load-in-4bit --memory-cap-gib 24] [--completion 1024]
@@ -52,15 +53,21 @@ def kind(name: str) -> str:
     return next((k for k, keys in KINDS if any(key in lowered for key in keys)), "other")
 
 
+def csv_rows(text: str, first: str = "ID", what: str = "ncu CSV header") -> csv.DictReader:
+    """The rows of one of ncu's CSV tables, from its header (the line starting with `"first",`): the lines before
+    it (ncu's own messages) are skipped."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith(f'"{first}",')), None)
+    if start is None:
+        raise ValueError(f'no {what} (a line starting with "{first}",) found')
+    return csv.DictReader(lines[start:])
+
+
 def read_ncu_csv(text: str) -> list[dict]:
     """Kernels of ncu's `--csv` details page (one row per kernel and metric), in launch order: name, seconds,
-    bytes read and written. Lines before ncu's header (its own messages) are skipped."""
-    lines = text.splitlines()
-    start = next((i for i, line in enumerate(lines) if line.startswith('"ID",')), None)
-    if start is None:
-        raise ValueError("no ncu CSV header (a line starting with \"ID\",) found")
+    bytes read and written."""
     kernels: dict[str, dict] = {}
-    for row in csv.DictReader(lines[start:]):
+    for row in csv_rows(text):
         metric = row.get("Metric Name")
         if metric not in METRICS:
             continue
