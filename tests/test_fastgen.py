@@ -4,6 +4,7 @@ really skips `repeat_kv` (the copy that made compiled decode slow on the GPU).""
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -307,3 +308,46 @@ def test_compiling_over_a_4bit_base_is_allowed_only_inside_the_block(monkeypatch
     assert type(quantizer) is Bnb4BitHfQuantizer and quantizer.is_compileable is False
     with fast.compile_over_4bit(object()):  # no quantizer: nothing to do
         pass
+
+
+def test_token_steps_get_only_their_own_tokens_type_ids(tiny):
+    # transformers before 5.23 handed every token step the whole mm_token_type_ids, one column longer each step (a
+    # new shape for a compiled step at every token); the stand-in below does that on any version.
+    from vlmrl.engine.rollout.fast import step_token_inputs
+    from vlmrl.engine.rollout.generation import encode_batch
+
+    prompts, images = _prompts(2)
+    model, processor = _load(tiny)
+    batch = encode_batch(processor, prompts, images, torch.device("cpu"), bucket=16)
+    assert "mm_token_type_ids" in batch
+    settings = {"max_new_tokens": 5, "do_sample": False, "cache_implementation": "static"}
+    expected = model.generate(**batch, **settings)
+    prepare = model.prepare_inputs_for_generation
+
+    def as_before_5_23(input_ids, *args, **kwargs):
+        inputs = prepare(input_ids, *args, **kwargs)
+        inputs["mm_token_type_ids"] = kwargs["mm_token_type_ids"]
+        return inputs
+
+    widths = []
+    forward = model.forward
+
+    @functools.wraps(forward)  # generate checks its keyword arguments against the signature
+    def recording(*args, **kwargs):
+        widths.append((kwargs["input_ids"].shape[1], kwargs["mm_token_type_ids"].shape[1]))
+        return forward(*args, **kwargs)
+
+    model.forward = recording
+    model.prepare_inputs_for_generation = as_before_5_23
+    try:
+        model.generate(**batch, **settings)
+        assert [w for n, w in widths[1:]] == list(range(widths[0][1] + 1, widths[0][1] + 5))  # the stand-in grows it
+        widths.clear()
+        with step_token_inputs(model):
+            got = model.generate(**batch, **settings)
+        assert model.prepare_inputs_for_generation is as_before_5_23  # put back after the block
+    finally:
+        del model.forward, model.prepare_inputs_for_generation
+    assert widths[0][0] == widths[0][1] > 1  # the prompt pass keeps all of its columns
+    assert widths[1:] == [(1, 1)] * 4
+    assert torch.equal(got, expected)

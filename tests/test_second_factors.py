@@ -45,6 +45,23 @@ def test_the_kernel_gives_the_unfused_steps_values(rows, outs, ranks, per_column
     assert (got == expected).float().mean() > 0.99  # rounded where the unfused step rounds
 
 
+def test_it_reads_rows_laid_out_with_padding_so_a_compiled_step_need_not_copy_them(monkeypatch):
+    # The op is tagged flexible_layout: inductor may hand it the stacked matmul's output with rows padded (on a GPU,
+    # to 128 bytes), so the kernel must read each row through its stride.
+    assert torch.Tag.flexible_layout in torch.ops.vlmrl.stacked_second.default.tags
+    monkeypatch.setattr(second_factors, "_failed", {})
+    torch.manual_seed(3)
+    second = _block_diagonal([1100], [16])
+    padded = torch.randn(5, 1152, dtype=torch.bfloat16)[:, :1116]
+    assert padded.stride() == (1152, 1)
+    with torch.no_grad():
+        got = torch.ops.vlmrl.stacked_second(padded, second, None, 2.0)
+        expected = second_factors.reference(padded.contiguous(), second, 2.0)
+    assert not second_factors._failed
+    torch.testing.assert_close(got, expected, rtol=8e-3, atol=1e-2)
+    assert (got == expected).float().mean() > 0.99
+
+
 def test_what_the_kernel_does_not_take_stays_on_the_unfused_step():
     second = _block_diagonal([64], [16])
     with torch.no_grad():

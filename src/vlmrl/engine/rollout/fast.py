@@ -12,6 +12,7 @@ the duration of each rollout only:
   (`offload`); the record says which and why;
 - with the decode kernel, rows that have ended read one block of their cache, not all of it (`finished`);
 - the stop flag read one token step late on CUDA (`deferred_stop_check`), so the host does not wait for the GPU;
+- each token step given only its own tokens' type ids (`step_token_inputs`), so that its shapes stay the same;
 - compiling over a bitsandbytes 4-bit base where bitsandbytes' ops are traceable (`compile_over_4bit`).
 Once per trainer: the static cache's length rounded up to a multiple of `bucket` (`bucket_static_cache`: a
 compile per new bucket, not per prompt length; prompts are not padded), and the prompt pass run on a dynamic
@@ -33,6 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from vlmrl.engine.patch import replaced
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +113,7 @@ def enable_fast_generation(
         ("autocast", (lambda: torch.autocast(device_type=_device_type(), dtype=dtype, cache_enabled=False))
          if dtype is not None else None),
         ("stop_check", deferred_stop_check),
+        ("step_inputs", lambda: step_token_inputs(trainer.model)),
         ("compile_over_4bit", lambda: compile_over_4bit(trainer.model)),
     ]
     wrap_rollouts(trainer, [(name, factory) for name, factory in contexts if factory is not None])
@@ -293,6 +297,39 @@ def deferred_stop_check(device_types: tuple[str, ...] = ("cuda",)) -> Iterator[N
         yield
     finally:
         DeferredStopCheck.is_supported = original
+
+
+# The inputs that pair with each token of `input_ids`: a token step needs only its own tokens' entries.
+PER_TOKEN_INPUTS = ("token_type_ids", "mm_token_type_ids", "moe_mm_token_type_ids")
+
+
+@contextlib.contextmanager
+def step_token_inputs(model: Any) -> Iterator[None]:
+    """Inside the block, the per-token inputs a step gets (`PER_TOKEN_INPUTS`) are cut to that step's tokens.
+
+    transformers before 5.23 grows `mm_token_type_ids` by a column at every token and hands a token step the whole
+    of it. A compiled step then sees a new shape at every token: dynamo recompiles until its recompile limit, and
+    the rest of the rollout decodes eagerly. Later versions cut it themselves (this then changes nothing). At a
+    token step the model reads it only to tell whether it is given image tokens, which these columns are not."""
+    from vlmrl.engine.rollout.attention import base_model
+
+    base = base_model(model)
+    prepare_inputs = getattr(base, "prepare_inputs_for_generation", None)
+    if prepare_inputs is None:  # not a transformers generator
+        yield
+        return
+
+    def prepare(*args: Any, **kwargs: Any) -> Any:
+        inputs = prepare_inputs(*args, **kwargs)
+        ids = inputs.get("input_ids")
+        for name in PER_TOKEN_INPUTS if ids is not None else ():
+            value = inputs.get(name)
+            if isinstance(value, torch.Tensor) and value.shape[-1] > ids.shape[-1]:
+                inputs[name] = value[..., -ids.shape[-1]:].contiguous()
+        return inputs
+
+    with replaced(base, "prepare_inputs_for_generation", prepare):
+        yield
 
 
 def cache_key(model_kwargs: dict) -> str | None:

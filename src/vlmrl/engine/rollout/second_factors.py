@@ -55,7 +55,9 @@ def reference(stacked: torch.Tensor, second: torch.Tensor, scale: Any) -> torch.
     return base + F.linear(first, second) * scale
 
 
-@torch.library.custom_op("vlmrl::stacked_second", mutates_args=())
+# flexible_layout: the kernel reads `stacked` through its row stride, so a compiled step hands it the stacked matmul's
+# output as inductor laid it out (on a GPU, rows padded to 128 bytes) instead of copying it to the eager strides.
+@torch.library.custom_op("vlmrl::stacked_second", mutates_args=(), tags=(torch.Tag.flexible_layout,))
 def _stacked_second(stacked: torch.Tensor, second: torch.Tensor, scales: torch.Tensor | None,
                     scale: float) -> torch.Tensor:
     return kernel_or_fallback(
