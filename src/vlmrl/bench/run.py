@@ -164,6 +164,7 @@ def train_and_measure(path: str, settings: BenchSettings, model: Any, processor:
     from trl import GRPOConfig, GRPOTrainer
 
     from vlmrl.engine.precision import float32_adapters_for_fp16
+    from vlmrl.engine.recompiles import recompile_limit_hits
     from vlmrl.engine.rollout.mismatch import enable_rollout_mismatch, step_rows
     from vlmrl.engine.rollout.sharded import gather_root_in_rollouts
     from vlmrl.grading.rewards import correctness_reward, format_reward
@@ -223,7 +224,8 @@ def train_and_measure(path: str, settings: BenchSettings, model: Any, processor:
     started = time.perf_counter()
     error = None
     try:
-        trainer.train()
+        with recompile_limit_hits() as gave_up:  # a function dynamo stopped compiling ran eagerly after that
+            trainer.train()
     except Exception as exc:  # one path failing must not hide the other's numbers
         error = f"{type(exc).__name__}: {exc}"[:2000]
         log.exception("bench path %s failed", path)
@@ -251,6 +253,7 @@ def train_and_measure(path: str, settings: BenchSettings, model: Any, processor:
         # LoRA layers trained: the unsloth path names its targets its own way, so the table shows they match
         "lora_modules": sum(1 for name, _ in trainer.model.named_modules() if name.endswith(".lora_A")),
         "rollout_mismatch": step_rows(trainer.state.log_history) if mismatch else None,  # per optimizer step
+        "recompile_limit_hits": [asdict(hit) for hit in gave_up],
     }
     del trainer, model
     free_memory()

@@ -114,6 +114,8 @@ def summarize(settings: BenchSettings, shapes: dict, ceilings: dict, results: li
             # plain compiles nothing; when it ran a single step that step is its steady one, compilation-free
             "first_step_excluded": len(r["steps"]) > 1,
             "fast_generation": r["fast_generation"],
+            # functions dynamo stopped compiling during the path's training (vlmrl.engine.recompiles)
+            "recompile_limit_hits": r.get("recompile_limit_hits") or [],
             "loss_pass": r.get("loss_pass"),
             "lora_modules": r.get("lora_modules"),
             # set for a path run in its own process (unsloth): its own package versions
@@ -210,6 +212,11 @@ def markdown_table(summary: dict) -> str:
     if cache := summary.get("compile_cache"):
         lines.append(f"Compile cache {cache['inductor_dir']}: {'cold (empty)' if cache['cold'] else 'warm'} at the "
                      f"start ({cache['files_at_start']} files); the first step column includes compilation.")
+    for name, p in summary["paths"].items():
+        for hit in p.get("recompile_limit_hits") or []:
+            lines.append(f"**{name}: dynamo hit its {hit['limit']} compiling {hit['function']} and ran it eagerly "
+                         f"after that** (last recompile: {hit['reason']}): this path's figures are not those of "
+                         "its compiled steps.")
     apart = {name: p["steps_set_apart"] for name, p in summary["paths"].items() if "steps_set_apart" in p}
     if any(n > 1 for n in apart.values()):
         lines.append("Steps set apart before the steady columns (the first step column is the first of them): "

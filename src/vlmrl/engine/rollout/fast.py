@@ -13,6 +13,8 @@ the duration of each rollout only:
 - with the decode kernel, rows that have ended read one block of their cache, not all of it (`finished`);
 - the stop flag read one token step late on CUDA (`deferred_stop_check`), so the host does not wait for the GPU;
 - each token step given only its own tokens' type ids (`step_token_inputs`), so that its shapes stay the same;
+- a function dynamo stops recompiling, and so runs eagerly from then on, said at WARNING
+  (`reported_recompile_limits`);
 - compiling over a bitsandbytes 4-bit base where bitsandbytes' ops are traceable (`compile_over_4bit`).
 Once per trainer: the static cache's length rounded up to a multiple of `bucket` (`bucket_static_cache`: a
 compile per new bucket, not per prompt length; prompts are not padded), and the prompt pass run on a dynamic
@@ -114,6 +116,7 @@ def enable_fast_generation(
          if dtype is not None else None),
         ("stop_check", deferred_stop_check),
         ("step_inputs", lambda: step_token_inputs(trainer.model)),
+        ("recompiles", lambda: reported_recompile_limits(trainer)),
         ("compile_over_4bit", lambda: compile_over_4bit(trainer.model)),
     ]
     wrap_rollouts(trainer, [(name, factory) for name, factory in contexts if factory is not None])
@@ -330,6 +333,23 @@ def step_token_inputs(model: Any) -> Iterator[None]:
 
     with replaced(base, "prepare_inputs_for_generation", prepare):
         yield
+
+
+@contextlib.contextmanager
+def reported_recompile_limits(trainer: Any) -> Iterator[None]:
+    """Inside the block (a rollout), each function dynamo stops compiling (`vlmrl.engine.recompiles`) is said once at
+    WARNING and kept in `trainer.vlmrl_recompile_limit_hits`: from then on that part of the rollout runs eagerly."""
+    from vlmrl.engine.recompiles import recompile_limit_hits
+
+    with recompile_limit_hits() as hits:
+        try:
+            yield
+        finally:
+            for hit in hits:
+                log.warning("%s; rollouts run that part eagerly for the rest of this run, several times slower "
+                            "(TORCH_LOGS=recompiles lists each recompile and why)", hit.line())
+            if hits:
+                trainer.vlmrl_recompile_limit_hits = [*getattr(trainer, "vlmrl_recompile_limit_hits", []), *hits]
 
 
 def cache_key(model_kwargs: dict) -> str | None:
