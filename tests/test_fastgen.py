@@ -105,8 +105,14 @@ def test_greedy_generation_is_unchanged_eager_and_compiled(tiny, monkeypatch):
     assert model.config.text_config._attn_implementation == "sdpa"
     copies.clear()
     torch._dynamo.reset()
+    from vlmrl.engine.rollout import fast
+
+    entered = []
+    real_step_inputs = fast.step_token_inputs
+    monkeypatch.setattr(fast, "step_token_inputs", lambda m: entered.append(m) or real_step_inputs(m))
     compiled_folded = generate_batch(model, processor, prompts, images, max_new_tokens=12, compiled=True,
                                      compile_all_devices=True)
+    assert entered == [model]  # compiled evaluation cuts the per-token inputs as rollouts do
     assert model.config.text_config._attn_implementation == attention.NAME  # the compiled path switched it
     folded = generate_batch(model, processor, prompts, images, max_new_tokens=12)
     assert copies == [], "vlmrl_sdpa must not copy the KV heads"
@@ -310,7 +316,8 @@ def test_compiling_over_a_4bit_base_is_allowed_only_inside_the_block(monkeypatch
         pass
 
 
-def test_token_steps_get_only_their_own_tokens_type_ids(tiny):
+@pytest.mark.parametrize("rows", [1, 2])  # one row: a slice of it counts as contiguous yet keeps its row stride
+def test_token_steps_get_only_their_own_tokens_type_ids(tiny, rows):
     # transformers before 5.23 handed every token step the whole mm_token_type_ids, one column longer each step (a
     # new shape for a compiled step at every token); the stand-in below does that on any version.
     from vlmrl.engine.rollout.fast import step_token_inputs
@@ -318,7 +325,7 @@ def test_token_steps_get_only_their_own_tokens_type_ids(tiny):
 
     prompts, images = _prompts(2)
     model, processor = _load(tiny)
-    batch = encode_batch(processor, prompts, images, torch.device("cpu"), bucket=16)
+    batch = encode_batch(processor, prompts[:rows], images[:rows], torch.device("cpu"), bucket=16)
     assert "mm_token_type_ids" in batch
     settings = {"max_new_tokens": 5, "do_sample": False, "cache_implementation": "static"}
     expected = model.generate(**batch, **settings)
@@ -329,12 +336,14 @@ def test_token_steps_get_only_their_own_tokens_type_ids(tiny):
         inputs["mm_token_type_ids"] = kwargs["mm_token_type_ids"]
         return inputs
 
-    widths = []
+    widths, strides = [], []
     forward = model.forward
 
     @functools.wraps(forward)  # generate checks its keyword arguments against the signature
     def recording(*args, **kwargs):
-        widths.append((kwargs["input_ids"].shape[1], kwargs["mm_token_type_ids"].shape[1]))
+        types = kwargs["mm_token_type_ids"]
+        widths.append((kwargs["input_ids"].shape[1], types.shape[1]))
+        strides.append(types.stride())
         return forward(*args, **kwargs)
 
     model.forward = recording
@@ -343,11 +352,12 @@ def test_token_steps_get_only_their_own_tokens_type_ids(tiny):
         model.generate(**batch, **settings)
         assert [w for n, w in widths[1:]] == list(range(widths[0][1] + 1, widths[0][1] + 5))  # the stand-in grows it
         widths.clear()
+        strides.clear()
         with step_token_inputs(model):
             got = model.generate(**batch, **settings)
         assert model.prepare_inputs_for_generation is as_before_5_23  # put back after the block
     finally:
         del model.forward, model.prepare_inputs_for_generation
     assert widths[0][0] == widths[0][1] > 1  # the prompt pass keeps all of its columns
-    assert widths[1:] == [(1, 1)] * 4
+    assert widths[1:] == [(1, 1)] * 4 and strides[1:] == [(1, 1)] * 4  # the same shape and strides at every step
     assert torch.equal(got, expected)

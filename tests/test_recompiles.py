@@ -40,7 +40,7 @@ def test_rollouts_say_it_once_and_keep_it_on_the_trainer(caplog):
     torch._dynamo.reset()
     trainer = fake_trainer(lora_policy(Block(64).to(torch.bfloat16)), _growing_calls)
     enable_fast_generation(trainer, kernels=False)
-    assert "recompiles" in dict(trainer.vlmrl_rollout_contexts)
+    assert {"recompiles", "step_inputs"} <= set(dict(trainer.vlmrl_rollout_contexts))
     with caplog.at_level(logging.WARNING, logger="vlmrl.engine.rollout.fast"):
         trainer._generate_single_turn()
     said = [r.getMessage() for r in caplog.records if r.name == "vlmrl.engine.rollout.fast"]
@@ -58,6 +58,6 @@ def test_the_bench_table_marks_a_path_that_ran_eagerly_after_a_hit():
     ceilings = {"matmul_tflops": 800, "copy_bandwidth_tbs": 4.0}
     summary = summarize(settings, load_shapes("qwen3_vl_8b"), ceilings, [clean | {"recompile_limit_hits": [hit]}], 310)
     assert summary["paths"]["vlmrl"]["recompile_limit_hits"] == [hit]
-    assert ("**vlmrl: dynamo hit its recompile_limit compiling 'forward' (m.py:1) and ran it eagerly after that** "
-            "(last recompile: 0/7: tensor 'ids' size mismatch)") in markdown_table(summary)
+    assert ("**vlmrl: dynamo hit its recompile_limit compiling `'forward' (m.py:1)` and ran it eagerly after that** "
+            "(last recompile: `0/7: tensor 'ids' size mismatch`)") in markdown_table(summary)
     assert "ran it eagerly" not in markdown_table(summarize(settings, load_shapes("qwen3_vl_8b"), ceilings, [clean], 310))

@@ -214,8 +214,8 @@ def markdown_table(summary: dict) -> str:
                      f"start ({cache['files_at_start']} files); the first step column includes compilation.")
     for name, p in summary["paths"].items():
         for hit in p.get("recompile_limit_hits") or []:
-            lines.append(f"**{name}: dynamo hit its {hit['limit']} compiling {hit['function']} and ran it eagerly "
-                         f"after that** (last recompile: {hit['reason']}): this path's figures are not those of "
+            lines.append(f"**{name}: dynamo hit its {hit['limit']} compiling `{hit['function']}` and ran it eagerly "
+                         f"after that** (last recompile: `{hit['reason']}`): this path's figures are not those of "
                          "its compiled steps.")
     apart = {name: p["steps_set_apart"] for name, p in summary["paths"].items() if "steps_set_apart" in p}
     if any(n > 1 for n in apart.values()):

@@ -328,7 +328,8 @@ def step_token_inputs(model: Any) -> Iterator[None]:
         for name in PER_TOKEN_INPUTS if ids is not None else ():
             value = inputs.get(name)
             if isinstance(value, torch.Tensor) and value.shape[-1] > ids.shape[-1]:
-                inputs[name] = value[..., -ids.shape[-1]:].contiguous()
+                # a fresh buffer: a one-row slice counts as contiguous but keeps the growing row stride
+                inputs[name] = value[..., -ids.shape[-1]:].clone(memory_format=torch.contiguous_format)
         return inputs
 
     with replaced(base, "prepare_inputs_for_generation", prepare):
@@ -336,9 +337,10 @@ def step_token_inputs(model: Any) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def reported_recompile_limits(trainer: Any) -> Iterator[None]:
-    """Inside the block (a rollout), each function dynamo stops compiling (`vlmrl.engine.recompiles`) is said once at
-    WARNING and kept in `trainer.vlmrl_recompile_limit_hits`: from then on that part of the rollout runs eagerly."""
+def reported_recompile_limits(trainer: Any = None) -> Iterator[None]:
+    """Inside the block (a rollout, a compiled evaluation), each function dynamo stops compiling
+    (`vlmrl.engine.recompiles`) is said once at WARNING, and kept in `trainer.vlmrl_recompile_limit_hits` when a
+    trainer is given: from then on that part of generation runs eagerly."""
     from vlmrl.engine.recompiles import recompile_limit_hits
 
     with recompile_limit_hits() as hits:
@@ -346,9 +348,9 @@ def reported_recompile_limits(trainer: Any) -> Iterator[None]:
             yield
         finally:
             for hit in hits:
-                log.warning("%s; rollouts run that part eagerly for the rest of this run, several times slower "
+                log.warning("%s; generation runs that part eagerly for the rest of this run, several times slower "
                             "(TORCH_LOGS=recompiles lists each recompile and why)", hit.line())
-            if hits:
+            if hits and trainer is not None:
                 trainer.vlmrl_recompile_limit_hits = [*getattr(trainer, "vlmrl_recompile_limit_hits", []), *hits]
 
 

@@ -8,8 +8,9 @@ rendered by the processor's own chat template (so Qwen's `<|vision_start|><|imag
 On CUDA with `compile` on, decoding uses a static KV cache and `torch.compile` (several times faster per token:
 benchmarks/NOTES.md), with the stop check read one step late so the host does not wait on
 the device between token steps (`vlmrl.engine.rollout.fast.deferred_stop_check`), and answers that have ended
-no longer read their KV cache (`vlmrl.engine.rollout.finished`). On the CPU the plain dynamic-cache path
-is used: compilation costs more than it saves for tiny models.
+no longer read their KV cache (`vlmrl.engine.rollout.finished`); each token step gets its own tokens' type ids only,
+and a function dynamo stops compiling is said at WARNING (`step_token_inputs`, `reported_recompile_limits` there).
+On the CPU the plain dynamic-cache path is used: compilation costs more than it saves for tiny models.
 """
 
 from __future__ import annotations
@@ -117,6 +118,8 @@ def generate_batch(
             compile_settings,
             deferred_stop_check,
             prefill_into_dynamic_cache,
+            reported_recompile_limits,
+            step_token_inputs,
         )
         from vlmrl.engine.rollout.finished import finished_rows_read_one_block
 
@@ -131,6 +134,8 @@ def generate_batch(
         stop_check.enter_context(compile_over_4bit(model))
         stop_check.enter_context(decode_kernel())
         stop_check.enter_context(finished_rows_read_one_block(model))
+        stop_check.enter_context(step_token_inputs(model))
+        stop_check.enter_context(reported_recompile_limits())
     batch = encode_batch(processor, prompts, images, device, bucket=bucket, systems=systems)
     with stop_check:
         output = model.generate(**batch, **kwargs)
