@@ -105,11 +105,11 @@ def test_greedy_generation_is_unchanged_eager_and_compiled(tiny, monkeypatch):
     assert model.config.text_config._attn_implementation == "sdpa"
     copies.clear()
     torch._dynamo.reset()
-    from vlmrl.engine.rollout import fast
+    from vlmrl.engine.rollout import step_inputs
 
     entered = []
-    real_step_inputs = fast.step_token_inputs
-    monkeypatch.setattr(fast, "step_token_inputs", lambda m: entered.append(m) or real_step_inputs(m))
+    real_step_inputs = step_inputs.step_token_inputs
+    monkeypatch.setattr(step_inputs, "step_token_inputs", lambda m: entered.append(m) or real_step_inputs(m))
     compiled_folded = generate_batch(model, processor, prompts, images, max_new_tokens=12, compiled=True,
                                      compile_all_devices=True)
     assert entered == [model]  # compiled evaluation cuts the per-token inputs as rollouts do
@@ -320,8 +320,8 @@ def test_compiling_over_a_4bit_base_is_allowed_only_inside_the_block(monkeypatch
 def test_token_steps_get_only_their_own_tokens_type_ids(tiny, rows):
     # transformers before 5.23 handed every token step the whole mm_token_type_ids, one column longer each step (a
     # new shape for a compiled step at every token); the stand-in below does that on any version.
-    from vlmrl.engine.rollout.fast import step_token_inputs
     from vlmrl.engine.rollout.generation import encode_batch
+    from vlmrl.engine.rollout.step_inputs import step_token_inputs
 
     prompts, images = _prompts(2)
     model, processor = _load(tiny)

@@ -41,9 +41,9 @@ def test_rollouts_say_it_once_and_keep_it_on_the_trainer(caplog):
     trainer = fake_trainer(lora_policy(Block(64).to(torch.bfloat16)), _growing_calls)
     enable_fast_generation(trainer, kernels=False)
     assert {"recompiles", "step_inputs"} <= set(dict(trainer.vlmrl_rollout_contexts))
-    with caplog.at_level(logging.WARNING, logger="vlmrl.engine.rollout.fast"):
+    with caplog.at_level(logging.WARNING, logger="vlmrl.engine.recompiles"):
         trainer._generate_single_turn()
-    said = [r.getMessage() for r in caplog.records if r.name == "vlmrl.engine.rollout.fast"]
+    said = [r.getMessage() for r in caplog.records if r.name == "vlmrl.engine.recompiles"]
     assert len(said) == 1 and "runs it eagerly" in said[0] and "TORCH_LOGS=recompiles" in said[0]
     assert [hit.limit for hit in trainer.vlmrl_recompile_limit_hits] == ["recompile_limit"]
 

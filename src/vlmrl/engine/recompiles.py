@@ -4,10 +4,11 @@ A compiled function that meets a new shape or guard at each call (an input that 
 is recompiled up to `torch._dynamo.config.recompile_limit` times; past that, dynamo runs it eagerly for the rest of
 the process and says so once, as a warning in its log. A rollout that decodes eagerly is several times slower,
 and a benchmark that timed it would present that slow path as the engine's. `recompile_limit_hits()` collects
-those warnings for the duration of a block; the rollouts report them (`vlmrl.engine.rollout.fast`) and the bench
-records them beside each path's figures.
+those warnings for the duration of a block; rollouts and compiled evaluation run inside
+`reported_recompile_limits`, which says each at WARNING, and the bench records them beside each path's figures.
 
-Public: `LimitHit`, `recompile_limit_hits` (a context manager yielding the list it fills).
+Public: `LimitHit`, `recompile_limit_hits` (a context manager yielding the list it fills),
+`reported_recompile_limits`.
 Limits: it reads dynamo's own warning (logger `torch._dynamo.convert_frame`), so it sees nothing where a
 `TORCH_LOGS` setting silences dynamo's warnings.
 """
@@ -19,7 +20,9 @@ import logging
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
+log = logging.getLogger(__name__)
 DYNAMO_LOGGER = "torch._dynamo.convert_frame"
 _HIT = re.compile(r"hit config\.(\w+) \((\d+)\)\s*\n\s*function: (.*)\n\s*last reason: (.*)")
 
@@ -67,3 +70,19 @@ def recompile_limit_hits() -> Iterator[list[LimitHit]]:
         yield hits
     finally:
         logger.removeHandler(handler)
+
+
+@contextlib.contextmanager
+def reported_recompile_limits(trainer: Any = None) -> Iterator[None]:
+    """Inside the block (a rollout, a compiled evaluation), each function dynamo stops compiling is said once at
+    WARNING, and kept in `trainer.vlmrl_recompile_limit_hits` when a trainer is given: from then on that part of
+    generation runs eagerly."""
+    with recompile_limit_hits() as hits:
+        try:
+            yield
+        finally:
+            for hit in hits:
+                log.warning("%s; generation runs that part eagerly for the rest of this run, several times slower "
+                            "(TORCH_LOGS=recompiles lists each recompile and why)", hit.line())
+            if hits and trainer is not None:
+                trainer.vlmrl_recompile_limit_hits = [*getattr(trainer, "vlmrl_recompile_limit_hits", []), *hits]

@@ -12,9 +12,9 @@ the duration of each rollout only:
   (`offload`); the record says which and why;
 - with the decode kernel, rows that have ended read one block of their cache, not all of it (`finished`);
 - the stop flag read one token step late on CUDA (`deferred_stop_check`), so the host does not wait for the GPU;
-- each token step given only its own tokens' type ids (`step_token_inputs`), so that its shapes stay the same;
+- each token step given only its own tokens' type ids (`step_inputs`), so that its shapes stay the same;
 - a function dynamo stops recompiling, and so runs eagerly from then on, said at WARNING
-  (`reported_recompile_limits`);
+  (`vlmrl.engine.recompiles`);
 - compiling over a bitsandbytes 4-bit base where bitsandbytes' ops are traceable (`compile_over_4bit`).
 Once per trainer: the static cache's length rounded up to a multiple of `bucket` (`bucket_static_cache`: a
 compile per new bucket, not per prompt length; prompts are not padded), and the prompt pass run on a dynamic
@@ -36,8 +36,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-from vlmrl.engine.patch import replaced
 
 log = logging.getLogger(__name__)
 
@@ -83,10 +81,12 @@ def enable_fast_generation(
         return FastGeneration(False, "the trainer generates with vLLM, which has its own fast path")
     if getattr(trainer, "use_transformers_continuous_batching", False):
         return FastGeneration(False, "continuous batching is configured; it manages its own cache")
+    from vlmrl.engine.recompiles import reported_recompile_limits
     from vlmrl.engine.rollout.attention import NAME, packed_gqa, packed_gqa_applies
     from vlmrl.engine.rollout.attention import decode_kernel as decode_kernel_context
     from vlmrl.engine.rollout.finished import finished_rows_read_one_block
     from vlmrl.engine.rollout.offload import OptimizerStateOffload
+    from vlmrl.engine.rollout.step_inputs import step_token_inputs
 
     # Once per trainer: compilation on TRL's own GenerationConfig, over a bucketed static cache.
     config.disable_compile = False
@@ -300,58 +300,6 @@ def deferred_stop_check(device_types: tuple[str, ...] = ("cuda",)) -> Iterator[N
         yield
     finally:
         DeferredStopCheck.is_supported = original
-
-
-# The inputs that pair with each token of `input_ids`: a token step needs only its own tokens' entries.
-PER_TOKEN_INPUTS = ("token_type_ids", "mm_token_type_ids", "moe_mm_token_type_ids")
-
-
-@contextlib.contextmanager
-def step_token_inputs(model: Any) -> Iterator[None]:
-    """Inside the block, the per-token inputs a step gets (`PER_TOKEN_INPUTS`) are cut to that step's tokens.
-
-    transformers before 5.23 grows `mm_token_type_ids` by a column at every token and hands a token step the whole
-    of it. A compiled step then sees a new shape at every token: dynamo recompiles until its recompile limit, and
-    the rest of the rollout decodes eagerly. Later versions cut it themselves (this then changes nothing). At a
-    token step the model reads it only to tell whether it is given image tokens, which these columns are not."""
-    from vlmrl.engine.rollout.attention import base_model
-
-    base = base_model(model)
-    prepare_inputs = getattr(base, "prepare_inputs_for_generation", None)
-    if prepare_inputs is None:  # not a transformers generator
-        yield
-        return
-
-    def prepare(*args: Any, **kwargs: Any) -> Any:
-        inputs = prepare_inputs(*args, **kwargs)
-        ids = inputs.get("input_ids")
-        for name in PER_TOKEN_INPUTS if ids is not None else ():
-            value = inputs.get(name)
-            if isinstance(value, torch.Tensor) and value.shape[-1] > ids.shape[-1]:
-                # a fresh buffer: a one-row slice counts as contiguous but keeps the growing row stride
-                inputs[name] = value[..., -ids.shape[-1]:].clone(memory_format=torch.contiguous_format)
-        return inputs
-
-    with replaced(base, "prepare_inputs_for_generation", prepare):
-        yield
-
-
-@contextlib.contextmanager
-def reported_recompile_limits(trainer: Any = None) -> Iterator[None]:
-    """Inside the block (a rollout, a compiled evaluation), each function dynamo stops compiling
-    (`vlmrl.engine.recompiles`) is said once at WARNING, and kept in `trainer.vlmrl_recompile_limit_hits` when a
-    trainer is given: from then on that part of generation runs eagerly."""
-    from vlmrl.engine.recompiles import recompile_limit_hits
-
-    with recompile_limit_hits() as hits:
-        try:
-            yield
-        finally:
-            for hit in hits:
-                log.warning("%s; generation runs that part eagerly for the rest of this run, several times slower "
-                            "(TORCH_LOGS=recompiles lists each recompile and why)", hit.line())
-            if hits and trainer is not None:
-                trainer.vlmrl_recompile_limit_hits = [*getattr(trainer, "vlmrl_recompile_limit_hits", []), *hits]
 
 
 def cache_key(model_kwargs: dict) -> str | None:

@@ -8,8 +8,9 @@ rendered by the processor's own chat template (so Qwen's `<|vision_start|><|imag
 On CUDA with `compile` on, decoding uses a static KV cache and `torch.compile` (several times faster per token:
 benchmarks/NOTES.md), with the stop check read one step late so the host does not wait on
 the device between token steps (`vlmrl.engine.rollout.fast.deferred_stop_check`), and answers that have ended
-no longer read their KV cache (`vlmrl.engine.rollout.finished`); each token step gets its own tokens' type ids only,
-and a function dynamo stops compiling is said at WARNING (`step_token_inputs`, `reported_recompile_limits` there).
+no longer read their KV cache (`vlmrl.engine.rollout.finished`); each token step gets its own tokens' type ids only
+(`vlmrl.engine.rollout.step_inputs`), and a function dynamo stops compiling is said at WARNING
+(`vlmrl.engine.recompiles`).
 On the CPU the plain dynamic-cache path is used: compilation costs more than it saves for tiny models.
 """
 
@@ -111,6 +112,7 @@ def generate_batch(
     bucket = None
     stop_check: Any = contextlib.nullcontext()
     if compiled:
+        from vlmrl.engine.recompiles import reported_recompile_limits
         from vlmrl.engine.rollout.attention import decode_kernel, use_packed_gqa
         from vlmrl.engine.rollout.fast import (
             bucket_static_cache,
@@ -118,10 +120,9 @@ def generate_batch(
             compile_settings,
             deferred_stop_check,
             prefill_into_dynamic_cache,
-            reported_recompile_limits,
-            step_token_inputs,
         )
         from vlmrl.engine.rollout.finished import finished_rows_read_one_block
+        from vlmrl.engine.rollout.step_inputs import step_token_inputs
 
         use_packed_gqa(model)
         prefill_into_dynamic_cache(model)
