@@ -17,10 +17,16 @@ import torch
 import torch.nn.functional as F
 from torch._inductor.utils import run_and_get_code
 
+from vlmrl.bench import load_shapes
 from vlmrl.engine.rollout import second_factors
 
-GROUPS = {"qkv": (4096, [4096, 1024, 1024]), "o": (4096, [4096]), "gate_up": (4096, [12288, 12288]),
-          "down": (12288, [4096])}
+
+def groups(text: dict) -> dict[str, tuple[int, list[int]]]:
+    """Each stacked group's input width and output widths, from a shapes file's text config."""
+    hidden, inner = text["hidden_size"], text["intermediate_size"]
+    q, kv = text["num_attention_heads"] * text["head_dim"], text["num_key_value_heads"] * text["head_dim"]
+    return {"qkv": (hidden, [q, kv, kv]), "o": (q, [hidden]), "gate_up": (hidden, [inner, inner]),
+            "down": (inner, [hidden])}
 
 
 def untagged_op():
@@ -46,7 +52,7 @@ def main() -> None:
     rows = int(sys.argv[1]) if len(sys.argv) > 1 else 16
     exact = untagged_op()
     dev, dt = "cuda", torch.bfloat16
-    for name, (din, outs) in GROUPS.items():
+    for name, (din, outs) in groups(load_shapes("qwen3_vl_8b")["text_config"]).items():
         width, ranks = sum(outs), 16 * len(outs)
         w = torch.randn(width + ranks, din, device=dev, dtype=dt) * 0.02
         second = torch.randn(width, ranks, device=dev, dtype=dt) * 0.02
