@@ -164,6 +164,7 @@ def test_training_with_fast_generation_records_it_and_scopes_it_to_rollouts(tmp_
     compile_cache = Path(summary["compile_cache"]["inductor_dir"])  # the compiled decode's cache went there
     assert compile_cache == Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) and any(compile_cache.rglob("*"))
     assert record["prefill"] == "dynamic cache, then static"
+    assert summary["recompile_limit_hits"] == []  # every token step ran compiled (the step's inputs are cut)
     assert "merge" not in record  # (the merged rollout is a bench variant: benchmarks/variants/merge.py)
     language = {s for s in seen if s[0] == attention.NAME}
     assert language == {(attention.NAME, False, False)}, "rollouts: folded attention, the adapter unmerged, no grad"

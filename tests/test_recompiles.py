@@ -8,7 +8,7 @@ import logging
 import torch
 
 from tests.helpers import Block, fake_trainer, lora_policy
-from vlmrl.engine.recompiles import recompile_limit_hits
+from vlmrl.engine.recompiles import recompile_limit_hits, trainer_hits
 
 
 def _growing_calls(calls: int = 4) -> None:
@@ -46,6 +46,9 @@ def test_rollouts_say_it_once_and_keep_it_on_the_trainer(caplog):
     said = [r.getMessage() for r in caplog.records if r.name == "vlmrl.engine.recompiles"]
     assert len(said) == 1 and "runs it eagerly" in said[0] and "TORCH_LOGS=recompiles" in said[0]
     assert [hit.limit for hit in trainer.vlmrl_recompile_limit_hits] == ["recompile_limit"]
+    listed = trainer_hits(trainer)  # what train/summary.json's recompile_limit_hits holds
+    assert [h["limit"] for h in listed] == ["recompile_limit"] and "<lambda>" in listed[0]["function"]
+    assert trainer_hits(fake_trainer(lora_policy(Block(64)), _growing_calls)) == []  # no rollout, no hit
 
 
 def test_the_bench_table_marks_a_path_that_ran_eagerly_after_a_hit():

@@ -5,10 +5,11 @@ is recompiled up to `torch._dynamo.config.recompile_limit` times; past that, dyn
 the process and says so once, as a warning in its log. A rollout that decodes eagerly is several times slower,
 and a benchmark that timed it would present that slow path as the engine's. `recompile_limit_hits()` collects
 those warnings for the duration of a block; rollouts and compiled evaluation run inside
-`reported_recompile_limits`, which says each at WARNING, and the bench records them beside each path's figures.
+`reported_recompile_limits`, which says each at WARNING and keeps it on the trainer (`trainer_hits`, which
+train/summary.json lists), and the bench records them beside each path's figures.
 
 Public: `LimitHit`, `recompile_limit_hits` (a context manager yielding the list it fills),
-`reported_recompile_limits`.
+`reported_recompile_limits`, `trainer_hits`.
 Limits: it reads dynamo's own warning (logger `torch._dynamo.convert_frame`), so it sees nothing where a
 `TORCH_LOGS` setting silences dynamo's warnings.
 """
@@ -19,7 +20,7 @@ import contextlib
 import logging
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -86,3 +87,8 @@ def reported_recompile_limits(trainer: Any = None) -> Iterator[None]:
                             "(TORCH_LOGS=recompiles lists each recompile and why)", hit.line())
             if hits and trainer is not None:
                 trainer.vlmrl_recompile_limit_hits = [*getattr(trainer, "vlmrl_recompile_limit_hits", []), *hits]
+
+
+def trainer_hits(trainer: Any) -> list[dict]:
+    """The limit hits `reported_recompile_limits` kept on `trainer` over its rollouts, as plain dicts (none: [])."""
+    return [asdict(hit) for hit in getattr(trainer, "vlmrl_recompile_limit_hits", [])]

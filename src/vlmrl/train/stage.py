@@ -41,6 +41,7 @@ from vlmrl.common.io import (
 )
 from vlmrl.common.provenance import package_version, provenance, utc_now
 from vlmrl.config.schema import Config
+from vlmrl.engine.recompiles import trainer_hits
 from vlmrl.engine.rollout.compile_cache import use_compile_cache
 from vlmrl.grading.user_rewards import check_run_rewards
 from vlmrl.models import loading, lora
@@ -262,6 +263,7 @@ def _summary(config: Config, inputs: _Inputs, built: BuiltTrainer, trained: _Tra
         "reward_never_varied": trained.never_varied,  # every group tied at every step: the adapter is its initialisation
         "stopped_by": "time_budget" if built.budget and built.budget.stopped_at is not None else None,
         **built.engine.as_dict(),  # fast_generation, loss_pass, rollout_correction, dynamic_sampling
+        "recompile_limit_hits": trainer_hits(built.trainer),  # where rollouts decoded eagerly: dynamo gave up
         "compile_cache": compile_cache.as_dict(),
         "auto_batch": inputs.batch.as_dict() if inputs.batch else None,
         "report_to": list(config.train.report_to),
