@@ -11,7 +11,8 @@ Its suite, `benchmarks/suites/<id>.json`, says how to measure it again:
   results      alias -> the committed results file the claim is read from (benchmarks/results/...)
   numbers      name -> "alias:path" in that file: dotted keys and [i] list indexes; "[*]" takes every item and
                needs a reduction, "min(...)" or "max(...)"; "A / B" divides two such paths
-  meta         git_commit / versions / device / command -> "alias:path" (a path the file lacks gives null;
+  meta         git_commit / versions / device / command -> "alias:path" (a path the file lacks gives null; a
+               value without a colon is taken as written, e.g. the commit of a file that does not name it;
                without a command, the claim's is the suite's commands)
   note         optional: what a reader of the claim must know (what ran beside it, what is not measured)
 
@@ -76,7 +77,7 @@ def meta(suite: dict, files: dict[str, dict]) -> dict:
     found = {}
     for name in ("command", "git_commit", "versions", "device", "shared_host"):
         spec = suite["shared_host"] if name == "shared_host" else suite.get("meta", {}).get(name)
-        if not isinstance(spec, str):
+        if not isinstance(spec, str) or ":" not in spec:
             found[name] = spec
             continue
         try:
