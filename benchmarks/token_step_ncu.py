@@ -2,13 +2,16 @@
 moved, and how far it sits from the time those bytes need at the device's copy bandwidth measured in the same run.
 
 Runs `vlmrl bench`'s vlmrl path (its settings: bf16, or --load-in-4bit with a memory cap; forced or ragged
-completions) for two optimizer steps under `ncu --profile-from-start off --graph-profiling node`. In the second
-(steady) step's rollout, a logits processor that runs after every other one starts the profiler at token step K
-and stops it at K+1: exactly one cycle is captured, the sampling of step K, then the forward of step K+1 (a
-CUDA-graph replay, each of its nodes profiled as a kernel) and its logits processors.
+completions) under `ncu --profile-from-start off --graph-profiling node`. In rollout R (--rollout, the first by
+default), a logits processor that runs after every other one starts the profiler at token step K and stops it at
+K+1: exactly one cycle is captured, the sampling of step K, then the forward of step K+1 (a CUDA-graph replay, each
+of its nodes profiled as a kernel) and its logits processors. The run then stops: under ncu every token step takes
+about 15x its time even outside the window, so the rest of the bench would only cost device time. By token step K
+the rollout replays the graphs it recorded at its first steps; a later rollout replays the same kernels (it
+records them again where the adapter copies moved).
 
-Writes OUT/token_step_ncu.csv (ncu's own), OUT/bench/ (the bench's files, the measured bandwidth among them) and
-OUT/token_step_profile.json + .md: per kernel, in launch order, its time, bytes read + written, achieved
+Writes OUT/token_step_ncu.csv (ncu's own), OUT/token_step_window.json (the bench's settings, device, versions and
+the copy bandwidth it measured) and OUT/token_step_profile.json + .md: per kernel, in launch order, its time, bytes read + written, achieved
 bandwidth and "x bytes" = its time / (its bytes / bandwidth); per kind (matmul, nf4 weights, attention, norm,
 sampling, Triton elementwise, other) and per kernel name (with its count: per layer, per step) the same totals;
 the step's kernel time against all its bytes at the bandwidth. ncu runs each kernel alone, its caches flushed first
@@ -17,7 +20,7 @@ without launch gaps or overlap.
 
 Usage (CUDA; ncu on PATH or in /usr/local/cuda/bin):
     python benchmarks/token_step_ncu.py OUT [--load-in-4bit --memory-cap-gib 24] [--completion 1024]
-        [--ragged-median 600] [--token-step 256]
+        [--ragged-median 600] [--token-step 256] [--rollout 1]
     python benchmarks/token_step_ncu.py OUT --parse          # the tables again from OUT/token_step_ncu.csv
 """
 
@@ -33,6 +36,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+WINDOW = "token_step_window.json"  # what the run measured besides ncu, written when its window closed
 METRICS = ("gpu__time_duration.sum", "dram__bytes_read.sum", "dram__bytes_write.sum")
 # ncu 2025.3 prints durations in "ns" even with --print-units base; older releases spell them out
 UNITS = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "nsecond": 1e-9, "usecond": 1e-6, "msecond": 1e-3,
@@ -135,24 +139,42 @@ def markdown(result: dict, top: int = 25) -> str:
 
 
 def write(out: Path) -> dict:
-    """The tables from OUT/token_step_ncu.csv and the bandwidth the bench measured (OUT/bench/bench.json)."""
-    bench = json.loads((out / "bench" / "bench.json").read_text())
+    """The tables from OUT/token_step_ncu.csv and the bandwidth the bench measured (OUT/token_step_window.json;
+    OUT/bench/bench.json in profiles made before the run stopped at its window)."""
+    meta = out / WINDOW
+    bench = json.loads((meta if meta.exists() else out / "bench" / "bench.json").read_text())
     result = profile(read_ncu_csv((out / "token_step_ncu.csv").read_text()),
                      bench["ceilings"]["copy_bandwidth_tbs"] * 1e12)
     command = out / "token_step_command.json"
     result |= {"settings": bench["settings"], "device": bench["device"], "versions": bench["versions"],
-               **(json.loads(command.read_text()) if command.exists() else {})}
+               "rollout": bench.get("rollout", 2), **(json.loads(command.read_text()) if command.exists() else {})}
     (out / "token_step_profile.json").write_text(json.dumps(result, indent=2))
     (out / "token_step_profile.md").write_text(markdown(result))
     return result
 
 
+class WindowClosed(BaseException):
+    """Raised by the window's processor once the profiled cycle is over: it unwinds the bench (a BaseException, so
+    no handler for errors takes it) and ends the run."""
+
+
 def child(args: argparse.Namespace) -> None:
-    """The bench under ncu, the profiler's window around token step `args.token_step` of the second rollout."""
+    """The bench under ncu, the profiler's window around token step `args.token_step` of rollout `args.rollout`;
+    the run stops when the window closes."""
+    import time
+    from dataclasses import asdict
+
     import torch
 
     from vlmrl import bench
+    from vlmrl.bench import run as bench_run
+    from vlmrl.bench.summary import versions
     from vlmrl.engine.rollout.sampling import appended_processor
+
+    started = time.perf_counter()
+
+    def say(what: str) -> None:  # where the run is, in the log: under ncu each phase takes many times its own time
+        print(f"[token_step_ncu {time.perf_counter() - started:7.1f} s] {what}", flush=True)
 
     class Window:
         def __init__(self, step: int):
@@ -162,9 +184,24 @@ def child(args: argparse.Namespace) -> None:
             self.calls += 1
             if self.calls in (self.step, self.step + 1):
                 torch.cuda.synchronize()
-                (torch.cuda.profiler.start if self.calls == self.step else torch.cuda.profiler.stop)()
+                if self.calls == self.step:
+                    say(f"profiler on at token step {self.step}")
+                    torch.cuda.profiler.start()
+                else:
+                    torch.cuda.profiler.stop()
+                    say("profiler off")
+                    raise WindowClosed
             return scores
 
+    measured: dict = {}
+    measure_ceilings = bench_run.measure_ceilings
+
+    def ceilings(*a, **k):
+        measured.update(measure_ceilings(*a, **k))
+        say(f"copy bandwidth {measured['copy_bandwidth_tbs']:.2f} TB/s")
+        return measured
+
+    bench_run.measure_ceilings = ceilings
     wrap = bench.StepClock.wrap_generation
     state = {"rollouts": 0}
 
@@ -174,7 +211,8 @@ def child(args: argparse.Namespace) -> None:
 
         def generate(*a, **k):
             state["rollouts"] += 1
-            if state["rollouts"] != 2:
+            say(f"rollout {state['rollouts']}")
+            if state["rollouts"] != args.rollout:
                 return timed(*a, **k)
             model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
             window = Window(args.token_step)
@@ -185,13 +223,19 @@ def child(args: argparse.Namespace) -> None:
         trainer._generate_single_turn = generate
 
     bench.StepClock.wrap_generation = wrap_generation
-    settings = bench.BenchSettings(paths=["vlmrl"], steps=2, completion=args.completion,
+    settings = bench.BenchSettings(paths=["vlmrl"], steps=max(2, args.rollout), completion=args.completion,
                                    load_in_4bit=args.load_in_4bit, memory_cap_gib=args.memory_cap_gib,
                                    ragged_median=args.ragged_median)
-    with tempfile.TemporaryDirectory() as work:
-        bench.run_bench(settings, args.out / "bench", Path(work))
-    if state["rollouts"] < 2:
-        raise SystemExit("the second rollout never ran: nothing was profiled")
+    try:
+        with tempfile.TemporaryDirectory() as work:
+            bench.run_bench(settings, args.out / "bench", Path(work))
+    except WindowClosed:
+        (args.out / WINDOW).write_text(json.dumps(
+            {"settings": asdict(settings), "device": torch.cuda.get_device_name(0), "versions": versions(),
+             "ceilings": measured, "rollout": args.rollout}, indent=2))
+        say("done")
+        return
+    raise SystemExit(f"rollout {args.rollout} never reached token step {args.token_step + 1}: nothing was profiled")
 
 
 def ncu_path() -> str:
@@ -213,6 +257,7 @@ def main() -> int:
     parser.add_argument("--completion", type=int, default=1024)
     parser.add_argument("--ragged-median", type=int)
     parser.add_argument("--token-step", type=int, default=256, help="the profiled cycle starts at this step (1 = the first)")
+    parser.add_argument("--rollout", type=int, default=1, help="the rollout profiled (1 = the first)")
     parser.add_argument("--parse", action="store_true", help="only rebuild the tables from OUT's CSV")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -224,7 +269,9 @@ def main() -> int:
             parser.error(f"--token-step {args.token_step}: from 1 to below --completion ({args.completion})")
         ncu = ncu_path()
         args.out.mkdir(parents=True, exist_ok=True)
-        forwarded = [f"--completion={args.completion}", f"--token-step={args.token_step}",
+        if args.rollout < 1:
+            parser.error(f"--rollout {args.rollout}: 1 or later")
+        forwarded = [f"--completion={args.completion}", f"--token-step={args.token_step}", f"--rollout={args.rollout}",
                      *(["--load-in-4bit"] if args.load_in_4bit else []),
                      *([f"--memory-cap-gib={args.memory_cap_gib}"] if args.memory_cap_gib else []),
                      *([f"--ragged-median={args.ragged_median}"] if args.ragged_median else [])]
