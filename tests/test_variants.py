@@ -54,7 +54,9 @@ def test_each_variant_changes_only_its_own_setting():
     """What the bench paths of the config switches that went away run now (their names stay in committed plans)."""
     table, Variant = variants.VARIANTS, variants.Variant
     assert table["vlmrl-stacked"] == table["vlmrl-stacked-kernel"] == table["vlmrl-nf4-v2"] == Variant()  # defaults
-    assert table["vlmrl-nf4-unfused"] == Variant()
+    # the nf4 branch experiments and their A/B partner run PEFT's branch over the adapter copies, as when they ran
+    assert table["vlmrl-nf4-unfused"] == Variant(stacked=False)
+    assert not table["vlmrl-nf4-folded"].stacked and not table["vlmrl-nf4-summed"].stacked
     assert table["vlmrl-copies"] == Variant(stacked=False)
     assert table["vlmrl-merged"] == Variant(stacked=False, rollout={"merge": True})
     assert table["vlmrl-filled"] == Variant(rollout={"filled_window": variants.FILLED_WINDOW})

@@ -64,7 +64,8 @@ VARIANTS: dict[str, Variant] = {
     "vlmrl-merged": Variant(stacked=False, rollout={"merge": True}),
     # a token step's attention reads only the filled cache positions, in windows of FILLED_WINDOW
     "vlmrl-filled": Variant(rollout={"filled_window": FILLED_WINDOW}),
-    # bf16 adapter copies for rollouts instead of the stacked projections
+    # bf16 adapter copies for rollouts instead of the stacked projections (over a 4-bit base: PEFT's branch for
+    # each projection, as before the first factors were stacked there)
     "vlmrl-copies": Variant(stacked=False),
     "vlmrl-filled-copies": Variant(stacked=False, rollout={"filled_window": FILLED_WINDOW}),
     # PEFT's float32 casts of the LoRA inputs kept in the loss pass
@@ -86,13 +87,15 @@ VARIANTS: dict[str, Variant] = {
     "vlmrl-nf4-v2": Variant(),  # the default now (on the GPUs where it was measured: nf4.gpu_reason)
     # the product's nf4 kernel with the LoRA branch's second factor and sum folded into its last pass
     # (nf4_lora); vlmrl-nf4-unfused, its A/B partner in gpu_issue39_next.plan, is the default
-    "vlmrl-nf4-folded": Variant(rollout={"nf4_kernel": "folded"}),
+    # (all three over PEFT's branch with the adapter copies: nf4_lora replaces the LoRA layers' forwards, which
+    # the stacked groups would replace too)
+    "vlmrl-nf4-folded": Variant(stacked=False, rollout={"nf4_kernel": "folded"}),
     # the same kernel with only the branch's scale and sum in its last pass, both factors as PEFT runs them
     # (nf4_lora, summed); gpu_issue39_rest.plan times it beside the default
-    "vlmrl-nf4-summed": Variant(rollout={"nf4_kernel": "summed"}),
+    "vlmrl-nf4-summed": Variant(stacked=False, rollout={"nf4_kernel": "summed"}),
     # the product's nf4 kernel with its settings by rule (nf4.rule_config), without the TUNED_SM90 table
     "vlmrl-nf4-by-rule": Variant(rollout={"nf4_kernel": "by_rule"}),
-    "vlmrl-nf4-unfused": Variant(),
+    "vlmrl-nf4-unfused": Variant(stacked=False),
     # rows that have ended keep reading their whole cache at token steps (the product narrows their mask)
     "vlmrl-finished-read": Variant(rollout={"finished_read": True}),
 }

@@ -4,9 +4,13 @@ A stacked group's first matmul gives, per row, the base outputs and then the ada
 side. What follows is `base + scale * (first @ secondᵀ)`, `second` the group's block-diagonal second factors. At a
 token step (a few dozen rows) cuBLAS runs that small matmul (K = the group's summed ranks) bound by latency rather
 than bandwidth, and the scaled sum after it is another kernel, for every group of every layer (what that costs:
-benchmarks/NOTES.md). Here one kernel reads the stacked output once, multiplies the rank-space inputs by a tile of
-the second factors on the tensor cores, scales, adds the base outputs and writes the group's outputs; one program
-per block of output columns (and of rows). On with `train.rollout.kernels`.
+benchmarks/NOTES.md). Here one kernel reads the rank-space inputs, multiplies them by a tile of the second factors
+on the tensor cores, scales, adds the base outputs and writes the outputs; one program per block of output columns
+(and of rows). On with `train.rollout.kernels`.
+
+`stacked_second(stacked, second, scale)` takes both parts in one tensor (a group whose base weights are stacked);
+`added_second(base, first, second, scale)` takes them apart (a quantized base computes its outputs in its own
+kernel, and only the first factors are stacked).
 
 Rounded as the unfused path rounds, in bf16 (fp16 stays on the unfused step): the product is rounded, then scaled
 (a float, or one value per output column in bf16) and rounded, then added to the base outputs and rounded. Only the dot's
@@ -33,17 +37,18 @@ MAX_ROWS = 64  # rows of a token step (the rollout batch); more rows (a prompt p
 BLOCK_M, BLOCK_N = 32, 64
 
 
-def usable(stacked: torch.Tensor, second: torch.Tensor) -> bool:
-    """True when the kernel computes this group's step: few rows, bf16, ranks up to 128, on CUDA (or the
-    interpreter). Reads metadata only, so a compiled step traces it without a graph break."""
-    rows = stacked.numel() // stacked.shape[-1] if stacked.shape[-1] else 0
+def usable(outputs: torch.Tensor, second: torch.Tensor) -> bool:
+    """True when the kernel computes this step: few rows, bf16, ranks up to 128, on CUDA (or the interpreter).
+    `outputs`: the stacked output, or the base outputs. Reads metadata only, so a compiled step traces it without a
+    graph break."""
+    rows = outputs.numel() // outputs.shape[-1] if outputs.shape[-1] else 0
     return (
         HAS_TRITON
         and 0 < rows <= MAX_ROWS
-        and stacked.dtype == torch.bfloat16
-        and second.dtype == stacked.dtype
+        and outputs.dtype == torch.bfloat16
+        and second.dtype == outputs.dtype
         and second.shape[-1] <= 128
-        and (stacked.is_cuda or interpreted())
+        and (outputs.is_cuda or interpreted())
         and not torch.is_grad_enabled()
     )
 
@@ -51,7 +56,11 @@ def usable(stacked: torch.Tensor, second: torch.Tensor) -> bool:
 def reference(stacked: torch.Tensor, second: torch.Tensor, scale: Any) -> torch.Tensor:
     """The unfused arithmetic: what `vlmrl.engine.rollout.stacked` computes without the kernel."""
     width = second.shape[0]
-    base, first = stacked[..., :width], stacked[..., width:]
+    return reference_added(stacked[..., :width], stacked[..., width:], second, scale)
+
+
+def reference_added(base: torch.Tensor, first: torch.Tensor, second: torch.Tensor, scale: Any) -> torch.Tensor:
+    """The unfused arithmetic of `added_second`: PEFT's `base + lora_B(first) * scaling`."""
     return base + F.linear(first, second) * scale
 
 
@@ -60,10 +69,16 @@ def reference(stacked: torch.Tensor, second: torch.Tensor, scale: Any) -> torch.
 @torch.library.custom_op("vlmrl::stacked_second", mutates_args=(), tags=(torch.Tag.flexible_layout,))
 def _stacked_second(stacked: torch.Tensor, second: torch.Tensor, scales: torch.Tensor | None,
                     scale: float) -> torch.Tensor:
-    return kernel_or_fallback(
-        _failed, (str(stacked.device), stacked.dtype), lambda: _launch(stacked, second, scales, scale),
-        lambda: reference(stacked, second, scales if scales is not None else scale),
+    width = second.shape[0]
+    flat = stacked.reshape(-1, stacked.shape[-1])
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    out = kernel_or_fallback(
+        _failed, (str(stacked.device), stacked.dtype),
+        lambda: _launch(flat[:, :width], flat[:, width:], second, scales, scale),
+        lambda: reference(flat, second, scales if scales is not None else scale),
         what="stacked second-factor kernel", instead="cuBLAS", logger=log)
+    return out.view(*stacked.shape[:-1], width)
 
 
 @_stacked_second.register_fake
@@ -79,22 +94,51 @@ def stacked_second(stacked: torch.Tensor, second: torch.Tensor, scale: Any) -> t
     return _stacked_second(stacked, second, None, float(scale))
 
 
-def _launch(stacked: torch.Tensor, second: torch.Tensor, scales: torch.Tensor | None, scale: float) -> torch.Tensor:
+@torch.library.custom_op("vlmrl::added_second", mutates_args=(), tags=(torch.Tag.flexible_layout,))
+def _added_second(base: torch.Tensor, first: torch.Tensor, second: torch.Tensor, scales: torch.Tensor | None,
+                  scale: float) -> torch.Tensor:
+    flat_base, flat_first = base.reshape(-1, base.shape[-1]), first.reshape(-1, first.shape[-1])
+    if flat_base.stride(-1) != 1:
+        flat_base = flat_base.contiguous()
+    if flat_first.stride(-1) != 1:
+        flat_first = flat_first.contiguous()
+    out = kernel_or_fallback(
+        _failed, (str(base.device), base.dtype), lambda: _launch(flat_base, flat_first, second, scales, scale),
+        lambda: reference_added(flat_base, flat_first, second, scales if scales is not None else scale),
+        what="stacked second-factor kernel", instead="cuBLAS", logger=log)
+    return out.view(*base.shape)
+
+
+@_added_second.register_fake
+def _(base: torch.Tensor, first: torch.Tensor, second: torch.Tensor, scales: torch.Tensor | None,
+      scale: float) -> torch.Tensor:
+    return base.new_empty(base.shape)
+
+
+def added_second(base: torch.Tensor, first: torch.Tensor, second: torch.Tensor, scale: Any) -> torch.Tensor:
+    """`base + scale * (first @ secondᵀ)` for `base` [..., width] (a projection's base outputs), `first` [...,
+    rank] (its rank-space inputs: a slice of a stacked first-factor matmul's output, any row stride), `second`
+    [width, rank] and `scale` a float or a [width] tensor. Call `usable(base, second)` first."""
+    if isinstance(scale, torch.Tensor):
+        return _added_second(base, first, second, scale, 1.0)
+    return _added_second(base, first, second, None, float(scale))
+
+
+def _launch(base: torch.Tensor, first: torch.Tensor, second: torch.Tensor, scales: torch.Tensor | None,
+            scale: float) -> torch.Tensor:
+    """The kernel on `base` [rows, width] and `first` [rows, ranks], each read through its row stride."""
     width, ranks = second.shape
-    flat = stacked.reshape(-1, stacked.shape[-1])
-    if flat.stride(-1) != 1:
-        flat = flat.contiguous()
     second = second.contiguous()
-    rows = flat.shape[0]
-    out = torch.empty(rows, width, device=stacked.device, dtype=stacked.dtype)
+    rows = base.shape[0]
+    out = torch.empty(rows, width, device=base.device, dtype=base.dtype)
     interpret = interpreted()
     kernel = _kernel(interpret)
     block_r = max(16, 1 << (ranks - 1).bit_length())
     grid = (-(-rows // BLOCK_M), -(-width // BLOCK_N))
-    kernel[grid](flat, second, scales if scales is not None else out, out, rows, width, ranks, flat.stride(0), scale,
-                 PER_COLUMN=scales is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=block_r,
-                 DOT_F32=interpret)
-    return out.view(*stacked.shape[:-1], width)
+    kernel[grid](base, first, second, scales if scales is not None else out, out, rows, width, ranks, base.stride(0),
+                 first.stride(0), scale, PER_COLUMN=scales is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                 BLOCK_R=block_r, DOT_F32=interpret)
+    return out
 
 
 @functools.cache
@@ -114,7 +158,7 @@ def _kernel(interpret: bool) -> Any:
     globals()["to_bf16"] = to_bf16  # a kernel finds the functions it calls among its module's globals
 
     @triton.jit
-    def second_step(Stacked, Second, Scales, Out, rows, width, ranks, stride_row, scale,
+    def second_step(Base, First, Second, Scales, Out, rows, width, ranks, stride_base, stride_first, scale,
                     PER_COLUMN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                     DOT_F32: tl.constexpr):
         # DOT_F32: the interpreter's tl.dot reads bf16 as raw integers, so there the dot takes float32 copies
@@ -123,7 +167,7 @@ def _kernel(interpret: bool) -> Any:
         c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         k = tl.arange(0, BLOCK_R)
         in_rows, in_cols, in_ranks = r < rows, c < width, k < ranks
-        first = tl.load(Stacked + r[:, None] * stride_row + width + k[None, :],
+        first = tl.load(First + r[:, None] * stride_first + k[None, :],
                         mask=in_rows[:, None] & in_ranks[None, :], other=0.0)
         factors = tl.load(Second + c[None, :] * ranks + k[:, None], mask=in_ranks[:, None] & in_cols[None, :],
                           other=0.0)  # [BLOCK_R, BLOCK_N]: secondᵀ's tile
@@ -138,7 +182,7 @@ def _kernel(interpret: bool) -> Any:
         else:
             scaled = product * scale
         scaled = to_bf16(scaled)
-        base = tl.load(Stacked + r[:, None] * stride_row + c[None, :], mask=in_rows[:, None] & in_cols[None, :],
+        base = tl.load(Base + r[:, None] * stride_base + c[None, :], mask=in_rows[:, None] & in_cols[None, :],
                        other=0.0).to(tl.float32)
         tl.store(Out + r[:, None] * width + c[None, :], to_bf16(base + scaled).to(dtype),
                  mask=in_rows[:, None] & in_cols[None, :])
