@@ -7,7 +7,7 @@ cache bucketed). Variants, in one process:
   eager-dynamic   no compile settings: the dynamic-cache path plain TRL decodes with
   refused         the compile settings vlmrl passes, as before this change: transformers refuses to compile over
                   a bitsandbytes base and decodes eagerly over the static cache
-  compiled        the same with `rollout.fast.compile_over_4bit` (the refusal lifted)
+  compiled        the same with `rollout.quantized_base.compile_over_4bit` (the refusal lifted)
 For `compiled`: dynamo's graph-break count, and the rollout's log-probs of its own sampled tokens against the loss
 pass's (a forward with gradients on, under the same autocast, over the same sequences), next to the same
 comparison for the eager rollout.
@@ -27,7 +27,8 @@ import torch
 from decode_setup import profile_summary, shaped_model_and_batch
 
 from vlmrl.engine.rollout.attention import packed_gqa, use_packed_gqa
-from vlmrl.engine.rollout.fast import bucket_static_cache, compile_over_4bit, deferred_stop_check
+from vlmrl.engine.rollout.fast import bucket_static_cache, deferred_stop_check
+from vlmrl.engine.rollout.quantized_base import compile_over_4bit
 
 
 def rollout_vs_loss_logprobs(model, batch: dict, tokens: int, sampling: dict, contexts, rows: int | None = None,

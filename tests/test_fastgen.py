@@ -299,7 +299,7 @@ def test_compiling_over_a_4bit_base_is_allowed_only_inside_the_block(monkeypatch
     from transformers import BitsAndBytesConfig
     from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
 
-    from vlmrl.engine.rollout import fast
+    from vlmrl.engine.rollout import quantized_base as fast
 
     quantizer = Bnb4BitHfQuantizer(BitsAndBytesConfig(load_in_4bit=True))
     model = type("Model", (), {"hf_quantizer": quantizer})()

@@ -245,7 +245,7 @@ def test_the_fast_path_routes_a_trainers_token_steps_for_its_life(launches, monk
 def test_where_the_fast_path_leaves_4bit_token_steps_on_bitsandbytes(launches, monkeypatch):
     """The record says why: no 4-bit layer (nothing), vlmrl's kernels off, a GPU where the kernel was not measured
     faster, a kernel that cannot run there (the probe); and the rule itself, by compute capability."""
-    from vlmrl.engine.rollout.fast import nf4_token_steps
+    from vlmrl.engine.rollout.quantized_base import nf4_token_steps
 
     model = nf4_model(nf4_layer(256, 64))
     trainer = nf4_rollout_trainer(model, None)

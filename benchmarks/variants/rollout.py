@@ -145,9 +145,9 @@ def apply(trainer: Any, fast: FastGeneration, *, merge: bool = False, filled_win
 
 
 def _nf4_for_life(trainer: Any, kernel: str) -> str:
-    """Undo the product's nf4 routing (`vlmrl.engine.rollout.fast.nf4_token_steps`) and, for "v1", route the
+    """Undo the product's nf4 routing (`vlmrl.engine.rollout.quantized_base.nf4_token_steps`) and, for "v1", route the
     trainer's 4-bit token steps through the first design until the trainer goes; what the record says."""
-    from vlmrl.engine.rollout.fast import BITSANDBYTES
+    from vlmrl.engine.rollout.quantized_base import BITSANDBYTES
 
     product = getattr(trainer, "vlmrl_nf4_decode", None)
     if product is not None:

@@ -116,12 +116,12 @@ def generate_batch(
         from vlmrl.engine.rollout.attention import decode_kernel, use_packed_gqa
         from vlmrl.engine.rollout.fast import (
             bucket_static_cache,
-            compile_over_4bit,
             compile_settings,
             deferred_stop_check,
             prefill_into_dynamic_cache,
         )
         from vlmrl.engine.rollout.finished import finished_rows_read_one_block
+        from vlmrl.engine.rollout.quantized_base import compile_over_4bit
         from vlmrl.engine.rollout.step_inputs import step_token_inputs
 
         use_packed_gqa(model)
