@@ -4,7 +4,6 @@ compute, with 8 matmuls per layer instead of 21, the base weights moved once and
 from __future__ import annotations
 
 import collections
-import importlib.util
 
 import pytest
 import torch
@@ -169,71 +168,3 @@ def test_in_bf16_under_the_rollout_autocast_it_computes_what_the_adapter_copies_
     for a, b in zip(got, expected, strict=True):
         assert a.dtype == torch.bfloat16 and torch.equal(a, b)
 
-
-def _4bit_block():
-    """`Block(64)` with bitsandbytes nf4 base layers (the kernel's smallest block is 64 inputs) and a LoRA on each."""
-    from tests.helpers import nf4_layer
-
-    block = Block(64)
-    for seed, name in enumerate(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj")):
-        linear = getattr(block, name)
-        setattr(block, name, nf4_layer(64, linear.out_features, bias=linear.bias is not None, seed=seed))
-    return lora_policy(block, rank_pattern={"k_proj": 2}, alpha_pattern={"v_proj": 2}).requires_grad_(False)
-
-
-@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes")
-def test_over_a_4bit_base_only_the_first_factors_stack_and_rollouts_compute_what_the_copies_compute(monkeypatch):
-    from tests.helpers import NF4_DEVICE
-    from vlmrl.engine.rollout import nf4, second_factors
-    from vlmrl.engine.rollout.adapter_cast import LowPrecisionAdapters
-
-    block = _4bit_block()
-    assert StackedProjections(block).reason == "a 4-bit base layer and no dtype for the rollouts' first factors"
-    torch.manual_seed(2)
-    x, y = (torch.randn(4, 5, 64, dtype=torch.bfloat16, device=NF4_DEVICE) for _ in range(2))
-    autocast = torch.autocast(torch.device(NF4_DEVICE).type, dtype=torch.bfloat16, cache_enabled=False)
-    with torch.no_grad(), autocast, nf4.nf4_decode(block), LowPrecisionAdapters(block, torch.bfloat16).active():
-        expected = block(x, y)  # PEFT's forwards over the nf4 kernel, with the bf16 adapter copies
-    stack = StackedProjections(block, torch.bfloat16)
-    assert stack.reason is None and [len(g.layers) for g in stack.groups] == [3, 2, 1]
-    assert stack.quantized_groups == 3 and all(g.weight.shape == (sum(g.ranks), 64) for g in stack.groups)
-    assert stack.nbytes == (4 + 2 + 4 + 4 + 4 + 4) * 64 * 2
-    calls = collections.Counter()
-    for name in ("added_second", "reference_added"):
-        real = getattr(second_factors, name)
-        monkeypatch.setattr(second_factors, name, lambda *a, name=name, real=real: calls.update([name]) or real(*a))
-    for fused in (True, False):
-        with torch.no_grad(), autocast, nf4.nf4_decode(block), stack.active(fused=fused):
-            got = block(x, y)
-        for a, b in zip(got, expected, strict=True):
-            assert a.dtype == torch.bfloat16 and torch.equal(a, b)
-    # per member computed: the fused step where asked (20 rows, bf16), the unfused one otherwise
-    assert calls == {"added_second": 14, "reference_added": 14}  # 3 q/k/v computes, 2 gate/up, 1 o (as above)
-    assert all(not g.seconds and g.second is None and not g.owed for g in stack.groups)
-    assert all("forward" not in vars(layer) for layer in lora_layers(block))
-    # compiled, one graph: per computed group one first-factor matmul, each member its nf4 base and one fused step
-    nodes = []
-
-    def backend(gm, example_inputs):
-        nodes.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-        return gm.forward
-
-    torch._dynamo.reset()
-    with torch.no_grad(), autocast, nf4.nf4_decode(block), stack.active(fused=True):
-        compiled = torch.compile(block, backend=backend, fullgraph=True)(x, y)
-    for a, b in zip(compiled, expected, strict=True):
-        assert torch.equal(a, b)
-    counted = collections.Counter(nodes)
-    assert (counted["vlmrl.nf4_matmul.default"], counted["vlmrl.added_second.default"]) == (14, 14)
-    assert counted["<built-in function linear>"] == 6  # 3 + 2 + 1 group computes, no second-factor matmul
-
-
-@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes")
-def test_a_4bit_base_is_stacked_for_rollouts_by_default_and_the_record_says_so():
-    model = _4bit_block()
-    trainer = fake_trainer(model, lambda: None)
-    fast = enable_fast_generation(trainer)
-    assert fast.adapters.startswith("stacked by shared input for rollouts (3 groups of 3/2/1 projections, the first "
-                                    "factors only over the 3 groups of 4-bit base layers")
-    assert [name for name, _ in trainer.vlmrl_rollout_contexts if name in ("offload", "adapter_copies", "stacked")] \
-        == ["offload", "stacked"]

@@ -19,6 +19,8 @@ The modules (what each was worth: benchmarks/NOTES.md):
 - `nf4_v1`: the first design of the nf4 token-step kernel (`nf4_matmul_v1`), and `nf4_decode_with(model, matmul)`.
 - `nf4_lora`: a 4-bit base's LoRA branch folded into the product nf4 kernel's last pass (or only its sum).
 - `nf4_launch`: the nf4 kernel's launch with another tile kernel, or a LoRA branch in its split sum.
+- `stacked_4bit`: over a 4-bit base, the LoRA first factors stacked by shared input and each member's second step
+  one kernel (`first_factors_stacked`).
 """
 
 from __future__ import annotations
@@ -33,11 +35,13 @@ FILLED_WINDOW = 128  # the filled-cache window measured: 11 windows over the see
 @dataclass(frozen=True)
 class Variant:
     """One variant path: the `vlmrl` path's set-up, then `rollout.apply(**rollout)` on its rollout record; with
-    `stacked` False nothing is stacked (the product's adapter copies then), with `input_cast` PEFT's LoRA input casts
-    stay in the loss pass, and `loss_pass` passes the product's own `enable_loss_pass` options."""
+    `stacked` False nothing is stacked (the product's adapter copies then), with `first_factors` the first factors
+    over a 4-bit base are stacked too (`stacked_4bit`), with `input_cast` PEFT's LoRA input casts stay in the loss
+    pass, and `loss_pass` passes the product's own `enable_loss_pass` options."""
 
     rollout: dict = field(default_factory=dict)
     stacked: bool = True
+    first_factors: bool = False
     input_cast: bool = False
     loss_pass: dict = field(default_factory=dict)
 
@@ -47,9 +51,15 @@ class Variant:
         from vlmrl.engine.loss.loss_pass import enable_loss_pass
         from vlmrl.engine.rollout.fast import enable_fast_generation
 
-        from . import rollout
+        from . import rollout, stacked_4bit
 
-        with contextlib.nullcontext() if self.stacked else rollout.unstacked():
+        if not self.stacked:
+            setup = rollout.unstacked()
+        elif self.first_factors:
+            setup = stacked_4bit.first_factors_stacked()
+        else:
+            setup = contextlib.nullcontext()
+        with setup:
             fast = enable_fast_generation(trainer, bucket=settings.prompt_bucket)
         if self.rollout:
             fast = rollout.apply(trainer, fast, **self.rollout)
@@ -98,6 +108,9 @@ VARIANTS: dict[str, Variant] = {
     "vlmrl-nf4-unfused": Variant(stacked=False),
     # rows that have ended keep reading their whole cache at token steps (the product narrows their mask)
     "vlmrl-finished-read": Variant(rollout={"finished_read": True}),
+    # over a 4-bit base, the LoRA first factors stacked by shared input and each member's second step one kernel,
+    # instead of PEFT's branch per projection over the adapter copies (stacked_4bit)
+    "vlmrl-4bit-stacked": Variant(first_factors=True),
 }
 
 

@@ -156,16 +156,14 @@ def _stacked(trainer: Any, dtype: torch.dtype | None) -> tuple[Any, str]:
         return None, refused.format("the adapters' dtype differs from the base's and rollouts run without autocast")
     from vlmrl.engine.rollout.stacked import StackedProjections
 
-    stack = StackedProjections(trainer.model, _base_dtype(trainer, dtype))
+    stack = StackedProjections(trainer.model)
     if not stack.groups:
         return None, refused.format(stack.reason)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the base weights' old places
     sizes = sorted({len(g.layers) for g in stack.groups}, reverse=True)
-    apart = (f", the first factors only over the {stack.quantized_groups} groups of 4-bit base layers"
-             if stack.quantized_groups else "")
     return stack, (f"stacked by shared input for rollouts ({len(stack.groups)} groups of {'/'.join(map(str, sizes))} "
-                   f"projections{apart}; first factors' rows {stack.nbytes / 2**30:.2f} GiB kept, second factors "
+                   f"projections; first factors' rows {stack.nbytes / 2**30:.2f} GiB kept, second factors "
                    f"{stack.second_nbytes() / 2**30:.2f} GiB while it runs; the optimizer state waits on the host)")
 
 

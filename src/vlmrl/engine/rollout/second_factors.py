@@ -8,10 +8,6 @@ benchmarks/NOTES.md). Here one kernel reads the rank-space inputs, multiplies th
 on the tensor cores, scales, adds the base outputs and writes the outputs; one program per block of output columns
 (and of rows). On with `train.rollout.kernels`.
 
-`stacked_second(stacked, second, scale)` takes both parts in one tensor (a group whose base weights are stacked);
-`added_second(base, first, second, scale)` takes them apart (a quantized base computes its outputs in its own
-kernel, and only the first factors are stacked).
-
 Rounded as the unfused path rounds, in bf16 (fp16 stays on the unfused step): the product is rounded, then scaled
 (a float, or one value per output column in bf16) and rounded, then added to the base outputs and rounded. Only the dot's
 summation order differs from cuBLAS's. Like `decode_attention`, a `torch.library` custom op (one opaque node in a
@@ -39,8 +35,8 @@ BLOCK_M, BLOCK_N = 32, 64
 
 def usable(outputs: torch.Tensor, second: torch.Tensor) -> bool:
     """True when the kernel computes this step: few rows, bf16, ranks up to 128, on CUDA (or the interpreter).
-    `outputs`: the stacked output, or the base outputs. Reads metadata only, so a compiled step traces it without a
-    graph break."""
+    `outputs`: the stacked output (or base outputs the kernel is given apart). Reads metadata only, so a compiled
+    step traces it without a graph break."""
     rows = outputs.numel() // outputs.shape[-1] if outputs.shape[-1] else 0
     return (
         HAS_TRITON
@@ -56,11 +52,7 @@ def usable(outputs: torch.Tensor, second: torch.Tensor) -> bool:
 def reference(stacked: torch.Tensor, second: torch.Tensor, scale: Any) -> torch.Tensor:
     """The unfused arithmetic: what `vlmrl.engine.rollout.stacked` computes without the kernel."""
     width = second.shape[0]
-    return reference_added(stacked[..., :width], stacked[..., width:], second, scale)
-
-
-def reference_added(base: torch.Tensor, first: torch.Tensor, second: torch.Tensor, scale: Any) -> torch.Tensor:
-    """The unfused arithmetic of `added_second`: PEFT's `base + lora_B(first) * scaling`."""
+    base, first = stacked[..., :width], stacked[..., width:]
     return base + F.linear(first, second) * scale
 
 
@@ -92,36 +84,6 @@ def stacked_second(stacked: torch.Tensor, second: torch.Tensor, scale: Any) -> t
     if isinstance(scale, torch.Tensor):
         return _stacked_second(stacked, second, scale, 1.0)
     return _stacked_second(stacked, second, None, float(scale))
-
-
-@torch.library.custom_op("vlmrl::added_second", mutates_args=(), tags=(torch.Tag.flexible_layout,))
-def _added_second(base: torch.Tensor, first: torch.Tensor, second: torch.Tensor, scales: torch.Tensor | None,
-                  scale: float) -> torch.Tensor:
-    flat_base, flat_first = base.reshape(-1, base.shape[-1]), first.reshape(-1, first.shape[-1])
-    if flat_base.stride(-1) != 1:
-        flat_base = flat_base.contiguous()
-    if flat_first.stride(-1) != 1:
-        flat_first = flat_first.contiguous()
-    out = kernel_or_fallback(
-        _failed, (str(base.device), base.dtype), lambda: _launch(flat_base, flat_first, second, scales, scale),
-        lambda: reference_added(flat_base, flat_first, second, scales if scales is not None else scale),
-        what="stacked second-factor kernel", instead="cuBLAS", logger=log)
-    return out.view(*base.shape)
-
-
-@_added_second.register_fake
-def _(base: torch.Tensor, first: torch.Tensor, second: torch.Tensor, scales: torch.Tensor | None,
-      scale: float) -> torch.Tensor:
-    return base.new_empty(base.shape)
-
-
-def added_second(base: torch.Tensor, first: torch.Tensor, second: torch.Tensor, scale: Any) -> torch.Tensor:
-    """`base + scale * (first @ secondᵀ)` for `base` [..., width] (a projection's base outputs), `first` [...,
-    rank] (its rank-space inputs: a slice of a stacked first-factor matmul's output, any row stride), `second`
-    [width, rank] and `scale` a float or a [width] tensor. Call `usable(base, second)` first."""
-    if isinstance(scale, torch.Tensor):
-        return _added_second(base, first, second, scale, 1.0)
-    return _added_second(base, first, second, None, float(scale))
 
 
 def _launch(base: torch.Tensor, first: torch.Tensor, second: torch.Tensor, scales: torch.Tensor | None,

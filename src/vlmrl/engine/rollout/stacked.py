@@ -19,19 +19,10 @@ Per layer that is 4 + 4 matmuls where PEFT's forward runs 7 + 14. The values are
 the rollout's autocast (base and adapter matmuls in the base dtype, the same scale and sum) up to the order in
 which a matmul kernel sums its products.
 
-A bitsandbytes 4-bit base cannot share a matmul with the bf16 first factors, so over such a base only the
-first factors are stacked (`StackedProjections(model, dtype)`, `dtype` the rollouts' compute dtype): the group's
-first member runs each member's base layer as it is (vlmrl's nf4 kernel at token steps), one matmul for the
-rank-space inputs of all members, and per member the scaled sum of its second factor's product and its base
-output (one kernel, `second_factors.added_second`): per layer 7 + 4 + 7 calls where PEFT's forward runs 7 + 14
-matmuls and 7 sums. The factors are copied in the rollouts' dtype when a rollout starts, as PEFT's forward casts
-them under the autocast.
-
 Applies to plain LoRA (no DoRA or other variant, no dropout, no bias of its own, one active adapter) over
-unquantized float base weights, or bitsandbytes `Linear4bit` ones given the rollouts' dtype, that are not sharded
-(FSDP / ZeRO-3); elsewhere the adapter copies apply (`vlmrl.engine.rollout.adapter_cast`);
-`enable_fast_generation` picks one and records which. What it is worth beside the copies: benchmarks/NOTES.md
-("stacked projections").
+unquantized float base weights that are not sharded (FSDP / ZeRO-3); elsewhere the adapter copies apply
+(`vlmrl.engine.rollout.adapter_cast`); `enable_fast_generation` picks one and records which. What it is
+worth beside the copies: benchmarks/NOTES.md ("stacked projections").
 """
 
 from __future__ import annotations
@@ -45,13 +36,12 @@ import torch
 import torch.nn.functional as F
 
 from vlmrl.engine.rollout import second_factors
-from vlmrl.engine.rollout.nf4 import is_linear4bit
 
 # Projections that every supported family calls with the same input, in the order it calls them.
 SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-def _member_reason(layer: Any, dtype: torch.dtype | None) -> str | None:
+def _member_reason(layer: Any) -> str | None:
     """Why a PEFT LoRA layer cannot be stacked; None when it can."""
     from vlmrl.engine.lora_layers import plain_reason
 
@@ -59,8 +49,6 @@ def _member_reason(layer: Any, dtype: torch.dtype | None) -> str | None:
     if reason is not None:
         return reason
     base = layer.get_base_layer()
-    if is_linear4bit(base):
-        return None if dtype is not None else "a 4-bit base layer and no dtype for the rollouts' first factors"
     if type(base) is not torch.nn.Linear:
         return f"a {type(base).__name__} base layer (quantized or not a plain Linear)"
     if not base.weight.is_floating_point() or base.weight.requires_grad:
@@ -86,40 +74,11 @@ class _Group:
     def width(self) -> int:
         return sum(self.outs)
 
-    @property
-    def nbytes(self) -> int:
-        """What the first factors' rows add to the weights (kept between rollouts)."""
-        return self.weight[self.width:].nbytes + (self.bias[self.width:].nbytes if self.bias is not None else 0)
-
     def compute(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         stacked = F.linear(x, self.weight, self.bias)
         fused = self.fused and second_factors.usable(stacked, self.second)
         second_step = second_factors.stacked_second if fused else second_factors.reference
         return second_step(stacked, self.second, self.scale).split(self.outs, dim=-1)
-
-    def load(self) -> None:
-        """The adapters' current factors, in the base dtype: first factors into the spare rows, second factors into
-        a fresh block-diagonal matrix; the scale PEFT applies (one number, or one per output column)."""
-        dtype, device = self.weight.dtype, self.weight.device
-        row, col, out_start = self.width, 0, 0
-        second = torch.zeros(self.width, sum(self.ranks), dtype=dtype, device=device)
-        for layer, out, rank in zip(self.layers, self.outs, self.ranks):
-            name = next(iter(layer.lora_A))
-            self.weight[row:row + rank].copy_(layer.lora_A[name].weight)
-            second[out_start:out_start + out, col:col + rank].copy_(layer.lora_B[name].weight)
-            row, col, out_start = row + rank, col + rank, out_start + out
-        self.second = second
-        scales = [_scale(layer) for layer in self.layers]
-        if len(set(scales)) == 1:
-            self.scale = scales[0]
-        else:
-            self.scale = torch.cat([torch.full((out,), float(s), dtype=dtype, device=device)
-                                    for out, s in zip(self.outs, scales)])
-        _static(self.second, self.scale)
-
-    def clear(self) -> None:
-        self.second = self.scale = self.source = None
-        self.owed, self.fused = {}, False
 
     def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Member `index`'s output for input `x`: its share of a result computed for this very tensor by the
@@ -136,65 +95,16 @@ class _Group:
         return outs[index]
 
 
-@dataclass
-class _FirstFactors(_Group):
-    """A group over base layers that compute apart (bitsandbytes 4-bit): `weight` [sum(ranks), in] holds only the
-    first factors, in the rollouts' dtype; `second` one second factor per member while a rollout runs."""
-
-    seconds: list[torch.Tensor] = field(default_factory=list)
-    scales: list[float] = field(default_factory=list)
-
-    @property
-    def width(self) -> int:
-        return 0  # no base rows in `weight`
-
-    @property
-    def nbytes(self) -> int:
-        return self.weight.nbytes
-
-    def compute(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        first = F.linear(x, self.weight)
-        outs, col = [], 0
-        for layer, rank, second, scale in zip(self.layers, self.ranks, self.seconds, self.scales):
-            base = layer.get_base_layer()(x)
-            part = first[..., col:col + rank]
-            if self.fused and second_factors.usable(base, second):
-                outs.append(second_factors.added_second(base, part, second, scale))
-            else:
-                outs.append(second_factors.reference_added(base, part, second, scale))
-            col += rank
-        return tuple(outs)
-
-    def load(self) -> None:
-        """The adapters' current factors in the rollouts' dtype: first factors into `weight`'s rows, each second
-        factor a fresh copy; each member's scale."""
-        row = 0
-        seconds = []
-        for layer, rank in zip(self.layers, self.ranks):
-            name = next(iter(layer.lora_A))
-            self.weight[row:row + rank].copy_(layer.lora_A[name].weight)
-            seconds.append(layer.lora_B[name].weight.detach().to(self.weight.dtype, copy=True))
-            row += rank
-        self.seconds, self.scales = seconds, [_scale(layer) for layer in self.layers]
-        _static(*self.seconds)
-
-    def clear(self) -> None:
-        super().clear()
-        self.seconds, self.scales = [], []
-
-
 class StackedProjections:
     """Stacks the frozen base weights of `model`'s LoRA projections by shared input (see the module's text);
     `active()` makes rollouts use them. `reason` says why nothing was stacked (then `active()` changes nothing)."""
 
-    def __init__(self, model: Any, dtype: torch.dtype | None = None):
+    def __init__(self, model: Any):
         from vlmrl.engine.lora_layers import lora_layers
 
         self.groups: list[_Group] = []
-        self.dtype = dtype  # the rollouts' compute dtype: the first factors' over a 4-bit base
         layers = lora_layers(model)
-        self.reason = ("no LoRA layers" if not layers
-                       else next(filter(None, (_member_reason(layer, dtype) for layer in layers)), None))
+        self.reason = "no LoRA layers" if not layers else next(filter(None, map(_member_reason, layers)), None)
         if self.reason is not None:
             return
         adapted = {id(layer) for layer in layers}
@@ -207,29 +117,18 @@ class StackedProjections:
             left = dict(siblings)
             for names in SHARED_INPUT:
                 if all(n in left for n in names) and _compatible([left[n] for n in names]):
-                    self.groups.append(self._stack([left.pop(n) for n in names]))
-            self.groups.extend(self._stack([layer]) for layer in left.values())
-
-    def _stack(self, layers: list[Any]) -> _Group:
-        if is_linear4bit(layers[0].get_base_layer()):
-            return _first_factors(layers, self.dtype)
-        return _stack(layers)
+                    self.groups.append(_stack([left.pop(n) for n in names]))
+            self.groups.extend(_stack([layer]) for layer in left.values())
 
     @property
     def nbytes(self) -> int:
         """What the first factors' rows add to the weights (kept between rollouts)."""
-        return sum(g.nbytes for g in self.groups)
-
-    @property
-    def quantized_groups(self) -> int:
-        """How many groups stack only their first factors (4-bit base layers compute apart)."""
-        return sum(isinstance(g, _FirstFactors) for g in self.groups)
+        return sum(g.weight[g.width:].nbytes + (g.bias[g.width:].nbytes if g.bias is not None else 0)
+                   for g in self.groups)
 
     def second_nbytes(self) -> int:
-        """What the second factors take while a rollout runs."""
-        return sum(sum(g.outs) * sum(g.ranks) * g.weight.element_size() if type(g) is _Group
-                   else sum(out * rank for out, rank in zip(g.outs, g.ranks)) * g.weight.element_size()
-                   for g in self.groups)
+        """What the block-diagonal second factors take while a rollout runs."""
+        return sum(g.width * sum(g.ranks) * g.weight.element_size() for g in self.groups)
 
     @contextlib.contextmanager
     def active(self, fused: bool = False) -> Iterator[None]:
@@ -243,7 +142,7 @@ class StackedProjections:
         try:
             with torch.no_grad():
                 for group in self.groups:
-                    group.load()
+                    _load_factors(group)
                     group.fused = fused
             for group in self.groups:
                 for index, layer in enumerate(group.layers):
@@ -254,13 +153,14 @@ class StackedProjections:
             for layer in installed:
                 del layer.forward
             for group in self.groups:
-                group.clear()
+                group.second = group.scale = group.source = None
+                group.owed, group.fused = {}, False
 
 
 def _compatible(layers: list[Any]) -> bool:
     bases = [layer.get_base_layer() for layer in layers]
     first = bases[0]
-    return all(type(b) is type(first) and b.in_features == first.in_features and b.weight.dtype == first.weight.dtype
+    return all(b.in_features == first.in_features and b.weight.dtype == first.weight.dtype
                and b.weight.device == first.weight.device and (b.bias is None) == (first.bias is None)
                for b in bases)
 
@@ -297,17 +197,26 @@ def _static(*tensors: Any) -> None:
             torch._dynamo.mark_static_address(tensor, guard=False)
 
 
-def _first_factors(layers: list[Any], dtype: torch.dtype) -> _FirstFactors:
-    """A group whose base layers stay as they are: a tensor for the members' first factors, filled per rollout."""
-    ranks = [next(iter(layer.lora_A.values())).out_features for layer in layers]
-    bases = [layer.get_base_layer() for layer in layers]
-    weight = torch.zeros(sum(ranks), bases[0].in_features, dtype=dtype, device=bases[0].weight.device)
-    _static(weight)
-    return _FirstFactors(layers, weight, None, [b.out_features for b in bases], ranks)
-
-
-def _scale(layer: Any) -> float:
-    return layer.scaling[next(iter(layer.lora_A))]
+def _load_factors(group: _Group) -> None:
+    """The adapters' current factors, in the base dtype: first factors into the spare rows, second factors into
+    a fresh block-diagonal matrix; the scale PEFT applies (one number, or one per output column)."""
+    dtype, device = group.weight.dtype, group.weight.device
+    row, col, out_start = group.width, 0, 0
+    second = torch.zeros(group.width, sum(group.ranks), dtype=dtype, device=device)
+    scales = []
+    for layer, out, rank in zip(group.layers, group.outs, group.ranks):
+        name = next(iter(layer.lora_A))
+        group.weight[row:row + rank].copy_(layer.lora_A[name].weight)
+        second[out_start:out_start + out, col:col + rank].copy_(layer.lora_B[name].weight)
+        scales.append(layer.scaling[name])
+        row, col, out_start = row + rank, col + rank, out_start + out
+    group.second = second
+    if len(set(scales)) == 1:
+        group.scale = scales[0]
+    else:
+        group.scale = torch.cat([torch.full((out,), float(s), dtype=dtype, device=device)
+                                 for out, s in zip(group.outs, scales)])
+    _static(group.second, group.scale)
 
 
 def _stacked_forward(group: _Group, index: int, layer: Any) -> Any:
