@@ -132,22 +132,13 @@ class FirstFactorsStacked(stacked.StackedProjections):
 
     @contextlib.contextmanager
     def active(self, fused: bool = False) -> Iterator[None]:
-        installed: list[Any] = []
+        """The product's `active`, loading these groups' factors (`_load`) and freeing their second factors after."""
         try:
-            with torch.no_grad():
-                for group in self.groups:
-                    _load(group)
-                    group.fused = fused
-            for group in self.groups:
-                for index, layer in enumerate(group.layers):
-                    layer.forward = stacked._stacked_forward(group, index, layer)
-                    installed.append(layer)
-            yield
+            with replaced(stacked, "_load_factors", _load), super().active(fused=fused):
+                yield
         finally:
-            for layer in installed:
-                del layer.forward
             for group in self.groups:
-                group.seconds, group.scales, group.source, group.owed, group.fused = [], [], None, {}, False
+                group.seconds, group.scales = [], []
 
 
 @contextlib.contextmanager
