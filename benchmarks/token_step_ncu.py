@@ -22,6 +22,7 @@ Usage (CUDA; ncu on PATH or in /usr/local/cuda/bin):
     python benchmarks/token_step_ncu.py OUT [--load-in-4bit --memory-cap-gib 24] [--completion 1024]
         [--ragged-median 600] [--token-step 256] [--rollout 1]
     python benchmarks/token_step_ncu.py OUT --parse          # the tables again from OUT/token_step_ncu.csv
+    python benchmarks/token_step_ncu.py A.json --against B.json   # two profiles side by side, per kind and kernel
 """
 
 from __future__ import annotations
@@ -135,6 +136,29 @@ def markdown(result: dict, top: int = 25) -> str:
               "|---|---|---|---|---|---|"]
     lines += [line(f"`{name[:80]}`", f, f"{f['kind']}, {f['kernels']}")
               for name, f in list(result["by_name"].items())[:top]]
+    return "\n".join(lines) + "\n"
+
+
+def against(a: dict, b: dict, top: int = 25) -> str:
+    """Two profiles (`profile`'s results) side by side: per kind and per kernel name, the calls and microseconds of
+    each and the difference (b - a), largest differences first."""
+    def rows(key: str) -> list[tuple[str, dict | None, dict | None]]:
+        names = set(a[key]) | set(b[key])
+        both = [(name, a[key].get(name), b[key].get(name)) for name in names]
+        return sorted(both, key=lambda r: -abs((r[2] or {"us": 0})["us"] - (r[1] or {"us": 0})["us"]))
+
+    def line(name: str, x: dict | None, y: dict | None) -> str:
+        cx, ux = (x["kernels"], x["us"]) if x else (0, 0.0)
+        cy, uy = (y["kernels"], y["us"]) if y else (0, 0.0)
+        return f"| {name} | {cx} | {ux:.1f} | {cy} | {uy:.1f} | {uy - ux:+.1f} |"
+
+    head = "| {} | A calls | A us | B calls | B us | B - A us |\n|---|---|---|---|---|---|"
+    summary = (f"A: {a['kernels']} kernels, {a['step']['us']:.0f} us; B: {b['kernels']} kernels, "
+               f"{b['step']['us']:.0f} us ({b['step']['us'] - a['step']['us']:+.0f} us).")
+    lines = [summary, "", head.format("kind")]
+    lines += [line(name, x, y) for name, x, y in rows("by_kind")]
+    lines += ["", f"The {top} kernel names whose time differs most:", "", head.format("kernel")]
+    lines += [line(f"`{name[:80]}`", x, y) for name, x, y in rows("by_name")[:top]]
     return "\n".join(lines) + "\n"
 
 
@@ -259,10 +283,14 @@ def main() -> int:
     parser.add_argument("--token-step", type=int, default=256, help="the profiled cycle starts at this step (1 = the first)")
     parser.add_argument("--rollout", type=int, default=1, help="the rollout profiled (1 = the first)")
     parser.add_argument("--parse", action="store_true", help="only rebuild the tables from OUT's CSV")
+    parser.add_argument("--against", type=Path, help="OUT is a token_step_profile.json: print it (A) beside this one (B)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args)
+        return 0
+    if args.against:
+        print(against(json.loads(args.out.read_text()), json.loads(args.against.read_text())))
         return 0
     if not args.parse:
         if not 1 <= args.token_step < args.completion:

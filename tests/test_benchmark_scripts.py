@@ -155,6 +155,23 @@ def test_token_step_ncu_writes_its_tables_from_the_window_the_run_stopped_at(mon
     assert old["rollout"] == 2 and old["bandwidth_tbs"] == pytest.approx(3.0)
 
 
+def test_token_step_ncu_sets_two_profiles_side_by_side(monkeypatch):
+    ncu = _load(ROOT / "benchmarks" / "token_step_ncu.py", monkeypatch)
+    kernels = ncu.read_ncu_csv(NCU_CSV)
+    a = ncu.profile(kernels, 4.2e12)
+    b = ncu.profile([kernels[0], {**kernels[1], "seconds": 5.5e-6}, {**kernels[1], "id": 2, "name": "second_step"}],
+                    4.2e12)
+    table = ncu.against(a, b)
+    assert table.startswith("A: 2 kernels, 20 us; B: 3 kernels, 25 us (+6 us).")
+    norm = "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0"
+    lines = table.splitlines()
+    kernel_rows = lines[lines.index("The 25 kernel names whose time differs most:") + 4:]
+    # largest difference first; a kernel only one side ran shows zero calls on the other
+    assert kernel_rows[0] == "| `second_step` | 0 | 0.0 | 1 | 3.5 | +3.5 |"
+    assert kernel_rows[1] == f"| `{norm}` | 1 | 3.5 | 1 | 5.5 | +2.0 |"
+    assert "| matmul | 1 | 16.0 | 2 | 19.5 | +3.5 |" in lines  # second_step counts as a matmul
+
+
 # ncu's raw page (`--page raw --csv --print-units base`): a column per metric, a units row under the header
 NCU_RAW = """==PROF== Disconnected
 "ID","Process ID","Kernel Name","gpu__time_duration.sum","launch__grid_size",\
