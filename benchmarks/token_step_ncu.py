@@ -295,10 +295,10 @@ def main() -> int:
     if not args.parse:
         if not 1 <= args.token_step < args.completion:
             parser.error(f"--token-step {args.token_step}: from 1 to below --completion ({args.completion})")
-        ncu = ncu_path()
-        args.out.mkdir(parents=True, exist_ok=True)
         if args.rollout < 1:
             parser.error(f"--rollout {args.rollout}: 1 or later")
+        ncu = ncu_path()
+        args.out.mkdir(parents=True, exist_ok=True)
         forwarded = [f"--completion={args.completion}", f"--token-step={args.token_step}", f"--rollout={args.rollout}",
                      *(["--load-in-4bit"] if args.load_in_4bit else []),
                      *([f"--memory-cap-gib={args.memory_cap_gib}"] if args.memory_cap_gib else []),

@@ -167,4 +167,3 @@ def test_in_bf16_under_the_rollout_autocast_it_computes_what_the_adapter_copies_
         got = block(x, y)
     for a, b in zip(got, expected, strict=True):
         assert a.dtype == torch.bfloat16 and torch.equal(a, b)
-

@@ -60,8 +60,8 @@ class VariantRecord(FastGeneration):
 class _Unstacked(stacked.StackedProjections):
     """`StackedProjections` that stacks nothing: the product then makes its bf16 adapter copies instead."""
 
-    def __init__(self, model: Any, dtype: Any = None):
-        self.groups, self.dtype = [], dtype
+    def __init__(self, model: Any):
+        self.groups = []
         self.reason = "turned off by a bench variant"
 
 

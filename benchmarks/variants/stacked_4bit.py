@@ -5,7 +5,7 @@ A 4-bit base cannot share a matmul with the bf16 first factors, so the product l
 (over the bf16 adapter copies): per projection the nf4 base, the first factor, the second, and the scaled sum. Here
 the projections that read the same input (q/k/v; gate/up) share one matmul for their rank-space inputs, and each
 member's second factor, scale and sum run as one kernel over its base output (the product's second-step kernel,
-`second_factors._launch`, given the base output and the rank-space inputs apart): per layer 7 nf4 calls, 4
+`second_factors.step`, given the base output and the rank-space inputs apart): per layer 7 nf4 calls, 4
 first-factor matmuls and 7 second steps where PEFT runs 7 + 14 matmuls and 7 sums.
 
 - `FirstFactorsStacked(model, dtype)`: a `StackedProjections` whose groups over `Linear4bit` bases hold only the
@@ -44,12 +44,7 @@ def _added_second(base: torch.Tensor, first: torch.Tensor, second: torch.Tensor,
         flat_base = flat_base.contiguous()
     if flat_first.stride(-1) != 1:
         flat_first = flat_first.contiguous()
-    out = second_factors.kernel_or_fallback(
-        second_factors._failed, (str(base.device), base.dtype),
-        lambda: second_factors._launch(flat_base, flat_first, second, None, scale),
-        lambda: reference_added(flat_base, flat_first, second, scale),
-        what="stacked second-factor kernel", instead="cuBLAS", logger=second_factors.log)
-    return out.view(*base.shape)
+    return second_factors.step(flat_base, flat_first, second, None, scale).view(*base.shape)
 
 
 @_added_second.register_fake

@@ -65,12 +65,7 @@ def _stacked_second(stacked: torch.Tensor, second: torch.Tensor, scales: torch.T
     flat = stacked.reshape(-1, stacked.shape[-1])
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
-    out = kernel_or_fallback(
-        _failed, (str(stacked.device), stacked.dtype),
-        lambda: _launch(flat[:, :width], flat[:, width:], second, scales, scale),
-        lambda: reference(flat, second, scales if scales is not None else scale),
-        what="stacked second-factor kernel", instead="cuBLAS", logger=log)
-    return out.view(*stacked.shape[:-1], width)
+    return step(flat[:, :width], flat[:, width:], second, scales, scale).view(*stacked.shape[:-1], width)
 
 
 @_stacked_second.register_fake
@@ -84,6 +79,16 @@ def stacked_second(stacked: torch.Tensor, second: torch.Tensor, scale: Any) -> t
     if isinstance(scale, torch.Tensor):
         return _stacked_second(stacked, second, scale, 1.0)
     return _stacked_second(stacked, second, None, float(scale))
+
+
+def step(base: torch.Tensor, first: torch.Tensor, second: torch.Tensor, scales: torch.Tensor | None,
+         scale: float) -> torch.Tensor:
+    """The kernel on `base` [rows, width] and `first` [rows, ranks] (each read through its row stride), or the same
+    arithmetic in torch, with one warning, where Triton cannot build or launch it. For a custom op's body."""
+    return kernel_or_fallback(
+        _failed, (str(base.device), base.dtype), lambda: _launch(base, first, second, scales, scale),
+        lambda: base + F.linear(first, second) * (scales if scales is not None else scale),
+        what="stacked second-factor kernel", instead="cuBLAS", logger=log)
 
 
 def _launch(base: torch.Tensor, first: torch.Tensor, second: torch.Tensor, scales: torch.Tensor | None,
