@@ -171,7 +171,8 @@ def write(out: Path) -> dict:
                      bench["ceilings"]["copy_bandwidth_tbs"] * 1e12)
     command = out / "token_step_command.json"
     result |= {"settings": bench["settings"], "device": bench["device"], "versions": bench["versions"],
-               "rollout": bench.get("rollout", 2), **(json.loads(command.read_text()) if command.exists() else {})}
+               "rollout": bench.get("rollout", 2), "git_commit": bench.get("git_commit"),
+               **(json.loads(command.read_text()) if command.exists() else {})}
     (out / "token_step_profile.json").write_text(json.dumps(result, indent=2))
     (out / "token_step_profile.md").write_text(markdown(result))
     return result
@@ -193,6 +194,7 @@ def child(args: argparse.Namespace) -> None:
     from vlmrl import bench
     from vlmrl.bench import run as bench_run
     from vlmrl.bench.summary import versions
+    from vlmrl.common.provenance import git_commit
     from vlmrl.engine.rollout.sampling import appended_processor
 
     started = time.perf_counter()
@@ -256,6 +258,7 @@ def child(args: argparse.Namespace) -> None:
     except WindowClosed:
         (args.out / WINDOW).write_text(json.dumps(
             {"settings": asdict(settings), "device": torch.cuda.get_device_name(0), "versions": versions(),
+             "git_commit": os.environ.get("VLMRL_RECORD_COMMIT") or git_commit(),
              "ceilings": measured, "rollout": args.rollout}, indent=2))
         say("done")
         return

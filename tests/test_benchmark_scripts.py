@@ -139,20 +139,22 @@ def test_token_step_ncu_writes_its_tables_from_the_window_the_run_stopped_at(mon
     ncu = _load(ROOT / "benchmarks" / "token_step_ncu.py", monkeypatch)
     (tmp_path / "token_step_ncu.csv").write_text(NCU_CSV)
     window = {"settings": {"completion": 1024}, "device": "a GPU", "versions": {"torch": "2.11.0"},
-              "ceilings": {"copy_bandwidth_tbs": 4.2}, "rollout": 1}
+              "ceilings": {"copy_bandwidth_tbs": 4.2}, "rollout": 1, "git_commit": "abc1234"}
     (tmp_path / ncu.WINDOW).write_text(json.dumps(window))
     result = ncu.write(tmp_path)
     assert result["rollout"] == 1 and result["bandwidth_tbs"] == pytest.approx(4.2)
+    assert result["git_commit"] == "abc1234"  # the suite's claim reads its commit from the profile
     assert result["per_kernel"][0]["x_bytes"] == pytest.approx(16e-6 / ((33554432 + 65536) / 4.2e12))
     assert json.loads((tmp_path / "token_step_profile.json").read_text())["device"] == "a GPU"
     assert (tmp_path / "token_step_profile.md").read_text().startswith("One token step: 2 kernels")
     # a profile made before the run stopped at its window: the bench's own record, the second rollout
     (tmp_path / ncu.WINDOW).unlink()
     (tmp_path / "bench").mkdir()
-    bench = {key: value for key, value in window.items() if key != "rollout"} | {"ceilings": {"copy_bandwidth_tbs": 3.0}}
+    bench = ({key: value for key, value in window.items() if key not in ("rollout", "git_commit")}
+             | {"ceilings": {"copy_bandwidth_tbs": 3.0}})
     (tmp_path / "bench" / "bench.json").write_text(json.dumps(bench))
     old = ncu.write(tmp_path)
-    assert old["rollout"] == 2 and old["bandwidth_tbs"] == pytest.approx(3.0)
+    assert old["rollout"] == 2 and old["bandwidth_tbs"] == pytest.approx(3.0) and old["git_commit"] is None
 
 
 def test_token_step_ncu_sets_two_profiles_side_by_side(monkeypatch):
