@@ -35,6 +35,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 WINDOW = "token_step_window.json"  # what the run measured besides ncu, written when its window closed
@@ -183,10 +184,19 @@ class WindowClosed(BaseException):
     no handler for errors takes it) and ends the run."""
 
 
-def child(args: argparse.Namespace) -> None:
-    """The bench under ncu, the profiler's window around token step `args.token_step` of rollout `args.rollout`;
-    the run stops when the window closes."""
-    import time
+_STARTED = time.perf_counter()
+
+
+def say(what: str) -> None:
+    """Where the run is, in the log: under ncu each phase takes many times its own time."""
+    print(f"[{Path(sys.argv[0]).stem} {time.perf_counter() - _STARTED:7.1f} s] {what}", flush=True)
+
+
+def run_until_window(args: argparse.Namespace, window: object) -> dict:
+    """Run the bench's `args.path` (`vlmrl`, or a bench variant's name from benchmarks/variants) at `args`'s
+    settings, with the logits processor `window` appended after every other one in rollout `args.rollout`, until
+    `window` raises WindowClosed. Returns what the run measured besides the window (settings, device, versions,
+    commit, the ceilings, the rollout); SystemExit where the rollout ended before the window closed."""
     from dataclasses import asdict
 
     import torch
@@ -197,28 +207,11 @@ def child(args: argparse.Namespace) -> None:
     from vlmrl.common.provenance import git_commit
     from vlmrl.engine.rollout.sampling import appended_processor
 
-    started = time.perf_counter()
+    if args.path != "vlmrl":
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import variants
 
-    def say(what: str) -> None:  # where the run is, in the log: under ncu each phase takes many times its own time
-        print(f"[token_step_ncu {time.perf_counter() - started:7.1f} s] {what}", flush=True)
-
-    class Window:
-        def __init__(self, step: int):
-            self.step, self.calls = step, 0
-
-        def __call__(self, input_ids, scores):
-            self.calls += 1
-            if self.calls in (self.step, self.step + 1):
-                torch.cuda.synchronize()
-                if self.calls == self.step:
-                    say(f"profiler on at token step {self.step}")
-                    torch.cuda.profiler.start()
-                else:
-                    torch.cuda.profiler.stop()
-                    say("profiler off")
-                    raise WindowClosed
-            return scores
-
+        variants.register()
     measured: dict = {}
     measure_ceilings = bench_run.measure_ceilings
 
@@ -241,7 +234,6 @@ def child(args: argparse.Namespace) -> None:
             if state["rollouts"] != args.rollout:
                 return timed(*a, **k)
             model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
-            window = Window(args.token_step)
             # entered before the inner wrappers', so its processor is appended after every other one
             with appended_processor(model, lambda ga, gk: window):
                 return timed(*a, **k)
@@ -249,20 +241,44 @@ def child(args: argparse.Namespace) -> None:
         trainer._generate_single_turn = generate
 
     bench.StepClock.wrap_generation = wrap_generation
-    settings = bench.BenchSettings(paths=["vlmrl"], steps=max(2, args.rollout), completion=args.completion,
+    settings = bench.BenchSettings(paths=[args.path], steps=max(2, args.rollout), completion=args.completion,
                                    load_in_4bit=args.load_in_4bit, memory_cap_gib=args.memory_cap_gib,
                                    ragged_median=args.ragged_median)
     try:
         with tempfile.TemporaryDirectory() as work:
             bench.run_bench(settings, args.out / "bench", Path(work))
     except WindowClosed:
-        (args.out / WINDOW).write_text(json.dumps(
-            {"settings": asdict(settings), "device": torch.cuda.get_device_name(0), "versions": versions(),
-             "git_commit": os.environ.get("VLMRL_RECORD_COMMIT") or git_commit(),
-             "ceilings": measured, "rollout": args.rollout}, indent=2))
-        say("done")
-        return
-    raise SystemExit(f"rollout {args.rollout} never reached token step {args.token_step + 1}: nothing was profiled")
+        say("window closed")
+        return {"settings": asdict(settings), "device": torch.cuda.get_device_name(0), "versions": versions(),
+                "git_commit": os.environ.get("VLMRL_RECORD_COMMIT") or git_commit(),
+                "ceilings": measured, "rollout": args.rollout}
+    raise SystemExit(f"rollout {args.rollout} never closed the window: nothing was profiled")
+
+
+def child(args: argparse.Namespace) -> None:
+    """The bench under ncu, the profiler's window around token step `args.token_step` of rollout `args.rollout`;
+    the run stops when the window closes."""
+    import torch
+
+    class Window:
+        def __init__(self, step: int):
+            self.step, self.calls = step, 0
+
+        def __call__(self, input_ids, scores):
+            self.calls += 1
+            if self.calls in (self.step, self.step + 1):
+                torch.cuda.synchronize()
+                if self.calls == self.step:
+                    say(f"profiler on at token step {self.step}")
+                    torch.cuda.profiler.start()
+                else:
+                    torch.cuda.profiler.stop()
+                    say("profiler off")
+                    raise WindowClosed
+            return scores
+
+    record = run_until_window(args, Window(args.token_step))
+    (args.out / WINDOW).write_text(json.dumps(record, indent=2))
 
 
 def ncu_path() -> str:
@@ -285,6 +301,7 @@ def main() -> int:
     parser.add_argument("--ragged-median", type=int)
     parser.add_argument("--token-step", type=int, default=256, help="the profiled cycle starts at this step (1 = the first)")
     parser.add_argument("--rollout", type=int, default=1, help="the rollout profiled (1 = the first)")
+    parser.add_argument("--path", default="vlmrl", help="the bench path: vlmrl, or a variant's (engine_variants.py)")
     parser.add_argument("--parse", action="store_true", help="only rebuild the tables from OUT's CSV")
     parser.add_argument("--against", type=Path, help="OUT is a token_step_profile.json: print it (A) beside this one (B)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -303,6 +320,7 @@ def main() -> int:
         ncu = ncu_path()
         args.out.mkdir(parents=True, exist_ok=True)
         forwarded = [f"--completion={args.completion}", f"--token-step={args.token_step}", f"--rollout={args.rollout}",
+                     *([f"--path={args.path}"] if args.path != "vlmrl" else []),
                      *(["--load-in-4bit"] if args.load_in_4bit else []),
                      *([f"--memory-cap-gib={args.memory_cap_gib}"] if args.memory_cap_gib else []),
                      *([f"--ragged-median={args.ragged_median}"] if args.ragged_median else [])]

@@ -219,3 +219,27 @@ def test_nf4_stalls_reads_ncu_raw_and_source_pages(monkeypatch):
         stalls.read_raw("==PROF== nothing profiled\n")
     with pytest.raises(ValueError, match="no SASS source table"):
         stalls.read_source("nothing\n")
+
+
+def test_token_step_timeline_sets_wall_time_against_the_gpus_busy_time(monkeypatch):
+    timeline = _load(ROOT / "benchmarks" / "token_step_timeline.py", monkeypatch)
+    assert timeline.busy_us([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "kernel", "name": "a", "ts": 0, "dur": 100},
+        {"ph": "X", "cat": "kernel", "name": "b", "ts": 50, "dur": 100},    # overlaps a: busy 150 us so far
+        {"ph": "X", "cat": "gpu_memcpy", "name": "c", "ts": 400, "dur": 50},  # after a 250 us gap
+        {"ph": "X", "cat": "kernel", "name": "d", "ts": 460, "dur": 40},    # a 10 us gap: not counted
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 0, "dur": 30},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 390, "dur": 10},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 500},
+        {"ph": "i", "cat": "kernel", "name": "an instant, not an interval", "ts": 0}]}
+    s = timeline.summarize(trace, wall_s=1e-3, steps=2, top_ops=[])
+    assert s["wall_ms"] == pytest.approx(0.5) and s["gpu_busy_ms"] == pytest.approx(0.12)
+    assert s["gpu_summed_ms"] == pytest.approx(0.145) and s["gpu_events"] == 2
+    assert s["idle_ms"] == pytest.approx(0.38)
+    assert s["gaps_over_20us"] == 0.5 and s["largest_gaps_us"] == [250.0]
+    assert s["runtime"] == [{"name": "cudaGraphLaunch", "calls": 1.0, "host_ms": pytest.approx(0.02)}]
+    with pytest.raises(ValueError, match="no GPU event"):
+        timeline.summarize({"traceEvents": trace["traceEvents"][4:]}, 1e-3, 1, [])
+    table = timeline.markdown({"path": "vlmrl", "token_step": 64, "rollout": 1, "device": "a GPU", "timeline": s})
+    assert "| GPU idle (wall - busy) | 0.38 |" in table and "| `cudaGraphLaunch` | 1.0 | 0.020 |" in table
