@@ -292,16 +292,22 @@ def run_with_src(command: list[str]) -> int:
     return subprocess.run(command, env=env, check=False).returncode
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def bench_arguments(description: str) -> argparse.ArgumentParser:
+    """The options `run_until_window` reads (OUT, the bench path and its settings, the rollout)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("out", type=Path)
+    parser.add_argument("--path", default="vlmrl", help="the bench path: vlmrl, or a variant's (engine_variants.py)")
     parser.add_argument("--load-in-4bit", action="store_true")
     parser.add_argument("--memory-cap-gib", type=float)
     parser.add_argument("--completion", type=int, default=1024)
     parser.add_argument("--ragged-median", type=int)
-    parser.add_argument("--token-step", type=int, default=256, help="the profiled cycle starts at this step (1 = the first)")
     parser.add_argument("--rollout", type=int, default=1, help="the rollout profiled (1 = the first)")
-    parser.add_argument("--path", default="vlmrl", help="the bench path: vlmrl, or a variant's (engine_variants.py)")
+    return parser
+
+
+def main() -> int:
+    parser = bench_arguments(__doc__.split("\n\n")[0])
+    parser.add_argument("--token-step", type=int, default=256, help="the profiled cycle starts at this step (1 = the first)")
     parser.add_argument("--parse", action="store_true", help="only rebuild the tables from OUT's CSV")
     parser.add_argument("--against", type=Path, help="OUT is a token_step_profile.json: print it (A) beside this one (B)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

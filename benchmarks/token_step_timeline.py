@@ -18,7 +18,6 @@ Usage (CUDA): python benchmarks/token_step_timeline.py OUT [--path vlmrl-4bit-st
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -26,7 +25,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from token_step_ncu import WindowClosed, run_until_window, say
+from token_step_ncu import WindowClosed, bench_arguments, run_until_window, say
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 GAP_US = 20.0
@@ -105,16 +104,9 @@ def markdown(result: dict) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("out", type=Path)
-    parser.add_argument("--path", default="vlmrl", help="the bench path: vlmrl, or a variant's (engine_variants.py)")
-    parser.add_argument("--load-in-4bit", action="store_true")
-    parser.add_argument("--memory-cap-gib", type=float)
-    parser.add_argument("--completion", type=int, default=1024)
-    parser.add_argument("--ragged-median", type=int)
+    parser = bench_arguments(__doc__.split("\n\n")[0])
     parser.add_argument("--token-step", type=int, default=64, help="the first recorded step (1 = the first)")
     parser.add_argument("--steps", type=int, default=8, help="how many token steps are recorded")
-    parser.add_argument("--rollout", type=int, default=1, help="the rollout recorded (1 = the first)")
     args = parser.parse_args()
     if args.steps < 1 or not 1 <= args.token_step < args.token_step + args.steps < args.completion:
         parser.error(f"--token-step {args.token_step} --steps {args.steps}: the window must end below "
