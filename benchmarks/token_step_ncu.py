@@ -301,8 +301,15 @@ def bench_arguments(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--memory-cap-gib", type=float)
     parser.add_argument("--completion", type=int, default=1024)
     parser.add_argument("--ragged-median", type=int)
-    parser.add_argument("--rollout", type=int, default=1, help="the rollout profiled (1 = the first)")
+    parser.add_argument("--rollout", type=_from_one, default=1, help="the rollout profiled (1 = the first)")
     return parser
+
+
+def _from_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: 1 or later")
+    return value
 
 
 def main() -> int:
@@ -321,8 +328,6 @@ def main() -> int:
     if not args.parse:
         if not 1 <= args.token_step < args.completion:
             parser.error(f"--token-step {args.token_step}: from 1 to below --completion ({args.completion})")
-        if args.rollout < 1:
-            parser.error(f"--rollout {args.rollout}: 1 or later")
         ncu = ncu_path()
         args.out.mkdir(parents=True, exist_ok=True)
         forwarded = [f"--completion={args.completion}", f"--token-step={args.token_step}", f"--rollout={args.rollout}",

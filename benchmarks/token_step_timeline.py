@@ -23,29 +23,15 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from itertools import pairwise
 from pathlib import Path
 
 from token_step_ncu import WindowClosed, bench_arguments, run_until_window, say
 
+from vlmrl.bench.comm import union
+
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 GAP_US = 20.0
-
-
-def busy_us(intervals: list[tuple[float, float]]) -> float:
-    """The length of the union of [start, end] intervals.
-
-    >>> busy_us([(0, 10), (5, 12), (20, 25)])
-    17
-    """
-    total, end = 0, None
-    for start, stop in sorted(intervals):
-        if end is None or start > end:
-            total += stop - start
-            end = stop
-        elif stop > end:
-            total += stop - end
-            end = stop
-    return total
 
 
 def summarize(trace: dict, wall_s: float, steps: int, top_ops: list[dict]) -> dict:
@@ -56,19 +42,15 @@ def summarize(trace: dict, wall_s: float, steps: int, top_ops: list[dict]) -> di
     if not gpu:
         raise ValueError("the trace holds no GPU event: was CUPTI on (ProfilerActivity.CUDA)?")
     intervals = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in gpu]
-    ends = sorted(intervals)
-    gaps, reach = [], ends[0][1]
-    for start, stop in ends[1:]:
-        if start - reach > GAP_US:
-            gaps.append(start - reach)
-        reach = max(reach, stop)
+    spans = union(intervals)
+    gaps = [start - end for (_, end), (start, _) in pairwise(spans) if start - end > GAP_US]
     runtime: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for e in events:
-        if e.get("cat") == "cuda_runtime" or e.get("cat") == "cuda_driver":
+        if e.get("cat") in ("cuda_runtime", "cuda_driver"):
             runtime[e["name"]][0] += 1
             runtime[e["name"]][1] += float(e.get("dur", 0))
     wall_ms = wall_s * 1e3 / steps
-    busy_ms = busy_us(intervals) / 1e3 / steps
+    busy_ms = sum(stop - start for start, stop in spans) / 1e3 / steps
     return {
         "steps": steps,
         "wall_ms": wall_ms,
@@ -111,8 +93,6 @@ def main() -> int:
     if args.steps < 1 or not 1 <= args.token_step < args.token_step + args.steps < args.completion:
         parser.error(f"--token-step {args.token_step} --steps {args.steps}: the window must end below "
                      f"--completion ({args.completion})")
-    if args.rollout < 1:
-        parser.error(f"--rollout {args.rollout}: from 1")
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -126,12 +106,12 @@ def main() -> int:
                 torch.cuda.synchronize()
                 say(f"recording from token step {args.token_step}")
                 self.profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-                self.profiler.__enter__()
+                self.profiler.start()
                 self.started = time.perf_counter()
             elif self.calls == args.token_step + args.steps:
                 torch.cuda.synchronize()
                 self.wall_s = time.perf_counter() - self.started
-                self.profiler.__exit__(None, None, None)
+                self.profiler.stop()
                 say(f"recorded {args.steps} token steps, {self.wall_s * 1e3 / args.steps:.2f} ms each")
                 raise WindowClosed
             return scores

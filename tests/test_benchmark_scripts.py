@@ -223,7 +223,7 @@ def test_nf4_stalls_reads_ncu_raw_and_source_pages(monkeypatch):
 
 def test_token_step_timeline_sets_wall_time_against_the_gpus_busy_time(monkeypatch):
     timeline = _load(ROOT / "benchmarks" / "token_step_timeline.py", monkeypatch)
-    assert timeline.busy_us([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17
+    assert timeline.union([(20, 25), (0, 10), (5, 12), (21, 22), (12, 12)]) == [(0, 12), (20, 25)]  # 17 us busy
     trace = {"traceEvents": [
         {"ph": "X", "cat": "kernel", "name": "a", "ts": 0, "dur": 100},
         {"ph": "X", "cat": "kernel", "name": "b", "ts": 50, "dur": 100},    # overlaps a: busy 150 us so far

@@ -25,9 +25,9 @@ def compile_over_4bit(model: Any) -> Iterator[None]:
     bitsandbytes 4-bit quantizer inherits; it then decodes eagerly over the static cache, one kernel launch per
     projection and the host waiting on each (several times slower: benchmarks/NOTES.md). bitsandbytes >= 0.50
     runs inference matmuls through registered torch ops (`bitsandbytes::gemm_4bit`, with fake implementations),
-    which dynamo traces, so the refusal is lifted when that op exists. Without gradients bitsandbytes takes the same op eagerly, so the rollout's numerics are
-    those of bitsandbytes' own inference path either way (benchmarks/decode_4bit.py compares the rollout's
-    log-probs with the loss pass's).
+    which dynamo traces, so the refusal is lifted when that op exists. Without gradients bitsandbytes takes the same
+    op eagerly, so the rollout's numerics are those of bitsandbytes' own inference path either way
+    (benchmarks/decode_4bit.py compares the rollout's log-probs with the loss pass's).
     """
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is None or quantizer.is_compileable or not bnb_ops_traceable():
@@ -55,7 +55,6 @@ def bnb_ops_traceable() -> bool:
     except Exception:  # noqa: BLE001  missing or broken install: nothing to lift
         return False
     return hasattr(torch.ops.bitsandbytes, "gemm_4bit")
-
 
 
 BITSANDBYTES = "bitsandbytes Linear4bit"
