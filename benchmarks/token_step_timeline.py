@@ -4,7 +4,8 @@ against the GPU's busy time in it, and what the host spent it on. Diagnostic, CU
 Nsight Compute (`token_step_ncu.py`) replays every kernel alone, so its times add up without launch gaps: it
 cannot see a token step that is slower than its kernels. This one runs the bench (`--path`: `vlmrl`, or a bench
 variant's name from benchmarks/variants) at normal speed and, in rollout R (`--rollout`), records token steps K to
-K+N (`--token-step`, `--steps`) with torch.profiler, then stops the run as `token_step_ncu.py` does.
+K+N (`--token-step`, `--steps`) with torch.profiler (and times steps K-N to K without it, as the profiler's own
+cost on the host shows), then stops the run as `token_step_ncu.py` does.
 
 Writes OUT/token_step_timeline.json and .md, per token step: the wall time (host clock, between the logits
 processor's calls at K and K+N, the GPU synchronized at both ends); the GPU's busy time (the union of its
@@ -73,7 +74,8 @@ def markdown(result: dict) -> str:
             f"{result['rollout']} ({result['device']}):")
     lines = [head, "",
              "| per token step | ms |", "|---|---|",
-             f"| wall (host clock) | {s['wall_ms']:.2f} |",
+             f"| wall, the same number of token steps just before, unprofiled | {result['unprofiled_wall_ms']:.2f} |",
+             f"| wall (host clock), profiled | {s['wall_ms']:.2f} |",
              f"| GPU busy (union of its work) | {s['gpu_busy_ms']:.2f} |",
              f"| GPU work summed ({s['gpu_events']:.0f} kernels, copies, memsets) | {s['gpu_summed_ms']:.2f} |",
              f"| GPU idle (wall - busy) | {s['idle_ms']:.2f} |",
@@ -90,20 +92,25 @@ def main() -> int:
     parser.add_argument("--token-step", type=int, default=64, help="the first recorded step (1 = the first)")
     parser.add_argument("--steps", type=int, default=8, help="how many token steps are recorded")
     args = parser.parse_args()
-    if args.steps < 1 or not 1 <= args.token_step < args.token_step + args.steps < args.completion:
-        parser.error(f"--token-step {args.token_step} --steps {args.steps}: the window must end below "
-                     f"--completion ({args.completion})")
+    if args.steps < 1 or not args.steps < args.token_step < args.token_step + args.steps < args.completion:
+        parser.error(f"--token-step {args.token_step} --steps {args.steps}: the window must start after --steps "
+                     f"token steps (the same number run unprofiled first) and end below --completion "
+                     f"({args.completion})")
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     class Window:
         def __init__(self) -> None:
-            self.calls, self.profiler, self.started, self.wall_s = 0, None, 0.0, 0.0
+            self.calls, self.profiler, self.started, self.wall_s, self.plain_s = 0, None, 0.0, 0.0, 0.0
 
         def __call__(self, input_ids, scores):
             self.calls += 1
-            if self.calls == args.token_step:
+            if self.calls == args.token_step - args.steps:
                 torch.cuda.synchronize()
+                self.started = time.perf_counter()
+            elif self.calls == args.token_step:
+                torch.cuda.synchronize()
+                self.plain_s = time.perf_counter() - self.started
                 say(f"recording from token step {args.token_step}")
                 self.profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
                 self.profiler.start()
@@ -130,7 +137,8 @@ def main() -> int:
                for e in averages]
     result = {**record, "path": args.path, "token_step": args.token_step,
               "command": "python benchmarks/token_step_timeline.py OUT " + " ".join(sys.argv[2:]),
-              "timeline": summarize(trace, window.wall_s, args.steps, top_ops)}
+              "timeline": summarize(trace, window.wall_s, args.steps, top_ops),
+              "unprofiled_wall_ms": window.plain_s * 1e3 / args.steps}
     (args.out / "token_step_timeline.json").write_text(json.dumps(result, indent=2))
     (args.out / "token_step_timeline.md").write_text(markdown(result))
     print(markdown(result))

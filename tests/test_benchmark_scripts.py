@@ -241,5 +241,7 @@ def test_token_step_timeline_sets_wall_time_against_the_gpus_busy_time(monkeypat
     assert s["runtime"] == [{"name": "cudaGraphLaunch", "calls": 1.0, "host_ms": pytest.approx(0.02)}]
     with pytest.raises(ValueError, match="no GPU event"):
         timeline.summarize({"traceEvents": trace["traceEvents"][4:]}, 1e-3, 1, [])
-    table = timeline.markdown({"path": "vlmrl", "token_step": 64, "rollout": 1, "device": "a GPU", "timeline": s})
+    table = timeline.markdown({"path": "vlmrl", "token_step": 64, "rollout": 1, "device": "a GPU", "timeline": s,
+                                "unprofiled_wall_ms": 0.45})
     assert "| GPU idle (wall - busy) | 0.38 |" in table and "| `cudaGraphLaunch` | 1.0 | 0.020 |" in table
+    assert "unprofiled | 0.45 |" in table
