@@ -72,12 +72,14 @@ def test_each_variant_changes_only_its_own_setting():
         "vlmrl-guards-once": {"guards_once": True}, "vlmrl-second-cublas": {"second_cublas": True},
         "vlmrl-bnb": {"nf4_kernel": "off"}, "vlmrl-nf4-v1": {"nf4_kernel": "v1"},
         "vlmrl-nf4-folded": {"nf4_kernel": "folded"}, "vlmrl-nf4-summed": {"nf4_kernel": "summed"},
-        "vlmrl-nf4-by-rule": {"nf4_kernel": "by_rule"}, "vlmrl-finished-read": {"finished_read": True}}
+        "vlmrl-nf4-by-rule": {"nf4_kernel": "by_rule"}, "vlmrl-finished-read": {"finished_read": True},
+        "vlmrl-second-inline": {"second_inline": True}, "vlmrl-4bit-stacked-inline": {"second_inline": True}}
+    assert table["vlmrl-4bit-stacked-inline"].first_factors
     for keywords in options.values():
         inspect.signature(rollout.apply).bind("trainer", "fast", **keywords)  # apply takes these keywords
 
 
-@pytest.mark.parametrize("name", ["merge", "rollout", "nf4_v1", "nf4_lora", "nf4_launch", "nf4_pairs"])
+@pytest.mark.parametrize("name", ["merge", "rollout", "nf4_v1", "nf4_lora", "nf4_launch", "nf4_pairs", "second_inline"])
 def test_each_plugin_module_imports(name):
     importlib.import_module(f"variants.{name}")
 
@@ -500,3 +502,44 @@ def test_the_4bit_stacked_path_sets_the_experiment_up_where_the_product_makes_co
         fast = enable_fast_generation(trainer)
     assert fast.adapters.startswith("stacked by shared input for rollouts (3 groups of 3/2/1 projections")
     assert [name for name, _ in trainer.vlmrl_rollout_contexts if name in ("adapter_copies", "stacked")] == ["stacked"]
+
+
+def test_the_second_step_as_pointwise_products_computes_the_stacked_groups_outputs():
+    """`vlmrl-second-inline`: a block's stacked groups give the product's unfused values (to bf16 rounding: the
+    product's sum runs in another order), with per-member scales, and compile to no second-step op nor matmul."""
+    from variants import second_inline
+
+    from vlmrl.engine.rollout.stacked import StackedProjections
+
+    block = lora_policy(Block(64).to(torch.bfloat16), rank_pattern={"k_proj": 2}, alpha_pattern={"v_proj": 2})
+    torch.manual_seed(3)
+    x, y = torch.randn(4, 5, 64, dtype=torch.bfloat16), torch.randn(4, 5, 64, dtype=torch.bfloat16)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False)
+    stack = StackedProjections(block)
+    with torch.no_grad(), autocast, stack.active():
+        expected = block(x, y)
+    nodes = []
+
+    def backend(gm, example_inputs):
+        nodes.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        nodes.clear()
+        with torch.no_grad(), autocast, stack.active(fused=True), second_inline.second_inline():
+            assert any(isinstance(g.scale, torch.Tensor) for g in stack.groups)  # v's alpha: one scale a column
+            run = torch.compile(block, backend=backend, fullgraph=True) if compiled else block
+            got = run(x, y)
+        for a, b in zip(got, expected, strict=True):
+            assert a.dtype == torch.bfloat16
+            torch.testing.assert_close(a, b, rtol=8e-3, atol=1e-2)
+    assert not any("stacked_second" in n for n in nodes)
+    # only the stacked first matmuls: q/k/v for x, for y and for x again, gate/up for y and x, o for x
+    assert nodes.count("<built-in function linear>") == 6
+    assert stack.groups[0].compute.__func__ is not second_inline._stacked_compute  # the product's again
+    with torch.no_grad():
+        base, first = torch.randn(3, 8), torch.randn(3, 4)
+        second = torch.randn(8, 4)
+        torch.testing.assert_close(second_inline.inline_added(base, first, second, 0.5),
+                                   base + 0.5 * (first @ second.T))

@@ -21,6 +21,7 @@ The modules (what each was worth: benchmarks/NOTES.md):
 - `nf4_launch`: the nf4 kernel's launch with another tile kernel, or a LoRA branch in its split sum.
 - `stacked_4bit`: over a 4-bit base, the LoRA first factors stacked by shared input and each member's second step
   one kernel (`first_factors_stacked`).
+- `second_inline`: the stacked groups' second step as pointwise products inductor may fold into its neighbours.
 """
 
 from __future__ import annotations
@@ -111,6 +112,10 @@ VARIANTS: dict[str, Variant] = {
     # over a 4-bit base, the LoRA first factors stacked by shared input and each member's second step one kernel,
     # instead of PEFT's branch per projection over the adapter copies (stacked_4bit)
     "vlmrl-4bit-stacked": Variant(first_factors=True),
+    # the stacked groups' second step as pointwise products that inductor may fold into the kernels around it
+    # (second_inline), in bf16 and over a 4-bit base with the first factors stacked
+    "vlmrl-second-inline": Variant(rollout={"second_inline": True}),
+    "vlmrl-4bit-stacked-inline": Variant(first_factors=True, rollout={"second_inline": True}),
 }
 
 

@@ -85,7 +85,7 @@ def input_cast(trainer: Any, loss_pass: Any) -> Any:
 
 def apply(trainer: Any, fast: FastGeneration, *, merge: bool = False, filled_window: int = 0,
           guards_once: bool = False, sdpa_decode: bool = False, second_cublas: bool = False,
-          nf4_kernel: str = "", finished_read: bool = False) -> FastGeneration:
+          nf4_kernel: str = "", finished_read: bool = False, second_inline: bool = False) -> FastGeneration:
     """Add the variants to `trainer`'s rollouts (set up by `enable_fast_generation`, which returned
     `fast`) and return `fast` with what was done. `merge`: the adapter merged for each rollout; `filled_window` > 0:
     attention over the filled cache positions in windows of that many; `guards_once`: dynamo's guards checked until
@@ -96,7 +96,9 @@ def apply(trainer: Any, fast: FastGeneration, *, merge: bool = False, filled_win
     product's kernel with the LoRA branch's second factor and sum folded into its last pass (`nf4_lora`); "summed",
     the same with the branch's factors as PEFT runs them and only its scale and sum in that pass; "by_rule", the
     product's kernel with `nf4.rule_config`'s settings everywhere (no `TUNED_SM90`); `finished_read`: rows that have
-    ended keep reading their whole cache at token steps (the product narrows their mask, `finished`). Call it right
+    ended keep reading their whole cache at token steps (the product narrows their mask, `finished`);
+    `second_inline`: the stacked groups' second step as pointwise products inductor may fold into the kernels around
+    it (`second_inline`), instead of one kernel a group. Call it right
     after `enable_fast_generation`, before anything else wraps the trainer's rollout call. Returns a `VariantRecord`
     (`fast` itself when fast generation is off)."""
     if not fast.enabled:
@@ -133,6 +135,12 @@ def apply(trainer: Any, fast: FastGeneration, *, merge: bool = False, filled_win
         contexts = [(name, functools.partial(factory.func, fused=False) if name == "stacked" else factory)
                     for name, factory in contexts]
         changes["adapters"] = changes.get("adapters", fast.adapters or "").replace(SECOND_KERNEL, "")
+    if second_inline:
+        from .second_inline import second_inline as inline
+
+        contexts.append(("second_inline", inline))
+        changes["adapters"] = changes.get("adapters", fast.adapters or "").replace(
+            SECOND_KERNEL, "; token steps: each group's second step as pointwise products (a bench variant)")
     if guards_once:
         _insert(contexts, ("guards_once", lambda: _guards_once(trainer.model)), before=("compile_over_4bit",))
         changes["guards"] = "first step"
