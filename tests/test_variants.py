@@ -73,8 +73,10 @@ def test_each_variant_changes_only_its_own_setting():
         "vlmrl-bnb": {"nf4_kernel": "off"}, "vlmrl-nf4-v1": {"nf4_kernel": "v1"},
         "vlmrl-nf4-folded": {"nf4_kernel": "folded"}, "vlmrl-nf4-summed": {"nf4_kernel": "summed"},
         "vlmrl-nf4-by-rule": {"nf4_kernel": "by_rule"}, "vlmrl-finished-read": {"finished_read": True},
-        "vlmrl-second-inline": {"second_inline": True}, "vlmrl-4bit-stacked-inline": {"second_inline": True}}
-    assert table["vlmrl-4bit-stacked-inline"].first_factors
+        "vlmrl-second-inline": {"second_inline": True}, "vlmrl-4bit-stacked-inline": {"second_inline": True},
+        "vlmrl-4bit-inline": {"second_inline": True}}
+    assert table["vlmrl-4bit-stacked-inline"].first_factors is True
+    assert table["vlmrl-4bit-inline"].first_factors == "apart"
     for keywords in options.values():
         inspect.signature(rollout.apply).bind("trainer", "fast", **keywords)  # apply takes these keywords
 
@@ -543,3 +545,30 @@ def test_the_second_step_as_pointwise_products_computes_the_stacked_groups_outpu
         second = torch.randn(8, 4)
         torch.testing.assert_close(second_inline.inline_added(base, first, second, 0.5),
                                    base + 0.5 * (first @ second.T))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes")
+def test_over_a_4bit_base_the_pointwise_second_step_keeps_peft_s_first_factors_apart():
+    """`vlmrl-4bit-inline`: one group a projection (PEFT's first factors as the product runs them), the second step
+    pointwise; the product's values to bf16 rounding."""
+    from variants import second_inline, stacked_4bit
+
+    from tests.helpers import NF4_DEVICE
+    from vlmrl.engine.rollout import nf4
+    from vlmrl.engine.rollout.adapter_cast import LowPrecisionAdapters
+
+    block = _4bit_block()
+    torch.manual_seed(2)
+    x, y = (torch.randn(4, 5, 64, dtype=torch.bfloat16, device=NF4_DEVICE) for _ in range(2))
+    autocast = torch.autocast(torch.device(NF4_DEVICE).type, dtype=torch.bfloat16, cache_enabled=False)
+    with torch.no_grad(), autocast, nf4.nf4_decode(block), LowPrecisionAdapters(block, torch.bfloat16).active():
+        expected = block(x, y)
+    with stacked_4bit.first_factors_stacked(apart=True):
+        stack = stacked_4bit.stacked.StackedProjections(block)  # what enable_fast_generation builds there
+    assert stack.reason is None and [len(g.layers) for g in stack.groups] == [1] * 6
+    assert stacked_4bit.stacked.SHARED_INPUT  # the product's grouping again after the block
+    with torch.no_grad(), autocast, nf4.nf4_decode(block), stack.active(fused=True), second_inline.second_inline():
+        got = block(x, y)
+    for a, b in zip(got, expected, strict=True):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a, b, rtol=8e-3, atol=1e-2)

@@ -37,12 +37,12 @@ FILLED_WINDOW = 128  # the filled-cache window measured: 11 windows over the see
 class Variant:
     """One variant path: the `vlmrl` path's set-up, then `rollout.apply(**rollout)` on its rollout record; with
     `stacked` False nothing is stacked (the product's adapter copies then), with `first_factors` the first factors
-    over a 4-bit base are stacked too (`stacked_4bit`), with `input_cast` PEFT's LoRA input casts stay in the loss
+    over a 4-bit base are stacked too (`stacked_4bit`; "apart": each projection a group of its own), with `input_cast` PEFT's LoRA input casts stay in the loss
     pass, and `loss_pass` passes the product's own `enable_loss_pass` options."""
 
     rollout: dict = field(default_factory=dict)
     stacked: bool = True
-    first_factors: bool = False
+    first_factors: bool | str = False
     input_cast: bool = False
     loss_pass: dict = field(default_factory=dict)
 
@@ -57,7 +57,7 @@ class Variant:
         if not self.stacked:
             setup = rollout.unstacked()
         elif self.first_factors:
-            setup = stacked_4bit.first_factors_stacked()
+            setup = stacked_4bit.first_factors_stacked(apart=self.first_factors == "apart")
         else:
             setup = contextlib.nullcontext()
         with setup:
@@ -116,6 +116,8 @@ VARIANTS: dict[str, Variant] = {
     # (second_inline), in bf16 and over a 4-bit base with the first factors stacked
     "vlmrl-second-inline": Variant(rollout={"second_inline": True}),
     "vlmrl-4bit-stacked-inline": Variant(first_factors=True, rollout={"second_inline": True}),
+    # over a 4-bit base, PEFT's first factors per projection as the product runs them, the second step pointwise
+    "vlmrl-4bit-inline": Variant(first_factors="apart", rollout={"second_inline": True}),
 }
 
 

@@ -10,7 +10,8 @@ first-factor matmuls and 7 second steps where PEFT runs 7 + 14 matmuls and 7 sum
 
 - `FirstFactorsStacked(model, dtype)`: a `StackedProjections` whose groups over `Linear4bit` bases hold only the
   first factors (in `dtype`, the rollouts' compute dtype), filled when a rollout starts; `active()` as the product's.
-- `first_factors_stacked()`: inside the block, `enable_fast_generation` builds that instead of the product's.
+- `first_factors_stacked(apart)`: inside the block, `enable_fast_generation` builds that instead of the product's
+  (`apart`: one projection a group).
 - `added_second(base, first, second, scale)`: the second step with the two parts apart (a custom op,
   `vlmrl_bench::added_second`).
 Values: those of PEFT's forward over the adapter copies under the rollout's autocast, up to the order in which a
@@ -137,7 +138,9 @@ class FirstFactorsStacked(stacked.StackedProjections):
 
 
 @contextlib.contextmanager
-def first_factors_stacked() -> Iterator[None]:
-    """Inside the block, `enable_fast_generation` stacks the first factors over a 4-bit base."""
-    with replaced(stacked, "StackedProjections", FirstFactorsStacked):
+def first_factors_stacked(apart: bool = False) -> Iterator[None]:
+    """Inside the block, `enable_fast_generation` stacks the first factors over a 4-bit base (`apart`: each
+    projection a group of its own, PEFT's first factors as they are, only the second step this module's)."""
+    with replaced(stacked, "StackedProjections", FirstFactorsStacked), \
+            replaced(stacked, "SHARED_INPUT", () if apart else stacked.SHARED_INPUT):
         yield
