@@ -74,7 +74,7 @@ def test_each_variant_changes_only_its_own_setting():
         "vlmrl-nf4-folded": {"nf4_kernel": "folded"}, "vlmrl-nf4-summed": {"nf4_kernel": "summed"},
         "vlmrl-nf4-by-rule": {"nf4_kernel": "by_rule"}, "vlmrl-finished-read": {"finished_read": True},
         "vlmrl-second-inline": {"second_inline": True}, "vlmrl-4bit-stacked-inline": {"second_inline": True},
-        "vlmrl-4bit-inline": {"second_inline": True}}
+        "vlmrl-4bit-inline": {"second_inline": True}, "vlmrl-combo-kernels": {"inductor": {"combo_kernels": True}}}
     assert table["vlmrl-4bit-stacked-inline"].first_factors is True
     assert table["vlmrl-4bit-inline"].first_factors == "apart"
     for keywords in options.values():
@@ -205,6 +205,28 @@ def test_apply_puts_each_variant_in_its_place_and_records_it():
     assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))  # restored bit for bit
     off = FastGeneration(False, "vLLM")
     assert rollout.apply(trainer, off, merge=True) is off
+
+
+def test_inductor_settings_and_the_pointwise_second_step_hold_while_rollouts_run():
+    import torch._inductor.config as inductor_config
+
+    from vlmrl.engine.rollout import stacked
+
+    model = lora_net(torch.bfloat16)
+    product_compute = stacked._Group.compute
+    seen: list = []
+    trainer = _named_trainer(model, seen)
+    fast = FastGeneration(True, "static KV cache + torch.compile", mode="reduce-overhead", adapters=(
+        "stacked by shared input" + rollout.SECOND_KERNEL))
+    done = rollout.apply(trainer, fast, second_inline=True, inductor={"combo_kernels": True})
+    assert done.mode == "reduce-overhead, inductor {'combo_kernels': True} (a bench variant)"
+    assert done.adapters.endswith("each group's second step as pointwise products (a bench variant)")
+    during = []
+    wrap_rollouts(trainer, [*trainer.vlmrl_rollout_contexts, ("probe", lambda: contextlib.nullcontext(
+        during.append((inductor_config.combo_kernels, stacked._Group.compute is not product_compute))))])
+    trainer._generate_single_turn()
+    assert during == [(True, True)]
+    assert inductor_config.combo_kernels is False and stacked._Group.compute is product_compute
 
 
 # --- the merged rollout (merge.py) -----------------------------------------------------------------------------

@@ -118,6 +118,8 @@ VARIANTS: dict[str, Variant] = {
     "vlmrl-4bit-stacked-inline": Variant(first_factors=True, rollout={"second_inline": True}),
     # over a 4-bit base, PEFT's first factors per projection as the product runs them, the second step pointwise
     "vlmrl-4bit-inline": Variant(first_factors="apart", rollout={"second_inline": True}),
+    # inductor's combo kernels (independent small kernels of the token step launched as one) while rollouts compile
+    "vlmrl-combo-kernels": Variant(rollout={"inductor": {"combo_kernels": True}}),
 }
 
 

@@ -85,7 +85,8 @@ def input_cast(trainer: Any, loss_pass: Any) -> Any:
 
 def apply(trainer: Any, fast: FastGeneration, *, merge: bool = False, filled_window: int = 0,
           guards_once: bool = False, sdpa_decode: bool = False, second_cublas: bool = False,
-          nf4_kernel: str = "", finished_read: bool = False, second_inline: bool = False) -> FastGeneration:
+          nf4_kernel: str = "", finished_read: bool = False, second_inline: bool = False,
+          inductor: dict | None = None) -> FastGeneration:
     """Add the variants to `trainer`'s rollouts (set up by `enable_fast_generation`, which returned
     `fast`) and return `fast` with what was done. `merge`: the adapter merged for each rollout; `filled_window` > 0:
     attention over the filled cache positions in windows of that many; `guards_once`: dynamo's guards checked until
@@ -98,7 +99,8 @@ def apply(trainer: Any, fast: FastGeneration, *, merge: bool = False, filled_win
     product's kernel with `nf4.rule_config`'s settings everywhere (no `TUNED_SM90`); `finished_read`: rows that have
     ended keep reading their whole cache at token steps (the product narrows their mask, `finished`);
     `second_inline`: the stacked groups' second step as pointwise products inductor may fold into the kernels around
-    it (`second_inline`), instead of one kernel a group. Call it right
+    it (`second_inline`), instead of one kernel a group; `inductor`: inductor settings patched while rollouts run
+    (their compile included), e.g. {"combo_kernels": True}. Call it right
     after `enable_fast_generation`, before anything else wraps the trainer's rollout call. Returns a `VariantRecord`
     (`fast` itself when fast generation is off)."""
     if not fast.enabled:
@@ -141,6 +143,11 @@ def apply(trainer: Any, fast: FastGeneration, *, merge: bool = False, filled_win
         contexts.append(("second_inline", inline))
         changes["adapters"] = changes.get("adapters", fast.adapters or "").replace(
             SECOND_KERNEL, "; token steps: each group's second step as pointwise products (a bench variant)")
+    if inductor:
+        import torch._inductor.config
+
+        contexts.append(("inductor", functools.partial(torch._inductor.config.patch, **inductor)))
+        changes["mode"] = f"{fast.mode}, inductor {inductor} (a bench variant)"
     if guards_once:
         _insert(contexts, ("guards_once", lambda: _guards_once(trainer.model)), before=("compile_over_4bit",))
         changes["guards"] = "first step"
