@@ -1,5 +1,5 @@
 """The LoRA branches' second step written as plain pointwise work that inductor can fold into the kernels around
-it: an experiment (benchmarks/NOTES.md, "The second step as pointwise work").
+it: an experiment (benchmarks/NOTES.md, "Fewer small kernels in the token step").
 
 The product runs each stacked group's second step, `base + scale * (first @ secondᵀ)`, as one Triton kernel per
 group at token steps (`vlmrl.engine.rollout.second_factors`): four kernels a layer (q/k/v, o, gate/up, down),
@@ -42,8 +42,9 @@ def inline_added(base: torch.Tensor, first: torch.Tensor, second: torch.Tensor, 
     return base + product.to(base.dtype) * scale
 
 
-def usable(rows_tensor: torch.Tensor, ranks: list[int]) -> bool:
-    rows = rows_tensor.numel() // rows_tensor.shape[-1] if rows_tensor.shape[-1] else 0
+def usable(x: torch.Tensor, ranks: list[int]) -> bool:
+    """A token step's few rows (as the product's second-step kernel takes), small ranks, no gradients."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     return 0 < rows <= second_factors.MAX_ROWS and max(ranks) <= MAX_RANK and not torch.is_grad_enabled()
 
 
@@ -59,7 +60,7 @@ def _members(group: Any) -> Iterator[tuple[int, int, int, int, Any]]:
 
 def _stacked_compute(self: stacked._Group, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     out = torch.nn.functional.linear(x, self.weight, self.bias)
-    if not (self.fused and usable(out, self.ranks)):
+    if not (self.fused and usable(x, self.ranks)):
         return second_factors.reference(out, self.second, self.scale).split(self.outs, dim=-1)
     width = self.width
     return tuple(inline_added(out[..., start:start + n], out[..., width + col:width + col + rank],
@@ -68,9 +69,9 @@ def _stacked_compute(self: stacked._Group, x: torch.Tensor) -> tuple[torch.Tenso
 
 
 def _first_factors_compute(self: stacked_4bit._FirstFactors, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    first = torch.nn.functional.linear(x, self.weight)
-    if not (self.fused and usable(first, self.ranks)):
+    if not (self.fused and usable(x, self.ranks)):
         return _FIRST_FACTORS_COMPUTE(self, x)
+    first = torch.nn.functional.linear(x, self.weight)
     outs, col = [], 0
     for layer, rank, second, scale in zip(self.layers, self.ranks, self.seconds, self.scales):
         outs.append(inline_added(layer.get_base_layer()(x), first[..., col:col + rank], second, scale))
