@@ -14,6 +14,7 @@ shows (benchmarks/nf4_matmul.py).
     python benchmarks/nf4_sass.py [--rows 32] [--blocksize 64] [--dtype bfloat16] [--top 12] [--json FILE]
     python benchmarks/nf4_sass.py --tuned [--json FILE]    each tile of nf4.TUNED_SM90, a table row each
     python benchmarks/nf4_sass.py --tuned --kernel pairs    the same tiles of the variant with one lookup a byte
+    python benchmarks/nf4_sass.py --tuned --kernel shuffle  ... of the variant whose lookups are warp shuffles
 
 Needs Triton with its NVIDIA backend (the CPU wheel carries ptxas and nvdisasm); exits 2 with one line without.
 """
@@ -51,7 +52,7 @@ def build(rows: int, blocksize: int, dtype: str, shape: tuple[int, int, int] | N
           design: str = "v2") -> dict:
     """The loop's counts for the rule's tile at `rows` (`nf4.tile_shape`), or `shape` = (block_n, packed bytes a
     step, warps) given (one of `nf4.TUNED_SM90`'s); `design` "pairs": the variant with one table lookup a byte
-    (benchmarks/variants/nf4_pairs.py) in place of the product's."""
+    (benchmarks/variants/nf4_pairs.py) in place of the product's; "shuffle": lookups by warp shuffle (nf4_shuffle)."""
     try:
         import triton
         from triton.backends.compiler import GPUTarget
@@ -61,10 +62,10 @@ def build(rows: int, blocksize: int, dtype: str, shape: tuple[int, int, int] | N
         raise SystemExit(2) from error
     from vlmrl.engine.rollout import nf4, nf4_triton
 
-    if design == "pairs":
-        from variants import nf4_pairs  # beside this script, on sys.path as it runs
+    if design in ("pairs", "shuffle"):
+        import importlib
 
-        tiles = nf4_pairs._tiles(False)
+        tiles = importlib.import_module(f"variants.nf4_{design}")._tiles(False)  # beside this script, on sys.path
     else:
         tiles = nf4_triton.kernels(False)[0]
     block_n, tile, warps = shape or nf4.tile_shape(rows, blocksize)
@@ -121,8 +122,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--top", type=int, default=12, help="opcodes to print")
     p.add_argument("--json", type=Path, help="write the counts here too")
     p.add_argument("--tuned", action="store_true", help="build each tile of nf4.TUNED_SM90 instead (bf16), a line each")
-    p.add_argument("--kernel", choices=("v2", "pairs"), default="v2",
-                   help="the product's tile kernel, or the variant with one table lookup a byte")
+    p.add_argument("--kernel", choices=("v2", "pairs", "shuffle"), default="v2",
+                   help="the product's tile kernel, or a variant: one table lookup a byte, or lookups by warp shuffle")
     args = p.parse_args(argv)
     if args.tuned:
         results = tuned(args.kernel)
