@@ -62,10 +62,11 @@ def build(rows: int, blocksize: int, dtype: str, shape: tuple[int, int, int] | N
         raise SystemExit(2) from error
     from vlmrl.engine.rollout import nf4, nf4_triton
 
+    lookup = {}
     if design in ("pairs", "shuffle"):
-        import importlib
+        from variants import nf4_lookups  # beside this script, on sys.path as it runs
 
-        tiles = importlib.import_module(f"variants.nf4_{design}")._tiles(False)  # beside this script, on sys.path
+        tiles, lookup = nf4_lookups.kernel(False), {"LOOKUP": nf4_lookups.LOOKUPS[design]}
     else:
         tiles = nf4_triton.kernels(False)[0]
     block_n, tile, warps = shape or nf4.tile_shape(rows, blocksize)
@@ -75,7 +76,7 @@ def build(rows: int, blocksize: int, dtype: str, shape: tuple[int, int, int] | N
                  "K": "i32", "stride_x": "i32", "per_split": "i32"}
     constants = {"BLOCKSIZE2": 256, "HALF": blocksize // 2, "NB": tile // (blocksize // 2), "BLOCK_N": block_n,
                  "BLOCK_M": nf4.block_rows(rows), "NESTED": True, "HAS_BIAS": False, "PARTIAL": True, "WQ": 1,
-                 "XQ": 1 if dtype == "bfloat16" else 2, "EXACT": False, "EVEN": True}
+                 "XQ": 1 if dtype == "bfloat16" else 2, "EXACT": False, "EVEN": True} | lookup
     signature |= dict.fromkeys(constants, "constexpr")
     index = tiles.arg_names.index
     divisible = [name for name in signature if name not in constants and name != "Offset"]

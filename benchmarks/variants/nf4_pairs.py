@@ -12,19 +12,16 @@ fewer instructions per weight (benchmarks/NOTES.md has the counts). What it may 
 run says which wins.
 
 Public: `nf4_matmul_pairs` (the arguments and values of `nf4.nf4_matmul`), `pair_table(lut)`. The tile kernel is the
-product's `nf4_tiles` with its two lookups replaced (the same settings, launch and split sum).
+product's `nf4_tiles` with its two lookups replaced (`nf4_lookups`: the same settings, launch and split sum).
 """
 
 from __future__ import annotations
 
-import functools
-from typing import Any
-
 import torch
 
-from vlmrl.engine.rollout import nf4, nf4_triton
+from vlmrl.engine.rollout import nf4
 
-from . import nf4_launch
+from . import nf4_lookups
 
 _tables: dict[tuple, torch.Tensor] = {}  # (device, the table's address) -> its pair table, made once
 
@@ -40,78 +37,6 @@ def pair_table(lut: torch.Tensor) -> torch.Tensor:
     return _tables[key]
 
 
-def nf4_matmul_pairs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                     quant_state: Any = None, config: list[int] | None = None) -> torch.Tensor:
-    """`nf4.nf4_matmul` with one table lookup a byte: the same arguments and values."""
-    return nf4.call(_nf4_matmul_pairs, x, weight, bias, quant_state, config)
-
-
-@torch.library.custom_op("vlmrl::nf4_matmul_pairs", mutates_args=())
-def _nf4_matmul_pairs(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: torch.Tensor | None,
-                      absmax2: torch.Tensor | None, offset: torch.Tensor | None, lut: torch.Tensor,
-                      bias: torch.Tensor | None, blocksize: int, blocksize2: int, rounding: int,
-                      config: list[int]) -> torch.Tensor:
-    # the extended table's first 16 values are the table itself, so the reference (where Triton cannot run) reads it
-    return nf4_launch.kernel_or_reference((x, packed, absmax, code2, absmax2, offset, pair_table(lut), bias,
-                                           blocksize, blocksize2, rounding, config), design="pairs", tiles=_tiles)
-
-
-_nf4_matmul_pairs.register_fake(nf4.output_like)
-
-
-def _config(rows: int, n: int, k: int, blocksize: int, device: torch.device) -> list[int]:
-    """The product's settings for the shape (its tile loop's shape is the product's)."""
-    return nf4._config(rows, n, k, blocksize, device)
-
-
-@functools.cache
-def _tiles(interpret: bool) -> Any:
-    """The product's tile kernel with one lookup a byte (built on first use beside the product's)."""
-    import triton
-    import triton.language as tl
-
-    nf4_triton.kernels(interpret)  # builds rounded, dot_operand and store_tile for this `interpret`
-    globals().update(dot_operand=nf4_triton.dot_operand, store_tile=nf4_triton.store_tile,
-                     block_scales=nf4_triton.block_scales, times_x=nf4_triton.times_x, tl=tl)
-
-    @triton.jit
-    def nf4_tiles_pairs(X, Packed, Absmax, Code2, Absmax2, Offset, Lut, Bias, Out, M, N, K, stride_x, per_split,
-                        BLOCKSIZE2: tl.constexpr, HALF: tl.constexpr, NB: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_M: tl.constexpr, NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
-                        WQ: tl.constexpr, XQ: tl.constexpr, EXACT: tl.constexpr, EVEN: tl.constexpr):
-        # nf4_triton.nf4_tiles' loop (its comments say what each step does), but for the lookups: Lut is
-        # `pair_table`'s, whose 8-byte entry 16 / 2 + b holds byte b's two table values
-        KH: tl.constexpr = NB * HALF
-        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
-        n_ok, m_ok = n < N, m < M
-        blocks = K // (2 * HALF)
-        row = blocks * HALF
-        j = tl.arange(0, KH)
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        start = tl.program_id(1) * per_split
-        end = tl.multiple_of(tl.minimum(start + per_split, row), HALF)
-        offset = tl.load(Offset) if NESTED else 0.0
-        pairs = (Lut + 16).to(tl.pointer_type(tl.int64))
-        bytes_ = Packed + n[:, None] * row + j[None, :]
-        if EVEN:
-            following = tl.load(bytes_ + start, mask=n_ok[:, None], other=0)
-        else:
-            following = tl.load(bytes_ + start, mask=n_ok[:, None] & (start + j < end)[None, :], other=0)
-        for kh in range(start, end, KH):
-            q = following.to(tl.int32)
-            if EVEN:
-                following = tl.load(bytes_ + tl.minimum(kh + KH, end - KH), mask=n_ok[:, None], other=0)
-            else:
-                following = tl.load(bytes_ + kh + KH, mask=n_ok[:, None] & (kh + j + KH < end)[None, :], other=0)
-            scale = block_scales(Absmax, Code2, Absmax2, offset, n, n_ok, blocks, kh, j, BLOCKSIZE2,  # noqa: F821
-                                 HALF, NB, BLOCK_N, KH, NESTED)
-            pair = tl.load(pairs + q)  # little-endian: the first value in the low word
-            first = (pair & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
-            second = (pair >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
-            high = dot_operand(first * scale, WQ, XQ, X.dtype.element_ty, EXACT)  # noqa: F821 (set above)
-            low = dot_operand(second * scale, WQ, XQ, X.dtype.element_ty, EXACT)  # noqa: F821
-            acc = times_x(acc, high, low, X, m, m_ok, stride_x, kh, end, BLOCK_N, KH, EVEN, EXACT)  # noqa: F821
-        store_tile(acc, Out, Bias, n, m, n_ok, m_ok, M, N, PARTIAL, HAS_BIAS, XQ, EXACT)  # noqa: F821
-
-    return nf4_tiles_pairs
+# the extended table's first 16 values are the table itself, so the reference (where Triton cannot run) reads it
+nf4_matmul_pairs = nf4_lookups.lookup_matmul("pairs", pair_table)
+_config = nf4._config  # the product's settings for the shape (its tile loop's shape is the product's)

@@ -1,0 +1,142 @@
+"""The product's nf4 tile loop with its table lookups done another way: the one kernel behind two experiments
+(`nf4_pairs`: one lookup a byte in a table of weight pairs; `nf4_shuffle`: lookups by warp shuffle). What each was
+worth: benchmarks/NOTES.md ("What the nf4 kernel waits on").
+
+- `tiles(design)`: `(interpret) -> kernel` for `nf4_launch.launch`, the loop with `design`'s lookups ("pairs" or
+  "shuffle"); its `kernel[grid](...)` takes the product's arguments.
+- `lookup_matmul(design, table)`: the arguments and values of `nf4.nf4_matmul` through that loop, as a custom op
+  (`vlmrl::nf4_matmul_<design>`); `table(lut)` is the table the kernel is given (the reference where Triton cannot
+  run reads its first 16 values).
+- `LOOKUPS`: the kernel's `LOOKUP` code per design (what `benchmarks/nf4_sass.py` builds it with).
+Triton's CPU interpreter cannot run PTX, so there "shuffle" runs the product's loop instead.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from vlmrl.engine.rollout import nf4, nf4_triton
+
+from . import nf4_launch
+
+LOOKUPS = {"pairs": 1, "shuffle": 2}
+
+
+class _Bound:
+    """A tile kernel launched with `LOOKUP` set: `bound[grid](...)` as `kernel[grid](..., LOOKUP=code)`."""
+
+    def __init__(self, kernel: Any, code: int | None):
+        self.kernel, self.code = kernel, code
+
+    def __getitem__(self, grid: tuple) -> Callable[..., Any]:
+        launcher = self.kernel[grid]
+        return launcher if self.code is None else functools.partial(launcher, LOOKUP=self.code)
+
+
+def tiles(design: str) -> Callable[[bool], Any]:
+    """`(interpret) -> kernel` with `design`'s lookups, for `nf4_launch.launch`."""
+    def built(interpret: bool) -> _Bound:
+        if design == "shuffle" and interpret:
+            return _Bound(nf4_triton.kernels(True)[0], None)
+        return _Bound(kernel(interpret), LOOKUPS[design])
+    return built
+
+
+def lookup_matmul(design: str, table: Callable[[torch.Tensor], torch.Tensor] = lambda lut: lut) -> Callable:
+    """`nf4.nf4_matmul`'s arguments and values through the loop with `design`'s lookups (see the module's text)."""
+    @torch.library.custom_op(f"vlmrl::nf4_matmul_{design}", mutates_args=())
+    def op(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: torch.Tensor | None,
+           absmax2: torch.Tensor | None, offset: torch.Tensor | None, lut: torch.Tensor, bias: torch.Tensor | None,
+           blocksize: int, blocksize2: int, rounding: int, config: list[int]) -> torch.Tensor:
+        return nf4_launch.kernel_or_reference((x, packed, absmax, code2, absmax2, offset, table(lut), bias, blocksize,
+                                               blocksize2, rounding, config), design=design, tiles=tiles(design))
+
+    op.register_fake(nf4.output_like)
+
+    def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+               quant_state: Any = None, config: list[int] | None = None) -> torch.Tensor:
+        return nf4.call(op, x, weight, bias, quant_state, config)
+
+    matmul.__name__ = f"nf4_matmul_{design}"
+    return matmul
+
+
+@functools.cache
+def kernel(interpret: bool) -> Any:
+    """The tile kernel with a `LOOKUP` constexpr (built on first use beside the product's)."""
+    import triton
+    import triton.language as tl
+
+    nf4_triton.kernels(interpret)  # builds rounded, dot_operand and store_tile for this `interpret`
+    globals().update(dot_operand=nf4_triton.dot_operand, store_tile=nf4_triton.store_tile,
+                     block_scales=nf4_triton.block_scales, times_x=nf4_triton.times_x, tl=tl)
+
+    @triton.jit
+    def lane_of(like):
+        # each element: the number of the lane holding it (the input only gives the shape and layout)
+        return tl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r", [like], dtype=tl.int32, is_pure=True,
+                                         pack=1)
+
+    @triton.jit
+    def held_by(held, code):
+        # the float32 `held` by lane `code` (0-15) of this warp, where every lane holds entry (its lane mod 16)
+        bits = tl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 0x1f, 0xffffffff;", "=r,r,r",
+                                         [held, code], dtype=tl.int32, is_pure=True, pack=1)
+        return bits.to(tl.float32, bitcast=True)
+
+    globals().update(lane_of=lane_of, held_by=held_by)
+
+    @triton.jit
+    def nf4_tiles_lookup(X, Packed, Absmax, Code2, Absmax2, Offset, Lut, Bias, Out, M, N, K, stride_x, per_split,
+                         BLOCKSIZE2: tl.constexpr, HALF: tl.constexpr, NB: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_M: tl.constexpr, NESTED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         PARTIAL: tl.constexpr, WQ: tl.constexpr, XQ: tl.constexpr, EXACT: tl.constexpr,
+                         EVEN: tl.constexpr, LOOKUP: tl.constexpr):
+        # nf4_triton.nf4_tiles' loop (its comments say what each step does), but for the lookups. LOOKUP 1: Lut is
+        # nf4_pairs.pair_table's, whose 8-byte entry 16 / 2 + b holds byte b's two table values. LOOKUP 2: every
+        # thread loads once the table value of its lane (in the codes' own layout, from their first tile), and
+        # each lookup is a warp shuffle from the lane numbered by the code.
+        KH: tl.constexpr = NB * HALF
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+        n_ok, m_ok = n < N, m < M
+        blocks = K // (2 * HALF)
+        row = blocks * HALF
+        j = tl.arange(0, KH)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        start = tl.program_id(1) * per_split
+        end = tl.multiple_of(tl.minimum(start + per_split, row), HALF)
+        offset = tl.load(Offset) if NESTED else 0.0
+        pairs = (Lut + 16).to(tl.pointer_type(tl.int64))
+        bytes_ = Packed + n[:, None] * row + j[None, :]
+        if EVEN:
+            following = tl.load(bytes_ + start, mask=n_ok[:, None], other=0)
+        else:
+            following = tl.load(bytes_ + start, mask=n_ok[:, None] & (start + j < end)[None, :], other=0)
+        if LOOKUP == 2:
+            held = tl.load(Lut + (lane_of(following.to(tl.int32)) & 15)).to(tl.int32, bitcast=True)
+        for kh in range(start, end, KH):
+            q = following.to(tl.int32)
+            if EVEN:
+                following = tl.load(bytes_ + tl.minimum(kh + KH, end - KH), mask=n_ok[:, None], other=0)
+            else:
+                following = tl.load(bytes_ + kh + KH, mask=n_ok[:, None] & (kh + j + KH < end)[None, :], other=0)
+            scale = block_scales(Absmax, Code2, Absmax2, offset, n, n_ok, blocks, kh, j, BLOCKSIZE2,  # noqa: F821
+                                 HALF, NB, BLOCK_N, KH, NESTED)
+            if LOOKUP == 2:
+                first = held_by(held, q >> 4)
+                second = held_by(held, q & 15)
+            else:
+                pair = tl.load(pairs + q)  # little-endian: the first value in the low word
+                first = (pair & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+                second = (pair >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
+            high = dot_operand(first * scale, WQ, XQ, X.dtype.element_ty, EXACT)  # noqa: F821 (set above)
+            low = dot_operand(second * scale, WQ, XQ, X.dtype.element_ty, EXACT)  # noqa: F821
+            acc = times_x(acc, high, low, X, m, m_ok, stride_x, kh, end, BLOCK_N, KH, EVEN, EXACT)  # noqa: F821
+        store_tile(acc, Out, Bias, n, m, n_ok, m_ok, M, N, PARTIAL, HAS_BIAS, XQ, EXACT)  # noqa: F821
+
+    return nf4_tiles_lookup
