@@ -299,8 +299,8 @@ def nf4_rollout_trainer(model, step):
     return fake_trainer(model, rollout)
 
 
-def compiled_calls(module, x):
-    """`module(x)` compiled in one graph (dynamo reset first), and the functions its graph calls."""
+def compiled_calls(module, *args):
+    """`module(*args)` compiled in one graph (dynamo reset first), and the functions its graph calls."""
     nodes = []
 
     def backend(gm, example_inputs):
@@ -308,7 +308,7 @@ def compiled_calls(module, x):
         return gm.forward
 
     torch._dynamo.reset()
-    return torch.compile(module, backend=backend, fullgraph=True)(x), nodes
+    return torch.compile(module, backend=backend, fullgraph=True)(*args), nodes
 
 
 # --- a fake run folder (the report's tests) -----------------------------------------------------------------

@@ -533,6 +533,7 @@ def test_the_second_step_as_pointwise_products_computes_the_stacked_groups_outpu
     product's sum runs in another order), with per-member scales, and compile to no second-step op nor matmul."""
     from variants import second_inline
 
+    from tests.helpers import compiled_calls
     from vlmrl.engine.rollout.stacked import StackedProjections
 
     block = lora_policy(Block(64).to(torch.bfloat16), rank_pattern={"k_proj": 2}, alpha_pattern={"v_proj": 2})
@@ -542,19 +543,10 @@ def test_the_second_step_as_pointwise_products_computes_the_stacked_groups_outpu
     stack = StackedProjections(block)
     with torch.no_grad(), autocast, stack.active():
         expected = block(x, y)
-    nodes = []
-
-    def backend(gm, example_inputs):
-        nodes.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-        return gm.forward
-
     for compiled in (False, True):
-        torch._dynamo.reset()
-        nodes.clear()
         with torch.no_grad(), autocast, stack.active(fused=True), second_inline.second_inline():
             assert any(isinstance(g.scale, torch.Tensor) for g in stack.groups)  # v's alpha: one scale a column
-            run = torch.compile(block, backend=backend, fullgraph=True) if compiled else block
-            got = run(x, y)
+            got, nodes = compiled_calls(block, x, y) if compiled else (block(x, y), [])
         for a, b in zip(got, expected, strict=True):
             assert a.dtype == torch.bfloat16
             torch.testing.assert_close(a, b, rtol=8e-3, atol=1e-2)
