@@ -76,10 +76,16 @@ def kernel(interpret: bool) -> Any:
                      block_scales=nf4_triton.block_scales, times_x=nf4_triton.times_x, tl=tl)
 
     @triton.jit
-    def lane_of(like):
-        # each element: the number of the lane holding it (the input only gives the shape and layout)
-        return tl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r", [like], dtype=tl.int32, is_pure=True,
-                                         pack=1)
+    def lane_table(Lut, like):
+        # each element: the table entry (its lane mod 16) of the lane holding it, from uniform values only (no
+        # tensor load, whose own layout Triton may later convert, moving values to threads of other lanes: Triton
+        # 3.6 did). `like` only gives the shape; every operand is the same for all of a thread's elements.
+        lane = tl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r", [tl.zeros_like(like)], dtype=tl.int32,
+                                         is_pure=True, pack=1) & 15
+        held = tl.zeros_like(like).to(tl.float32) + tl.load(Lut)
+        for k in tl.static_range(1, 16):
+            held = tl.where(lane == k, tl.load(Lut + k), held)
+        return held.to(tl.int32, bitcast=True)
 
     @triton.jit
     def held_by(held, code):
@@ -88,7 +94,7 @@ def kernel(interpret: bool) -> Any:
                                          [held, code], dtype=tl.int32, is_pure=True, pack=1)
         return bits.to(tl.float32, bitcast=True)
 
-    globals().update(lane_of=lane_of, held_by=held_by)
+    globals().update(lane_table=lane_table, held_by=held_by)
 
     @triton.jit
     def nf4_tiles_lookup(X, Packed, Absmax, Code2, Absmax2, Offset, Lut, Bias, Out, M, N, K, stride_x, per_split,
@@ -98,8 +104,8 @@ def kernel(interpret: bool) -> Any:
                          EVEN: tl.constexpr, LOOKUP: tl.constexpr):
         # nf4_triton.nf4_tiles' loop (its comments say what each step does), but for the lookups. LOOKUP 1: Lut is
         # nf4_pairs.pair_table's, whose 8-byte entry 16 / 2 + b holds byte b's two table values. LOOKUP 2: every
-        # thread loads once the table value of its lane (in the codes' own layout, from their first tile), and
-        # each lookup is a warp shuffle from the lane numbered by the code.
+        # thread holds, once, the table value of its lane, and each lookup is a warp shuffle from the lane numbered
+        # by the code.
         KH: tl.constexpr = NB * HALF
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -118,7 +124,7 @@ def kernel(interpret: bool) -> Any:
         else:
             following = tl.load(bytes_ + start, mask=n_ok[:, None] & (start + j < end)[None, :], other=0)
         if LOOKUP == 2:
-            held = tl.load(Lut + (lane_of(following.to(tl.int32)) & 15)).to(tl.int32, bitcast=True)
+            held = lane_table(Lut, following.to(tl.int32))
         for kh in range(start, end, KH):
             q = following.to(tl.int32)
             if EVEN:
