@@ -8,7 +8,10 @@ worth: benchmarks/NOTES.md ("What the nf4 kernel waits on").
   (`vlmrl::nf4_matmul_<design>`); `table(lut)` is the table the kernel is given (the reference where Triton cannot
   run reads its first 16 values).
 - `LOOKUPS`: the kernel's `LOOKUP` code per design (what `benchmarks/nf4_sass.py` builds it with).
-Triton's CPU interpreter cannot run PTX, so there "shuffle" runs the product's loop instead.
+Triton's CPU interpreter cannot run PTX, so there "shuffle" runs the product's loop instead. Limit: the shuffles
+rely on each thread keeping its own lane's table value, which holds for a scalar splat into any layout but not for
+a tensor Triton may re-lay out between threads (benchmarks/NOTES.md: the first design's wrong values); on a GPU,
+`nf4_matmul.py`'s numerics table is the check.
 """
 
 from __future__ import annotations
