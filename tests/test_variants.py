@@ -81,7 +81,8 @@ def test_each_variant_changes_only_its_own_setting():
         inspect.signature(rollout.apply).bind("trainer", "fast", **keywords)  # apply takes these keywords
 
 
-@pytest.mark.parametrize("name", ["merge", "rollout", "nf4_v1", "nf4_lora", "nf4_launch", "nf4_pairs", "second_inline"])
+@pytest.mark.parametrize("name", ["merge", "rollout", "nf4_v1", "nf4_lora", "nf4_launch", "nf4_pairs", "nf4_lookups",
+                                  "nf4_shuffle", "second_inline", "stacked_4bit"])
 def test_each_plugin_module_imports(name):
     importlib.import_module(f"variants.{name}")
 

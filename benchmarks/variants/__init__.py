@@ -22,6 +22,8 @@ The modules (what each was worth: benchmarks/NOTES.md):
 - `stacked_4bit`: over a 4-bit base, the LoRA first factors stacked by shared input and each member's second step
   one kernel (`first_factors_stacked`).
 - `second_inline`: the stacked groups' second step as pointwise products inductor may fold into its neighbours.
+- `nf4_lookups`: the nf4 tile loop with other table lookups, behind `nf4_pairs` (one lookup a byte in a table of
+  weight pairs) and `nf4_shuffle` (lookups by warp shuffle).
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ FILLED_WINDOW = 128  # the filled-cache window measured: 11 windows over the see
 class Variant:
     """One variant path: the `vlmrl` path's set-up, then `rollout.apply(**rollout)` on its rollout record; with
     `stacked` False nothing is stacked (the product's adapter copies then), with `first_factors` the first factors
-    over a 4-bit base are stacked too (`stacked_4bit`; "apart": each projection a group of its own), with `input_cast` PEFT's LoRA input casts stay in the loss
-    pass, and `loss_pass` passes the product's own `enable_loss_pass` options."""
+    over a 4-bit base are stacked too (`stacked_4bit`; "apart": each projection a group of its own), with
+    `input_cast` PEFT's LoRA input casts stay in the loss pass, and `loss_pass` passes the product's own
+    `enable_loss_pass` options."""
 
     rollout: dict = field(default_factory=dict)
     stacked: bool = True
