@@ -120,7 +120,6 @@ def kernel(interpret: bool) -> Any:
         start = tl.program_id(1) * per_split
         end = tl.multiple_of(tl.minimum(start + per_split, row), HALF)
         offset = tl.load(Offset) if NESTED else 0.0
-        pairs = (Lut + 16).to(tl.pointer_type(tl.int64))
         bytes_ = Packed + n[:, None] * row + j[None, :]
         if EVEN:
             following = tl.load(bytes_ + start, mask=n_ok[:, None], other=0)
@@ -128,6 +127,8 @@ def kernel(interpret: bool) -> Any:
             following = tl.load(bytes_ + start, mask=n_ok[:, None] & (start + j < end)[None, :], other=0)
         if LOOKUP == 2:
             held = lane_table(Lut, following.to(tl.int32))
+        else:
+            pairs = (Lut + 16).to(tl.pointer_type(tl.int64))
         for kh in range(start, end, KH):
             q = following.to(tl.int32)
             if EVEN:
