@@ -59,8 +59,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--sweep-seconds", type=float, default=240.0, help="time for each kernel's tile sweep (0: none)")
     p.add_argument("--kernels", default="v1,v2", help="vlmrl's nf4 kernels to measure (v1: the first "
                    "design, nf4_v1.nf4_matmul_v1; v2: the product's, nf4.nf4_matmul; pairs: the product's with one "
-                   "table lookup a byte, nf4_pairs.nf4_matmul_pairs; shuffle: the product's with lookups by warp "
-                   "shuffle, nf4_shuffle.nf4_matmul_shuffle), comma-separated")
+                   "table lookup a byte, nf4_pairs.nf4_matmul_pairs; loads: the product's with its lookups as table "
+                   "loads, nf4_loads.nf4_matmul_loads; shuffle: the product's with its warp shuffles forced on, "
+                   "unchecked, nf4_loads.nf4_matmul_shuffle), comma-separated")
     p.add_argument("--lora", type=int, default=0, help="a LoRA branch of this rank on every projection (0: none): "
                    "the product's kernel then also runs with the branch as PEFT's ops, folded into its last "
                    "pass, and with only its scale and sum there (benchmarks/variants/nf4_lora.py)")
@@ -159,8 +160,11 @@ def weight_bytes(module: torch.nn.Module) -> int:
 KERNELS = {"v1": ("nf4 kernel", "variants.nf4_v1", "nf4_matmul_v1", "_config"),
            "v2": ("nf4 kernel v2", "vlmrl.engine.rollout.nf4", "nf4_matmul", "_config"),
            "pairs": ("nf4 kernel, one lookup a byte", "variants.nf4_pairs", "nf4_matmul_pairs", "_config"),
-           "shuffle": ("nf4 kernel, lookups by warp shuffle", "variants.nf4_shuffle", "nf4_matmul_shuffle",
+           "loads": ("nf4 kernel v2, lookups by table loads", "variants.nf4_loads", "nf4_matmul_loads", "_config"),
+           "shuffle": ("nf4 kernel, lookups by warp shuffle", "variants.nf4_loads", "nf4_matmul_shuffle",
                        "_config")}
+
+
 def _column(kernel: str) -> str:
     """The numerics' key prefix of a KERNELS entry ("kernel" for the first design, as its records have it)."""
     return "kernel" if kernel == "v1" else f"kernel_{kernel}"
@@ -169,7 +173,8 @@ def _column(kernel: str) -> str:
 # per kernel: packed bytes per weight row per step, and pipeline stages (1: Triton's pipeliner off, which
 # otherwise stages every table lookup through shared memory, 4 bytes a copy: nf4._config)
 SWEEP = {"v1": {"tiles": (64, 128), "stages": (1, 2, 3)}, "v2": {"tiles": (32, 64, 128), "stages": (1, 3)},
-         "pairs": {"tiles": (32, 64, 128), "stages": (1, 3)}, "shuffle": {"tiles": (32, 64, 128), "stages": (1, 3)}}
+         "pairs": {"tiles": (32, 64, 128), "stages": (1, 3)},
+         "loads": {"tiles": (32, 64, 128), "stages": (1, 3)}, "shuffle": {"tiles": (32, 64, 128), "stages": (1, 3)}}
 
 
 LORA_SCALE = 1.0  # lora_alpha / r of the seed recipe (r = alpha = 16)

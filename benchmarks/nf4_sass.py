@@ -14,7 +14,7 @@ shows (benchmarks/nf4_matmul.py).
     python benchmarks/nf4_sass.py [--rows 32] [--blocksize 64] [--dtype bfloat16] [--top 12] [--json FILE]
     python benchmarks/nf4_sass.py --tuned [--json FILE]    each tile of nf4.TUNED_SM90, a table row each
     python benchmarks/nf4_sass.py --tuned --kernel pairs    the same tiles of the variant with one lookup a byte
-    python benchmarks/nf4_sass.py --tuned --kernel shuffle  ... of the variant whose lookups are warp shuffles
+    python benchmarks/nf4_sass.py --tuned --kernel loads    ... of the product's with table loads, not shuffles
 
 Needs Triton with its NVIDIA backend (the CPU wheel carries ptxas and nvdisasm); exits 2 with one line without.
 """
@@ -51,8 +51,9 @@ def loop_opcodes(sass: str) -> collections.Counter:
 def build(rows: int, blocksize: int, dtype: str, shape: tuple[int, int, int] | None = None,
           design: str = "v2") -> dict:
     """The loop's counts for the rule's tile at `rows` (`nf4.tile_shape`), or `shape` = (block_n, packed bytes a
-    step, warps) given (one of `nf4.TUNED_SM90`'s); `design` "pairs": the variant with one table lookup a byte
-    (benchmarks/variants/nf4_pairs.py) in place of the product's; "shuffle": lookups by warp shuffle (nf4_shuffle)."""
+    step, warps) given (one of `nf4.TUNED_SM90`'s); `design` "v2": the product's kernel as it runs on a GPU (its
+    lookups by warp shuffle); "loads": the same with table loads (benchmarks/variants/nf4_loads.py); "pairs": the
+    variant with one table lookup a byte (nf4_pairs)."""
     try:
         import triton
         from triton.backends.compiler import GPUTarget
@@ -62,13 +63,12 @@ def build(rows: int, blocksize: int, dtype: str, shape: tuple[int, int, int] | N
         raise SystemExit(2) from error
     from vlmrl.engine.rollout import nf4, nf4_triton
 
-    lookup = {}
-    if design in ("pairs", "shuffle"):
+    if design == "pairs":
         from variants import nf4_lookups  # beside this script, on sys.path as it runs
 
-        tiles, lookup = nf4_lookups.kernel(False), {"LOOKUP": nf4_lookups.LOOKUPS[design]}
+        tiles, lookup = nf4_lookups.kernel(False), {}
     else:
-        tiles = nf4_triton.kernels(False)[0]
+        tiles, lookup = nf4_triton.kernels(False)[0], {"SHUFFLE": design == "v2"}
     block_n, tile, warps = shape or nf4.tile_shape(rows, blocksize)
     xt = {"bfloat16": "bf16", "float16": "fp16"}[dtype]
     signature = {"X": f"*{xt}", "Packed": "*u8", "Absmax": "*u8", "Code2": "*fp32", "Absmax2": "*fp32",
@@ -123,8 +123,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--top", type=int, default=12, help="opcodes to print")
     p.add_argument("--json", type=Path, help="write the counts here too")
     p.add_argument("--tuned", action="store_true", help="build each tile of nf4.TUNED_SM90 instead (bf16), a line each")
-    p.add_argument("--kernel", choices=("v2", "pairs", "shuffle"), default="v2",
-                   help="the product's tile kernel, or a variant: one table lookup a byte, or lookups by warp shuffle")
+    p.add_argument("--kernel", choices=("v2", "loads", "pairs"), default="v2",
+                   help="the product's tile kernel (lookups by warp shuffle), or a variant: lookups by table loads, "
+                   "or one table lookup a byte")
     args = p.parse_args(argv)
     if args.tuned:
         results = tuned(args.kernel)

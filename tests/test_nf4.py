@@ -192,6 +192,65 @@ def test_a_kernel_that_cannot_run_falls_back_once_with_the_reason(matmul, monkey
     assert sum("nf4 matmul kernel cannot run" in r.message for r in caplog.records) == 1
 
 
+class _Tiles:
+    """A stand-in for `nf4.launch`'s tile launch: what it was given, and the output it writes (the loads' x + 1,
+    the shuffles' x + 1 + `shuffle_error`, or a raise)."""
+
+    def __init__(self, shuffle_error=0.0, raises=False):
+        self.calls, self.shuffle_error, self.raises = [], shuffle_error, raises
+
+    def __call__(self, xs, shuffle):
+        self.calls.append((xs.clone(), xs.stride(), shuffle))
+        if shuffle and self.raises:
+            raise RuntimeError("ptxas: unknown instruction shfl.sync.idx")
+        return xs.float() + 1 + (self.shuffle_error if shuffle else 0.0)
+
+
+def _strided_x(rows=4, k=64):
+    return torch.zeros(rows, k + 16, dtype=torch.bfloat16)[:, :k]  # x's rows 80 apart, as a slice of a wider tensor
+
+
+def test_the_shuffles_are_taken_where_they_write_what_the_loads_write_checked_once(monkeypatch):
+    monkeypatch.setattr(nf4, "_shuffles", {})
+    x, tiles = _strided_x(), _Tiles()
+    assert nf4.shuffles_hold(x, 32, tiles, {"BLOCK_N": 64, "num_warps": 4})
+    (probe, stride, first), (again, _, second) = tiles.calls
+    assert (first, second) == (True, False) and torch.equal(probe, again)
+    assert probe.shape == x.shape and stride == x.stride()  # x's row stride: Triton specialises on it
+    assert probe.abs().sum() > 0  # a zero x would hide any wrong table value
+    assert nf4.shuffles_hold(x, 32, tiles, {"BLOCK_N": 64, "num_warps": 4}) and len(tiles.calls) == 2  # recorded
+    assert nf4.shuffles_hold(x, 32, tiles, {"BLOCK_N": 128, "num_warps": 4}) and len(tiles.calls) == 4  # new settings
+
+
+@pytest.mark.parametrize("tiles", [_Tiles(shuffle_error=2.0**-20), _Tiles(raises=True)], ids=["differ", "raise"])
+def test_shuffles_that_differ_from_the_loads_or_cannot_build_leave_the_loads_with_a_warning(tiles, monkeypatch,
+                                                                                               caplog):
+    monkeypatch.setattr(nf4, "_shuffles", {})
+    x = _strided_x()
+    assert not nf4.shuffles_hold(x, 32, tiles, {"BLOCK_N": 64})
+    assert not nf4.shuffles_hold(x, 32, tiles, {"BLOCK_N": 64})
+    assert sum("warp shuffle" in r.message and "loads instead" in r.message for r in caplog.records) == 1
+    assert [shuffle for *_, shuffle in tiles.calls] == ([True] if tiles.raises else [True, False])
+
+
+def test_an_unaligned_x_takes_the_loads_unchecked(monkeypatch):
+    monkeypatch.setattr(nf4, "_shuffles", {})
+    tiles = _Tiles()
+    x = torch.zeros(4 * 64 + 1, dtype=torch.bfloat16)[1:].view(4, 64)  # 2 bytes past an aligned start
+    assert not nf4.shuffles_hold(x, 32, tiles, {}) and not tiles.calls and not nf4._shuffles
+
+
+def test_the_interpreter_runs_the_table_loads(monkeypatch):
+    """Triton's interpreter cannot run the shuffles' PTX: a launch there never checks or takes them."""
+    if DEVICE == "cuda":
+        pytest.skip("on a GPU the launch checks the shuffles")
+    monkeypatch.setattr(nf4, "_shuffles", {})
+    packed, qs = nf4_quantized(64, 256)
+    x = torch.randn(2, 256).to(DEVICE, torch.bfloat16)
+    _check(nf4.nf4_matmul(x, packed, quant_state=qs), x, packed, qs)
+    assert nf4._shuffles == {}
+
+
 def test_nf4_decode_routes_token_steps_and_leaves_the_rest_to_bitsandbytes(launches):
     model = nf4_model(nf4_layer(256, 192), torch.nn.ReLU(), nf4_layer(192, 128, bias=False))
     step, prompt = (torch.randn(4, 1, 256).to(DEVICE, torch.bfloat16), torch.randn(2, 40, 256).to(DEVICE, torch.bfloat16))

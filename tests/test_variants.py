@@ -72,7 +72,8 @@ def test_each_variant_changes_only_its_own_setting():
         "vlmrl-guards-once": {"guards_once": True}, "vlmrl-second-cublas": {"second_cublas": True},
         "vlmrl-bnb": {"nf4_kernel": "off"}, "vlmrl-nf4-v1": {"nf4_kernel": "v1"},
         "vlmrl-nf4-folded": {"nf4_kernel": "folded"}, "vlmrl-nf4-summed": {"nf4_kernel": "summed"},
-        "vlmrl-nf4-by-rule": {"nf4_kernel": "by_rule"}, "vlmrl-finished-read": {"finished_read": True},
+        "vlmrl-nf4-by-rule": {"nf4_kernel": "by_rule"}, "vlmrl-nf4-loads": {"nf4_kernel": "loads"},
+        "vlmrl-finished-read": {"finished_read": True},
         "vlmrl-second-inline": {"second_inline": True}, "vlmrl-4bit-stacked-inline": {"second_inline": True},
         "vlmrl-4bit-inline": {"second_inline": True}, "vlmrl-combo-kernels": {"inductor": {"combo_kernels": True}}}
     assert table["vlmrl-4bit-stacked-inline"].first_factors is True
@@ -82,7 +83,7 @@ def test_each_variant_changes_only_its_own_setting():
 
 
 @pytest.mark.parametrize("name", ["merge", "rollout", "nf4_v1", "nf4_lora", "nf4_launch", "nf4_pairs", "nf4_lookups",
-                                  "nf4_shuffle", "second_inline", "stacked_4bit"])
+                                  "nf4_loads", "second_inline", "stacked_4bit"])
 def test_each_plugin_module_imports(name):
     importlib.import_module(f"variants.{name}")
 

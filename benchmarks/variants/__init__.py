@@ -23,7 +23,7 @@ The modules (what each was worth: benchmarks/NOTES.md):
   one kernel (`first_factors_stacked`).
 - `second_inline`: the stacked groups' second step as pointwise products inductor may fold into its neighbours.
 - `nf4_lookups`: the nf4 tile loop with other table lookups, behind `nf4_pairs` (one lookup a byte in a table of
-  weight pairs) and `nf4_shuffle` (lookups by warp shuffle).
+  weight pairs) and `nf4_loads` (the product's kernel with table loads, not warp shuffles).
 """
 
 from __future__ import annotations
@@ -109,6 +109,8 @@ VARIANTS: dict[str, Variant] = {
     "vlmrl-nf4-summed": Variant(stacked=False, rollout={"nf4_kernel": "summed"}),
     # the product's nf4 kernel with its settings by rule (nf4.rule_config), without the TUNED_SM90 table
     "vlmrl-nf4-by-rule": Variant(rollout={"nf4_kernel": "by_rule"}),
+    # the product's nf4 kernel with its table lookups as loads, as before they became warp shuffles (nf4_loads)
+    "vlmrl-nf4-loads": Variant(rollout={"nf4_kernel": "loads"}),
     "vlmrl-nf4-unfused": Variant(stacked=False),
     # rows that have ended keep reading their whole cache at token steps (the product narrows their mask)
     "vlmrl-finished-read": Variant(rollout={"finished_read": True}),

@@ -1,17 +1,16 @@
-"""The product's nf4 tile loop with its table lookups done another way: the one kernel behind two experiments
-(`nf4_pairs`: one lookup a byte in a table of weight pairs; `nf4_shuffle`: lookups by warp shuffle). What each was
-worth: benchmarks/NOTES.md ("What the nf4 kernel waits on").
+"""The product's nf4 tile loop with its table lookups done another way, for A/B runs beside the product (whose
+compiled loop looks the table up by warp shuffle, `nf4_triton`): "loads", the product's kernel with the table loads
+it had before (`SHUFFLE` off); "shuffle", the product's kernel with its shuffles forced on, unchecked; "pairs", one
+lookup a byte in a table of weight pairs (`nf4_pairs`), a loop of this module's own. What each was worth:
+benchmarks/NOTES.md ("What the nf4 kernel waits on").
 
-- `tiles(design)`: `(interpret) -> kernel` for `nf4_launch.launch`, the loop with `design`'s lookups ("pairs" or
-  "shuffle"); its `kernel[grid](...)` takes the product's arguments.
+- `tiles(design)`: `(interpret) -> kernel` for `nf4_launch.launch`; its `kernel[grid](...)` takes the product's
+  arguments.
 - `lookup_matmul(design, table)`: the arguments and values of `nf4.nf4_matmul` through that loop, as a custom op
   (`vlmrl::nf4_matmul_<design>`); `table(lut)` is the table the kernel is given (the reference where Triton cannot
   run reads its first 16 values).
-- `LOOKUPS`: the kernel's `LOOKUP` code per design (what `benchmarks/nf4_sass.py` builds it with).
-Triton's CPU interpreter cannot run PTX, so there "shuffle" runs the product's loop instead. Limit: the shuffles
-rely on each thread keeping its own lane's table value, which holds for a scalar splat into any layout but not for
-a tensor Triton may re-lay out between threads (benchmarks/NOTES.md: the first design's wrong values); on a GPU,
-`nf4_matmul.py`'s numerics table is the check.
+- `LOOKUPS`: the settings each design adds to the kernel's arguments (what `benchmarks/nf4_sass.py` builds it with).
+Triton's CPU interpreter cannot run PTX, so there "shuffle" runs the loads.
 """
 
 from __future__ import annotations
@@ -26,26 +25,25 @@ from vlmrl.engine.rollout import nf4, nf4_triton
 
 from . import nf4_launch
 
-LOOKUPS = {"pairs": 1, "shuffle": 2}
+LOOKUPS: dict[str, dict[str, Any]] = {"loads": {"SHUFFLE": False}, "shuffle": {"SHUFFLE": True}, "pairs": {}}
 
 
 class _Bound:
-    """A tile kernel launched with `LOOKUP` set: `bound[grid](...)` as `kernel[grid](..., LOOKUP=code)`."""
+    """A tile kernel launched with settings added: `bound[grid](...)` as `kernel[grid](..., **settings)`."""
 
-    def __init__(self, kernel: Any, code: int | None):
-        self.kernel, self.code = kernel, code
+    def __init__(self, kernel: Any, settings: dict[str, Any]):
+        self.kernel, self.settings = kernel, settings
 
     def __getitem__(self, grid: tuple) -> Callable[..., Any]:
-        launcher = self.kernel[grid]
-        return launcher if self.code is None else functools.partial(launcher, LOOKUP=self.code)
+        return functools.partial(self.kernel[grid], **self.settings)
 
 
 def tiles(design: str) -> Callable[[bool], Any]:
     """`(interpret) -> kernel` with `design`'s lookups, for `nf4_launch.launch`."""
     def built(interpret: bool) -> _Bound:
-        if design == "shuffle" and interpret:
-            return _Bound(nf4_triton.kernels(True)[0], None)
-        return _Bound(kernel(interpret), LOOKUPS[design])
+        if design == "pairs":
+            return _Bound(kernel(interpret), {})
+        return _Bound(nf4_triton.kernels(interpret)[0], {"SHUFFLE": LOOKUPS[design]["SHUFFLE"] and not interpret})
     return built
 
 
@@ -70,7 +68,7 @@ def lookup_matmul(design: str, table: Callable[[torch.Tensor], torch.Tensor] = l
 
 @functools.cache
 def kernel(interpret: bool) -> Any:
-    """The tile kernel with a `LOOKUP` constexpr (built on first use beside the product's)."""
+    """The tile kernel whose lookups read the pair table (built on first use beside the product's)."""
     import triton
     import triton.language as tl
 
@@ -79,36 +77,13 @@ def kernel(interpret: bool) -> Any:
                      block_scales=nf4_triton.block_scales, times_x=nf4_triton.times_x, tl=tl)
 
     @triton.jit
-    def lane_table(Lut, like):
-        # each element: the table entry (its lane mod 16) of the lane holding it, from uniform values only (no
-        # tensor load, whose own layout Triton may later convert, moving values to threads of other lanes: Triton
-        # 3.6 did). `like` only gives the shape; every operand is the same for all of a thread's elements.
-        lane = tl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r", [tl.zeros_like(like)], dtype=tl.int32,
-                                         is_pure=True, pack=1) & 15
-        held = tl.zeros_like(like).to(tl.float32) + tl.load(Lut)
-        for k in tl.static_range(1, 16):
-            held = tl.where(lane == k, tl.load(Lut + k), held)
-        return held.to(tl.int32, bitcast=True)
-
-    @triton.jit
-    def held_by(held, code):
-        # the float32 `held` by lane `code` (0-15) of this warp, where every lane holds entry (its lane mod 16)
-        bits = tl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 0x1f, 0xffffffff;", "=r,r,r",
-                                         [held, code], dtype=tl.int32, is_pure=True, pack=1)
-        return bits.to(tl.float32, bitcast=True)
-
-    globals().update(lane_table=lane_table, held_by=held_by)
-
-    @triton.jit
-    def nf4_tiles_lookup(X, Packed, Absmax, Code2, Absmax2, Offset, Lut, Bias, Out, M, N, K, stride_x, per_split,
-                         BLOCKSIZE2: tl.constexpr, HALF: tl.constexpr, NB: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_M: tl.constexpr, NESTED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         PARTIAL: tl.constexpr, WQ: tl.constexpr, XQ: tl.constexpr, EXACT: tl.constexpr,
-                         EVEN: tl.constexpr, LOOKUP: tl.constexpr):
-        # nf4_triton.nf4_tiles' loop (its comments say what each step does), but for the lookups. LOOKUP 1: Lut is
-        # nf4_pairs.pair_table's, whose 8-byte entry 16 / 2 + b holds byte b's two table values. LOOKUP 2: every
-        # thread holds, once, the table value of its lane, and each lookup is a warp shuffle from the lane numbered
-        # by the code.
+    def nf4_tiles_pairs(X, Packed, Absmax, Code2, Absmax2, Offset, Lut, Bias, Out, M, N, K, stride_x, per_split,
+                        BLOCKSIZE2: tl.constexpr, HALF: tl.constexpr, NB: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_M: tl.constexpr, NESTED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        PARTIAL: tl.constexpr, WQ: tl.constexpr, XQ: tl.constexpr, EXACT: tl.constexpr,
+                        EVEN: tl.constexpr):
+        # nf4_triton.nf4_tiles' loop (its comments say what each step does), but for the lookups: Lut is
+        # nf4_pairs.pair_table's, whose 8-byte entry 16 / 2 + b holds byte b's two table values.
         KH: tl.constexpr = NB * HALF
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -125,10 +100,7 @@ def kernel(interpret: bool) -> Any:
             following = tl.load(bytes_ + start, mask=n_ok[:, None], other=0)
         else:
             following = tl.load(bytes_ + start, mask=n_ok[:, None] & (start + j < end)[None, :], other=0)
-        if LOOKUP == 2:
-            held = lane_table(Lut, following.to(tl.int32))
-        else:
-            pairs = (Lut + 16).to(tl.pointer_type(tl.int64))
+        pairs = (Lut + 16).to(tl.pointer_type(tl.int64))
         for kh in range(start, end, KH):
             q = following.to(tl.int32)
             if EVEN:
@@ -137,16 +109,12 @@ def kernel(interpret: bool) -> Any:
                 following = tl.load(bytes_ + kh + KH, mask=n_ok[:, None] & (kh + j + KH < end)[None, :], other=0)
             scale = block_scales(Absmax, Code2, Absmax2, offset, n, n_ok, blocks, kh, j, BLOCKSIZE2,  # noqa: F821
                                  HALF, NB, BLOCK_N, KH, NESTED)
-            if LOOKUP == 2:
-                first = held_by(held, q >> 4)
-                second = held_by(held, q & 15)
-            else:
-                pair = tl.load(pairs + q)  # little-endian: the first value in the low word
-                first = (pair & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
-                second = (pair >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
+            pair = tl.load(pairs + q)  # little-endian: the first value in the low word
+            first = (pair & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+            second = (pair >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
             high = dot_operand(first * scale, WQ, XQ, X.dtype.element_ty, EXACT)  # noqa: F821 (set above)
             low = dot_operand(second * scale, WQ, XQ, X.dtype.element_ty, EXACT)  # noqa: F821
             acc = times_x(acc, high, low, X, m, m_ok, stride_x, kh, end, BLOCK_N, KH, EVEN, EXACT)  # noqa: F821
         store_tile(acc, Out, Bias, n, m, n_ok, m_ok, M, N, PARTIAL, HAS_BIAS, XQ, EXACT)  # noqa: F821
 
-    return nf4_tiles_lookup
+    return nf4_tiles_pairs

@@ -196,9 +196,11 @@ def _nf4_for_life(trainer: Any, kernel: str) -> str:
 
     from .nf4_v1 import nf4_decode_with, nf4_matmul_v1
 
-    design = "v1" if kernel == "v1" else "with its settings by rule, not TUNED_SM90"
+    designs = {"v1": ("v1", nf4_matmul_v1),
+               "by_rule": ("with its settings by rule, not TUNED_SM90", _nf4_matmul_by_rule),
+               "loads": ("with its table lookups as loads, not warp shuffles", _nf4_matmul_loads)}
+    design, matmul = designs[kernel]
     stack = contextlib.ExitStack()
-    matmul = nf4_matmul_v1 if kernel == "v1" else _nf4_matmul_by_rule
     reason = stack.enter_context(nf4_decode_with(trainer.model, matmul))
     trainer.vlmrl_nf4_decode = stack  # held (and closed) with the trainer
     if reason is not None:
@@ -216,6 +218,13 @@ def _nf4_matmul_by_rule(x: Any, weight: Any, bias: Any = None, *, quant_state: A
     n, k = qs.shape
     config = nf4.rule_config(x.numel() // k, n, k, qs.blocksize, x.device)
     return nf4.nf4_matmul(x, weight, bias, quant_state=qs, config=config)
+
+
+def _nf4_matmul_loads(x: Any, weight: Any, bias: Any = None, *, quant_state: Any = None) -> Any:
+    """The product's nf4 matmul, settings included, with its table lookups as loads (`nf4_loads`)."""
+    from .nf4_loads import nf4_matmul_loads
+
+    return nf4_matmul_loads(x, weight, bias, quant_state=quant_state)
 
 
 def _insert(contexts: list[tuple[str, Callable[[], Any]]], entry: tuple[str, Callable[[], Any]], *,

@@ -3,8 +3,9 @@
 At a decode step `Linear4bit` multiplies a few dozen rows by weights bitsandbytes stores as nf4 codes, and its
 kernels take many times the weight-read floor (benchmarks/NOTES.md, "The nf4 token-step kernel"). Here each program
 streams 2-D tiles of packed bytes (the next step's in flight while one is decoded), looks each code up in the
-16-value table, scales it by its block's absmax (decoded from its 8-bit code when double-quantised), rounds it as
-`dequantize_4bit` rounds, joins each byte's two weights back into the row's order and multiplies them by x's
+16-value table (compiled, by warp shuffles, checked against table loads once per setting: `shuffles_hold`), scales
+it by its block's absmax (decoded from its 8-bit code when double-quantised), rounds it as `dequantize_4bit` rounds,
+joins each byte's two weights back into the row's order and multiplies them by x's
 columns, read along k in 16-byte loads, on the tensor cores, accumulating in fp32; few output columns split K,
 summed by a second, deterministic pass. The result is `dequantize_4bit` then `x @ W.T` (+ bias) up to summation
 order: each weight bit-equal, each output within one bf16/fp16 unit in the last place (tests/test_nf4.py says how
@@ -45,6 +46,7 @@ from vlmrl.engine.rollout.decode_attention import HAS_TRITON, interpreted, kerne
 
 log = logging.getLogger(__name__)
 _failed: dict[tuple, str] = {}  # (device, dtype) -> why the kernel could not run there
+_shuffles: dict[tuple, bool] = {}  # a launch's device, dtype, shape and settings -> its shuffles read the table
 
 MAX_ROWS = 64  # rows of a token step (the rollout batch); a prompt pass's many rows stay on bitsandbytes
 MIN_ROWS = 2  # one row: bitsandbytes' own gemv is faster (benchmarks/NOTES.md, "The nf4 token-step kernel")
@@ -372,15 +374,54 @@ def launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: t
     target = torch.empty(split, rows, n, device=x.device, dtype=torch.float32) if partial else out
     xq = 1 if x.dtype == torch.bfloat16 else 2
     grid = (-(-n // block_n), split, -(-rows // block_m))
-    main[grid](x, packed, absmax, code2 if nested else absmax, absmax2 if nested else absmax,
-               offset if nested else absmax, lut, bias if bias is not None else out, target,
-               rows, n, k, x.stride(0), per_split, BLOCKSIZE2=blocksize2, HALF=half, NB=tile // half,
-               BLOCK_N=block_n, BLOCK_M=block_m, NESTED=nested, HAS_BIAS=bias is not None and not partial,
-               PARTIAL=partial, WQ=rounding, XQ=xq, EXACT=interpret, EVEN=(k // 2) % tile == 0,
-               num_warps=warps, num_stages=stages, enable_fp_fusion=False)  # round a*b and +c apart, as bnb does
+    weights = (packed, absmax, code2 if nested else absmax, absmax2 if nested else absmax,
+               offset if nested else absmax, lut, bias if bias is not None else out)
+    settings = dict(BLOCKSIZE2=blocksize2, HALF=half, NB=tile // half, BLOCK_N=block_n, BLOCK_M=block_m,
+                    NESTED=nested, HAS_BIAS=bias is not None and not partial, PARTIAL=partial, WQ=rounding, XQ=xq,
+                    EXACT=interpret, EVEN=(k // 2) % tile == 0, num_warps=warps, num_stages=stages)
+
+    def tiles(xs: torch.Tensor, shuffle: bool) -> torch.Tensor:
+        main[grid](xs, *weights, target, rows, n, k, xs.stride(0), per_split, SHUFFLE=shuffle, **settings,
+                   enable_fp_fusion=False)  # round a*b and +c apart, as bnb does
+        return target
+
+    tiles(x, not interpret and shuffles_hold(x, n, tiles, settings))
     if partial:
         sum_splits(target, bias, out, xq, interpret)
     return out
+
+
+def shuffles_hold(x: torch.Tensor, n: int, tiles: Callable[[torch.Tensor, bool], torch.Tensor],
+                  settings: dict) -> bool:
+    """Whether the tile kernel's warp-shuffle lookups read the table's values for a launch on x with `settings`:
+    checked once per device, dtype, shape and settings (`_shuffles`), by `tiles(probe, shuffle)` (the launch; it
+    returns what the kernel wrote) with and without them on a fixed nonzero x of x's shape and row stride, whose
+    outputs must be equal bit for bit (the same float32 table values, the same arithmetic). False, the loads, when they differ or the shuffled build fails (logged), for
+    x not 16-byte aligned (Triton builds another kernel then), and while a CUDA graph is being captured before any
+    check (nothing may be compared then)."""
+    if x.data_ptr() % 16:
+        return False
+    key = (str(x.device), x.dtype, *x.shape, x.stride(0), n, *sorted(settings.items()))
+    held = _shuffles.get(key)
+    if held is None:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return False
+        rows, k = x.shape
+        probe = torch.empty_strided(x.shape, x.stride(), device=x.device, dtype=x.dtype)
+        probe.copy_(((torch.arange(rows * k, device=x.device) % 13 - 6) / 8).view(rows, k))
+        try:
+            shuffled = tiles(probe, True).clone()
+        except Exception as error:  # noqa: BLE001 (a build or launch of the inline PTX: the loads still run)
+            log.warning("nf4 kernel: table lookups by warp shuffle could not run (%s: %s); loads instead",
+                        type(error).__name__, error)
+            held = False
+        else:
+            held = torch.equal(shuffled, tiles(probe, False))
+            if not held:
+                log.warning("nf4 kernel: table lookups by warp shuffle read other values than the loads with this "
+                            "Triton build (%s); loads instead", key)
+        _shuffles[key] = held
+    return held
 
 
 def sum_splits(target: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, xq: int, interpret: bool) -> None:

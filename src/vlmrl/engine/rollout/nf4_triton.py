@@ -3,10 +3,12 @@ what it computes and how it is checked).
 
 Public: `kernels(interpret)` -> (`nf4_tiles`: 2-D tiles of packed bytes decoded and joined back into the rows' order
 (high nibble first) against x's columns read along k, each program writing its fp32 share when K is split, else the
-rounded output; `nf4_splits`: the fixed-order sum of K splits, unrolled over their count, bias added and rounded
+rounded output, its table lookups loads or, compiled, warp shuffles (`SHUFFLE`); `nf4_splits`: the fixed-order sum of K splits, unrolled over their count, bias added and rounded
 once). Building them also puts their device helpers (`rounded`, `dot_operand`, `store_tile`, `block_scales`,
-`times_x`) in this module's globals, where Triton finds them (and other kernels built on them may take them).
-Limits: those of `nf4` (nf4 codes, bf16/fp16 activations, CUDA or Triton's interpreter).
+`times_x`, `lane_table`, `held_by`) in this module's globals, where Triton finds them (and other kernels built on them may take them).
+Limits: those of `nf4` (nf4 codes, bf16/fp16 activations, CUDA or Triton's interpreter); the shuffles are inline
+PTX (compiled only) and read the right values only where each thread keeps its own lane's table value, which
+a compiler's re-layout could break: `nf4.launch` checks them against the loads once per setting.
 """
 
 from __future__ import annotations
@@ -111,6 +113,29 @@ def kernels(interpret: bool) -> tuple[Any, Any]:
     globals()["times_x"] = times_x
 
     @triton.jit
+    def lane_table(Lut, like):
+        # each element: the table entry (its lane mod 16) of the lane holding it, from uniform values only, never a
+        # tensor load, whose own layout Triton may later convert, moving values to other lanes' threads (Triton 3.6
+        # did: benchmarks/NOTES.md). `like` only gives the shape; every operand is the same for a thread's elements.
+        lane = tl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r", [tl.zeros_like(like)], dtype=tl.int32,
+                                         is_pure=True, pack=1) & 15
+        held = tl.zeros_like(like).to(tl.float32) + tl.load(Lut)
+        for k in tl.static_range(1, 16):
+            held = tl.where(lane == k, tl.load(Lut + k), held)
+        return held.to(tl.int32, bitcast=True)
+
+    globals()["lane_table"] = lane_table
+
+    @triton.jit
+    def held_by(held, code):
+        # the float32 `held` by lane `code` (0-15) of this warp, where every lane holds entry (its lane mod 16)
+        bits = tl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 0x1f, 0xffffffff;", "=r,r,r",
+                                         [held, code], dtype=tl.int32, is_pure=True, pack=1)
+        return bits.to(tl.float32, bitcast=True)
+
+    globals()["held_by"] = held_by
+
+    @triton.jit
     def nf4_splits(Partial, Bias, Out, size, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, XQ: tl.constexpr,
                    EXACT: tl.constexpr, BLOCK: tl.constexpr):
         # the splits' shares summed in order, the bias added, rounded once. Unrolled, so every split's load is in
@@ -129,14 +154,17 @@ def kernels(interpret: bool) -> tuple[Any, Any]:
     def nf4_tiles(X, Packed, Absmax, Code2, Absmax2, Offset, Lut, Bias, Out, M, N, K, stride_x, per_split,
                   BLOCKSIZE2: tl.constexpr, HALF: tl.constexpr, NB: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_M: tl.constexpr, NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
-                  WQ: tl.constexpr, XQ: tl.constexpr, EXACT: tl.constexpr, EVEN: tl.constexpr):
+                  WQ: tl.constexpr, XQ: tl.constexpr, EXACT: tl.constexpr, EVEN: tl.constexpr,
+                  SHUFFLE: tl.constexpr = False):
         # out[m, n] (or split s's share, fp32) = sum over this split's k of x[m, k] * W[n, k]; W[n, k] is the
         # nibble k % 2 (high first) of byte n * K/2 + k // 2, times absmax[(n * K + k) // blocksize].
         # On 2-D tiles only: packed bytes [BLOCK_N, NB * HALF] contiguous along k, decoded into two [BLOCK_N, KH]
         # tiles (high nibbles: weights 2c, low: 2c + 1) and joined back into [BLOCK_N, 2 KH] in the row's order, so
         # x's [2 KH, BLOCK_M] tile is read along k in 16-byte loads (the design before read its even and odd columns
         # apart, 2 bytes of 32 rows a load); each block's scale, a [BLOCK_N] vector, is spread over its HALF bytes
-        # by selects. benchmarks/nf4_sass.py counts the loop's instructions (benchmarks/NOTES.md).
+        # by selects. The table lookups: loads of Lut, or (SHUFFLE, compiled only) warp shuffles: every thread holds,
+        # once, the table value of its lane, and each lookup reads the one held by the lane the code names, no
+        # address and no memory. benchmarks/nf4_sass.py counts the loop's instructions (benchmarks/NOTES.md).
         KH: tl.constexpr = NB * HALF  # packed bytes per row per step
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -153,6 +181,8 @@ def kernels(interpret: bool) -> tuple[Any, Any]:
             following = tl.load(bytes_ + start, mask=n_ok[:, None], other=0)
         else:
             following = tl.load(bytes_ + start, mask=n_ok[:, None] & (start + j < end)[None, :], other=0)
+        if SHUFFLE:
+            held = lane_table(Lut, following.to(tl.int32))
         for kh in range(start, end, KH):
             # the next step's bytes, in flight while this step's are decoded (with num_stages > 1 Triton's
             # pipeliner would stage the table lookups through shared memory instead, 4 bytes a copy)
@@ -163,8 +193,12 @@ def kernels(interpret: bool) -> tuple[Any, Any]:
                 following = tl.load(bytes_ + kh + KH, mask=n_ok[:, None] & (kh + j + KH < end)[None, :], other=0)
             scale = block_scales(Absmax, Code2, Absmax2, offset, n, n_ok, blocks, kh, j, BLOCKSIZE2, HALF, NB,
                                  BLOCK_N, KH, NESTED)
-            high = dot_operand(tl.load(Lut + (q >> 4)) * scale, WQ, XQ, X.dtype.element_ty, EXACT)
-            low = dot_operand(tl.load(Lut + (q & 15)) * scale, WQ, XQ, X.dtype.element_ty, EXACT)
+            if SHUFFLE:
+                first, second = held_by(held, q >> 4), held_by(held, q & 15)
+            else:
+                first, second = tl.load(Lut + (q >> 4)), tl.load(Lut + (q & 15))
+            high = dot_operand(first * scale, WQ, XQ, X.dtype.element_ty, EXACT)
+            low = dot_operand(second * scale, WQ, XQ, X.dtype.element_ty, EXACT)
             acc = times_x(acc, high, low, X, m, m_ok, stride_x, kh, end, BLOCK_N, KH, EVEN, EXACT)
         store_tile(acc, Out, Bias, n, m, n_ok, m_ok, M, N, PARTIAL, HAS_BIAS, XQ, EXACT)
 
