@@ -17,7 +17,8 @@ which routes `Linear4bit` forwards of `MIN_ROWS` to `MAX_ROWS` rows without grad
 active (one-row steps, where bitsandbytes runs its gemv, prompt passes, training and unsupported layers stay on
 bitsandbytes, the fallback); `unsupported_reason(model)`, for the caller to record why a model stays there;
 `gpu_reason(device)`, the product's rule for where the kernel is on; `probe(model)`, a launch on the model's first
-routed layer, and `failure(x)`, why the kernel fell back; `is_linear4bit` and `layer_reason(layer)`, which layers it
+routed layer, and `failure(x)`, why the kernel fell back; `shuffles_hold`, the check that decides each setting's
+lookups, and `lookups()`, what it decided; `is_linear4bit` and `layer_reason(layer)`, which layers it
 takes; `forwards_replaced`, its patching of forwards; its settings on a GPU: `TUNED_SM90` (measured, Qwen3-VL-8B's
 shapes on sm_90; `measured_settings(model)` says how many layers take them) or else `rule_config`, whose tiles
 `tile_shape` and `block_rows` give (benchmarks/nf4_sass.py builds them offline).
@@ -376,9 +377,9 @@ def launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: t
     grid = (-(-n // block_n), split, -(-rows // block_m))
     weights = (packed, absmax, code2 if nested else absmax, absmax2 if nested else absmax,
                offset if nested else absmax, lut, bias if bias is not None else out)
-    settings = dict(BLOCKSIZE2=blocksize2, HALF=half, NB=tile // half, BLOCK_N=block_n, BLOCK_M=block_m,
-                    NESTED=nested, HAS_BIAS=bias is not None and not partial, PARTIAL=partial, WQ=rounding, XQ=xq,
-                    EXACT=interpret, EVEN=(k // 2) % tile == 0, num_warps=warps, num_stages=stages)
+    settings = {"BLOCKSIZE2": blocksize2, "HALF": half, "NB": tile // half, "BLOCK_N": block_n, "BLOCK_M": block_m,
+                "NESTED": nested, "HAS_BIAS": bias is not None and not partial, "PARTIAL": partial, "WQ": rounding,
+                "XQ": xq, "EXACT": interpret, "EVEN": (k // 2) % tile == 0, "num_warps": warps, "num_stages": stages}
 
     def tiles(xs: torch.Tensor, shuffle: bool) -> torch.Tensor:
         main[grid](xs, *weights, target, rows, n, k, xs.stride(0), per_split, SHUFFLE=shuffle, **settings,
@@ -422,6 +423,20 @@ def shuffles_hold(x: torch.Tensor, n: int, tiles: Callable[[torch.Tensor, bool],
                             "Triton build (%s); loads instead", key)
         _shuffles[key] = held
     return held
+
+
+def lookups() -> str:
+    """How the launches so far looked the table up, for the record: by warp shuffle where `shuffles_hold` found them
+    reading what the loads read (each setting checked on its first launch), by loads otherwise."""
+    if interpreted():
+        return "table lookups by loads (Triton's interpreter runs no PTX)"
+    held = sum(_shuffles.values())
+    if not _shuffles:
+        return "table lookups by warp shuffle where each setting's first launch matches the loads (none checked yet)"
+    if held == len(_shuffles):
+        return f"table lookups by warp shuffle (each setting checked against the loads: {held} of {held} equal so far)"
+    return (f"table lookups by warp shuffle for {held} of {len(_shuffles)} settings checked, by loads for the rest "
+            "(the shuffles read other values or did not build there)")
 
 
 def sum_splits(target: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, xq: int, interpret: bool) -> None:

@@ -81,4 +81,4 @@ def nf4_token_steps(trainer: Any, *, wanted: bool = True) -> str | None:
     stack.enter_context(nf4.nf4_decode(model))
     trainer.vlmrl_nf4_decode = stack  # held (and closed) with the trainer
     return (f"vlmrl nf4 kernel (vlmrl.engine.rollout.nf4) for token steps of {nf4.MIN_ROWS}-{nf4.MAX_ROWS} rows "
-            f"({nf4.measured_settings(model)}), {BITSANDBYTES} otherwise")
+            f"({nf4.measured_settings(model)}; {nf4.lookups()}), {BITSANDBYTES} otherwise")
