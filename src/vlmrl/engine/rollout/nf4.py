@@ -5,8 +5,8 @@ kernels take many times the weight-read floor (benchmarks/NOTES.md, "The nf4 tok
 streams 2-D tiles of packed bytes (the next step's in flight while one is decoded), looks each code up in the
 16-value table (compiled, by warp shuffles, checked against table loads once per setting: `shuffles_hold`), scales
 it by its block's absmax (decoded from its 8-bit code when double-quantised), rounds it as `dequantize_4bit` rounds,
-joins each byte's two weights back into the row's order and multiplies them by x's
-columns, read along k in 16-byte loads, on the tensor cores, accumulating in fp32; few output columns split K,
+joins each byte's two weights back into the row's order and multiplies them by x's columns, read along k in 16-byte
+loads, on the tensor cores, accumulating in fp32; few output columns split K,
 summed by a second, deterministic pass. The result is `dequantize_4bit` then `x @ W.T` (+ bias) up to summation
 order: each weight bit-equal, each output within one bf16/fp16 unit in the last place (tests/test_nf4.py says how
 outputs near zero are counted). Its Triton source is `nf4_triton`; the first design, which lost to this one, is a
@@ -397,12 +397,12 @@ def shuffles_hold(x: torch.Tensor, n: int, tiles: Callable[[torch.Tensor, bool],
     """Whether the tile kernel's warp-shuffle lookups read the table's values for a launch on x with `settings`:
     checked once per device, dtype, shape and settings (`_shuffles`), by `tiles(probe, shuffle)` (the launch; it
     returns what the kernel wrote) with and without them on a fixed nonzero x of x's shape and row stride, whose
-    outputs must be equal bit for bit (the same float32 table values, the same arithmetic). False, the loads, when they differ or the shuffled build fails (logged), for
-    x not 16-byte aligned (Triton builds another kernel then), and while a CUDA graph is being captured before any
-    check (nothing may be compared then)."""
+    outputs must be equal bit for bit (the same float32 table values, the same arithmetic). False, the loads, where
+    they differ or the shuffled build fails (logged), for x not 16-byte aligned (Triton builds another kernel then),
+    and while a CUDA graph is being captured before any check (nothing may be compared then)."""
     if x.data_ptr() % 16:
         return False
-    key = (str(x.device), x.dtype, *x.shape, x.stride(0), n, *sorted(settings.items()))
+    key = (x.device, x.dtype, *x.shape, x.stride(0), n, *settings.values())  # (launch builds settings in one order)
     held = _shuffles.get(key)
     if held is None:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():

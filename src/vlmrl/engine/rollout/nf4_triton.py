@@ -3,9 +3,10 @@ what it computes and how it is checked).
 
 Public: `kernels(interpret)` -> (`nf4_tiles`: 2-D tiles of packed bytes decoded and joined back into the rows' order
 (high nibble first) against x's columns read along k, each program writing its fp32 share when K is split, else the
-rounded output, its table lookups loads or, compiled, warp shuffles (`SHUFFLE`); `nf4_splits`: the fixed-order sum of K splits, unrolled over their count, bias added and rounded
-once). Building them also puts their device helpers (`rounded`, `dot_operand`, `store_tile`, `block_scales`,
-`times_x`, `lane_table`, `held_by`) in this module's globals, where Triton finds them (and other kernels built on them may take them).
+rounded output, its table lookups loads or, compiled, warp shuffles (`SHUFFLE`); `nf4_splits`: the fixed-order
+sum of K splits, unrolled over their count, bias added and rounded once). Building them also puts their device
+helpers (`rounded`, `dot_operand`, `store_tile`, `block_scales`, `times_x`, `lane_table`, `held_by`) in this
+module's globals, where Triton finds them (and other kernels built on them may take them).
 Limits: those of `nf4` (nf4 codes, bf16/fp16 activations, CUDA or Triton's interpreter); the shuffles are inline
 PTX (compiled only) and read the right values only where each thread keeps its own lane's table value, which
 a compiler's re-layout could break: `nf4.launch` checks them against the loads once per setting.
