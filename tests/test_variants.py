@@ -397,6 +397,8 @@ def test_a_variant_path_is_reported_beside_the_others():
      [], True),
     ("by_rule", ("vlmrl nf4 kernel with its settings by rule, not TUNED_SM90 (a bench variant) for token steps of "
                  "2-64 rows, bitsandbytes Linear4bit otherwise"), [True], True),  # the product's, settings given
+    ("loads", ("vlmrl nf4 kernel with its table lookups as loads, not warp shuffles (a bench variant) for token steps "
+               "of 2-64 rows, bitsandbytes Linear4bit otherwise"), [], True),  # the plugin's launch of its kernel
 ])
 def test_the_nf4_variants_swap_the_products_kernel(variant, record, given, routed, launches, monkeypatch):
     pytest.importorskip("bitsandbytes")
@@ -420,11 +422,27 @@ def test_the_nf4_variants_swap_the_products_kernel(variant, record, given, route
     assert fast.weights == record
     trainer._generate_single_turn()
     assert settings == [False, *given]  # the probe (the product's), then the rollout's token step
-    assert first == ([4] if variant == "v1" else [])
+    assert first == ([4] if variant in ("v1", "loads") else [])
     assert ("forward" in model[0].__dict__) is routed
     if trainer.vlmrl_nf4_decode is not None:  # (closed by the "off" variant)
         trainer.vlmrl_nf4_decode.close()
     assert "forward" not in model[0].__dict__
+
+
+def test_the_lookup_designs_launch_the_products_kernel_with_shuffles_off_or_forced_on():
+    """nf4_lookups: "loads" is the product's tile kernel with `SHUFFLE` off, "shuffle" with it on (compiled only: the
+    interpreter runs no PTX), "pairs" a kernel of its own."""
+    pytest.importorskip("triton")
+    from variants import nf4_lookups
+
+    from vlmrl.engine.rollout import nf4_triton
+
+    product = nf4_triton.kernels(False)[0]
+    loads, shuffle = nf4_lookups.tiles("loads")(False), nf4_lookups.tiles("shuffle")(False)
+    assert loads.kernel is product and loads.settings == {"SHUFFLE": False}
+    assert shuffle.kernel is product and shuffle.settings == {"SHUFFLE": True}
+    assert nf4_lookups.tiles("shuffle")(True).settings == {"SHUFFLE": False}
+    assert nf4_lookups.tiles("pairs")(False).kernel is nf4_lookups.kernel(False) is not product
 
 
 @pytest.mark.parametrize(("rows", "k", "config", "nested"), [
