@@ -48,12 +48,31 @@ def loop_opcodes(sass: str) -> collections.Counter:
     raise SystemExit("no loop found in the disassembly")
 
 
+SPLIT_SUM_STEPS = (("stores", re.compile(r"st\.global\.")), ("barrier", re.compile(r"bar\.sync")),
+                   ("count (acquire, release)", re.compile(r"atom\.global\.gpu\.acq_rel\.add")),
+                   ("shares read through L2", re.compile(r"ld\.global\.cg")),
+                   ("counter reset", re.compile(r"atom\.global\.gpu\.relaxed\.exch")))
+
+
+def split_sum_order(ptx: str) -> list[str]:
+    """The split sum's memory steps in the order the PTX has them, each run of one kind once (`SPLIT_SUM_STEPS`):
+    what the last split to finish reads is ordered by these (a split's shares stored, a barrier, the count, a
+    barrier, the shares read)."""
+    order: list[str] = []
+    for line in ptx.splitlines():
+        kind = next((name for name, pattern in SPLIT_SUM_STEPS if pattern.search(line)), None)
+        if kind is not None and (not order or order[-1] != kind):
+            order.append(kind)
+    return order
+
+
 def build(rows: int, blocksize: int, dtype: str, shape: tuple[int, int, int] | None = None,
-          design: str = "v2") -> dict:
+          design: str = "v2", splits: int = 0) -> dict:
     """The loop's counts for the rule's tile at `rows` (`nf4.tile_shape`), or `shape` = (block_n, packed bytes a
     step, warps) given (one of `nf4.TUNED_SM90`'s); `design` "v2": the product's kernel as it runs on a GPU (its
     lookups by warp shuffle); "loads": the same with table loads (benchmarks/variants/nf4_loads.py); "pairs": the
-    variant with one table lookup a byte (nf4_pairs)."""
+    variant with one table lookup a byte (nf4_pairs). `splits` > 1 (v2, loads): K split that many ways, summed by the
+    last split to finish (`nf4_triton.sum_if_last`), as the product launches a split K; else no split sum built."""
     try:
         import triton
         from triton.backends.compiler import GPUTarget
@@ -77,6 +96,11 @@ def build(rows: int, blocksize: int, dtype: str, shape: tuple[int, int, int] | N
     constants = {"BLOCKSIZE2": 256, "HALF": blocksize // 2, "NB": tile // (blocksize // 2), "BLOCK_N": block_n,
                  "BLOCK_M": nf4.block_rows(rows), "NESTED": True, "HAS_BIAS": False, "PARTIAL": True, "WQ": 1,
                  "XQ": 1 if dtype == "bfloat16" else 2, "EXACT": False, "EVEN": True} | lookup
+    if splits > 1 and design != "pairs":
+        signature |= {"Final": f"*{xt}", "Counters": "*i32"}
+        constants |= {"SPLITS": splits, "HAS_BIAS": True}
+    elif design != "pairs":
+        constants |= {"Final": None, "Counters": None, "SPLITS": 0}  # (defaults left out fail to build)
     signature |= dict.fromkeys(constants, "constexpr")
     index = tiles.arg_names.index
     divisible = [name for name in signature if name not in constants and name != "Offset"]
@@ -96,6 +120,8 @@ def build(rows: int, blocksize: int, dtype: str, shape: tuple[int, int, int] | N
     weights_per_thread = block_n * tile * 2 // (warps * 32)
     total = sum(opcodes.values())
     return {"kernel": design, "rows": rows, "blocksize": blocksize, "dtype": dtype, "triton": triton.__version__,
+            "splits_summed_in_kernel": splits if "SPLITS" in constants else 0,
+            "split_sum_order": split_sum_order(kernel.asm["ptx"]) if constants.get("SPLITS") else [],
             "tile": {"block_n": block_n, "packed_bytes": tile, "warps": warps, "block_m": constants["BLOCK_M"]},
             "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
             "spill_bytes": int(re.search(r"LOCAL:(\d+)", usage).group(1)),
@@ -109,10 +135,10 @@ def tuned(design: str = "v2") -> list[dict]:
     from vlmrl.engine.rollout import nf4
 
     tiles: dict[tuple, list[str]] = {}
-    for (n, k, blocksize, rows), (block_n, tile, warps, *_) in nf4.TUNED_SM90.items():
-        tiles.setdefault((rows, blocksize, block_n, tile, warps), []).append(f"{n} x {k}")
-    return [build(rows, blocksize, "bfloat16", (block_n, tile, warps), design) | {"shapes": shapes}
-            for (rows, blocksize, block_n, tile, warps), shapes in tiles.items()]
+    for (n, k, blocksize, rows), (block_n, tile, warps, _, split) in nf4.TUNED_SM90.items():
+        tiles.setdefault((rows, blocksize, block_n, tile, warps, split), []).append(f"{n} x {k}")
+    return [build(rows, blocksize, "bfloat16", (block_n, tile, warps), design, split) | {"shapes": shapes}
+            for (rows, blocksize, block_n, tile, warps, split), shapes in tiles.items()]
 
 
 def main(argv: list[str]) -> int:

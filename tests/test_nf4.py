@@ -132,6 +132,36 @@ def test_the_split_sum_adds_the_shares_in_order_and_rounds_once(split, bias):
     assert torch.equal(out, expected.to(torch.bfloat16))  # bit for bit: rounded once, ties to even
 
 
+@KERNELS
+@pytest.mark.parametrize(("rows", "k", "config"), [
+    (3, 256, [64, 64, 4, 1, 3]),  # 2 splits (of 3 asked), one tile
+    (5, 320, [16, 64, 4, 1, 2]),  # a partial last split, 6 tiles
+    (70, 256, [16, 32, 4, 1, 4]),  # two blocks of rows: tiles along both
+    (16, 512, [64, 128, 4, 1, 64]),  # more splits asked for than there are
+])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_last_split_to_finish_sums_them_as_the_second_kernel_did(rows, k, config, bias, matmul, monkeypatch):
+    packed, qs = nf4_quantized(96, k, seed=k)
+    x = torch.randn(rows, k).to(DEVICE, torch.bfloat16)
+    b = torch.randn(96).to(DEVICE, torch.bfloat16) if bias else None
+    second = []
+    real_sum = nf4.sum_splits
+    monkeypatch.setattr(nf4, "sum_splits", lambda *a: second.append(1) or real_sum(*a))
+    in_kernel = matmul(x, packed, b, quant_state=qs, config=config)
+    assert not second and torch.equal(nf4._counters[torch.device(DEVICE)], torch.zeros_like(nf4._counters[
+        torch.device(DEVICE)]))  # summed in the tile kernel, every counter back at 0 for the next launch
+    monkeypatch.setattr(nf4, "COUNTERS", 0)  # no buffer large enough: the second kernel sums them
+    two_kernels = matmul(x, packed, b, quant_state=qs, config=config)
+    assert second and torch.equal(in_kernel, two_kernels)  # bit for bit: the same order, rounded once
+
+
+def test_split_counters_are_not_made_inside_a_graph_capture(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert nf4.split_counters(torch.device("cuda"), 8) is None  # an allocation there would belong to the graph
+    assert nf4.split_counters(torch.device("cpu"), nf4.COUNTERS + 1) is None  # more tiles than counters
+    assert nf4.split_counters(torch.device("cpu"), 8).dtype == torch.int32
+
+
 def test_the_record_counts_the_layers_that_take_measured_settings(monkeypatch):
     for rows in (16, 32):  # as if these shapes were measured at both row tiles
         monkeypatch.setitem(nf4.TUNED_SM90, (192, 256, 64, rows), [64, 64, 4, 1, 2])
@@ -367,5 +397,25 @@ def test_qwen3_vl_8b_shapes_on_the_gpu(dtype, matmul):
             _check(matmul(x, packed, bias, quant_state=qs), x, packed, qs, bias, min_equal=0.9)
     _exact_weights(1024, 4096, dtype, matmul=matmul)  # 4M weights, each as bitsandbytes dequantizes it (and rounds it)
     assert not nf4._failed
+    _splits_summed_in_the_kernel_as_by_the_second(dtype, matmul)
     if torch.cuda.get_device_capability()[0] == nf4.MEASURED_MAJOR:  # where the shuffles were measured: they hold
         assert nf4._shuffles and all(nf4._shuffles.values()), nf4.lookups()
+
+
+def _splits_summed_in_the_kernel_as_by_the_second(dtype, matmul, repeats=50):
+    """On a GPU, where a tile's splits finish in any order: the last to arrive reads every other's share (the
+    counters' release and acquire order them), so the sums equal the second kernel's bit for bit, launch after
+    launch, and every counter is back at 0."""
+    n, k = 4096, 12288  # down: 8 splits of 32 tiles at 32 rows on an H200
+    packed, qs = nf4_quantized(n, k, weight_dtype=torch.bfloat16, seed=7)
+    x = torch.randn(32, k, device="cuda").to(dtype)
+    bias = torch.randn(n, device="cuda").to(dtype)
+    runs = [matmul(x, packed, bias, quant_state=qs) for _ in range(repeats)]
+    counters = nf4._counters[torch.device("cuda", torch.cuda.current_device())]
+    assert not counters.any()
+    saved, nf4.COUNTERS = nf4.COUNTERS, 0
+    try:
+        expected = matmul(x, packed, bias, quant_state=qs)
+    finally:
+        nf4.COUNTERS = saved
+    assert all(torch.equal(run, expected) for run in runs)

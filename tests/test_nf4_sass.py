@@ -49,7 +49,10 @@ def test_the_kernel_built_for_sm90_reads_x_along_k(tmp_path):
 def test_each_measured_tile_builds_for_sm90_without_spilling(tmp_path):
     """Every tile of nf4.TUNED_SM90 (the settings the product takes on sm_90) compiles offline to a loop on Hopper's
     tensor-core instructions with x read in 16-byte loads, and no register spills (a Triton upgrade that made one
-    spill would slow the token step the table was measured for)."""
+    spill would slow the token step the table was measured for); its K splits summed by the last to finish, which
+    reads the others' shares only after every thread's stores, a barrier and the count (released and acquired at
+    GPU scope), then a barrier: the order that makes them visible (the interpreter, one program at a time, cannot
+    tell)."""
     pytest.importorskip("triton.backends.nvidia")
     from vlmrl.engine.rollout import nf4
 
@@ -67,6 +70,11 @@ def test_each_measured_tile_builds_for_sm90_without_spilling(tmp_path):
         assert r["spill_bytes"] == 0, r["tile"]
         assert any(op.startswith("HGMMA") for op in r["opcodes"])
         assert r["opcodes"].get("LDG.E.128", 0) >= 1 and not r["opcodes"].get("LDG.E.U16")  # x in 16-byte loads
+        order = r["split_sum_order"]  # K split: the last split to finish sums the shares (CUTLASS's semaphore order)
+        count = order.index("count (acquire, release)")
+        assert order[count - 2:count + 3] == ["stores", "barrier", "count (acquire, release)", "barrier",
+                                              "shares read through L2"], order
+        assert order.count("count (acquire, release)") == 1 and order[-1] == "counter reset", order
 
 
 @pytest.mark.slow  # ~9 s: three ptxas builds

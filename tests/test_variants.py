@@ -73,6 +73,7 @@ def test_each_variant_changes_only_its_own_setting():
         "vlmrl-bnb": {"nf4_kernel": "off"}, "vlmrl-nf4-v1": {"nf4_kernel": "v1"},
         "vlmrl-nf4-folded": {"nf4_kernel": "folded"}, "vlmrl-nf4-summed": {"nf4_kernel": "summed"},
         "vlmrl-nf4-by-rule": {"nf4_kernel": "by_rule"}, "vlmrl-nf4-loads": {"nf4_kernel": "loads"},
+        "vlmrl-nf4-split-sum": {"nf4_kernel": "split_sum"},
         "vlmrl-finished-read": {"finished_read": True},
         "vlmrl-second-inline": {"second_inline": True}, "vlmrl-4bit-stacked-inline": {"second_inline": True},
         "vlmrl-4bit-inline": {"second_inline": True}, "vlmrl-combo-kernels": {"inductor": {"combo_kernels": True}}}
@@ -399,6 +400,8 @@ def test_a_variant_path_is_reported_beside_the_others():
                  "2-64 rows, bitsandbytes Linear4bit otherwise"), [True], True),  # the product's, settings given
     ("loads", ("vlmrl nf4 kernel with its table lookups as loads, not warp shuffles (a bench variant) for token steps "
                "of 2-64 rows, bitsandbytes Linear4bit otherwise"), [], True),  # the plugin's launch of its kernel
+    ("split_sum", ("vlmrl nf4 kernel with its K splits summed by a second kernel (a bench variant) for token steps "
+                   "of 2-64 rows, bitsandbytes Linear4bit otherwise"), [], True),
 ])
 def test_the_nf4_variants_swap_the_products_kernel(variant, record, given, routed, launches, monkeypatch):
     pytest.importorskip("bitsandbytes")
@@ -422,7 +425,7 @@ def test_the_nf4_variants_swap_the_products_kernel(variant, record, given, route
     assert fast.weights == record
     trainer._generate_single_turn()
     assert settings == [False, *given]  # the probe (the product's), then the rollout's token step
-    assert first == ([4] if variant in ("v1", "loads") else [])
+    assert first == ([4] if variant in ("v1", "loads", "split_sum") else [])
     assert ("forward" in model[0].__dict__) is routed
     if trainer.vlmrl_nf4_decode is not None:  # (closed by the "off" variant)
         trainer.vlmrl_nf4_decode.close()
@@ -431,7 +434,7 @@ def test_the_nf4_variants_swap_the_products_kernel(variant, record, given, route
 
 def test_the_lookup_designs_launch_the_products_kernel_with_shuffles_off_or_forced_on():
     """nf4_lookups: "loads" is the product's tile kernel with `SHUFFLE` off, "shuffle" with it on (compiled only: the
-    interpreter runs no PTX), "pairs" a kernel of its own."""
+    interpreter runs no PTX), both summing a split K in a second kernel; "pairs" a kernel of its own."""
     pytest.importorskip("triton")
     from variants import nf4_lookups
 
@@ -439,9 +442,10 @@ def test_the_lookup_designs_launch_the_products_kernel_with_shuffles_off_or_forc
 
     product = nf4_triton.kernels(False)[0]
     loads, shuffle = nf4_lookups.tiles("loads")(False), nf4_lookups.tiles("shuffle")(False)
-    assert loads.kernel is product and loads.settings == {"SHUFFLE": False}
-    assert shuffle.kernel is product and shuffle.settings == {"SHUFFLE": True}
-    assert nf4_lookups.tiles("shuffle")(True).settings == {"SHUFFLE": False}
+    two_kernels = {"Final": None, "Counters": None, "SPLITS": 0}  # a split K summed by the second kernel
+    assert loads.kernel is product and loads.settings == {"SHUFFLE": False} | two_kernels
+    assert shuffle.kernel is product and shuffle.settings == {"SHUFFLE": True} | two_kernels
+    assert nf4_lookups.tiles("shuffle")(True).settings == {"SHUFFLE": False} | two_kernels
     assert nf4_lookups.tiles("pairs")(False).kernel is nf4_lookups.kernel(False) is not product
 
 

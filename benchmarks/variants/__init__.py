@@ -109,8 +109,12 @@ VARIANTS: dict[str, Variant] = {
     "vlmrl-nf4-summed": Variant(stacked=False, rollout={"nf4_kernel": "summed"}),
     # the product's nf4 kernel with its settings by rule (nf4.rule_config), without the TUNED_SM90 table
     "vlmrl-nf4-by-rule": Variant(rollout={"nf4_kernel": "by_rule"}),
-    # the product's nf4 kernel with its table lookups as loads, as before they became warp shuffles (nf4_loads)
+    # the product's nf4 kernel with its table lookups as loads, as before they became warp shuffles, and its K
+    # splits summed by a second kernel (nf4_loads)
     "vlmrl-nf4-loads": Variant(rollout={"nf4_kernel": "loads"}),
+    # ... with its lookups by warp shuffle, its K splits summed by a second kernel, as before the tile kernel's last
+    # split summed them (nf4_loads)
+    "vlmrl-nf4-split-sum": Variant(rollout={"nf4_kernel": "split_sum"}),
     "vlmrl-nf4-unfused": Variant(stacked=False),
     # rows that have ended keep reading their whole cache at token steps (the product narrows their mask)
     "vlmrl-finished-read": Variant(rollout={"finished_read": True}),

@@ -1,5 +1,7 @@
-"""The product's nf4 token-step kernel with its table lookups as loads, as it was before they became warp shuffles:
-the A/B partner of the product (`benchmarks/nf4_matmul.py --kernels v2,loads`, bench path `vlmrl-nf4-loads`).
+"""The product's nf4 token-step kernel with its table lookups as loads, as it was before they became warp shuffles,
+and a split K summed by a second kernel, as before the last split summed it in the tile kernel: the A/B partners of
+the product (`benchmarks/nf4_matmul.py --kernels v2,shuffle,loads`, bench paths `vlmrl-nf4-split-sum`,
+`vlmrl-nf4-loads`).
 
 Why the product shuffles: its tile loop is bound by its own instructions (benchmarks/NOTES.md, "What the nf4 kernel
 waits on"), and a third of them were its table lookups, each nibble's a global load with its own 64-bit address
@@ -8,8 +10,8 @@ waits on"), and a third of them were its table lookups, each nibble's a global l
 checks that on each setting's first launch).
 
 Public: `nf4_matmul_loads` (the arguments and values of `nf4.nf4_matmul`), `nf4_matmul_shuffle` (the shuffles
-forced on, unchecked: for `nf4_matmul.py`'s numerics table). Both run the product's kernel, settings, launch and
-split sum (`nf4_lookups`).
+forced on, unchecked). Both run the product's kernel and settings, their splits summed by the second kernel
+(`nf4_lookups`).
 """
 
 from __future__ import annotations

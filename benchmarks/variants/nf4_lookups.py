@@ -1,6 +1,7 @@
 """The product's nf4 tile loop with its table lookups done another way, for A/B runs beside the product (whose
 compiled loop looks the table up by warp shuffle, `nf4_triton`): "loads", the product's kernel with the table loads
-it had before (`SHUFFLE` off); "shuffle", the product's kernel with its shuffles forced on, unchecked; "pairs", one
+it had before (`SHUFFLE` off); "shuffle", the product's kernel with its shuffles forced on, unchecked; both with a
+split K summed by a second kernel, as before the product summed it in the tile kernel; "pairs", one
 lookup a byte in a table of weight pairs (`nf4_pairs`), a loop of this module's own. What each was worth:
 benchmarks/NOTES.md ("What the nf4 kernel waits on").
 
@@ -43,7 +44,8 @@ def tiles(design: str) -> Callable[[bool], Any]:
     def built(interpret: bool) -> _Bound:
         if design == "pairs":
             return _Bound(kernel(interpret), {})
-        return _Bound(nf4_triton.kernels(interpret)[0], {"SHUFFLE": LOOKUPS[design]["SHUFFLE"] and not interpret})
+        return _Bound(nf4_triton.kernels(interpret)[0], {"SHUFFLE": LOOKUPS[design]["SHUFFLE"] and not interpret,
+                                                          "Final": None, "Counters": None, "SPLITS": 0})
     return built
 
 

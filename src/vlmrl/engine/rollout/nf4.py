@@ -6,13 +6,14 @@ streams 2-D tiles of packed bytes (the next step's in flight while one is decode
 16-value table (compiled, by warp shuffles, checked against table loads once per setting: `shuffles_hold`), scales
 it by its block's absmax (decoded from its 8-bit code when double-quantised), rounds it as `dequantize_4bit` rounds,
 joins each byte's two weights back into the row's order and multiplies them by x's columns, read along k in 16-byte
-loads, on the tensor cores, accumulating in fp32; few output columns split K,
-summed by a second, deterministic pass. The result is `dequantize_4bit` then `x @ W.T` (+ bias) up to summation
+loads, on the tensor cores, accumulating in fp32; few output columns split K, and the last split of a tile to
+finish sums the splits' shares in their order (a counter per tile; a second kernel where no counters can be had). The result is `dequantize_4bit` then `x @ W.T` (+ bias) up to summation
 order: each weight bit-equal, each output within one bf16/fp16 unit in the last place (tests/test_nf4.py says how
 outputs near zero are counted). Its Triton source is `nf4_triton`; the first design, which lost to this one, is a
 benchmark plugin (benchmarks/variants/nf4_v1.py).
 
-Public: `nf4_matmul`; `launch` and `sum_splits` (its K splits' in-order sum), which it runs; `nf4_decode(model)`,
+Public: `nf4_matmul`; `launch`, `split_counters` (the per-tile counters of the in-kernel split sum) and
+`sum_splits` (the second kernel's in-order sum), which it runs; `nf4_decode(model)`,
 which routes `Linear4bit` forwards of `MIN_ROWS` to `MAX_ROWS` rows without gradients through the kernel while
 active (one-row steps, where bitsandbytes runs its gemv, prompt passes, training and unsupported layers stay on
 bitsandbytes, the fallback); `unsupported_reason(model)`, for the caller to record why a model stays there;
@@ -48,6 +49,7 @@ from vlmrl.engine.rollout.decode_attention import HAS_TRITON, interpreted, kerne
 log = logging.getLogger(__name__)
 _failed: dict[tuple, str] = {}  # (device, dtype) -> why the kernel could not run there
 _shuffles: dict[tuple, bool] = {}  # a launch's device, dtype, shape and settings -> its shuffles read the table
+_counters: dict[torch.device, torch.Tensor] = {}  # a device's split counters (`split_counters`)
 
 MAX_ROWS = 64  # rows of a token step (the rollout batch); a prompt pass's many rows stay on bitsandbytes
 MIN_ROWS = 2  # one row: bitsandbytes' own gemv is faster (benchmarks/NOTES.md, "The nf4 token-step kernel")
@@ -55,6 +57,7 @@ MEASURED_MAJOR = 9  # compute capability where the kernel was measured faster th
 BLOCKSIZES = (32, 64, 128, 256)
 TILE_PAIRS = 64  # packed bytes per weight row per loop step on a GPU (128 weights)
 PROGRAMS_PER_SM = 4  # split K until the grid has about this many programs per SM
+COUNTERS = 4096  # output tiles a launch whose K is split may have for its splits to be summed in the tile kernel
 DTYPES = (torch.bfloat16, torch.float16)
 _ROUNDING = {torch.bfloat16: 1, torch.float16: 2}  # the dequantized weight's dtype -> the kernel's code (0: fp32)
 
@@ -350,7 +353,8 @@ def block_rows(rows: int) -> int:
 def launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: torch.Tensor | None,
            absmax2: torch.Tensor | None, offset: torch.Tensor | None, lut: torch.Tensor, bias: torch.Tensor | None,
            blocksize: int, blocksize2: int, rounding: int, config: list[int]) -> torch.Tensor:
-    """Launch the tile kernel (and the split sum) on x [rows, k], with `config` or else `_config`'s settings."""
+    """Launch the tile kernel on x [rows, k], with `config` or else `_config`'s settings; a split K is summed by its
+    last split to finish (`split_counters`), or by `sum_splits` where no counters can be had."""
     rows, k = x.shape
     n = packed.shape[0]
     if rows == 0:
@@ -375,19 +379,21 @@ def launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: t
     target = torch.empty(split, rows, n, device=x.device, dtype=torch.float32) if partial else out
     xq = 1 if x.dtype == torch.bfloat16 else 2
     grid = (-(-n // block_n), split, -(-rows // block_m))
+    counters = split_counters(x.device, grid[0] * grid[2]) if partial else None
     weights = (packed, absmax, code2 if nested else absmax, absmax2 if nested else absmax,
                offset if nested else absmax, lut, bias if bias is not None else out)
     settings = {"BLOCKSIZE2": blocksize2, "HALF": half, "NB": tile // half, "BLOCK_N": block_n, "BLOCK_M": block_m,
-                "NESTED": nested, "HAS_BIAS": bias is not None and not partial, "PARTIAL": partial, "WQ": rounding,
-                "XQ": xq, "EXACT": interpret, "EVEN": (k // 2) % tile == 0, "num_warps": warps, "num_stages": stages}
+                "NESTED": nested, "HAS_BIAS": bias is not None and (not partial or counters is not None),
+                "PARTIAL": partial, "WQ": rounding, "XQ": xq, "EXACT": interpret, "EVEN": (k // 2) % tile == 0,
+                "SPLITS": split if counters is not None else 0, "num_warps": warps, "num_stages": stages}
 
     def tiles(xs: torch.Tensor, shuffle: bool) -> torch.Tensor:
-        main[grid](xs, *weights, target, rows, n, k, xs.stride(0), per_split, SHUFFLE=shuffle, **settings,
-                   enable_fp_fusion=False)  # round a*b and +c apart, as bnb does
-        return target
+        main[grid](xs, *weights, target, rows, n, k, xs.stride(0), per_split, SHUFFLE=shuffle, Final=out,
+                   Counters=counters, **settings, enable_fp_fusion=False)  # round a*b and +c apart, as bnb does
+        return target if counters is None else out  # what it wrote
 
     tiles(x, not interpret and shuffles_hold(x, n, tiles, settings))
-    if partial:
+    if partial and counters is None:
         sum_splits(target, bias, out, xq, interpret)
     return out
 
@@ -422,6 +428,22 @@ def shuffles_hold(x: torch.Tensor, n: int, tiles: Callable[[torch.Tensor, bool],
                 log.warning("nf4 kernel: table lookups by warp shuffle read other values than the loads with this "
                             "Triton build (%s); loads instead", key)
         _shuffles[key] = held
+    return held
+
+
+def split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """The per-tile arrival counters with which the last of a tile's K splits sums them in the tile kernel
+    (`nf4_triton.sum_if_last`): int32 zeros, one buffer per device, each launch leaving them at zero; launches on one
+    device must not overlap (one stream at a time, as token steps run). None, the splits then summed by a second
+    kernel (`sum_splits`), for more tiles than the buffer holds, and while a CUDA graph is being captured before the
+    device's buffer exists (an allocation there would belong to the graph)."""
+    if tiles > COUNTERS:
+        return None
+    held = _counters.get(device)
+    if held is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        held = _counters[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
     return held
 
 

@@ -3,13 +3,16 @@ what it computes and how it is checked).
 
 Public: `kernels(interpret)` -> (`nf4_tiles`: 2-D tiles of packed bytes decoded and joined back into the rows' order
 (high nibble first) against x's columns read along k, each program writing its fp32 share when K is split, else the
-rounded output, its table lookups loads or, compiled, warp shuffles (`SHUFFLE`); `nf4_splits`: the fixed-order
-sum of K splits, unrolled over their count, bias added and rounded once). Building them also puts their device
-helpers (`rounded`, `dot_operand`, `store_tile`, `block_scales`, `times_x`, `lane_table`, `held_by`) in this
-module's globals, where Triton finds them (and other kernels built on them may take them).
+rounded output, its table lookups loads or, compiled, warp shuffles (`SHUFFLE`); with `SPLITS` and per-tile
+`Counters`, the last split of a tile to finish sums the shares into `Final` (`sum_if_last`); `nf4_splits`: the same
+fixed-order sum as a second kernel, unrolled over the split count, bias added and rounded once). Building them also
+puts their device helpers (`rounded`, `dot_operand`, `store_tile`, `block_scales`, `times_x`, `lane_table`,
+`held_by`, `sum_if_last`) in this module's globals, where Triton finds them (and other kernels built on them may
+take them).
 Limits: those of `nf4` (nf4 codes, bf16/fp16 activations, CUDA or Triton's interpreter); the shuffles are inline
 PTX (compiled only) and read the right values only where each thread keeps its own lane's table value, which
-a compiler's re-layout could break: `nf4.launch` checks them against the loads once per setting.
+a compiler's re-layout could break: `nf4.launch` checks them against the loads once per setting. The in-kernel split
+sum needs launches on one device not to overlap (its counters are shared).
 """
 
 from __future__ import annotations
@@ -152,11 +155,35 @@ def kernels(interpret: bool) -> tuple[Any, Any]:
         tl.store(Out + i, rounded(acc, XQ, EXACT).to(Out.dtype.element_ty), mask=ok)
 
     @triton.jit
+    def sum_if_last(Partial, Bias, Final, Counters, n, m, n_ok, m_ok, M, N, SPLITS: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr, XQ: tl.constexpr,
+                    EXACT: tl.constexpr):
+        # after a program stored its split's share: the tile's last program to arrive (its counter says so) sums
+        # the SPLITS shares in order, adds the bias, rounds once, writes Final and sets the counter back to 0 for
+        # the next launch. The barrier puts every thread's stores before the count (released at GPU scope); the
+        # last program's shares are read through L2 (.cg) after its acquire, as CUTLASS's split-K semaphore does.
+        tl.debug_barrier()
+        tile = tl.program_id(0) * tl.num_programs(2) + tl.program_id(2)
+        seen = tl.atomic_add(Counters + tile, 1, sem="acq_rel", scope="gpu")
+        if seen == SPLITS - 1:
+            where = m[None, :] * N + n[:, None]
+            mask = m_ok[None, :] & n_ok[:, None]
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for s in tl.static_range(SPLITS):
+                acc += tl.load(Partial + s * M * N + where, mask=mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                acc += tl.load(Bias + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+            tl.store(Final + where, rounded(acc, XQ, EXACT).to(Final.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(Counters + tile, 0, sem="relaxed", scope="gpu")
+
+    globals()["sum_if_last"] = sum_if_last
+
+    @triton.jit
     def nf4_tiles(X, Packed, Absmax, Code2, Absmax2, Offset, Lut, Bias, Out, M, N, K, stride_x, per_split,
                   BLOCKSIZE2: tl.constexpr, HALF: tl.constexpr, NB: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_M: tl.constexpr, NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
                   WQ: tl.constexpr, XQ: tl.constexpr, EXACT: tl.constexpr, EVEN: tl.constexpr,
-                  SHUFFLE: tl.constexpr = False):
+                  SHUFFLE: tl.constexpr = False, Final=None, Counters=None, SPLITS: tl.constexpr = 0):
         # out[m, n] (or split s's share, fp32) = sum over this split's k of x[m, k] * W[n, k]; W[n, k] is the
         # nibble k % 2 (high first) of byte n * K/2 + k // 2, times absmax[(n * K + k) // blocksize].
         # On 2-D tiles only: packed bytes [BLOCK_N, NB * HALF] contiguous along k, decoded into two [BLOCK_N, KH]
@@ -202,5 +229,8 @@ def kernels(interpret: bool) -> tuple[Any, Any]:
             low = dot_operand(second * scale, WQ, XQ, X.dtype.element_ty, EXACT)
             acc = times_x(acc, high, low, X, m, m_ok, stride_x, kh, end, BLOCK_N, KH, EVEN, EXACT)
         store_tile(acc, Out, Bias, n, m, n_ok, m_ok, M, N, PARTIAL, HAS_BIAS, XQ, EXACT)
+        if SPLITS:  # the splits summed by the last of them to finish (else by nf4_splits, a second kernel)
+            sum_if_last(Out, Bias, Final, Counters, n, m, n_ok, m_ok, M, N, SPLITS, BLOCK_N, BLOCK_M, HAS_BIAS, XQ,
+                        EXACT)
 
     return nf4_tiles, nf4_splits
