@@ -120,7 +120,7 @@ def build(rows: int, blocksize: int, dtype: str, shape: tuple[int, int, int] | N
     weights_per_thread = block_n * tile * 2 // (warps * 32)
     total = sum(opcodes.values())
     return {"kernel": design, "rows": rows, "blocksize": blocksize, "dtype": dtype, "triton": triton.__version__,
-            "splits_summed_in_kernel": splits if "SPLITS" in constants else 0,
+            "splits_summed_in_kernel": constants.get("SPLITS", 0),
             "split_sum_order": split_sum_order(kernel.asm["ptx"]) if constants.get("SPLITS") else [],
             "tile": {"block_n": block_n, "packed_bytes": tile, "warps": warps, "block_m": constants["BLOCK_M"]},
             "registers": int(re.search(r"REG:(\d+)", usage).group(1)),

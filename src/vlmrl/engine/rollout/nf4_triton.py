@@ -7,8 +7,8 @@ rounded output, its table lookups loads or, compiled, warp shuffles (`SHUFFLE`);
 `Counters`, the last split of a tile to finish sums the shares into `Final` (`sum_if_last`); `nf4_splits`: the same
 fixed-order sum as a second kernel, unrolled over the split count, bias added and rounded once). Building them also
 puts their device helpers (`rounded`, `dot_operand`, `store_tile`, `block_scales`, `times_x`, `lane_table`,
-`held_by`, `sum_if_last`) in this module's globals, where Triton finds them (and other kernels built on them may
-take them).
+`held_by`, `shares_summed`, `sum_if_last`) in this module's globals, where Triton finds them (and other kernels
+built on them may take them).
 Limits: those of `nf4` (nf4 codes, bf16/fp16 activations, CUDA or Triton's interpreter); the shuffles are inline
 PTX (compiled only) and read the right values only where each thread keeps its own lane's table value, which
 a compiler's re-layout could break: `nf4.launch` checks them against the loads once per setting. The in-kernel split
@@ -140,6 +140,19 @@ def kernels(interpret: bool) -> tuple[Any, Any]:
     globals()["held_by"] = held_by
 
     @triton.jit
+    def shares_summed(acc, Partial, at, ok, size, SPLITS: tl.constexpr, L2: tl.constexpr):
+        # acc + the SPLITS fp32 shares at offsets `at` (share s at s * size), split 0 first: the one order both split
+        # sums keep, so that their outputs are equal bit for bit; L2: read through L2 (.cg), past a stale L1
+        for s in tl.static_range(SPLITS):
+            if L2:
+                acc += tl.load(Partial + s * size + at, mask=ok, other=0.0, cache_modifier=".cg")
+            else:
+                acc += tl.load(Partial + s * size + at, mask=ok, other=0.0)
+        return acc
+
+    globals()["shares_summed"] = shares_summed
+
+    @triton.jit
     def nf4_splits(Partial, Bias, Out, size, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, XQ: tl.constexpr,
                    EXACT: tl.constexpr, BLOCK: tl.constexpr):
         # the splits' shares summed in order, the bias added, rounded once. Unrolled, so every split's load is in
@@ -147,9 +160,7 @@ def kernels(interpret: bool) -> tuple[Any, Any]:
         # benchmarks/NOTES.md: the sum took as long as the projection it finished at 16-64 splits)
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = i < size
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for s in tl.static_range(SPLITS):
-            acc += tl.load(Partial + s * size + i, mask=ok, other=0.0)
+        acc = shares_summed(tl.zeros((BLOCK,), dtype=tl.float32), Partial, i, ok, size, SPLITS, False)
         if HAS_BIAS:
             acc += tl.load(Bias + i % N, mask=ok, other=0.0).to(tl.float32)
         tl.store(Out + i, rounded(acc, XQ, EXACT).to(Out.dtype.element_ty), mask=ok)
@@ -168,9 +179,8 @@ def kernels(interpret: bool) -> tuple[Any, Any]:
         if seen == SPLITS - 1:
             where = m[None, :] * N + n[:, None]
             mask = m_ok[None, :] & n_ok[:, None]
-            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for s in tl.static_range(SPLITS):
-                acc += tl.load(Partial + s * M * N + where, mask=mask, other=0.0, cache_modifier=".cg")
+            acc = shares_summed(tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), Partial, where, mask, M * N, SPLITS,
+                                True)
             if HAS_BIAS:
                 acc += tl.load(Bias + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
             tl.store(Final + where, rounded(acc, XQ, EXACT).to(Final.dtype.element_ty), mask=mask)
