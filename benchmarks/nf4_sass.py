@@ -15,6 +15,7 @@ shows (benchmarks/nf4_matmul.py).
     python benchmarks/nf4_sass.py --tuned [--json FILE]    each tile of nf4.TUNED_SM90, a table row each
     python benchmarks/nf4_sass.py --tuned --kernel pairs    the same tiles of the variant with one lookup a byte
     python benchmarks/nf4_sass.py --tuned --kernel loads    ... of the product's with table loads, not shuffles
+    python benchmarks/nf4_sass.py --tuned --kernel words    ... of the variant that decodes a word at a time
 
 Needs Triton with its NVIDIA backend (the CPU wheel carries ptxas and nvdisasm); exits 2 with one line without.
 """
@@ -71,7 +72,8 @@ def build(rows: int, blocksize: int, dtype: str, shape: tuple[int, int, int] | N
     """The loop's counts for the rule's tile at `rows` (`nf4.tile_shape`), or `shape` = (block_n, packed bytes a
     step, warps) given (one of `nf4.TUNED_SM90`'s); `design` "v2": the product's kernel as it runs on a GPU (its
     lookups by warp shuffle); "loads": the same with table loads (benchmarks/variants/nf4_loads.py); "pairs": the
-    variant with one table lookup a byte (nf4_pairs). `splits` > 1 (v2, loads): K split that many ways, summed by the
+    variant with one table lookup a byte (nf4_pairs); "words": the variant that decodes the bytes a word at a time
+    (nf4_words). `splits` > 1 (v2, loads): K split that many ways, summed by the
     last split to finish (`nf4_triton.sum_if_last`), as the product launches a split K; else no split sum built."""
     try:
         import triton
@@ -82,10 +84,11 @@ def build(rows: int, blocksize: int, dtype: str, shape: tuple[int, int, int] | N
         raise SystemExit(2) from error
     from vlmrl.engine.rollout import nf4, nf4_triton
 
-    if design == "pairs":
+    if design in ("pairs", "words"):
         from variants import nf4_lookups  # beside this script, on sys.path as it runs
 
-        tiles, lookup = nf4_lookups.kernel(False), {}
+        tiles = nf4_lookups.kernel(False) if design == "pairs" else nf4_lookups.words_kernel(False)
+        lookup = nf4_lookups.LOOKUPS[design]
     else:
         tiles, lookup = nf4_triton.kernels(False)[0], {"SHUFFLE": design == "v2"}
     block_n, tile, warps = shape or nf4.tile_shape(rows, blocksize)
@@ -96,10 +99,11 @@ def build(rows: int, blocksize: int, dtype: str, shape: tuple[int, int, int] | N
     constants = {"BLOCKSIZE2": 256, "HALF": blocksize // 2, "NB": tile // (blocksize // 2), "BLOCK_N": block_n,
                  "BLOCK_M": nf4.block_rows(rows), "NESTED": True, "HAS_BIAS": False, "PARTIAL": True, "WQ": 1,
                  "XQ": 1 if dtype == "bfloat16" else 2, "EXACT": False, "EVEN": True} | lookup
-    if splits > 1 and design != "pairs":
+    product = design in ("v2", "loads")  # the product's kernel, whose split sum may be built in
+    if splits > 1 and product:
         signature |= {"Final": f"*{xt}", "Counters": "*i32"}
         constants |= {"SPLITS": splits, "HAS_BIAS": True}
-    elif design != "pairs":
+    elif product:
         constants |= {"Final": None, "Counters": None, "SPLITS": 0}  # (defaults left out fail to build)
     signature |= dict.fromkeys(constants, "constexpr")
     index = tiles.arg_names.index
@@ -149,9 +153,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--top", type=int, default=12, help="opcodes to print")
     p.add_argument("--json", type=Path, help="write the counts here too")
     p.add_argument("--tuned", action="store_true", help="build each tile of nf4.TUNED_SM90 instead (bf16), a line each")
-    p.add_argument("--kernel", choices=("v2", "loads", "pairs"), default="v2",
+    p.add_argument("--kernel", choices=("v2", "loads", "pairs", "words"), default="v2",
                    help="the product's tile kernel (lookups by warp shuffle), or a variant: lookups by table loads, "
-                   "or one table lookup a byte")
+                   "one table lookup a byte, or the bytes decoded a word at a time")
     args = p.parse_args(argv)
     if args.tuned:
         results = tuned(args.kernel)
