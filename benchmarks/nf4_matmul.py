@@ -61,8 +61,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    "design, nf4_v1.nf4_matmul_v1; v2: the product's, nf4.nf4_matmul; pairs: the product's with one "
                    "table lookup a byte, nf4_pairs.nf4_matmul_pairs; loads: the product's with its lookups as table "
                    "loads, nf4_loads.nf4_matmul_loads; shuffle: the product's with its warp shuffles forced on, "
-                   "unchecked, nf4_loads.nf4_matmul_shuffle; words: the bytes decoded a 32-bit word at a time, "
-                   "nf4_words.nf4_matmul_words), comma-separated")
+                   "unchecked, nf4_loads.nf4_matmul_shuffle; bytes: the product's loop before it read 32-bit "
+                   "words, a byte at a time, nf4_bytes.nf4_matmul_bytes), comma-separated")
     p.add_argument("--lora", type=int, default=0, help="a LoRA branch of this rank on every projection (0: none): "
                    "the product's kernel then also runs with the branch as PEFT's ops, folded into its last "
                    "pass, and with only its scale and sum there (benchmarks/variants/nf4_lora.py)")
@@ -164,7 +164,7 @@ KERNELS = {"v1": ("nf4 kernel", "variants.nf4_v1", "nf4_matmul_v1", "_config"),
            "loads": ("nf4 kernel v2, lookups by table loads", "variants.nf4_loads", "nf4_matmul_loads", "_config"),
            "shuffle": ("nf4 kernel, lookups by warp shuffle", "variants.nf4_loads", "nf4_matmul_shuffle",
                        "_config"),
-           "words": ("nf4 kernel, a word decoded at a time", "variants.nf4_words", "nf4_matmul_words", "_config")}
+           "bytes": ("nf4 kernel, a byte decoded at a time", "variants.nf4_bytes", "nf4_matmul_bytes", "_config")}
 
 
 def _column(kernel: str) -> str:
@@ -177,7 +177,7 @@ def _column(kernel: str) -> str:
 SWEEP = {"v1": {"tiles": (64, 128), "stages": (1, 2, 3)}, "v2": {"tiles": (32, 64, 128), "stages": (1, 3)},
          "pairs": {"tiles": (32, 64, 128), "stages": (1, 3)},
          "loads": {"tiles": (32, 64, 128), "stages": (1, 3)}, "shuffle": {"tiles": (32, 64, 128), "stages": (1, 3)},
-         "words": {"tiles": (32, 64, 128), "stages": (1, 3)}}
+         "bytes": {"tiles": (32, 64, 128), "stages": (1, 3)}}
 
 
 LORA_SCALE = 1.0  # lora_alpha / r of the seed recipe (r = alpha = 16)

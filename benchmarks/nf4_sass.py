@@ -15,7 +15,7 @@ shows (benchmarks/nf4_matmul.py).
     python benchmarks/nf4_sass.py --tuned [--json FILE]    each tile of nf4.TUNED_SM90, a table row each
     python benchmarks/nf4_sass.py --tuned --kernel pairs    the same tiles of the variant with one lookup a byte
     python benchmarks/nf4_sass.py --tuned --kernel loads    ... of the product's with table loads, not shuffles
-    python benchmarks/nf4_sass.py --tuned --kernel words    ... of the variant that decodes a word at a time
+    python benchmarks/nf4_sass.py --tuned --kernel bytes    ... of the product's loop before it read words
 
 Needs Triton with its NVIDIA backend (the CPU wheel carries ptxas and nvdisasm); exits 2 with one line without.
 """
@@ -72,8 +72,7 @@ def build(rows: int, blocksize: int, dtype: str, shape: tuple[int, int, int] | N
     """The loop's counts for the rule's tile at `rows` (`nf4.tile_shape`), or `shape` = (block_n, packed bytes a
     step, warps) given (one of `nf4.TUNED_SM90`'s); `design` "v2": the product's kernel as it runs on a GPU (its
     lookups by warp shuffle); "loads": the same with table loads (benchmarks/variants/nf4_loads.py); "pairs": the
-    variant with one table lookup a byte (nf4_pairs); "words": the variant that decodes the bytes a word at a time
-    (nf4_words). `splits` > 1 (v2, loads): K split that many ways, summed by the
+    variant with one table lookup a byte (nf4_pairs); "bytes": the product's loop before it read words (nf4_bytes). `splits` > 1 (v2, loads): K split that many ways, summed by the
     last split to finish (`nf4_triton.sum_if_last`), as the product launches a split K; else no split sum built."""
     try:
         import triton
@@ -84,10 +83,10 @@ def build(rows: int, blocksize: int, dtype: str, shape: tuple[int, int, int] | N
         raise SystemExit(2) from error
     from vlmrl.engine.rollout import nf4, nf4_triton
 
-    if design in ("pairs", "words"):
+    if design in ("pairs", "bytes"):
         from variants import nf4_lookups  # beside this script, on sys.path as it runs
 
-        tiles = nf4_lookups.kernel(False) if design == "pairs" else nf4_lookups.words_kernel(False)
+        tiles = nf4_lookups.kernel(False) if design == "pairs" else nf4_lookups.bytes_kernel(False)
         lookup = nf4_lookups.LOOKUPS[design]
     else:
         tiles, lookup = nf4_triton.kernels(False)[0], {"SHUFFLE": design == "v2"}
@@ -153,9 +152,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--top", type=int, default=12, help="opcodes to print")
     p.add_argument("--json", type=Path, help="write the counts here too")
     p.add_argument("--tuned", action="store_true", help="build each tile of nf4.TUNED_SM90 instead (bf16), a line each")
-    p.add_argument("--kernel", choices=("v2", "loads", "pairs", "words"), default="v2",
+    p.add_argument("--kernel", choices=("v2", "loads", "pairs", "bytes"), default="v2",
                    help="the product's tile kernel (lookups by warp shuffle), or a variant: lookups by table loads, "
-                   "one table lookup a byte, or the bytes decoded a word at a time")
+                   "one table lookup a byte, or the loop before it read words (a byte at a time)")
     args = p.parse_args(argv)
     if args.tuned:
         results = tuned(args.kernel)

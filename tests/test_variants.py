@@ -73,7 +73,7 @@ def test_each_variant_changes_only_its_own_setting():
         "vlmrl-bnb": {"nf4_kernel": "off"}, "vlmrl-nf4-v1": {"nf4_kernel": "v1"},
         "vlmrl-nf4-folded": {"nf4_kernel": "folded"}, "vlmrl-nf4-summed": {"nf4_kernel": "summed"},
         "vlmrl-nf4-by-rule": {"nf4_kernel": "by_rule"}, "vlmrl-nf4-loads": {"nf4_kernel": "loads"},
-        "vlmrl-nf4-split-sum": {"nf4_kernel": "split_sum"}, "vlmrl-nf4-words": {"nf4_kernel": "words"},
+        "vlmrl-nf4-split-sum": {"nf4_kernel": "split_sum"}, "vlmrl-nf4-bytes": {"nf4_kernel": "bytes"},
         "vlmrl-finished-read": {"finished_read": True},
         "vlmrl-second-inline": {"second_inline": True}, "vlmrl-4bit-stacked-inline": {"second_inline": True},
         "vlmrl-4bit-inline": {"second_inline": True}, "vlmrl-combo-kernels": {"inductor": {"combo_kernels": True}}}
@@ -84,7 +84,7 @@ def test_each_variant_changes_only_its_own_setting():
 
 
 @pytest.mark.parametrize("name", ["merge", "rollout", "nf4_v1", "nf4_lora", "nf4_launch", "nf4_pairs", "nf4_lookups",
-                                  "nf4_words", "nf4_loads", "second_inline", "stacked_4bit"])
+                                  "nf4_bytes", "nf4_loads", "second_inline", "stacked_4bit"])
 def test_each_plugin_module_imports(name):
     importlib.import_module(f"variants.{name}")
 
@@ -402,8 +402,8 @@ def test_a_variant_path_is_reported_beside_the_others():
                "of 2-64 rows, bitsandbytes Linear4bit otherwise"), [], True),  # the plugin's launch of its kernel
     ("split_sum", ("vlmrl nf4 kernel with its K splits summed by a second kernel (a bench variant) for token steps "
                    "of 2-64 rows, bitsandbytes Linear4bit otherwise"), [], True),
-    ("words", ("vlmrl nf4 kernel decoding a 32-bit word at a time, its K splits summed by a second kernel (a bench "
-               "variant) for token steps of 2-64 rows, bitsandbytes Linear4bit otherwise"), [], True),
+    ("bytes", ("vlmrl nf4 kernel decoding a byte at a time, as before it read words, its K splits summed by a second "
+               "kernel (a bench variant) for token steps of 2-64 rows, bitsandbytes Linear4bit otherwise"), [], True),
 ])
 def test_the_nf4_variants_swap_the_products_kernel(variant, record, given, routed, launches, monkeypatch):
     pytest.importorskip("bitsandbytes")
@@ -427,7 +427,7 @@ def test_the_nf4_variants_swap_the_products_kernel(variant, record, given, route
     assert fast.weights == record
     trainer._generate_single_turn()
     assert settings == [False, *given]  # the probe (the product's), then the rollout's token step
-    assert first == ([4] if variant in ("v1", "loads", "split_sum", "words") else [])
+    assert first == ([4] if variant in ("v1", "loads", "split_sum", "bytes") else [])
     assert ("forward" in model[0].__dict__) is routed
     if trainer.vlmrl_nf4_decode is not None:  # (closed by the "off" variant)
         trainer.vlmrl_nf4_decode.close()
@@ -449,9 +449,9 @@ def test_the_lookup_designs_launch_the_products_kernel_with_shuffles_off_or_forc
     assert shuffle.kernel is product and shuffle.settings == {"SHUFFLE": True} | two_kernels
     assert nf4_lookups.tiles("shuffle")(True).settings == {"SHUFFLE": False} | two_kernels
     assert nf4_lookups.tiles("pairs")(False).kernel is nf4_lookups.kernel(False) is not product
-    words = nf4_lookups.tiles("words")
-    assert words(False).kernel is nf4_lookups.words_kernel(False) is not product
-    assert words(False).settings == {"SHUFFLE": True} and words(True).settings == {"SHUFFLE": False}
+    bytes_ = nf4_lookups.tiles("bytes")
+    assert bytes_(False).kernel is nf4_lookups.bytes_kernel(False) is not product
+    assert bytes_(False).settings == {"SHUFFLE": True} and bytes_(True).settings == {"SHUFFLE": False}
 
 
 @pytest.mark.parametrize(("rows", "k", "config", "nested"), [
@@ -484,11 +484,11 @@ def test_one_lookup_a_byte_gives_the_products_values_bit_for_bit(rows, k, config
     (3, 256, [32, 32, 4, 1, 1], False),  # no split: bias and rounding in the tile kernel
     (17, 512, [16, 64, 4, 1, 1], True),  # a second block of rows, two steps of the loop
 ])
-def test_a_word_at_a_time_gives_the_products_values_bit_for_bit(rows, k, config, nested):
-    """nf4_words reads each word's 8 nibbles in the row's order (high nibble of each byte first), with the word's
-    block scale: the same weights in the same order as the product's kernel, so the same bits (Triton's
-    interpreter, where the lookups are loads of the masked nibble)."""
-    from variants import nf4_launch, nf4_words
+def test_the_loop_before_the_words_gives_the_products_values_bit_for_bit(rows, k, config, nested):
+    """The product reads each word's 8 nibbles in the row's order (high nibble of each byte first), with the word's
+    block scale: the same weights in the same order as the byte loop before it (nf4_bytes), so the same bits
+    (Triton's interpreter, where the lookups are loads of the masked nibble)."""
+    from variants import nf4_bytes, nf4_launch
 
     from tests.helpers import nf4_quantized
     from vlmrl.engine.rollout import nf4
@@ -498,18 +498,19 @@ def test_a_word_at_a_time_gives_the_products_values_bit_for_bit(rows, k, config,
     packed, qs = nf4_quantized(96, k, nested=nested, seed=5)
     x = torch.randn(rows, k).to(torch.bfloat16)
     bias = torch.randn(96).to(torch.bfloat16)
-    got = nf4_words.nf4_matmul_words(x, packed, bias, quant_state=qs, config=config)
-    assert nf4_launch.failure(x, "words") is None  # the kernel ran, not dequantize + matmul
+    got = nf4_bytes.nf4_matmul_bytes(x, packed, bias, quant_state=qs, config=config)
+    assert nf4_launch.failure(x, "bytes") is None  # the kernel ran, not dequantize + matmul
     assert torch.equal(got, nf4.nf4_matmul(x, packed, bias, quant_state=qs, config=config))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_a_word_at_a_time_gives_the_products_values_on_a_gpu():
-    """Compiled, nf4_words looks its nibbles up by warp shuffle from the shifted word (the bit above the nibble picks
-    the lane's twin): the same bits as the product's kernel at Qwen3-VL-8B's shapes and the token step's rows."""
+def test_the_loop_before_the_words_gives_the_products_values_on_a_gpu():
+    """Compiled, the product looks its nibbles up by warp shuffle from the shifted word (the bit above the nibble
+    picks the lane's twin): the same bits as the byte loop before it at Qwen3-VL-8B's shapes and the token step's
+    rows."""
     pytest.importorskip("bitsandbytes")
-    from variants import nf4_launch, nf4_words
+    from variants import nf4_bytes, nf4_launch
 
     from tests.helpers import nf4_quantized
     from vlmrl.engine.rollout import nf4
@@ -518,8 +519,8 @@ def test_a_word_at_a_time_gives_the_products_values_on_a_gpu():
         packed, qs = nf4_quantized(n, k, seed=n + k)
         for rows in (16, 32):
             x = torch.randn(rows, k, device="cuda").to(torch.bfloat16)
-            got = nf4_words.nf4_matmul_words(x, packed, quant_state=qs)
-            assert nf4_launch.failure(x, "words") is None
+            got = nf4_bytes.nf4_matmul_bytes(x, packed, quant_state=qs)
+            assert nf4_launch.failure(x, "bytes") is None
             assert torch.equal(got, nf4.nf4_matmul(x, packed, quant_state=qs)), (n, k, rows)
 
 

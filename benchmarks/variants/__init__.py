@@ -23,8 +23,8 @@ The modules (what each was worth: benchmarks/NOTES.md):
   one kernel (`first_factors_stacked`).
 - `second_inline`: the stacked groups' second step as pointwise products inductor may fold into its neighbours.
 - `nf4_lookups`: the nf4 tile loop with other table lookups, behind `nf4_pairs` (one lookup a byte in a table of
-  weight pairs), `nf4_loads` (the product's kernel with table loads, not warp shuffles) and `nf4_words` (the bytes
-  decoded a 32-bit word at a time).
+  weight pairs), `nf4_loads` (the product's kernel with table loads, not warp shuffles) and `nf4_bytes` (the product's
+  loop before it read 32-bit words).
 """
 
 from __future__ import annotations
@@ -116,9 +116,9 @@ VARIANTS: dict[str, Variant] = {
     # ... with its lookups by warp shuffle, its K splits summed by a second kernel, as before the tile kernel's last
     # split summed them (nf4_loads)
     "vlmrl-nf4-split-sum": Variant(rollout={"nf4_kernel": "split_sum"}),
-    # ... with its packed bytes decoded a 32-bit word at a time, each nibble looked up from the shifted word, its K
-    # splits summed by a second kernel: compare with vlmrl-nf4-split-sum (nf4_words)
-    "vlmrl-nf4-words": Variant(rollout={"nf4_kernel": "words"}),
+    # ... with its packed bytes decoded a byte at a time, as before it read 32-bit words, its K splits summed by a
+    # second kernel: compare with vlmrl-nf4-split-sum (nf4_bytes)
+    "vlmrl-nf4-bytes": Variant(rollout={"nf4_kernel": "bytes"}),
     "vlmrl-nf4-unfused": Variant(stacked=False),
     # rows that have ended keep reading their whole cache at token steps (the product narrows their mask)
     "vlmrl-finished-read": Variant(rollout={"finished_read": True}),

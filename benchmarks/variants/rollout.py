@@ -97,8 +97,8 @@ def apply(trainer: Any, fast: FastGeneration, *, merge: bool = False, filled_win
     product's kernel with the LoRA branch's second factor and sum folded into its last pass (`nf4_lora`); "summed",
     the same with the branch's factors as PEFT runs them and only its scale and sum in that pass; "by_rule", the
     product's kernel with `nf4.rule_config`'s settings everywhere (no `TUNED_SM90`); "loads", with its table lookups
-    as loads and its K splits summed by a second kernel; "split_sum", the splits alone so summed; "words", its bytes
-    decoded a 32-bit word at a time (`nf4_words`), its splits summed so; `finished_read`:
+    as loads and its K splits summed by a second kernel; "split_sum", the splits alone so summed; "bytes", its packed
+    bytes decoded a byte at a time as before it read words (`nf4_bytes`), its splits summed so; `finished_read`:
     rows that have ended keep reading their whole cache at token steps (the product narrows their mask, `finished`);
     `second_inline`: the stacked groups' second step as pointwise products inductor may fold into the kernels around
     it (`second_inline`), instead of one kernel a group; `inductor`: inductor settings patched while rollouts run
@@ -202,8 +202,8 @@ def _nf4_for_life(trainer: Any, kernel: str) -> str:
                "by_rule": ("with its settings by rule, not TUNED_SM90", _nf4_matmul_by_rule),
                "loads": ("with its table lookups as loads, not warp shuffles", _nf4_matmul_loads),
                "split_sum": ("with its K splits summed by a second kernel", _nf4_matmul_split_sum),
-               "words": ("decoding a 32-bit word at a time, its K splits summed by a second kernel",
-                         _nf4_matmul_words)}
+               "bytes": (("decoding a byte at a time, as before it read words, its K splits summed by a second "
+                          "kernel"), _nf4_matmul_bytes)}
     design, matmul = designs[kernel]
     stack = contextlib.ExitStack()
     reason = stack.enter_context(nf4_decode_with(trainer.model, matmul))
@@ -240,12 +240,12 @@ def _nf4_matmul_split_sum(x: Any, weight: Any, bias: Any = None, *, quant_state:
     return nf4_matmul_shuffle(x, weight, bias, quant_state=quant_state)
 
 
-def _nf4_matmul_words(x: Any, weight: Any, bias: Any = None, *, quant_state: Any = None) -> Any:
-    """The product's nf4 matmul, settings included, with its bytes decoded a word at a time (`nf4_words`) and a split
-    K summed by a second kernel."""
-    from .nf4_words import nf4_matmul_words
+def _nf4_matmul_bytes(x: Any, weight: Any, bias: Any = None, *, quant_state: Any = None) -> Any:
+    """The product's nf4 matmul, settings included, with its packed bytes decoded a byte at a time, as before it read
+    words (`nf4_bytes`), and a split K summed by a second kernel."""
+    from .nf4_bytes import nf4_matmul_bytes
 
-    return nf4_matmul_words(x, weight, bias, quant_state=quant_state)
+    return nf4_matmul_bytes(x, weight, bias, quant_state=quant_state)
 
 
 def _insert(contexts: list[tuple[str, Callable[[], Any]]], entry: tuple[str, Callable[[], Any]], *,

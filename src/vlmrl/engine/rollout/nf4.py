@@ -2,15 +2,16 @@
 
 At a decode step `Linear4bit` multiplies a few dozen rows by weights bitsandbytes stores as nf4 codes, and its
 kernels take many times the weight-read floor (benchmarks/NOTES.md, "The nf4 token-step kernel"). Here each program
-streams 2-D tiles of packed bytes (the next step's in flight while one is decoded), looks each code up in the
-16-value table (compiled, by warp shuffles, checked against table loads once per setting: `shuffles_hold`), scales
-it by its block's absmax (decoded from its 8-bit code when double-quantised), rounds it as `dequantize_4bit` rounds,
-joins each byte's two weights back into the row's order and multiplies them by x's columns, read along k in 16-byte
-loads, on the tensor cores, accumulating in fp32; few output columns split K, and the last split of a tile to
-finish sums the splits' shares in their order (a counter per tile; a second kernel where no counters can be had).
-The result is `dequantize_4bit` then `x @ W.T` (+ bias) up to summation order: each weight bit-equal, each output
-within one bf16/fp16 unit in the last place (tests/test_nf4.py says how outputs near zero are counted). Its Triton
-source is `nf4_triton`; the first design, which lost to this one, is a benchmark plugin (benchmarks/variants/nf4_v1.py).
+streams 2-D tiles of packed bytes as int32 words (the next step's in flight while one is decoded), looks each code up
+in the 16-value table straight from the shifted word (compiled, by warp shuffles, checked against table loads once
+per setting: `shuffles_hold`), scales it by its block's absmax (decoded from its 8-bit code when double-quantised),
+rounds it as `dequantize_4bit` rounds, joins each word's eight weights back into the row's order and multiplies them
+by x's columns, read along k in 16-byte loads, on the tensor cores, accumulating in fp32; few output columns split
+K, and the last split of a tile to finish sums the splits' shares in their order (a counter per tile; a second
+kernel where no counters can be had). The result is `dequantize_4bit` then `x @ W.T` (+ bias) up to summation
+order: each weight bit-equal, each output within one bf16/fp16 unit in the last place (tests/test_nf4.py says how
+outputs near zero are counted). Its Triton source is `nf4_triton`; the first design, which lost to this one, is a
+benchmark plugin (benchmarks/variants/nf4_v1.py), as is the byte-at-a-time loop before the words (nf4_bytes).
 
 Public: `nf4_matmul`; `launch`, `split_counters` (the per-tile counters of the in-kernel split sum) and
 `sum_splits` (the second kernel's in-order sum), which it runs; `nf4_decode(model)`,

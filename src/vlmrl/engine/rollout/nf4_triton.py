@@ -1,14 +1,14 @@
 """The Triton source of the nf4 token-step kernel that `vlmrl.engine.rollout.nf4` launches (its docstring says
 what it computes and how it is checked).
 
-Public: `kernels(interpret)` -> (`nf4_tiles`: 2-D tiles of packed bytes decoded and joined back into the rows' order
-(high nibble first) against x's columns read along k, each program writing its fp32 share when K is split, else the
-rounded output, its table lookups loads or, compiled, warp shuffles (`SHUFFLE`); with `SPLITS` and per-tile
-`Counters`, the last split of a tile to finish sums the shares into `Final` (`sum_if_last`); `nf4_splits`: the same
-fixed-order sum as a second kernel, unrolled over the split count, bias added and rounded once). Building them also
-puts their device helpers (`rounded`, `dot_operand`, `store_tile`, `block_scales`, `times_x`, `lane_table`,
-`held_by`, `shares_summed`, `sum_if_last`) in this module's globals, where Triton finds them (and other kernels
-built on them may take them).
+Public: `kernels(interpret)` -> (`nf4_tiles`: 2-D tiles of packed bytes read as int32 words, each word's 8 nibbles
+looked up from the word shifted and joined back into the rows' order (high nibble first) against x's columns read
+along k, each program writing its fp32 share when K is split, else the rounded output, its table lookups loads or,
+compiled, warp shuffles (`SHUFFLE`); with `SPLITS` and per-tile `Counters`, the last split of a tile to finish sums
+the shares into `Final` (`sum_if_last`); `nf4_splits`: the same fixed-order sum as a second kernel, unrolled over the
+split count, bias added and rounded once). Building them also puts their device helpers (`rounded`, `dot_operand`,
+`store_tile`, `block_scales`, `times_x`, `lane_table`, `held_by`, `nibble`, `word_weights`, `shares_summed`,
+`sum_if_last`) in this module's globals, where Triton finds them (and other kernels built on them may take them).
 Limits: those of `nf4` (nf4 codes, bf16/fp16 activations, CUDA or Triton's interpreter); the shuffles are inline
 PTX (compiled only) and read the right values only where each thread keeps its own lane's table value, which
 a compiler's re-layout could break: `nf4.launch` checks them against the loads once per setting. The in-kernel split
@@ -80,8 +80,9 @@ def kernels(interpret: bool) -> tuple[Any, Any]:
     def block_scales(Absmax, Code2, Absmax2, offset, n, n_ok, blocks, kh, j, BLOCKSIZE2: tl.constexpr,
                      HALF: tl.constexpr, NB: tl.constexpr, BLOCK_N: tl.constexpr, KH: tl.constexpr,
                      NESTED: tl.constexpr):
-        # [BLOCK_N, KH]: each packed byte's block scale, the step's NB blocks' absmax (decoded through the nested
-        # state when double-quantised) spread over their HALF bytes by selects
+        # [BLOCK_N, KH]: the block scale of each column, j its first packed byte's offset in the step (a byte, or a
+        # word of 4 in one block), the step's NB blocks' absmax (decoded through the nested state when
+        # double-quantised) spread over their columns by selects
         scale = tl.zeros((BLOCK_N, KH), dtype=tl.float32)
         for b in tl.static_range(NB):
             block = n * blocks + kh // HALF + b
@@ -98,12 +99,9 @@ def kernels(interpret: bool) -> tuple[Any, Any]:
     globals()["block_scales"] = block_scales
 
     @triton.jit
-    def times_x(acc, high, low, X, m, m_ok, stride_x, kh, end, BLOCK_N: tl.constexpr, KH: tl.constexpr,
-                EVEN: tl.constexpr, EXACT: tl.constexpr):
-        # acc + the step's weights (each byte's high-nibble weights, then its low ones, [BLOCK_N, KH] each) times
-        # x's [2 KH, BLOCK_M] tile, the weights joined back into the row's order first (2c, 2c + 1), so x is read
-        # along k, contiguous: coalesced loads
-        w = tl.reshape(tl.join(high, low), (BLOCK_N, 2 * KH))
+    def times_x(acc, w, X, m, m_ok, stride_x, kh, end, KH: tl.constexpr, EVEN: tl.constexpr, EXACT: tl.constexpr):
+        # acc + the step's weights w [BLOCK_N, 2 KH], in the row's order, times x's [2 KH, BLOCK_M] tile, read along
+        # k, contiguous: coalesced 16-byte loads
         t = 2 * kh + tl.arange(0, 2 * KH)
         xk = X + m[None, :] * stride_x + t[:, None]
         if EVEN:
@@ -138,6 +136,37 @@ def kernels(interpret: bool) -> tuple[Any, Any]:
         return bits.to(tl.float32, bitcast=True)
 
     globals()["held_by"] = held_by
+
+    @triton.jit
+    def nibble(held, Lut, w, SHIFT: tl.constexpr, SHUFFLE: tl.constexpr):
+        # the table value of the nibble at bits SHIFT..SHIFT+3 of the int32 words w. A shuffle reads its source lane
+        # from the index's low 5 bits only, and lane l holds entry l mod 16 (`lane_table`), so the shifted word is
+        # itself the index: the bit above the nibble only picks the lane's twin. The loads mask it.
+        if SHUFFLE:
+            return held_by(held, w >> SHIFT)
+        return tl.load(Lut + ((w >> SHIFT) & 15))
+
+    globals()["nibble"] = nibble
+
+    @triton.jit
+    def word_weights(held, Lut, w, scale, WQ: tl.constexpr, XQ: tl.constexpr, TY: tl.constexpr,
+                     EXACT: tl.constexpr, SHUFFLE: tl.constexpr):
+        # [BLOCK_N, KW] words of 8 nibbles -> [BLOCK_N, 8 KW] weights in the row's order: weight 2b is byte b's
+        # high nibble (bits 8b + 4), 2b + 1 its low one (bits 8b), each its table value times the word's block scale
+        # (a word's 4 bytes lie in one block), rounded as bitsandbytes rounds
+        v0 = dot_operand(nibble(held, Lut, w, 4, SHUFFLE) * scale, WQ, XQ, TY, EXACT)
+        v1 = dot_operand(nibble(held, Lut, w, 0, SHUFFLE) * scale, WQ, XQ, TY, EXACT)
+        v2 = dot_operand(nibble(held, Lut, w, 12, SHUFFLE) * scale, WQ, XQ, TY, EXACT)
+        v3 = dot_operand(nibble(held, Lut, w, 8, SHUFFLE) * scale, WQ, XQ, TY, EXACT)
+        v4 = dot_operand(nibble(held, Lut, w, 20, SHUFFLE) * scale, WQ, XQ, TY, EXACT)
+        v5 = dot_operand(nibble(held, Lut, w, 16, SHUFFLE) * scale, WQ, XQ, TY, EXACT)
+        v6 = dot_operand(nibble(held, Lut, w, 28, SHUFFLE) * scale, WQ, XQ, TY, EXACT)
+        v7 = dot_operand(nibble(held, Lut, w, 24, SHUFFLE) * scale, WQ, XQ, TY, EXACT)
+        # [BLOCK_N, KW, 2, 2, 2]: index (a, b, c) is the word's weight 4a + 2b + c, so the reshape keeps row order
+        joined = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
+        return tl.reshape(joined, (w.shape[0], 8 * w.shape[1]))
+
+    globals()["word_weights"] = word_weights
 
     @triton.jit
     def shares_summed(acc, Partial, at, ok, size, SPLITS: tl.constexpr, L2: tl.constexpr):
@@ -196,48 +225,46 @@ def kernels(interpret: bool) -> tuple[Any, Any]:
                   SHUFFLE: tl.constexpr = False, Final=None, Counters=None, SPLITS: tl.constexpr = 0):
         # out[m, n] (or split s's share, fp32) = sum over this split's k of x[m, k] * W[n, k]; W[n, k] is the
         # nibble k % 2 (high first) of byte n * K/2 + k // 2, times absmax[(n * K + k) // blocksize].
-        # On 2-D tiles only: packed bytes [BLOCK_N, NB * HALF] contiguous along k, decoded into two [BLOCK_N, KH]
-        # tiles (high nibbles: weights 2c, low: 2c + 1) and joined back into [BLOCK_N, 2 KH] in the row's order, so
-        # x's [2 KH, BLOCK_M] tile is read along k in 16-byte loads (the design before read its even and odd columns
-        # apart, 2 bytes of 32 rows a load); each block's scale, a [BLOCK_N] vector, is spread over its HALF bytes
-        # by selects. The table lookups: loads of Lut, or (SHUFFLE, compiled only) warp shuffles: every thread holds,
-        # once, the table value of its lane, and each lookup reads the one held by the lane the code names, no
-        # address and no memory. benchmarks/nf4_sass.py counts the loop's instructions (benchmarks/NOTES.md).
+        # On 2-D tiles only: the packed bytes read as int32 words, [BLOCK_N, KW] a step (KH bytes a row, contiguous
+        # along k), each word's 8 nibbles looked up straight from the word shifted (one shift and one lookup a
+        # weight, no byte unpacking, no mask: `nibble`) and joined back into [BLOCK_N, 2 KH] in the row's order
+        # (`word_weights`), so x's [2 KH, BLOCK_M] tile is read along k in 16-byte loads; each block's scale, a
+        # [BLOCK_N] vector, is spread over its HALF / 4 words by selects. The table lookups: loads of Lut, or
+        # (SHUFFLE, compiled only) warp shuffles: every thread holds, once, the table value of its lane, and each
+        # lookup reads the one held by the lane the code names, no address and no memory.
+        # benchmarks/nf4_sass.py counts the loop's instructions (benchmarks/NOTES.md).
         KH: tl.constexpr = NB * HALF  # packed bytes per row per step
+        KW: tl.constexpr = KH // 4  # words per row per step (HALF >= 16 bytes)
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
         n_ok, m_ok = n < N, m < M
         blocks = K // (2 * HALF)  # per weight row
         row = blocks * HALF  # packed bytes per weight row: a multiple of HALF, so Triton vectorizes the row loads
-        j = tl.arange(0, KH)
+        j = tl.arange(0, KW)
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         start = tl.program_id(1) * per_split
         end = tl.multiple_of(tl.minimum(start + per_split, row), HALF)  # (per_split: whole steps)
         offset = tl.load(Offset) if NESTED else 0.0
-        bytes_ = Packed + n[:, None] * row + j[None, :]
+        words = Packed.to(tl.pointer_type(tl.int32)) + n[:, None] * (row // 4) + j[None, :]
         if EVEN:  # every step whole: only rows masked, so each thread loads 16 contiguous bytes at once
-            following = tl.load(bytes_ + start, mask=n_ok[:, None], other=0)
+            following = tl.load(words + start // 4, mask=n_ok[:, None], other=0)
         else:
-            following = tl.load(bytes_ + start, mask=n_ok[:, None] & (start + j < end)[None, :], other=0)
-        if SHUFFLE:
-            held = lane_table(Lut, following.to(tl.int32))
+            following = tl.load(words + start // 4, mask=n_ok[:, None] & (start // 4 + j < end // 4)[None, :],
+                                other=0)
+        held = lane_table(Lut, following) if SHUFFLE else following
         for kh in range(start, end, KH):
-            # the next step's bytes, in flight while this step's are decoded (with num_stages > 1 Triton's
+            # the next step's words, in flight while this step's are decoded (with num_stages > 1 Triton's
             # pipeliner would stage the table lookups through shared memory instead, 4 bytes a copy)
-            q = following.to(tl.int32)
-            if EVEN:  # the last step reloads its own bytes rather than read past the split
-                following = tl.load(bytes_ + tl.minimum(kh + KH, end - KH), mask=n_ok[:, None], other=0)
+            w = following
+            if EVEN:  # the last step reloads its own words rather than read past the split
+                following = tl.load(words + tl.minimum(kh + KH, end - KH) // 4, mask=n_ok[:, None], other=0)
             else:
-                following = tl.load(bytes_ + kh + KH, mask=n_ok[:, None] & (kh + j + KH < end)[None, :], other=0)
-            scale = block_scales(Absmax, Code2, Absmax2, offset, n, n_ok, blocks, kh, j, BLOCKSIZE2, HALF, NB,
-                                 BLOCK_N, KH, NESTED)
-            if SHUFFLE:
-                first, second = held_by(held, q >> 4), held_by(held, q & 15)
-            else:
-                first, second = tl.load(Lut + (q >> 4)), tl.load(Lut + (q & 15))
-            high = dot_operand(first * scale, WQ, XQ, X.dtype.element_ty, EXACT)
-            low = dot_operand(second * scale, WQ, XQ, X.dtype.element_ty, EXACT)
-            acc = times_x(acc, high, low, X, m, m_ok, stride_x, kh, end, BLOCK_N, KH, EVEN, EXACT)
+                following = tl.load(words + (kh + KH) // 4,
+                                    mask=n_ok[:, None] & ((kh + KH) // 4 + j < end // 4)[None, :], other=0)
+            scale = block_scales(Absmax, Code2, Absmax2, offset, n, n_ok, blocks, kh, 4 * j, BLOCKSIZE2, HALF, NB,
+                                 BLOCK_N, KW, NESTED)
+            weights = word_weights(held, Lut, w, scale, WQ, XQ, X.dtype.element_ty, EXACT, SHUFFLE)
+            acc = times_x(acc, weights, X, m, m_ok, stride_x, kh, end, KH, EVEN, EXACT)
         store_tile(acc, Out, Bias, n, m, n_ok, m_ok, M, N, PARTIAL, HAS_BIAS, XQ, EXACT)
         if SPLITS:  # the splits summed by the last of them to finish (else by nf4_splits, a second kernel)
             sum_if_last(Out, Bias, Final, Counters, n, m, n_ok, m_ok, M, N, SPLITS, BLOCK_N, BLOCK_M, HAS_BIAS, XQ,
