@@ -86,7 +86,7 @@ def build(rows: int, blocksize: int, dtype: str, shape: tuple[int, int, int] | N
     if design in ("pairs", "bytes"):
         from variants import nf4_lookups  # beside this script, on sys.path as it runs
 
-        tiles = nf4_lookups.kernel(False) if design == "pairs" else nf4_lookups.bytes_kernel(False)
+        tiles = nf4_lookups.byte_loop(False)
         lookup = nf4_lookups.LOOKUPS[design]
     else:
         tiles, lookup = nf4_triton.kernels(False)[0], {"SHUFFLE": design == "v2"}

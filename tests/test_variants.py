@@ -448,20 +448,25 @@ def test_the_lookup_designs_launch_the_products_kernel_with_shuffles_off_or_forc
     assert loads.kernel is product and loads.settings == {"SHUFFLE": False} | two_kernels
     assert shuffle.kernel is product and shuffle.settings == {"SHUFFLE": True} | two_kernels
     assert nf4_lookups.tiles("shuffle")(True).settings == {"SHUFFLE": False} | two_kernels
-    assert nf4_lookups.tiles("pairs")(False).kernel is nf4_lookups.kernel(False) is not product
-    bytes_ = nf4_lookups.tiles("bytes")
-    assert bytes_(False).kernel is nf4_lookups.bytes_kernel(False) is not product
-    assert bytes_(False).settings == {"SHUFFLE": True} and bytes_(True).settings == {"SHUFFLE": False}
+    pairs, bytes_ = nf4_lookups.tiles("pairs"), nf4_lookups.tiles("bytes")
+    assert pairs(False).kernel is bytes_(False).kernel is nf4_lookups.byte_loop(False) is not product
+    assert pairs(False).settings == {"SHUFFLE": False, "PAIRS": True}
+    assert bytes_(False).settings == {"SHUFFLE": True, "PAIRS": False}
+    assert bytes_(True).settings == {"SHUFFLE": False, "PAIRS": False}
 
 
+@pytest.mark.parametrize("design", ["pairs", "bytes"])
 @pytest.mark.parametrize(("rows", "k", "config", "nested"), [
     (5, 320, [16, 64, 4, 1, 2], True),  # K split, the second split a partial tile
     (3, 256, [32, 32, 4, 1, 1], False),  # no split: bias and rounding in the tile kernel
+    (17, 512, [16, 64, 4, 1, 1], True),  # a second block of rows, two steps of the loop
 ])
-def test_one_lookup_a_byte_gives_the_products_values_bit_for_bit(rows, k, config, nested):
-    """The pair table holds the 16-value table's own float32 values: the same weights, the same sums in the same
-    order, so the same bits as the product's kernel with the same settings (in Triton's interpreter)."""
-    from variants import nf4_launch, nf4_pairs
+def test_the_byte_loops_give_the_products_values_bit_for_bit(design, rows, k, config, nested):
+    """The byte loop before the words ("bytes") and one lookup a byte in the pair table ("pairs") decode the same
+    float32 table values into the same weights, summed in the same order as the product's word loop (each word's 8
+    nibbles in the row's order, the word's block scale), so the same bits (Triton's interpreter, where the lookups
+    are loads)."""
+    from variants import nf4_bytes, nf4_launch, nf4_pairs
 
     from tests.helpers import nf4_quantized
     from vlmrl.engine.rollout import nf4
@@ -471,36 +476,21 @@ def test_one_lookup_a_byte_gives_the_products_values_bit_for_bit(rows, k, config
     packed, qs = nf4_quantized(96, k, nested=nested, seed=3)
     x = torch.randn(rows, k).to(torch.bfloat16)
     bias = torch.randn(96).to(torch.bfloat16)
-    got = nf4_pairs.nf4_matmul_pairs(x, packed, bias, quant_state=qs, config=config)
-    assert nf4_launch.failure(x, "pairs") is None  # the kernel ran, not dequantize + matmul
+    matmul = nf4_pairs.nf4_matmul_pairs if design == "pairs" else nf4_bytes.nf4_matmul_bytes
+    got = matmul(x, packed, bias, quant_state=qs, config=config)
+    assert nf4_launch.failure(x, design) is None  # the kernel ran, not dequantize + matmul
     assert torch.equal(got, nf4.nf4_matmul(x, packed, bias, quant_state=qs, config=config))
+
+
+def test_the_pair_table_holds_the_tables_values():
+    from variants import nf4_pairs
+
+    from tests.helpers import nf4_quantized
+
+    _, qs = nf4_quantized(96, 256, seed=3)
     table = nf4_pairs.pair_table(qs.code)
     assert torch.equal(table[:16], qs.code.float())
     assert torch.equal(table[16:].view(256, 2)[0x7A], torch.stack([qs.code[7], qs.code[10]]).float())
-
-
-@pytest.mark.parametrize(("rows", "k", "config", "nested"), [
-    (5, 320, [16, 64, 4, 1, 2], True),  # K split, the second split a partial tile
-    (3, 256, [32, 32, 4, 1, 1], False),  # no split: bias and rounding in the tile kernel
-    (17, 512, [16, 64, 4, 1, 1], True),  # a second block of rows, two steps of the loop
-])
-def test_the_loop_before_the_words_gives_the_products_values_bit_for_bit(rows, k, config, nested):
-    """The product reads each word's 8 nibbles in the row's order (high nibble of each byte first), with the word's
-    block scale: the same weights in the same order as the byte loop before it (nf4_bytes), so the same bits
-    (Triton's interpreter, where the lookups are loads of the masked nibble)."""
-    from variants import nf4_bytes, nf4_launch
-
-    from tests.helpers import nf4_quantized
-    from vlmrl.engine.rollout import nf4
-
-    if not nf4.HAS_TRITON or not nf4.interpreted():
-        pytest.skip("needs Triton's interpreter (tests/conftest.py)")
-    packed, qs = nf4_quantized(96, k, nested=nested, seed=5)
-    x = torch.randn(rows, k).to(torch.bfloat16)
-    bias = torch.randn(96).to(torch.bfloat16)
-    got = nf4_bytes.nf4_matmul_bytes(x, packed, bias, quant_state=qs, config=config)
-    assert nf4_launch.failure(x, "bytes") is None  # the kernel ran, not dequantize + matmul
-    assert torch.equal(got, nf4.nf4_matmul(x, packed, bias, quant_state=qs, config=config))
 
 
 @pytest.mark.gpu

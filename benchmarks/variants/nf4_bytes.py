@@ -11,7 +11,7 @@ index: one shift and one shuffle a weight. The values and their order are the sa
 for bit (`tests/test_variants.py`, in the interpreter and on a GPU).
 
 Public: `nf4_matmul_bytes` (the arguments and values of `nf4.nf4_matmul`; lookups by warp shuffle forced on,
-unchecked). The tile kernel is `nf4_lookups.bytes_kernel`; settings, launch and split sum (a second kernel) the
+unchecked). The tile kernel is `nf4_lookups.byte_loop`; settings, launch and split sum (a second kernel) the
 product's (`nf4_lookups`).
 """
 

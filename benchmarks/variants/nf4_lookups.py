@@ -27,8 +27,9 @@ from vlmrl.engine.rollout import nf4, nf4_triton
 
 from . import nf4_launch
 
-LOOKUPS: dict[str, dict[str, Any]] = {"loads": {"SHUFFLE": False}, "shuffle": {"SHUFFLE": True}, "pairs": {},
-                                      "bytes": {"SHUFFLE": True}}
+LOOKUPS: dict[str, dict[str, Any]] = {"loads": {"SHUFFLE": False}, "shuffle": {"SHUFFLE": True},
+                                      "pairs": {"SHUFFLE": False, "PAIRS": True},
+                                      "bytes": {"SHUFFLE": True, "PAIRS": False}}
 
 
 class _Bound:
@@ -44,10 +45,9 @@ class _Bound:
 def tiles(design: str) -> Callable[[bool], Any]:
     """`(interpret) -> kernel` with `design`'s lookups, for `nf4_launch.launch`."""
     def built(interpret: bool) -> _Bound:
-        if design == "pairs":
-            return _Bound(kernel(interpret), {})
-        if design == "bytes":
-            return _Bound(bytes_kernel(interpret), {"SHUFFLE": not interpret})
+        if design in ("pairs", "bytes"):
+            return _Bound(byte_loop(interpret), {**LOOKUPS[design], "SHUFFLE": LOOKUPS[design]["SHUFFLE"] and not
+                                                 interpret})
         return _Bound(nf4_triton.kernels(interpret)[0], {"SHUFFLE": LOOKUPS[design]["SHUFFLE"] and not interpret,
                                                           "Final": None, "Counters": None, "SPLITS": 0})
     return built
@@ -73,64 +73,9 @@ def lookup_matmul(design: str, table: Callable[[torch.Tensor], torch.Tensor] = l
 
 
 @functools.cache
-def kernel(interpret: bool) -> Any:
-    """The tile kernel whose lookups read the pair table (built on first use beside the product's)."""
-    import triton
-    import triton.language as tl
-
-    nf4_triton.kernels(interpret)  # builds rounded, dot_operand and store_tile for this `interpret`
-    globals().update(dot_operand=nf4_triton.dot_operand, store_tile=nf4_triton.store_tile,
-                     block_scales=nf4_triton.block_scales, times_x=nf4_triton.times_x, tl=tl)
-
-    @triton.jit
-    def nf4_tiles_pairs(X, Packed, Absmax, Code2, Absmax2, Offset, Lut, Bias, Out, M, N, K, stride_x, per_split,
-                        BLOCKSIZE2: tl.constexpr, HALF: tl.constexpr, NB: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_M: tl.constexpr, NESTED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        PARTIAL: tl.constexpr, WQ: tl.constexpr, XQ: tl.constexpr, EXACT: tl.constexpr,
-                        EVEN: tl.constexpr):
-        # nf4_triton.nf4_tiles' loop (its comments say what each step does), but for the lookups: Lut is
-        # nf4_pairs.pair_table's, whose 8-byte entry 16 / 2 + b holds byte b's two table values.
-        KH: tl.constexpr = NB * HALF
-        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
-        n_ok, m_ok = n < N, m < M
-        blocks = K // (2 * HALF)
-        row = blocks * HALF
-        j = tl.arange(0, KH)
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        start = tl.program_id(1) * per_split
-        end = tl.multiple_of(tl.minimum(start + per_split, row), HALF)
-        offset = tl.load(Offset) if NESTED else 0.0
-        bytes_ = Packed + n[:, None] * row + j[None, :]
-        if EVEN:
-            following = tl.load(bytes_ + start, mask=n_ok[:, None], other=0)
-        else:
-            following = tl.load(bytes_ + start, mask=n_ok[:, None] & (start + j < end)[None, :], other=0)
-        pairs = (Lut + 16).to(tl.pointer_type(tl.int64))
-        for kh in range(start, end, KH):
-            q = following.to(tl.int32)
-            if EVEN:
-                following = tl.load(bytes_ + tl.minimum(kh + KH, end - KH), mask=n_ok[:, None], other=0)
-            else:
-                following = tl.load(bytes_ + kh + KH, mask=n_ok[:, None] & (kh + j + KH < end)[None, :], other=0)
-            scale = block_scales(Absmax, Code2, Absmax2, offset, n, n_ok, blocks, kh, j, BLOCKSIZE2,  # noqa: F821
-                                 HALF, NB, BLOCK_N, KH, NESTED)
-            pair = tl.load(pairs + q)  # little-endian: the first value in the low word
-            first = (pair & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
-            second = (pair >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
-            high = dot_operand(first * scale, WQ, XQ, X.dtype.element_ty, EXACT)  # noqa: F821 (set above)
-            low = dot_operand(second * scale, WQ, XQ, X.dtype.element_ty, EXACT)  # noqa: F821
-            acc = times_x(acc, tl.reshape(tl.join(high, low), (BLOCK_N, 2 * KH)), X, m, m_ok,  # noqa: F821
-                          stride_x, kh, end, KH, EVEN, EXACT)
-        store_tile(acc, Out, Bias, n, m, n_ok, m_ok, M, N, PARTIAL, HAS_BIAS, XQ, EXACT)  # noqa: F821
-
-    return nf4_tiles_pairs
-
-
-
-@functools.cache
-def bytes_kernel(interpret: bool) -> Any:
-    """The product's tile kernel as it was before it read words: a byte at a time (`nf4_bytes`; built on first use)."""
+def byte_loop(interpret: bool) -> Any:
+    """The tile kernel that decodes a byte at a time, the product's loop before it read words: "bytes" (each nibble
+    looked up apart, by warp shuffle or load) and, with `PAIRS`, "pairs" (built on first use beside the product's)."""
     import triton
     import triton.language as tl
 
@@ -144,10 +89,12 @@ def bytes_kernel(interpret: bool) -> Any:
                         BLOCKSIZE2: tl.constexpr, HALF: tl.constexpr, NB: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_M: tl.constexpr, NESTED: tl.constexpr, HAS_BIAS: tl.constexpr,
                         PARTIAL: tl.constexpr, WQ: tl.constexpr, XQ: tl.constexpr, EXACT: tl.constexpr,
-                        EVEN: tl.constexpr, SHUFFLE: tl.constexpr):
+                        EVEN: tl.constexpr, SHUFFLE: tl.constexpr, PAIRS: tl.constexpr):
         # nf4_triton.nf4_tiles' loop (its comments say what each step does) as it was before it read words: packed
-        # bytes [BLOCK_N, KH] a step, each byte's high nibble (q >> 4) and low one (q & 15) looked up apart, decoded
-        # into two [BLOCK_N, KH] tiles (weights 2c and 2c + 1) and joined back into [BLOCK_N, 2 KH] in the row's order
+        # bytes [BLOCK_N, KH] a step, each byte's high nibble (q >> 4) and low one (q & 15) looked up apart (by
+        # shuffle or load), or (PAIRS) the byte itself looked up once: Lut is then nf4_pairs.pair_table's, whose
+        # 8-byte entry 16 / 2 + b holds byte b's two table values; decoded into two [BLOCK_N, KH] tiles (weights 2c
+        # and 2c + 1) and joined back into [BLOCK_N, 2 KH] in the row's order
         KH: tl.constexpr = NB * HALF
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -165,6 +112,7 @@ def bytes_kernel(interpret: bool) -> Any:
         else:
             following = tl.load(bytes_ + start, mask=n_ok[:, None] & (start + j < end)[None, :], other=0)
         held = lane_table(Lut, following.to(tl.int32)) if SHUFFLE else following  # noqa: F821 (set above)
+        pairs = (Lut + 16).to(tl.pointer_type(tl.int64))
         ty = X.dtype.element_ty
         for kh in range(start, end, KH):
             q = following.to(tl.int32)
@@ -174,7 +122,11 @@ def bytes_kernel(interpret: bool) -> Any:
                 following = tl.load(bytes_ + kh + KH, mask=n_ok[:, None] & (kh + j + KH < end)[None, :], other=0)
             scale = block_scales(Absmax, Code2, Absmax2, offset, n, n_ok, blocks, kh, j, BLOCKSIZE2,  # noqa: F821
                                  HALF, NB, BLOCK_N, KH, NESTED)
-            if SHUFFLE:
+            if PAIRS:
+                pair = tl.load(pairs + q)  # little-endian: the first value in the low word
+                first = (pair & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+                second = (pair >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
+            elif SHUFFLE:
                 first, second = held_by(held, q >> 4), held_by(held, q & 15)  # noqa: F821
             else:
                 first, second = tl.load(Lut + (q >> 4)), tl.load(Lut + (q & 15))

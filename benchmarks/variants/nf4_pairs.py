@@ -12,7 +12,8 @@ fewer instructions per weight (benchmarks/NOTES.md has the counts). What it may 
 run says which wins.
 
 Public: `nf4_matmul_pairs` (the arguments and values of `nf4.nf4_matmul`), `pair_table(lut)`. The tile kernel is the
-product's `nf4_tiles` with its two lookups replaced (`nf4_lookups`: the same settings, launch and split sum).
+product's loop as it was before it read words, with its two lookups replaced (`nf4_lookups.byte_loop` with `PAIRS`:
+the product's settings, launch and split sum).
 """
 
 from __future__ import annotations
