@@ -41,19 +41,26 @@ def lookup_ms(prof) -> tuple[float, int]:
     return sum(e.self_cpu_time_total for e in events) / 1e3, sum(e.count for e in events)
 
 
-def measure(layers: int, tokens: int, work: Path) -> dict:
+def compiled_policy(layers: int, work: Path, prompts: int = 2) -> tuple:
+    """(policy, its stacked projections, a prompt batch, `generate`'s compile settings): a tiny random Qwen3-VL
+    (hidden 64) of `layers` layers with LoRA on the seven projections, its cache static and bucketed, decoding
+    compiled with an eager backend (so only dynamo's own host work is added)."""
     path = build_tiny_model("qwen3_vl", work / f"qwen3_vl_{layers}", num_layers=layers)
     model = AutoModelForImageTextToText.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa")
     processor = AutoProcessor.from_pretrained(str(path))
     processor.tokenizer.padding_side = "left"
-    items = list(generate_items(2, seed=3, size=128))
+    items = list(generate_items(prompts, seed=3, size=128))
     batch = encode_batch(processor, [i.question for i in items], [i.image for i in items], torch.device("cpu"))
     bucket_static_cache(model, 64)
     prefill_into_dynamic_cache(model)
     policy = get_peft_model(model.eval(), LoraConfig(r=4, target_modules=TARGETS))
-    stack = StackedProjections(policy)
     settings = compile_settings(all_devices=True)
     settings["compile_config"].backend, settings["compile_config"].mode = (lambda gm, example_inputs: gm.forward), None
+    return policy, StackedProjections(policy), batch, settings
+
+
+def measure(layers: int, tokens: int, work: Path) -> dict:
+    policy, stack, batch, settings = compiled_policy(layers, work)
     call = {"max_new_tokens": tokens, "min_new_tokens": tokens, "do_sample": False, **settings}
     row: dict = {"layers": layers}
     for name, guards in (("every step", contextlib.nullcontext), ("first step", lambda: guards_once(policy))):

@@ -245,3 +245,16 @@ def test_token_step_timeline_sets_wall_time_against_the_gpus_busy_time(monkeypat
                                 "unprofiled_wall_ms": 0.45})
     assert "| GPU idle (wall - busy) | 0.38 |" in table and "| `cudaGraphLaunch` | 1.0 | 0.020 |" in table
     assert "unprofiled | 0.45 |" in table
+
+
+@pytest.mark.slow  # ~20 s: a tiny model's compiled generate, twice
+def test_host_ops_counts_the_eager_ops_of_a_compiled_token_step(monkeypatch, tmp_path):
+    """host_ops.py counts, per token step, the ops issued outside the compiled graph: each sampled token's one
+    multinomial draw among them, the prompt pass's ops not, and it names where they come from."""
+    host_ops = _load(ROOT / "benchmarks" / "host_ops.py", monkeypatch)
+    record = host_ops.census(tokens=6, layers=1, work=tmp_path)
+    assert record["compiled_regions_per_step"] >= 0.8  # every token step after the first runs the compiled graph
+    assert record["by_op"]["aten::multinomial"] == pytest.approx(1.0, abs=0.2)  # one draw a token, eager
+    assert record["ops_per_step"] == pytest.approx(sum(record["by_op"].values()))
+    assert any("generation/utils.py" in name for name in record["by_source"])
+    assert "| op | per token step |" in host_ops.markdown(record)
