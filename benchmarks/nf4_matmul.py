@@ -11,7 +11,7 @@ for scale. The floor: the packed weights and their absmax codes over the measure
 Numerics: each projection's kernel output against dequantize + matmul, in units of the last place; the exit
 status is 1 when one is over a unit (as tests/test_nf4.py counts them) or a kernel fell back.
 The sweep times each kernel's tile settings per distinct shape (CUDA graph of 36 calls over the 36 layers'
-weights), to choose `nf4_v1._config`'s and `nf4._config`'s defaults; each kernel's compiles are bounded by
+weights), to choose `nf4_v1._config`'s and `nf4_settings.config`'s defaults; each kernel's compiles are bounded by
 `--sweep-seconds`; then the whole token step runs with each shape's best setting, beside the defaults timed again,
 with those settings' numerics (a tuned table's worth, less the sweep's best-of-many noise). `--kernels v2`
 measures the second design alone.
@@ -173,7 +173,7 @@ def _column(kernel: str) -> str:
 
 
 # per kernel: packed bytes per weight row per step, and pipeline stages (1: Triton's pipeliner off, which
-# otherwise stages every table lookup through shared memory, 4 bytes a copy: nf4._config)
+# otherwise stages every table lookup through shared memory, 4 bytes a copy: nf4_settings.rule_config)
 SWEEP = {"v1": {"tiles": (64, 128), "stages": (1, 2, 3)}, "v2": {"tiles": (32, 64, 128), "stages": (1, 3)},
          "pairs": {"tiles": (32, 64, 128), "stages": (1, 3)},
          "loads": {"tiles": (32, 64, 128), "stages": (1, 3)}, "shuffle": {"tiles": (32, 64, 128), "stages": (1, 3)},

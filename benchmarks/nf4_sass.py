@@ -1,7 +1,7 @@
 """The nf4 token-step kernel's machine code for sm_90, built offline (no GPU): instructions per weight in its loop.
 
 Triton compiles `vlmrl.engine.rollout.nf4_triton`'s `nf4_tiles` for an H100/H200 target with the product's tile
-settings (`nf4.tile_shape`, `nf4.block_rows`) and the integer specialisation a real launch gets (pointers and
+settings (`nf4_settings.tile_shape`, `nf4_settings.block_rows`) and the integer specialisation a real launch gets (pointers and
 sizes divisible by 16); the cubin is disassembled with the `nvdisasm` Triton ships, and the loop over K (the
 instructions between the loop's label and its backward branch) is counted by opcode. One pass of the loop decodes
 block_n x tile packed bytes over `warps` x 32 threads, so instructions per weight = loop instructions / (that
@@ -12,7 +12,7 @@ issues 4 warp instructions a clock per SM). It says nothing of latency or memory
 shows (benchmarks/nf4_matmul.py).
 
     python benchmarks/nf4_sass.py [--rows 32] [--blocksize 64] [--dtype bfloat16] [--top 12] [--json FILE]
-    python benchmarks/nf4_sass.py --tuned [--json FILE]    each tile of nf4.TUNED_SM90, a table row each
+    python benchmarks/nf4_sass.py --tuned [--json FILE]    each tile of nf4_settings.TUNED_SM90, a table row each
     python benchmarks/nf4_sass.py --tuned --kernel pairs    the same tiles of the variant with one lookup a byte
     python benchmarks/nf4_sass.py --tuned --kernel loads    ... of the product's with table loads, not shuffles
     python benchmarks/nf4_sass.py --tuned --kernel bytes    ... of the product's loop before it read words
@@ -69,8 +69,8 @@ def split_sum_order(ptx: str) -> list[str]:
 
 def build(rows: int, blocksize: int, dtype: str, shape: tuple[int, int, int] | None = None,
           design: str = "v2", splits: int = 0) -> dict:
-    """The loop's counts for the rule's tile at `rows` (`nf4.tile_shape`), or `shape` = (block_n, packed bytes a
-    step, warps) given (one of `nf4.TUNED_SM90`'s); `design` "v2": the product's kernel as it runs on a GPU (its
+    """The loop's counts for the rule's tile at `rows` (`nf4_settings.tile_shape`), or `shape` = (block_n, packed bytes a
+    step, warps) given (one of `nf4_settings.TUNED_SM90`'s); `design` "v2": the product's kernel as it runs on a GPU (its
     lookups by warp shuffle); "loads": the same with table loads (benchmarks/variants/nf4_loads.py); "pairs": the
     variant with one table lookup a byte (nf4_pairs); "bytes": the product's loop before it read words (nf4_bytes). `splits` > 1 (v2, loads): K split that many ways, summed by the
     last split to finish (`nf4_triton.sum_if_last`), as the product launches a split K; else no split sum built."""
@@ -81,7 +81,7 @@ def build(rows: int, blocksize: int, dtype: str, shape: tuple[int, int, int] | N
     except ImportError as error:
         print(f"nf4_sass: Triton with its NVIDIA backend is needed ({error})", file=sys.stderr)
         raise SystemExit(2) from error
-    from vlmrl.engine.rollout import nf4, nf4_triton
+    from vlmrl.engine.rollout import nf4_settings, nf4_triton
 
     if design in ("pairs", "bytes"):
         from variants import nf4_lookups  # beside this script, on sys.path as it runs
@@ -90,13 +90,13 @@ def build(rows: int, blocksize: int, dtype: str, shape: tuple[int, int, int] | N
         lookup = nf4_lookups.LOOKUPS[design]
     else:
         tiles, lookup = nf4_triton.kernels(False)[0], {"SHUFFLE": design == "v2"}
-    block_n, tile, warps = shape or nf4.tile_shape(rows, blocksize)
+    block_n, tile, warps = shape or nf4_settings.tile_shape(rows, blocksize)
     xt = {"bfloat16": "bf16", "float16": "fp16"}[dtype]
     signature = {"X": f"*{xt}", "Packed": "*u8", "Absmax": "*u8", "Code2": "*fp32", "Absmax2": "*fp32",
                  "Offset": "*fp32", "Lut": "*fp32", "Bias": f"*{xt}", "Out": "*fp32", "M": "i32", "N": "i32",
                  "K": "i32", "stride_x": "i32", "per_split": "i32"}
     constants = {"BLOCKSIZE2": 256, "HALF": blocksize // 2, "NB": tile // (blocksize // 2), "BLOCK_N": block_n,
-                 "BLOCK_M": nf4.block_rows(rows), "NESTED": True, "HAS_BIAS": False, "PARTIAL": True, "WQ": 1,
+                 "BLOCK_M": nf4_settings.block_rows(rows), "NESTED": True, "HAS_BIAS": False, "PARTIAL": True, "WQ": 1,
                  "XQ": 1 if dtype == "bfloat16" else 2, "EXACT": False, "EVEN": True} | lookup
     product = design in ("v2", "loads")  # the product's kernel, whose split sum may be built in
     if splits > 1 and product:
@@ -133,12 +133,12 @@ def build(rows: int, blocksize: int, dtype: str, shape: tuple[int, int, int] | N
 
 
 def tuned(design: str = "v2") -> list[dict]:
-    """Each distinct tile of `nf4.TUNED_SM90` (the measured settings the product takes on sm_90), built in bf16, with
-    the projections that take it."""
-    from vlmrl.engine.rollout import nf4
+    """Each distinct tile of `nf4_settings.TUNED_SM90` (the measured settings the product takes on sm_90), built in
+    bf16, with the projections that take it."""
+    from vlmrl.engine.rollout import nf4_settings
 
     tiles: dict[tuple, list[str]] = {}
-    for (n, k, blocksize, rows), (block_n, tile, warps, _, split) in nf4.TUNED_SM90.items():
+    for (n, k, blocksize, rows), (block_n, tile, warps, _, split) in nf4_settings.TUNED_SM90.items():
         tiles.setdefault((rows, blocksize, block_n, tile, warps, split), []).append(f"{n} x {k}")
     return [build(rows, blocksize, "bfloat16", (block_n, tile, warps), design, split) | {"shapes": shapes}
             for (rows, blocksize, block_n, tile, warps, split), shapes in tiles.items()]
@@ -151,7 +151,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     p.add_argument("--top", type=int, default=12, help="opcodes to print")
     p.add_argument("--json", type=Path, help="write the counts here too")
-    p.add_argument("--tuned", action="store_true", help="build each tile of nf4.TUNED_SM90 instead (bf16), a line each")
+    p.add_argument("--tuned", action="store_true", help="build each tile of nf4_settings.TUNED_SM90 instead (bf16), a line each")
     p.add_argument("--kernel", choices=("v2", "loads", "pairs", "bytes"), default="v2",
                    help="the product's tile kernel (lookups by warp shuffle), or a variant: lookups by table loads, "
                    "one table lookup a byte, or the loop before it read words (a byte at a time)")

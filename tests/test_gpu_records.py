@@ -228,9 +228,9 @@ def _graph_ms(record: dict) -> dict:
 
 
 def test_the_products_tuned_nf4_settings_are_the_ones_the_record_timed():
-    """nf4.TUNED_SM90 holds the settings h200_nf4_matmul_tuned timed as a whole token step, and the docs quote that
+    """nf4_settings.TUNED_SM90 holds the settings h200_nf4_matmul_tuned timed as a whole token step, and the docs quote that
     run's whole-step times and the end-to-end A/B (h200_nf4_tuned_rollouts) as recorded."""
-    from vlmrl.engine.rollout import nf4
+    from vlmrl.engine.rollout import nf4_settings
 
     record = json.loads((RESULTS / "h200_nf4_matmul_tuned.json").read_text())
     timed = {}
@@ -239,7 +239,7 @@ def test_the_products_tuned_nf4_settings_are_the_ones_the_record_timed():
         for shape, config in t["configs"].items():
             n, k = map(int, shape.split(" x "))
             timed[(n, k, 64, t["rows"])] = config
-    assert timed == nf4.TUNED_SM90
+    assert timed == nf4_settings.TUNED_SM90
     section = _section("### The nf4 kernel's measured tile settings", "### Folding the LoRA branch")
     for t in record["tuned"]:
         assert (f"| {t['rows']} (bf16) | {t['default_ms']:.2f} | **{t['tuned_ms']:.2f}** | {t['default_again_ms']:.2f} "

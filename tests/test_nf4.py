@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers import compiled_calls, nf4_layer, nf4_model, nf4_quantized, nf4_rollout_trainer, nf4_units
-from vlmrl.engine.rollout import nf4
+from vlmrl.engine.rollout import nf4, nf4_settings
 
 bnb = pytest.importorskip("bitsandbytes")
 BF = bnb.functional
@@ -164,26 +164,26 @@ def test_split_counters_are_not_made_inside_a_graph_capture(monkeypatch):
 
 def test_the_record_counts_the_layers_that_take_measured_settings(monkeypatch):
     for rows in (16, 32):  # as if these shapes were measured at both row tiles
-        monkeypatch.setitem(nf4.TUNED_SM90, (192, 256, 64, rows), [64, 64, 4, 1, 2])
-    monkeypatch.setitem(nf4.TUNED_SM90, (128, 192, 64, 16), [64, 64, 4, 1, 2])  # and this one at 16 rows only
+        monkeypatch.setitem(nf4_settings.TUNED_SM90, (192, 256, 64, rows), [64, 64, 4, 1, 2])
+    monkeypatch.setitem(nf4_settings.TUNED_SM90, (128, 192, 64, 16), [64, 64, 4, 1, 2])  # and this one at 16 rows only
     model = nf4_model(nf4_layer(256, 192), nf4_layer(256, 192), nf4_layer(192, 128))
     assert nf4.measured_settings(model).startswith("tile settings measured on an H200 for 2 of 3 layers")
 
 
 def test_sm90_takes_the_measured_settings_of_its_shapes_and_the_rest_the_rule(monkeypatch):
     cuda = torch.device("cuda")
-    monkeypatch.setattr(nf4, "_sms", lambda device: 132)  # an H200's
+    monkeypatch.setattr(nf4_settings, "_sms", lambda device: 132)  # an H200's
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     gate_up = (12288, 4096, 64)
-    assert nf4._config(32, *gate_up, cuda) == [128, 64, 4, 1, 6]
-    assert nf4._config(8, *gate_up, cuda) == nf4.TUNED_SM90[(*gate_up, 16)]  # 8 rows run the 16-row tiles
+    assert nf4_settings.config(32, *gate_up, cuda) == [128, 64, 4, 1, 6]
+    assert nf4_settings.config(8, *gate_up, cuda) == nf4_settings.TUNED_SM90[(*gate_up, 16)]  # 8 rows run the 16-row tiles
     for rows, shape in ((48, gate_up), (32, (3584, 3584, 64)), (32, (*gate_up[:2], 128))):  # not measured
-        assert nf4._config(rows, *shape, cuda) == nf4.rule_config(rows, *shape, cuda)
-    assert nf4.rule_config(32, *gate_up, cuda) == [64, 64, 4, 1, 3]  # 192 programs: 3 splits, ~4 an SM
+        assert nf4_settings.config(rows, *shape, cuda) == nf4_settings.rule_config(rows, *shape, cuda)
+    assert nf4_settings.rule_config(32, *gate_up, cuda) == [64, 64, 4, 1, 3]  # 192 programs: 3 splits, ~4 an SM
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))  # not measured there
-    assert nf4._config(32, *gate_up, cuda) == [64, 64, 4, 1, 3]
+    assert nf4_settings.config(32, *gate_up, cuda) == [64, 64, 4, 1, 3]
     # each setting is whole tiles of whole blocks, as `launch` asks
-    assert all(tile % (blocksize // 2) == 0 for (_, _, blocksize, _), (_, tile, *_) in nf4.TUNED_SM90.items())
+    assert all(tile % (blocksize // 2) == 0 for (_, _, blocksize, _), (_, tile, *_) in nf4_settings.TUNED_SM90.items())
 
 
 @KERNELS
@@ -319,7 +319,7 @@ def test_the_fast_path_routes_a_trainers_token_steps_for_its_life(launches, monk
     trainer = nf4_rollout_trainer(model, step)
     fast = enable_fast_generation(trainer)
     assert fast.weights == ("vlmrl nf4 kernel (vlmrl.engine.rollout.nf4) for token steps of 2-64 rows (tile "
-                            "settings measured on an H200 for 0 of 1 layers at 2-32 rows (nf4.TUNED_SM90), by rule "
+                            "settings measured on an H200 for 0 of 1 layers at 2-32 rows (nf4_settings.TUNED_SM90), by rule "
                             f"otherwise; {nf4.lookups()}), bitsandbytes Linear4bit otherwise")
     on_gpu = "table lookups by warp shuffle (each setting checked against the loads: 1 of 1 equal so far)"
     assert nf4.lookups() == ("table lookups by loads (Triton's interpreter runs no PTX)" if DEVICE == "cpu" else on_gpu)
@@ -398,7 +398,7 @@ def test_qwen3_vl_8b_shapes_on_the_gpu(dtype, matmul):
     _exact_weights(1024, 4096, dtype, matmul=matmul)  # 4M weights, each as bitsandbytes dequantizes it (and rounds it)
     assert not nf4._failed
     _splits_summed_in_the_kernel_as_by_the_second(dtype, matmul)
-    if torch.cuda.get_device_capability()[0] == nf4.MEASURED_MAJOR:  # where the shuffles were measured: they hold
+    if torch.cuda.get_device_capability()[0] == nf4_settings.MEASURED_MAJOR:  # where the shuffles were measured: they hold
         assert nf4._shuffles and all(nf4._shuffles.values()), nf4.lookups()
 
 

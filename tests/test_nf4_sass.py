@@ -47,14 +47,14 @@ def test_the_kernel_built_for_sm90_reads_x_along_k(tmp_path):
 
 @pytest.mark.slow  # ~7 s: ptxas on every tuned tile
 def test_each_measured_tile_builds_for_sm90_without_spilling(tmp_path):
-    """Every tile of nf4.TUNED_SM90 (the settings the product takes on sm_90) compiles offline to a loop on Hopper's
+    """Every tile of nf4_settings.TUNED_SM90 (the settings the product takes on sm_90) compiles offline to a loop on Hopper's
     tensor-core instructions with x read in 16-byte loads, and no register spills (a Triton upgrade that made one
     spill would slow the token step the table was measured for); its K splits summed by the last to finish, which
     reads the others' shares only after every thread's stores, a barrier and the count (released and acquired at
     GPU scope), then a barrier: the order that makes them visible (the interpreter, one program at a time, cannot
     tell)."""
     pytest.importorskip("triton.backends.nvidia")
-    from vlmrl.engine.rollout import nf4
+    from vlmrl.engine.rollout import nf4_settings
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "tuned.json"
@@ -64,7 +64,7 @@ def test_each_measured_tile_builds_for_sm90_without_spilling(tmp_path):
         pytest.skip(run.stderr.strip())
     assert run.returncode == 0, run.stderr
     built = json.loads(out.read_text())
-    shapes = {(n, k, rows) for n, k, _, rows in nf4.TUNED_SM90}
+    shapes = {(n, k, rows) for n, k, _, rows in nf4_settings.TUNED_SM90}
     assert {(*map(int, s.split(" x ")), r["rows"]) for r in built for s in r["shapes"]} == shapes
     for r in built:
         assert r["spill_bytes"] == 0, r["tile"]

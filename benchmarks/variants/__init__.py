@@ -108,7 +108,7 @@ VARIANTS: dict[str, Variant] = {
     # the same kernel with only the branch's scale and sum in its last pass, both factors as PEFT runs them
     # (nf4_lora, summed); gpu_issue39_rest.plan times it beside the default
     "vlmrl-nf4-summed": Variant(stacked=False, rollout={"nf4_kernel": "summed"}),
-    # the product's nf4 kernel with its settings by rule (nf4.rule_config), without the TUNED_SM90 table
+    # the product's nf4 kernel with its settings by rule (nf4_settings.rule_config), without the TUNED_SM90 table
     "vlmrl-nf4-by-rule": Variant(rollout={"nf4_kernel": "by_rule"}),
     # the product's nf4 kernel with its table lookups as loads, as before they became warp shuffles, and its K
     # splits summed by a second kernel (nf4_loads)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from vlmrl.engine.rollout import nf4, nf4_triton
+from vlmrl.engine.rollout import nf4, nf4_settings, nf4_triton
 from vlmrl.engine.rollout.decode_attention import interpreted, kernel_or_fallback
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ def _product_tiles(interpret: bool) -> Any:
 
 def _product_settings(rows: int, n: int, k: int, blocksize: int, device: torch.device) -> list[int]:
     """The settings the product's launch chooses (`TUNED_SM90`'s where measured, else `rule_config`'s)."""
-    return nf4._config(rows, n, k, blocksize, device)
+    return nf4_settings.config(rows, n, k, blocksize, device)
 
 
 def kernel_or_reference(args: tuple, *, design: str, tiles: Callable[[bool], Any] = _product_tiles,
@@ -148,7 +148,7 @@ def launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: t
     steps = -(-k // (2 * tile))
     per_split = -(-steps // max(1, min(split, steps))) * tile  # packed bytes per split, whole tiles
     split = -(-(k // 2) // per_split)
-    block_m = nf4.block_rows(rows)
+    block_m = nf4_settings.block_rows(rows)
     out = torch.empty(rows, n, device=x.device, dtype=x.dtype)
     interpret = interpreted()
     main = tiles(interpret)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from vlmrl.engine.rollout import nf4
+from vlmrl.engine.rollout import nf4_settings
 
 from . import nf4_lookups
 
@@ -40,4 +40,4 @@ def pair_table(lut: torch.Tensor) -> torch.Tensor:
 
 # the extended table's first 16 values are the table itself, so the reference (where Triton cannot run) reads it
 nf4_matmul_pairs = nf4_lookups.lookup_matmul("pairs", pair_table)
-_config = nf4._config  # the product's settings for the shape (its tile loop's shape is the product's)
+_config = nf4_settings.config  # the product's settings for the shape (its tile loop's shape is the product's)

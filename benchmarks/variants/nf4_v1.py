@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from vlmrl.engine.rollout import nf4, nf4_triton
+from vlmrl.engine.rollout import nf4, nf4_settings, nf4_triton
 
 from . import nf4_launch
 
@@ -49,9 +49,9 @@ def _config(rows: int, n: int, k: int, blocksize: int, device: torch.device) -> 
     every SM streaming; small tiles in the interpreter. Chosen from an H200 sweep (benchmarks/NOTES.md, "The nf4
     token-step kernel")."""
     if device.type != "cuda":
-        return nf4.interpreter_config(k, blocksize)
-    block_n, tile = 64, max(blocksize // 2, nf4.TILE_PAIRS)
-    return [block_n, tile, 4, 1, nf4.split_k(rows, n, k, block_n, tile, device)]
+        return nf4_settings.interpreter_config(k, blocksize)
+    block_n, tile = 64, max(blocksize // 2, nf4_settings.TILE_PAIRS)
+    return [block_n, tile, 4, 1, nf4_settings.split_k(rows, n, k, block_n, tile, device)]
 
 
 @functools.cache

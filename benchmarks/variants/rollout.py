@@ -96,7 +96,7 @@ def apply(trainer: Any, fast: FastGeneration, *, merge: bool = False, filled_win
     through the kernel's first design (`nf4_v1`, on for the trainer's life, as the product's is); "folded", the
     product's kernel with the LoRA branch's second factor and sum folded into its last pass (`nf4_lora`); "summed",
     the same with the branch's factors as PEFT runs them and only its scale and sum in that pass; "by_rule", the
-    product's kernel with `nf4.rule_config`'s settings everywhere (no `TUNED_SM90`); "loads", with its table lookups
+    product's kernel with `nf4_settings.rule_config`'s settings everywhere (no `TUNED_SM90`); "loads", with its table lookups
     as loads and its K splits summed by a second kernel; "split_sum", the splits alone so summed; "bytes", its packed
     bytes decoded a byte at a time as before it read words (`nf4_bytes`), its splits summed so; `finished_read`:
     rows that have ended keep reading their whole cache at token steps (the product narrows their mask, `finished`);
@@ -215,13 +215,13 @@ def _nf4_for_life(trainer: Any, kernel: str) -> str:
 
 
 def _nf4_matmul_by_rule(x: Any, weight: Any, bias: Any = None, *, quant_state: Any = None) -> Any:
-    """The product's nf4 matmul with `nf4.rule_config`'s settings for every shape (its `TUNED_SM90` table left
+    """The product's nf4 matmul with `nf4_settings.rule_config`'s settings for every shape (its `TUNED_SM90` table left
     out): the A/B partner that table was measured against end to end."""
-    from vlmrl.engine.rollout import nf4
+    from vlmrl.engine.rollout import nf4, nf4_settings
 
     qs = quant_state if quant_state is not None else weight.quant_state
     n, k = qs.shape
-    config = nf4.rule_config(x.numel() // k, n, k, qs.blocksize, x.device)
+    config = nf4_settings.rule_config(x.numel() // k, n, k, qs.blocksize, x.device)
     return nf4.nf4_matmul(x, weight, bias, quant_state=qs, config=config)
 
 

@@ -21,9 +21,8 @@ bitsandbytes, the fallback); `unsupported_reason(model)`, for the caller to reco
 `gpu_reason(device)`, the product's rule for where the kernel is on; `probe(model)`, a launch on the model's first
 routed layer, and `failure(x)`, why the kernel fell back; `shuffles_hold`, the check that decides each setting's
 lookups, and `lookups()`, what it decided; `is_linear4bit` and `layer_reason(layer)`, which layers it
-takes; `forwards_replaced`, its patching of forwards; its settings on a GPU: `TUNED_SM90` (measured, Qwen3-VL-8B's
-shapes on sm_90; `measured_settings(model)` says how many layers take them) or else `rule_config`, whose tiles
-`tile_shape` and `block_rows` give (benchmarks/nf4_sass.py builds them offline).
+takes; `forwards_replaced`, its patching of forwards; `measured_settings(model)`, how many routed layers take the
+settings measured on sm_90 (the tile settings are `nf4_settings`'s).
 `vlmrl.engine.rollout.fast` turns it on for a 4-bit base's rollouts. Limits: nf4 (not fp4), blocksizes 32-256
 dividing in_features, bf16/fp16 activations, CUDA (Triton's interpreter on a CPU, for tests); on by default only on
 the GPUs where it was measured faster than bitsandbytes (`gpu_reason`). No maintained library fits (package index,
@@ -35,7 +34,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import logging
 import sys
 from collections.abc import Callable, Iterator
@@ -44,7 +42,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from vlmrl.engine.rollout import nf4_triton
+from vlmrl.engine.rollout import nf4_settings, nf4_triton
 from vlmrl.engine.rollout.decode_attention import HAS_TRITON, interpreted, kernel_or_fallback
 
 log = logging.getLogger(__name__)
@@ -54,10 +52,7 @@ _counters: dict[torch.device, torch.Tensor] = {}  # a device's split counters (`
 
 MAX_ROWS = 64  # rows of a token step (the rollout batch); a prompt pass's many rows stay on bitsandbytes
 MIN_ROWS = 2  # one row: bitsandbytes' own gemv is faster (benchmarks/NOTES.md, "The nf4 token-step kernel")
-MEASURED_MAJOR = 9  # compute capability where the kernel was measured faster than bitsandbytes: sm_90 (H100/H200)
 BLOCKSIZES = (32, 64, 128, 256)
-TILE_PAIRS = 64  # packed bytes per weight row per loop step on a GPU (128 weights)
-PROGRAMS_PER_SM = 4  # split K until the grid has about this many programs per SM
 COUNTERS = 4096  # output tiles a launch whose K is split may have for its splits to be summed in the tile kernel
 DTYPES = (torch.bfloat16, torch.float16)
 _ROUNDING = {torch.bfloat16: 1, torch.float16: 2}  # the dequantized weight's dtype -> the kernel's code (0: fp32)
@@ -117,9 +112,9 @@ def gpu_reason(device: torch.device) -> str | None:
     if device.type != "cuda":
         return f"weights on {device}, not a CUDA device"
     major, minor = torch.cuda.get_device_capability(device)
-    if major != MEASURED_MAJOR:
-        return (f"measured faster than bitsandbytes on sm_{MEASURED_MAJOR}0 (H100/H200) only; this GPU is "
-                f"sm_{major}{minor}")
+    measured = nf4_settings.MEASURED_MAJOR
+    if major != measured:
+        return f"measured faster than bitsandbytes on sm_{measured}0 (H100/H200) only; this GPU is sm_{major}{minor}"
     return None
 
 
@@ -276,85 +271,20 @@ def _reference(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code
     return F.linear(x, weight.to(x.dtype), bias)
 
 
-# [block_n, block_kh, warps, stages, split] per (out_features, in_features, blocksize, block_rows(rows)) on sm_90:
-# the best settings of two H200 tile sweeps at 16 and 32 rows (the same in every cell, up to k/v's split count,
-# which `launch` caps at 16 either way), timed as a whole token step beside `rule_config`'s in one run
-# (benchmarks/results/h200_nf4_matmul_tuned.{json,md}). Qwen3-VL-8B's shapes.
-TUNED_SM90: dict[tuple[int, int, int, int], list[int]] = {
-    (4096, 4096, 64, 16): [128, 64, 4, 1, 8],
-    (1024, 4096, 64, 16): [64, 128, 4, 1, 64],
-    (12288, 4096, 64, 16): [64, 64, 4, 1, 6],
-    (4096, 12288, 64, 16): [64, 32, 4, 1, 16],
-    (4096, 4096, 64, 32): [64, 128, 4, 1, 4],
-    (1024, 4096, 64, 32): [64, 128, 4, 1, 32],
-    (12288, 4096, 64, 32): [128, 64, 4, 1, 6],
-    (4096, 12288, 64, 32): [128, 64, 4, 1, 8],
-}
-
-
-def _config(rows: int, n: int, k: int, blocksize: int, device: torch.device) -> list[int]:
-    """[block_n, block_kh, warps, stages, split]: `TUNED_SM90`'s measured settings where it has the shape and the
-    GPU is sm_90, else `rule_config`'s."""
-    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == MEASURED_MAJOR:
-        tuned = TUNED_SM90.get((n, k, blocksize, block_rows(rows)))
-        if tuned is not None:
-            return list(tuned)
-    return rule_config(rows, n, k, blocksize, device)
-
-
 def measured_settings(model: torch.nn.Module) -> str:
     """What the record says of the settings the routed layers of `model` take on sm_90: how many have their shape in
-    `TUNED_SM90` (at 2-32 rows), the rest by rule."""
+    `nf4_settings.TUNED_SM90` (at 2-32 rows), the rest by rule."""
     routed = _routable(_linear4bit_layers(model))
-    tuned = sum(all((*qs.shape, qs.blocksize, rows) in TUNED_SM90 for rows in (16, 32))
+    tuned = sum(all((*qs.shape, qs.blocksize, rows) in nf4_settings.TUNED_SM90 for rows in (16, 32))
                 for qs in map(_quant_state, routed))
-    return (f"tile settings measured on an H200 for {tuned} of {len(routed)} layers at 2-32 rows (nf4.TUNED_SM90), "
-            "by rule otherwise")
-
-
-def rule_config(rows: int, n: int, k: int, blocksize: int, device: torch.device) -> list[int]:
-    """The settings by rule, reasoned from sm_90 builds (Triton 3.6 and 3.8): steps of 64 x 64 packed bytes (32 x
-    128 for blocksize 256) over 4 warps, 32 bytes a thread, 80-180 registers without spills (8 warps for blocksize
-    256 past 16 rows, which spill on 4), so several programs an SM, each with its next step's bytes in flight; 1
-    stage, since with more Triton's pipeliner stages every table lookup through shared memory, 4 bytes a copy; K
-    split until the grid has about `PROGRAMS_PER_SM` programs an SM. Near, not at, the best settings an H200 sweep
-    found per shape (benchmarks/NOTES.md). Small tiles in the interpreter."""
-    if device.type != "cuda":
-        return interpreter_config(k, blocksize)
-    block_n, tile, warps = tile_shape(rows, blocksize)
-    return [block_n, tile, warps, 1, split_k(rows, n, k, block_n, tile, device)]
-
-
-def tile_shape(rows: int, blocksize: int) -> tuple[int, int, int]:
-    """(block_n, packed bytes a step, warps) on a GPU; `_config` says why."""
-    tile = max(blocksize // 2, 64)
-    return 4096 // tile, tile, 8 if tile > 64 and rows > 16 else 4
-
-
-def interpreter_config(k: int, blocksize: int) -> list[int]:
-    """Small tiles, one block a step, K split in two where it can be: the code paths, quickly, on a CPU."""
-    return [32, blocksize // 2, 4, 1, min(2, k // blocksize)]
-
-
-def split_k(rows: int, n: int, k: int, block_n: int, tile: int, device: torch.device) -> int:
-    """K splits that bring the grid to about PROGRAMS_PER_SM programs per SM, at most one per tile."""
-    programs = -(-n // block_n) * -(-rows // block_rows(rows))
-    return max(1, min(-(-k // (2 * tile)), round(PROGRAMS_PER_SM * _sms(device) / programs)))
-
-
-@functools.cache
-def _sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def block_rows(rows: int) -> int:
-    return min(64, max(16, 1 << (rows - 1).bit_length()))  # tl.dot takes 16 rows at least
+    return (f"tile settings measured on an H200 for {tuned} of {len(routed)} layers at 2-32 rows "
+            "(nf4_settings.TUNED_SM90), by rule otherwise")
 
 
 def launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: torch.Tensor | None,
            absmax2: torch.Tensor | None, offset: torch.Tensor | None, lut: torch.Tensor, bias: torch.Tensor | None,
            blocksize: int, blocksize2: int, rounding: int, config: list[int]) -> torch.Tensor:
-    """Launch the tile kernel on x [rows, k], with `config` or else `_config`'s settings; a split K is summed by its
+    """Launch the tile kernel on x [rows, k], with `config` or else `nf4_settings.config`'s settings; a split K is summed by its
     last split to finish (`split_counters`), or by `sum_splits` where no counters can be had."""
     rows, k = x.shape
     n = packed.shape[0]
@@ -364,14 +294,14 @@ def launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: t
         raise TypeError(f"activations in {x.dtype}: the kernel takes bf16/fp16")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    block_n, tile, warps, stages, split = config or _config(rows, n, k, blocksize, x.device)
+    block_n, tile, warps, stages, split = config or nf4_settings.config(rows, n, k, blocksize, x.device)
     half = blocksize // 2
     if tile % half:
         raise ValueError(f"tile of {tile} packed bytes is not a whole number of {blocksize}-weight blocks")
     steps = -(-k // (2 * tile))
     per_split = -(-steps // max(1, min(split, steps))) * tile  # packed bytes per split, whole tiles
     split = -(-(k // 2) // per_split)
-    block_m = block_rows(rows)
+    block_m = nf4_settings.block_rows(rows)
     out = torch.empty(rows, n, device=x.device, dtype=x.dtype)
     interpret = interpreted()
     main = nf4_triton.kernels(interpret)[0]
