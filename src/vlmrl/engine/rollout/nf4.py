@@ -53,6 +53,7 @@ _counters: dict[torch.device, torch.Tensor] = {}  # a device's split counters (`
 MAX_ROWS = 64  # rows of a token step (the rollout batch); a prompt pass's many rows stay on bitsandbytes
 MIN_ROWS = 2  # one row: bitsandbytes' own gemv is faster (benchmarks/NOTES.md, "The nf4 token-step kernel")
 BLOCKSIZES = (32, 64, 128, 256)
+WORD = 4  # bytes the kernel reads packed weights in: their address must be a multiple of it
 COUNTERS = 4096  # output tiles a launch whose K is split may have for its splits to be summed in the tile kernel
 DTYPES = (torch.bfloat16, torch.float16)
 _ROUNDING = {torch.bfloat16: 1, torch.float16: 2}  # the dequantized weight's dtype -> the kernel's code (0: fp32)
@@ -222,6 +223,8 @@ def layer_reason(layer: torch.nn.Module) -> str | None:
         return f"weights on {weight.device}, not a CUDA device"
     if not weight.data.is_contiguous() or weight.data.numel() * weight.data.element_size() * 2 != qs.shape.numel():
         return "packed weights not contiguous bytes"
+    if weight.data.data_ptr() % WORD:
+        return f"packed weights not {WORD}-byte aligned (the kernel reads them as 32-bit words)"
     if getattr(layer, "compute_dtype", None) not in (None, *DTYPES):
         return f"compute dtype {layer.compute_dtype} (the kernel computes in bf16/fp16)"
     return None
@@ -247,6 +250,8 @@ def _nf4_matmul(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, cod
                 absmax2: torch.Tensor | None, offset: torch.Tensor | None, lut: torch.Tensor, bias: torch.Tensor | None,
                 blocksize: int, blocksize2: int, rounding: int, config: list[int]) -> torch.Tensor:
     args = (x, packed, absmax, code2, absmax2, offset, lut, bias, blocksize, blocksize2, rounding, config)
+    if packed.data_ptr() % WORD:  # this tensor's layout, not the device: nothing to record
+        return _reference(*args)
     return kernel_or_fallback(_failed, _where(x), lambda: launch(*args), lambda: _reference(*args),
                               what="nf4 matmul kernel", instead="dequantize + matmul", logger=log)
 
@@ -292,6 +297,8 @@ def launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: t
         return x.new_empty((0, n))
     if x.dtype not in DTYPES:
         raise TypeError(f"activations in {x.dtype}: the kernel takes bf16/fp16")
+    if packed.data_ptr() % WORD:
+        raise ValueError(f"packed weights at an address not a multiple of {WORD}: the kernel reads 32-bit words")
     if x.stride(-1) != 1:
         x = x.contiguous()
     block_n, tile, warps, stages, split = config or nf4_settings.config(rows, n, k, blocksize, x.device)
