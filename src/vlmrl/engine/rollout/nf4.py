@@ -24,10 +24,11 @@ lookups, and `lookups()`, what it decided; `is_linear4bit` and `layer_reason(lay
 takes; `forwards_replaced`, its patching of forwards; `measured_settings(model)`, how many routed layers take the
 settings measured on sm_90 (the tile settings are `nf4_settings`'s).
 `vlmrl.engine.rollout.fast` turns it on for a 4-bit base's rollouts. Limits: nf4 (not fp4), blocksizes 32-256
-dividing in_features, bf16/fp16 activations, CUDA (Triton's interpreter on a CPU, for tests); on by default only on
-the GPUs where it was measured faster than bitsandbytes (`gpu_reason`). No maintained library fits (package index,
-2026-12): FLUTE ships a C++ extension built for torch 2.5 / CUDA 12.1 over its own repacked layout, and gemlite's
-kernels take affine (scale, zero) codes, not a 16-value table.
+dividing in_features, packed weights on a 4-byte boundary (`WORD`), bf16/fp16 activations, CUDA (Triton's
+interpreter on a CPU, for tests); on by default only on the GPUs where it was measured faster than bitsandbytes
+(`gpu_reason`). No maintained library fits (package index, 2026-12): FLUTE ships a C++ extension built for torch 2.5
+/ CUDA 12.1 over its own repacked layout, and gemlite's kernels take affine (scale, zero) codes, not a 16-value
+table.
 """
 
 from __future__ import annotations
