@@ -72,7 +72,7 @@ def build(rows: int, blocksize: int, dtype: str, shape: tuple[int, int, int] | N
     """The loop's counts for the rule's tile at `rows` (`nf4_settings.tile_shape`), or `shape` = (block_n, packed bytes a
     step, warps) given (one of `nf4_settings.TUNED_SM90`'s); `design` "v2": the product's kernel as it runs on a GPU (its
     lookups by warp shuffle); "loads": the same with table loads (benchmarks/variants/nf4_loads.py); "pairs": the
-    variant with one table lookup a byte (nf4_pairs); "bytes": the product's loop before it read words (nf4_bytes). `splits` > 1 (v2, loads): K split that many ways, summed by the
+    variant with one table lookup a byte (nf4_pairs); "bytes": the product's loop before it read words (nf4_bytes); "byte-loads": that loop with table loads. `splits` > 1 (v2, loads): K split that many ways, summed by the
     last split to finish (`nf4_triton.sum_if_last`), as the product launches a split K; else no split sum built."""
     try:
         import triton
@@ -83,7 +83,7 @@ def build(rows: int, blocksize: int, dtype: str, shape: tuple[int, int, int] | N
         raise SystemExit(2) from error
     from vlmrl.engine.rollout import nf4_settings, nf4_triton
 
-    if design in ("pairs", "bytes"):
+    if design in ("pairs", "bytes", "byte-loads"):
         from variants import nf4_lookups  # beside this script, on sys.path as it runs
 
         tiles = nf4_lookups.byte_loop(False)
@@ -152,9 +152,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--top", type=int, default=12, help="opcodes to print")
     p.add_argument("--json", type=Path, help="write the counts here too")
     p.add_argument("--tuned", action="store_true", help="build each tile of nf4_settings.TUNED_SM90 instead (bf16), a line each")
-    p.add_argument("--kernel", choices=("v2", "loads", "pairs", "bytes"), default="v2",
+    p.add_argument("--kernel", choices=("v2", "loads", "pairs", "bytes", "byte-loads"), default="v2",
                    help="the product's tile kernel (lookups by warp shuffle), or a variant: lookups by table loads, "
-                   "one table lookup a byte, or the loop before it read words (a byte at a time)")
+                   "one table lookup a byte, or the loop before it read words (a byte at a time; byte-loads: and before the "
+                   "shuffles)")
     args = p.parse_args(argv)
     if args.tuned:
         results = tuned(args.kernel)

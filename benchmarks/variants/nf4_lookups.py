@@ -2,7 +2,8 @@
 compiled loop reads the packed bytes as words and looks the table up by warp shuffle, `nf4_triton`): "loads", the
 product's kernel with table loads (`SHUFFLE` off); "shuffle", the product's kernel with its shuffles forced on,
 unchecked; both with a split K summed by a second kernel, as before the product summed it in the tile kernel;
-"bytes", the product's loop as it was before it read words (a byte at a time, `nf4_bytes`), its split K so summed;
+"bytes", the product's loop as it was before it read words (a byte at a time, `nf4_bytes`), its split K so summed
+("byte-loads": the same with table loads, the loop before the shuffles);
 "pairs", one lookup a byte in a table of weight pairs (`nf4_pairs`). The last two are loops of this module's own.
 What each was worth: benchmarks/NOTES.md ("What the nf4 kernel waits on").
 
@@ -29,7 +30,8 @@ from . import nf4_launch
 
 LOOKUPS: dict[str, dict[str, Any]] = {"loads": {"SHUFFLE": False}, "shuffle": {"SHUFFLE": True},
                                       "pairs": {"SHUFFLE": False, "PAIRS": True},
-                                      "bytes": {"SHUFFLE": True, "PAIRS": False}}
+                                      "bytes": {"SHUFFLE": True, "PAIRS": False},
+                                      "byte-loads": {"SHUFFLE": False, "PAIRS": False}}
 
 
 class _Bound:
@@ -45,7 +47,7 @@ class _Bound:
 def tiles(design: str) -> Callable[[bool], Any]:
     """`(interpret) -> kernel` with `design`'s lookups, for `nf4_launch.launch`."""
     def built(interpret: bool) -> _Bound:
-        if design in ("pairs", "bytes"):
+        if design in ("pairs", "bytes", "byte-loads"):
             return _Bound(byte_loop(interpret), {**LOOKUPS[design], "SHUFFLE": LOOKUPS[design]["SHUFFLE"] and not
                                                  interpret})
         return _Bound(nf4_triton.kernels(interpret)[0], {"SHUFFLE": LOOKUPS[design]["SHUFFLE"] and not interpret,

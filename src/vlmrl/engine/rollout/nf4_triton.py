@@ -154,16 +154,13 @@ def kernels(interpret: bool) -> tuple[Any, Any]:
         # [BLOCK_N, KW] words of 8 nibbles -> [BLOCK_N, 8 KW] weights in the row's order: weight 2b is byte b's
         # high nibble (bits 8b + 4), 2b + 1 its low one (bits 8b), each its table value times the word's block scale
         # (a word's 4 bytes lie in one block), rounded as bitsandbytes rounds
-        v0 = dot_operand(nibble(held, Lut, w, 4, SHUFFLE) * scale, WQ, XQ, TY, EXACT)
-        v1 = dot_operand(nibble(held, Lut, w, 0, SHUFFLE) * scale, WQ, XQ, TY, EXACT)
-        v2 = dot_operand(nibble(held, Lut, w, 12, SHUFFLE) * scale, WQ, XQ, TY, EXACT)
-        v3 = dot_operand(nibble(held, Lut, w, 8, SHUFFLE) * scale, WQ, XQ, TY, EXACT)
-        v4 = dot_operand(nibble(held, Lut, w, 20, SHUFFLE) * scale, WQ, XQ, TY, EXACT)
-        v5 = dot_operand(nibble(held, Lut, w, 16, SHUFFLE) * scale, WQ, XQ, TY, EXACT)
-        v6 = dot_operand(nibble(held, Lut, w, 28, SHUFFLE) * scale, WQ, XQ, TY, EXACT)
-        v7 = dot_operand(nibble(held, Lut, w, 24, SHUFFLE) * scale, WQ, XQ, TY, EXACT)
+        v0, v1 = nibble(held, Lut, w, 4, SHUFFLE), nibble(held, Lut, w, 0, SHUFFLE)
+        v2, v3 = nibble(held, Lut, w, 12, SHUFFLE), nibble(held, Lut, w, 8, SHUFFLE)
+        v4, v5 = nibble(held, Lut, w, 20, SHUFFLE), nibble(held, Lut, w, 16, SHUFFLE)
+        v6, v7 = nibble(held, Lut, w, 28, SHUFFLE), nibble(held, Lut, w, 24, SHUFFLE)
         # [BLOCK_N, KW, 2, 2, 2]: index (a, b, c) is the word's weight 4a + 2b + c, so the reshape keeps row order
         joined = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
+        joined = dot_operand(joined * scale[:, :, None, None, None], WQ, XQ, TY, EXACT)
         return tl.reshape(joined, (w.shape[0], 8 * w.shape[1]))
 
     globals()["word_weights"] = word_weights
