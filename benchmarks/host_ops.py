@@ -34,23 +34,22 @@ from vlmrl.engine.rollout.step_inputs import step_token_inputs
 SOURCES = ("transformers/", "vlmrl/", "trl/", "peft/")  # the frames an op is attributed to (the innermost of them)
 
 
-def source(event) -> str:
-    """The innermost Python frame of vlmrl or a library it drives above `event`, as the profiler names it."""
+def ancestors(event):
+    """The profiler events `event` ran inside, innermost first."""
     parent = event.cpu_parent
     while parent is not None:
-        if any(name in parent.name for name in SOURCES):
-            return parent.name
+        yield parent
         parent = parent.cpu_parent
-    return "(elsewhere)"
+
+
+def source(event) -> str:
+    """The innermost Python frame of vlmrl or a library it drives above `event`, as the profiler names it."""
+    return next((p.name for p in ancestors(event) if any(name in p.name for name in SOURCES)), "(elsewhere)")
 
 
 def nested(event) -> bool:
-    parent = event.cpu_parent
-    while parent is not None:
-        if parent.name.startswith("aten::"):
-            return True
-        parent = parent.cpu_parent
-    return False
+    """Whether `event` ran inside another torch op (counted with it, not apart)."""
+    return any(p.name.startswith("aten::") for p in ancestors(event))
 
 
 def census(tokens: int, layers: int, work: Path) -> dict:

@@ -1,8 +1,8 @@
 """The nf4 token-step kernel's machine code for sm_90, built offline (no GPU): instructions per weight in its loop.
 
 Triton compiles `vlmrl.engine.rollout.nf4_triton`'s `nf4_tiles` for an H100/H200 target with the product's tile
-settings (`nf4_settings.tile_shape`, `nf4_settings.block_rows`) and the integer specialisation a real launch gets (pointers and
-sizes divisible by 16); the cubin is disassembled with the `nvdisasm` Triton ships, and the loop over K (the
+settings (`nf4_settings.tile_shape`, `nf4_settings.block_rows`) and the integer specialisation a real launch gets
+(pointers and sizes divisible by 16); the cubin is disassembled with the `nvdisasm` Triton ships, and the loop over K (the
 instructions between the loop's label and its backward branch) is counted by opcode. One pass of the loop decodes
 block_n x tile packed bytes over `warps` x 32 threads, so instructions per weight = loop instructions / (that
 many weights a thread). Also: registers per thread and spills, from `cuobjdump -res-usage`.
@@ -69,11 +69,13 @@ def split_sum_order(ptx: str) -> list[str]:
 
 def build(rows: int, blocksize: int, dtype: str, shape: tuple[int, int, int] | None = None,
           design: str = "v2", splits: int = 0) -> dict:
-    """The loop's counts for the rule's tile at `rows` (`nf4_settings.tile_shape`), or `shape` = (block_n, packed bytes a
-    step, warps) given (one of `nf4_settings.TUNED_SM90`'s); `design` "v2": the product's kernel as it runs on a GPU (its
-    lookups by warp shuffle); "loads": the same with table loads (benchmarks/variants/nf4_loads.py); "pairs": the
-    variant with one table lookup a byte (nf4_pairs); "bytes": the product's loop before it read words (nf4_bytes); "byte-loads": that loop with table loads. `splits` > 1 (v2, loads): K split that many ways, summed by the
-    last split to finish (`nf4_triton.sum_if_last`), as the product launches a split K; else no split sum built."""
+    """The loop's counts for the rule's tile at `rows` (`nf4_settings.tile_shape`), or `shape` = (block_n, packed
+    bytes a step, warps) given (one of `nf4_settings.TUNED_SM90`'s); `design` "v2": the product's kernel as it runs on
+    a GPU (its lookups by warp shuffle); "loads": the same with table loads (benchmarks/variants/nf4_loads.py);
+    "pairs": the variant with one table lookup a byte (nf4_pairs); "bytes": the product's loop before it read words
+    (nf4_bytes); "byte-loads": that loop with table loads. `splits` > 1 (v2, loads): K split that many ways, summed by
+    the last split to finish (`nf4_triton.sum_if_last`), as the product launches a split K; else no split sum
+    built."""
     try:
         import triton
         from triton.backends.compiler import GPUTarget
@@ -81,13 +83,12 @@ def build(rows: int, blocksize: int, dtype: str, shape: tuple[int, int, int] | N
     except ImportError as error:
         print(f"nf4_sass: Triton with its NVIDIA backend is needed ({error})", file=sys.stderr)
         raise SystemExit(2) from error
+    from variants import nf4_lookups  # beside this script, on sys.path as it runs
+
     from vlmrl.engine.rollout import nf4_settings, nf4_triton
 
-    if design in ("pairs", "bytes", "byte-loads"):
-        from variants import nf4_lookups  # beside this script, on sys.path as it runs
-
-        tiles = nf4_lookups.byte_loop(False)
-        lookup = nf4_lookups.LOOKUPS[design]
+    if nf4_lookups.runs_byte_loop(design):
+        tiles, lookup = nf4_lookups.byte_loop(False), nf4_lookups.LOOKUPS[design]
     else:
         tiles, lookup = nf4_triton.kernels(False)[0], {"SHUFFLE": design == "v2"}
     block_n, tile, warps = shape or nf4_settings.tile_shape(rows, blocksize)
@@ -96,8 +97,8 @@ def build(rows: int, blocksize: int, dtype: str, shape: tuple[int, int, int] | N
                  "Offset": "*fp32", "Lut": "*fp32", "Bias": f"*{xt}", "Out": "*fp32", "M": "i32", "N": "i32",
                  "K": "i32", "stride_x": "i32", "per_split": "i32"}
     constants = {"BLOCKSIZE2": 256, "HALF": blocksize // 2, "NB": tile // (blocksize // 2), "BLOCK_N": block_n,
-                 "BLOCK_M": nf4_settings.block_rows(rows), "NESTED": True, "HAS_BIAS": False, "PARTIAL": True, "WQ": 1,
-                 "XQ": 1 if dtype == "bfloat16" else 2, "EXACT": False, "EVEN": True} | lookup
+                 "BLOCK_M": nf4_settings.block_rows(rows), "NESTED": True, "HAS_BIAS": False, "PARTIAL": True,
+                 "WQ": 1, "XQ": 1 if dtype == "bfloat16" else 2, "EXACT": False, "EVEN": True} | lookup
     product = design in ("v2", "loads")  # the product's kernel, whose split sum may be built in
     if splits > 1 and product:
         signature |= {"Final": f"*{xt}", "Counters": "*i32"}

@@ -44,14 +44,18 @@ class _Bound:
         return functools.partial(self.kernel[grid], **self.settings)
 
 
+def runs_byte_loop(design: str) -> bool:
+    """Whether `design`'s loop is `byte_loop` (its settings name `PAIRS`), not the product's word loop."""
+    return "PAIRS" in LOOKUPS.get(design, {})
+
+
 def tiles(design: str) -> Callable[[bool], Any]:
     """`(interpret) -> kernel` with `design`'s lookups, for `nf4_launch.launch`."""
     def built(interpret: bool) -> _Bound:
-        if design in ("pairs", "bytes", "byte-loads"):
-            return _Bound(byte_loop(interpret), {**LOOKUPS[design], "SHUFFLE": LOOKUPS[design]["SHUFFLE"] and not
-                                                 interpret})
-        return _Bound(nf4_triton.kernels(interpret)[0], {"SHUFFLE": LOOKUPS[design]["SHUFFLE"] and not interpret,
-                                                          "Final": None, "Counters": None, "SPLITS": 0})
+        settings = LOOKUPS[design] | {"SHUFFLE": LOOKUPS[design]["SHUFFLE"] and not interpret}
+        if runs_byte_loop(design):
+            return _Bound(byte_loop(interpret), settings)
+        return _Bound(nf4_triton.kernels(interpret)[0], settings | {"Final": None, "Counters": None, "SPLITS": 0})
     return built
 
 

@@ -290,8 +290,8 @@ def measured_settings(model: torch.nn.Module) -> str:
 def launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: torch.Tensor | None,
            absmax2: torch.Tensor | None, offset: torch.Tensor | None, lut: torch.Tensor, bias: torch.Tensor | None,
            blocksize: int, blocksize2: int, rounding: int, config: list[int]) -> torch.Tensor:
-    """Launch the tile kernel on x [rows, k], with `config` or else `nf4_settings.config`'s settings; a split K is summed by its
-    last split to finish (`split_counters`), or by `sum_splits` where no counters can be had."""
+    """Launch the tile kernel on x [rows, k], with `config` or else `nf4_settings.config`'s settings; a split K is
+    summed by its last split to finish (`split_counters`), or by `sum_splits` where no counters can be had."""
     rows, k = x.shape
     n = packed.shape[0]
     if rows == 0:
