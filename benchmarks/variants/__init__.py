@@ -19,6 +19,7 @@ The modules (what each was worth: benchmarks/NOTES.md):
 - `nf4_v1`: the first design of the nf4 token-step kernel (`nf4_matmul_v1`), and `nf4_decode_with(model, matmul)`.
 - `nf4_lora`: a 4-bit base's LoRA branch folded into the product nf4 kernel's last pass (or only its sum).
 - `nf4_launch`: the nf4 kernel's launch with another tile kernel, or a LoRA branch in its split sum.
+- `step_graph`: each `generate` call's token step recorded once as one CUDA graph and replayed without dynamo.
 - `stacked_4bit`: over a 4-bit base, the LoRA first factors stacked by shared input and each member's second step
   one kernel (`first_factors_stacked`).
 - `second_inline`: the stacked groups' second step as pointwise products inductor may fold into its neighbours.
@@ -92,6 +93,9 @@ VARIANTS: dict[str, Variant] = {
     "vlmrl-stacked": Variant(),  # the default now
     # dynamo's guards checked until each rollout's token steps are steady
     "vlmrl-guards-once": Variant(rollout={"guards_once": True}),
+    # token steps compiled without CUDA graph trees, each rollout's step recorded as one CUDA graph and replayed
+    # with no dynamo on the host (step_graph)
+    "vlmrl-step-graph": Variant(rollout={"step_graph": True}),
     "vlmrl-stacked-kernel": Variant(),  # the default now
     # the stacked groups' second step as a cuBLAS matmul and a sum instead of one Triton kernel
     "vlmrl-second-cublas": Variant(rollout={"second_cublas": True}),
