@@ -26,6 +26,7 @@ from variants.step_graph import CudaGraphs, step_graphs
 
 from vlmrl.engine.rollout.fast import deferred_stop_check
 from vlmrl.engine.rollout.finished import finished_rows_read_one_block
+from vlmrl.engine.rollout.stacked import StackedProjections
 from vlmrl.engine.rollout.step_inputs import step_token_inputs
 
 
@@ -42,6 +43,7 @@ def check(tokens: int, layers: int, work: Path) -> dict:
     cuda = torch.cuda.is_available()
     if cuda:
         policy = policy.to("cuda", torch.bfloat16)
+        stack = StackedProjections(policy)  # stacked from the weights on the GPU
         batch = {k: v.to("cuda") if hasattr(v, "to") else v for k, v in batch.items()}
         settings["compile_config"].backend, settings["compile_config"].mode = "inductor", "default"
     call = {"max_new_tokens": tokens, "min_new_tokens": tokens, "do_sample": False, **settings}

@@ -252,10 +252,12 @@ NF4_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # where the nf4 tes
 
 
 def nf4_units(got: torch.Tensor, expected: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """|got - expected| in units in the last place of their dtype at max(|expected|, 2^-12 * scale), `scale` the sum
-    of |x * w| of each output: below that, the fp32 sum's own rounding, in any order, can pass a unit."""
+    """|got - expected| in units in the last place of their dtype at max(|expected|, 2^(mantissa - 19) * scale),
+    `scale` the sum of |x * w| of each output: 2^-12 of it in bf16, 2^-9 in fp16 (3 more mantissa bits). Below that
+    the fp32 sum's own rounding, in any order, is a good part of a unit: it grows with `scale` (about 2^-24 of it),
+    not with the output, so the floor is the same 2^-19 of `scale` in units of either dtype."""
     mantissa = {torch.bfloat16: 7, torch.float16: 10}[got.dtype]
-    at = torch.maximum(expected.float().abs(), scale * 2.0 ** -12)
+    at = torch.maximum(expected.float().abs(), scale * 2.0 ** (mantissa - 19))
     unit = torch.ldexp(torch.ones_like(at), torch.frexp(at).exponent - 1 - mantissa)
     return (got.float() - expected.float()).abs() / unit.clamp(min=torch.finfo(got.dtype).smallest_normal
                                                                 * 2.0 ** -mantissa)

@@ -389,9 +389,9 @@ def test_a_compiled_token_step_calls_it_as_one_node():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_qwen3_vl_8b_shapes_on_the_gpu(dtype, matmul):
     """At the 8B shapes each output is within 0.6 of a unit of the exact product of the same rounded weights (float64
-    sums), as on the CPU; in bf16 also within one unit of cuBLAS's dequantize + matmul. Not in fp16: there cuBLAS's
-    own sums were 2 units from the kernel's on an H200 and 1.34 on an H100 (benchmarks/NOTES.md), so that reference
-    cannot judge the kernel."""
+    sums), as on the CPU, outputs near zero counted at `nf4_units`' floor; in bf16 also within one unit of cuBLAS's
+    dequantize + matmul. Not in fp16: there cuBLAS's own sums were 2 units from the kernel's on an H200 and 1.34 on
+    an H100 (benchmarks/NOTES.md), so that reference cannot judge the kernel."""
     # (out, in) of q/o, k/v, gate/up and down
     for n, k in [(4096, 4096), (1024, 4096), (12288, 4096), (4096, 12288)]:
         packed, qs = nf4_quantized(n, k, weight_dtype=torch.bfloat16, seed=n + k)
