@@ -1,5 +1,5 @@
 """Whether a tiny Qwen3-VL decodes the same tokens when each `generate` call's token step is recorded as one graph
-and replayed (`step_graphs`, benchmarks/variants/step_graph.py, a bench variant) as when every step runs compiled.
+and replayed (`vlmrl.engine.rollout.step_graph`) as when every step runs compiled.
 
 A tiny random Qwen3-VL with LoRA and the rollout's stacked projections (`guard_checks.compiled_policy`), decoding
 compiled as vlmrl's generation does (static bucketed cache, the stop check read a step late, ended rows masked,
@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 from guard_checks import compiled_policy
-from variants.step_graph import CudaGraphs, step_graphs
 
 from vlmrl.engine.rollout.fast import deferred_stop_check
 from vlmrl.engine.rollout.finished import finished_rows_read_one_block
 from vlmrl.engine.rollout.stacked import StackedProjections
+from vlmrl.engine.rollout.step_graph import CudaGraphs, step_graphs
 from vlmrl.engine.rollout.step_inputs import step_token_inputs
 
 

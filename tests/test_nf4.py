@@ -311,7 +311,7 @@ def test_nf4_decode_routes_token_steps_and_leaves_the_rest_to_bitsandbytes(launc
 def test_the_fast_path_routes_a_trainers_token_steps_for_its_life(launches, monkeypatch):
     """`enable_fast_generation` on a 4-bit base, where the GPU rule lets it (here patched to, as on an H200): every
     rollout's token steps go through the kernel, the loss pass stays on bitsandbytes, the record says so."""
-    from vlmrl.engine.rollout.fast import enable_fast_generation
+    from vlmrl.engine.rollout.fast import STEP_GRAPH, enable_fast_generation
 
     monkeypatch.setattr(nf4, "gpu_reason", lambda device: None)
     model = nf4_model(nf4_layer(256, 192))
@@ -324,6 +324,8 @@ def test_the_fast_path_routes_a_trainers_token_steps_for_its_life(launches, monk
     on_gpu = "table lookups by warp shuffle (each setting checked against the loads: 1 of 1 equal so far)"
     assert nf4.lookups() == ("table lookups by loads (Triton's interpreter runs no PTX)" if DEVICE == "cpu" else on_gpu)
     assert launches == [2]  # the probe
+    assert fast.step_graph == STEP_GRAPH and fast.mode == trainer.generation_config.compile_config.mode == "default"
+    assert [name for name, _ in trainer.vlmrl_rollout_contexts][-2:] == ["step_graph", "compile_over_4bit"]
     trainer._generate_single_turn()
     trainer._generate_single_turn()
     assert launches == [2, 4, 4]

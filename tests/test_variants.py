@@ -69,7 +69,8 @@ def test_each_variant_changes_only_its_own_setting():
     assert options == {
         "vlmrl-merged": {"merge": True}, "vlmrl-filled": {"filled_window": 128},
         "vlmrl-filled-copies": {"filled_window": 128}, "vlmrl-sdpa-decode": {"sdpa_decode": True},
-        "vlmrl-guards-once": {"guards_once": True}, "vlmrl-step-graph": {"step_graph": True},
+        "vlmrl-guards-once": {"guards_once": True, "graph_trees": True},
+        "vlmrl-graph-trees": {"graph_trees": True},
         "vlmrl-second-cublas": {"second_cublas": True},
         "vlmrl-bnb": {"nf4_kernel": "off"}, "vlmrl-nf4-v1": {"nf4_kernel": "v1"},
         "vlmrl-nf4-folded": {"nf4_kernel": "folded"}, "vlmrl-nf4-summed": {"nf4_kernel": "summed"},
@@ -85,8 +86,7 @@ def test_each_variant_changes_only_its_own_setting():
 
 
 @pytest.mark.parametrize("name", ["merge", "rollout", "nf4_v1", "nf4_lora", "nf4_launch", "nf4_pairs", "nf4_lookups",
-                                  "nf4_bytes", "nf4_loads", "second_inline", "stacked_4bit",
-                                  "step_graph"])
+                                  "nf4_bytes", "nf4_loads", "second_inline", "stacked_4bit"])
 def test_each_plugin_module_imports(name):
     importlib.import_module(f"variants.{name}")
 
@@ -232,6 +232,20 @@ def test_inductor_settings_and_the_pointwise_second_step_hold_while_rollouts_run
     trainer._generate_single_turn()
     assert during == [(True, True)]
     assert inductor_config.combo_kernels is False and stacked._Group.compute is product_compute
+
+
+def test_the_graph_trees_variant_takes_the_recorded_step_out_again():
+    from transformers import CompileConfig
+
+    seen: list = []
+    trainer = _named_trainer(lora_net(torch.bfloat16), seen)
+    contexts = trainer.vlmrl_rollout_contexts
+    wrap_rollouts(trainer, [*contexts[:-1], ("step_graph", contextlib.nullcontext), contexts[-1]])
+    trainer.generation_config = SimpleNamespace(compile_config=CompileConfig(mode="default"))
+    done = rollout.apply(trainer, FastGeneration(True, "", mode="default", step_graph="recorded"), graph_trees=True)
+    assert "step_graph" not in [name for name, _ in trainer.vlmrl_rollout_contexts]
+    assert trainer.generation_config.compile_config.mode == done.mode == "reduce-overhead"
+    assert done.step_graph == "CUDA graph trees (a bench variant)"
 
 
 # --- the merged rollout (merge.py) -----------------------------------------------------------------------------
@@ -389,82 +403,6 @@ def test_a_variant_path_is_reported_beside_the_others():
     table = markdown_table(summary)
     assert "vlmrl-filled: attention reads filled positions, rounded up to 128, guards checked: first step." in table
     assert "vlmrl: attention reads the whole static cache." in table
-
-
-# --- the token step as one recorded graph (step_graph) -----------------------------------------------------------
-
-
-class _Replayed:
-    """`CudaGraphs`' contract where no GPU is: `record` runs the step once and returns its output; a replay runs it
-    again and writes the new values into that output's tensors, as a CUDA graph's replay does."""
-
-    def __init__(self, fail: bool = False):
-        self.fail, self.records = fail, 0
-
-    def record(self, step):
-        self.records += 1
-        if self.fail:
-            raise RuntimeError("operation not permitted when stream is capturing\nmore")
-        output = step()
-        return output, lambda: output.logits.copy_(step().logits)
-
-
-def _static_cache(length):
-    """A static cache as transformers 5.x keeps one: values, and a layer whose position counter is a tensor."""
-    return SimpleNamespace(values=torch.zeros(length), layers=[SimpleNamespace(cumulative_length=torch.tensor(0))])
-
-
-def _cache_step(input_ids, past_key_values, return_dict=True):
-    """A token step: writes the step's value at the cache's position and advances it, reads the positions so far."""
-    counter = past_key_values.layers[0].cumulative_length
-    past_key_values.values.index_copy_(0, counter.view(1), input_ids.float().sum().reshape(1))
-    counter.add_(1)
-    return SimpleNamespace(logits=(past_key_values.values.cumsum(0)[counter - 1] * 2).reshape(1, 1))
-
-
-def test_a_recorded_step_replays_with_each_steps_inputs_and_records_again_for_a_new_key():
-    from variants.step_graph import StepGraph
-
-    cache, reference = _static_cache(8), _static_cache(8)
-    graphs = _Replayed()
-    call = StepGraph(_cache_step, graphs)
-    for position in range(5):
-        ids = torch.tensor([[position + 1], [3]])
-        got = call(input_ids=ids, past_key_values=cache, return_dict=True).logits.clone()
-        assert torch.equal(got, _cache_step(ids, reference).logits)
-    # the recording ran the step again: its position was put back, so every step wrote where the plain ones did
-    assert torch.equal(cache.values, reference.values) and int(cache.layers[0].cumulative_length) == 5
-    assert (graphs.records, call.recordings, call.replays) == (1, 1, 4)  # recorded after the first step
-    call(input_ids=torch.tensor([[1], [2], [3]]), past_key_values=cache)  # another shape: compiled, then recorded
-    assert (call.recordings, call.replays) == (2, 4) and call.key[0][2] == (3, 1)
-
-
-def test_the_step_graph_path_compiles_without_graph_trees_and_wraps_each_rollout():
-    from transformers import CompileConfig
-
-    seen: list = []
-    trainer = _named_trainer(lora_net(torch.bfloat16), seen)
-    trainer.generation_config = SimpleNamespace(compile_config=CompileConfig(mode="reduce-overhead"))
-    done = rollout.apply(trainer, FastGeneration(True, "", mode="reduce-overhead"), step_graph=True)
-    names = [name for name, _ in trainer.vlmrl_rollout_contexts]
-    assert names[-2:] == ["step_graph", "compile_over_4bit"] and done.mode.startswith("default (no CUDA graph trees)")
-    assert trainer.generation_config.compile_config.mode == "default"
-    trainer._generate_single_turn()  # a model without `get_compiled_call`: the context changes nothing
-    assert seen[-2:] == ["compile_over_4bit", ("rollout", False)]
-
-
-def test_a_step_that_cannot_be_recorded_stays_compiled_and_says_why(caplog):
-    from variants.step_graph import StepGraph, signature
-
-    cache = _static_cache(4)
-    call = StepGraph(_cache_step, _Replayed(fail=True))
-    for _ in range(3):
-        call(input_ids=torch.tensor([[1]]), past_key_values=cache)
-    assert call.failed == "RuntimeError: operation not permitted when stream is capturing"
-    assert call.recordings == 1 and call.replays == 0 and cache.values.tolist() == [1, 1, 1, 0]
-    assert caplog.text.count("could not be recorded") == 1
-    assert signature({"a": None, "b": 2}) != signature({"a": None, "b": 3})  # values are part of the key
-    assert signature({"c": cache.values}) != signature({"c": cache.values.view(2, 2)})
 
 
 # --- the nf4 variants' records (rollout.apply(nf4_kernel=...)) -------------------------------------------------

@@ -12,14 +12,14 @@ benchmarks/engine_variants.py calls it, then runs `vlmrl bench`.
 
 The modules (what each was worth: benchmarks/NOTES.md):
 - `rollout`: `apply` (the rollout variants on a set-up trainer: the merge, the filled-cache window, guards checked
-  once, one of vlmrl's token-step kernels off, the nf4 designs), `attend_filled`, `guards_once`, `unstacked`,
+  once, one of vlmrl's token-step kernels off, the nf4 designs, CUDA graph trees instead of the recorded token
+  step), `attend_filled`, `guards_once`, `unstacked`,
   `input_cast`, and `VariantRecord` (the product's record with `merge` and `guards`).
 - `merge`: the LoRA adapter merged into the base weights for each rollout, restored bit for bit afterwards
   (`RolloutMerge`, `rollout_merge`); faster decoding, but bf16 rounding drops small adapter deltas.
 - `nf4_v1`: the first design of the nf4 token-step kernel (`nf4_matmul_v1`), and `nf4_decode_with(model, matmul)`.
 - `nf4_lora`: a 4-bit base's LoRA branch folded into the product nf4 kernel's last pass (or only its sum).
 - `nf4_launch`: the nf4 kernel's launch with another tile kernel, or a LoRA branch in its split sum.
-- `step_graph`: each `generate` call's token step recorded once as one CUDA graph and replayed without dynamo.
 - `stacked_4bit`: over a 4-bit base, the LoRA first factors stacked by shared input and each member's second step
   one kernel (`first_factors_stacked`).
 - `second_inline`: the stacked groups' second step as pointwise products inductor may fold into its neighbours.
@@ -91,11 +91,13 @@ VARIANTS: dict[str, Variant] = {
     # the loss pass runs the modules' own RMSNorm, RoPE and SiLU gate instead of Liger's kernels
     "vlmrl-own-kernels": Variant(loss_pass={"kernels": False}),
     "vlmrl-stacked": Variant(),  # the default now
-    # dynamo's guards checked until each rollout's token steps are steady
-    "vlmrl-guards-once": Variant(rollout={"guards_once": True}),
-    # token steps compiled without CUDA graph trees, each rollout's step recorded as one CUDA graph and replayed
-    # with no dynamo on the host (step_graph)
-    "vlmrl-step-graph": Variant(rollout={"step_graph": True}),
+    # dynamo's guards checked until each rollout's token steps are steady (over CUDA graph trees: a recorded token
+    # step checks none)
+    "vlmrl-guards-once": Variant(rollout={"guards_once": True, "graph_trees": True}),
+    # token steps launched by torch.compile's CUDA graph trees, as before each rollout's step was recorded as one
+    # CUDA graph (the product's step_graph, on where it was measured: a 4-bit base on the nf4 kernel)
+    "vlmrl-graph-trees": Variant(rollout={"graph_trees": True}),
+    "vlmrl-step-graph": Variant(),  # the default now, where it applies
     "vlmrl-stacked-kernel": Variant(),  # the default now
     # the stacked groups' second step as a cuBLAS matmul and a sum instead of one Triton kernel
     "vlmrl-second-cublas": Variant(rollout={"second_cublas": True}),

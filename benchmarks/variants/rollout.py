@@ -86,7 +86,7 @@ def input_cast(trainer: Any, loss_pass: Any) -> Any:
 def apply(trainer: Any, fast: FastGeneration, *, merge: bool = False, filled_window: int = 0,
           guards_once: bool = False, sdpa_decode: bool = False, second_cublas: bool = False,
           nf4_kernel: str = "", finished_read: bool = False, second_inline: bool = False,
-          inductor: dict | None = None, step_graph: bool = False) -> FastGeneration:
+          inductor: dict | None = None, graph_trees: bool = False) -> FastGeneration:
     """Add the variants to `trainer`'s rollouts (set up by `enable_fast_generation`, which returned
     `fast`) and return `fast` with what was done. `merge`: the adapter merged for each rollout; `filled_window` > 0:
     attention over the filled cache positions in windows of that many; `guards_once`: dynamo's guards checked until
@@ -102,9 +102,8 @@ def apply(trainer: Any, fast: FastGeneration, *, merge: bool = False, filled_win
     rows that have ended keep reading their whole cache at token steps (the product narrows their mask, `finished`);
     `second_inline`: the stacked groups' second step as pointwise products inductor may fold into the kernels around
     it (`second_inline`), instead of one kernel a group; `inductor`: inductor settings patched while rollouts run
-    (their compile included), e.g. {"combo_kernels": True}; `step_graph`: token steps compiled without CUDA graph
-    trees, each `generate` call's step recorded once as one CUDA graph and replayed without dynamo (`step_graph`).
-    Call it right
+    (their compile included), e.g. {"combo_kernels": True}; `graph_trees`: token steps launched by torch.compile's
+    CUDA graph trees (reduce-overhead), as before the product recorded each rollout's step as one graph. Call it right
     after `enable_fast_generation`, before anything else wraps the trainer's rollout call. Returns a `VariantRecord`
     (`fast` itself when fast generation is off)."""
     if not fast.enabled:
@@ -155,13 +154,11 @@ def apply(trainer: Any, fast: FastGeneration, *, merge: bool = False, filled_win
     if guards_once:
         _insert(contexts, ("guards_once", lambda: _guards_once(trainer.model)), before=("compile_over_4bit",))
         changes["guards"] = "first step"
-    if step_graph:
-        from .step_graph import step_graphs
-
-        trainer.generation_config.compile_config.mode = "default"  # inductor's kernels, no CUDA graph trees
-        _insert(contexts, ("step_graph", lambda: _counted(step_graphs(trainer.model))), before=("compile_over_4bit",))
-        changes["mode"] = ("default (no CUDA graph trees); each generate call's token step recorded as one CUDA "
-                           "graph and replayed (a bench variant)")
+    if graph_trees and "step_graph" in names:
+        contexts = [(name, factory) for name, factory in contexts if name != "step_graph"]
+        trainer.generation_config.compile_config.mode = "reduce-overhead"
+        changes["mode"] = "reduce-overhead"
+        changes["step_graph"] = "CUDA graph trees (a bench variant)"
     if nf4_kernel and fast.weights is not None:  # (None: not a 4-bit base)
         changes["weights"] = _nf4_for_life(trainer, nf4_kernel)
     wrap_rollouts(trainer, contexts)
@@ -391,16 +388,6 @@ def guards_once(model: Any) -> Iterator[None]:
 
     with replaced(base, "get_compiled_call", get_compiled_call):
         yield
-
-
-@contextlib.contextmanager
-def _counted(graphs: Any) -> Iterator[None]:
-    """`step_graph.step_graphs`, saying at its end how each `generate` call's steps ran."""
-    with graphs as made:
-        yield
-    for call in made:
-        log.warning("step_graph: %d token steps replayed, %d recordings%s", call.replays, call.recordings,
-                 f" (failed: {call.failed})" if call.failed else "")
 
 
 _guards_once = guards_once  # `apply`'s keyword of the same name hides the function inside it

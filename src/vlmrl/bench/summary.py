@@ -158,7 +158,8 @@ def summarize(settings: BenchSettings, shapes: dict, ceilings: dict, results: li
 # the variants' own, benchmarks/variants/rollout.py; absent in older records).
 SETTING_LABELS = (("attention ", "attention"), ("autocast ", "autocast"), ("prompt pass: ", "prefill"),
                   ("adapter: ", "merge"), ("adapter weights: ", "adapters"), ("stop check: ", "stop_check"),
-                  ("attention reads ", "cache_read"), ("guards checked: ", "guards"), ("4-bit weights: ", "weights"))
+                  ("attention reads ", "cache_read"), ("guards checked: ", "guards"), ("4-bit weights: ", "weights"),
+                  ("token steps: ", "step_graph"))
 
 
 def markdown_table(summary: dict) -> str:

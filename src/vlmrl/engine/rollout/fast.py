@@ -16,7 +16,9 @@ the duration of each rollout only:
 - a function dynamo stops recompiling, and so runs eagerly from then on, said at WARNING
   (`vlmrl.engine.recompiles`);
 - compiling over a bitsandbytes 4-bit base where bitsandbytes' ops are traceable (`quantized_base`), whose
-  token steps run vlmrl's nf4 kernel for the trainer's life where it applies (`quantized_base.nf4_token_steps`).
+  token steps run vlmrl's nf4 kernel for the trainer's life where it applies (`quantized_base.nf4_token_steps`);
+- there, each rollout's token step recorded once as one CUDA graph and replayed without dynamo (`step_graph`,
+  compiled without CUDA graph trees; `step_graph_reason` says where it is on and why not elsewhere).
 Once per trainer: the static cache's length rounded up to a multiple of `bucket` (`bucket_static_cache`: a
 compile per new bucket, not per prompt length; prompts are not padded), and the prompt pass run on a dynamic
 cache then moved into the static one (`prefill_into_dynamic_cache`: the rollout's peak stays plain TRL's).
@@ -44,6 +46,8 @@ log = logging.getLogger(__name__)
 FINISHED_READ = ", and rows that have ended attend to their own position only (vlmrl.engine.rollout.finished)"
 KERNEL_READ = "; token steps skip the blocks nothing attends to (vlmrl.engine.rollout.decode_attention)" + FINISHED_READ
 SECOND_KERNEL = "; token steps: each group's second step one Triton kernel (vlmrl.engine.rollout.second_factors)"
+STEP_GRAPH = "each rollout's token step recorded once as one CUDA graph and replayed (vlmrl.engine.rollout.step_graph)"
+RECORDED_MODE = "default"  # torch.compile's mode under the step graph: inductor's kernels, no CUDA graph trees
 SECOND_KERNEL_FALLBACK = "; token steps: each group's second step on cuBLAS (the Triton kernel is bfloat16 only)"
 
 
@@ -60,6 +64,7 @@ class FastGeneration:
     adapters: str | None = None  # how the rollout reads the LoRA weights
     cache_read: str | None = None  # which static-cache positions a token step's attention reads
     weights: str | None = None  # how token steps read 4-bit base weights (None: not a 4-bit base)
+    step_graph: str | None = None  # how token steps are launched: one recorded CUDA graph, or CUDA graph trees
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -88,6 +93,7 @@ def enable_fast_generation(
     from vlmrl.engine.rollout.finished import finished_rows_read_one_block
     from vlmrl.engine.rollout.offload import OptimizerStateOffload
     from vlmrl.engine.rollout.quantized_base import compile_over_4bit, nf4_token_steps
+    from vlmrl.engine.rollout.step_graph import RolloutGraphs
     from vlmrl.engine.rollout.step_inputs import step_token_inputs
 
     # Once per trainer: compilation on TRL's own GenerationConfig, over a bucketed static cache.
@@ -105,6 +111,10 @@ def enable_fast_generation(
     offload = OptimizerStateOffload(trainer) if copies is not None or stack is not None else None
     kernel, cache_read = _cache_read(wanted=kernels, attention=attention is not None)
     weights = nf4_token_steps(trainer, wanted=kernels)
+    why_not = step_graph_reason(trainer, mode=mode, kernels=kernels)
+    graphs = RolloutGraphs(config, fallback_mode=mode) if why_not is None else None
+    if graphs is not None:
+        config.compile_config.mode = mode = RECORDED_MODE  # inductor's kernels; the step graph launches them
     contexts = [
         ("attention", (lambda: packed_gqa(trainer.model)) if attention else None),
         ("decode_kernel", decode_kernel_context if kernel else None),
@@ -119,16 +129,33 @@ def enable_fast_generation(
         ("stop_check", deferred_stop_check),
         ("step_inputs", lambda: step_token_inputs(trainer.model)),
         ("recompiles", lambda: reported_recompile_limits(trainer)),
+        ("step_graph", (lambda: graphs.active(trainer.model)) if graphs else None),
         ("compile_over_4bit", lambda: compile_over_4bit(trainer.model)),
     ]
     wrap_rollouts(trainer, [(name, factory) for name, factory in contexts if factory is not None])
     record = FastGeneration(True, "static KV cache + torch.compile", bucket=bucket, mode=mode, attention=attention,
                             autocast=_dtype_name(dtype) if dtype is not None else None, prefill=prefill,
-                            stop_check=stop_check_note(), adapters=adapters, cache_read=cache_read, weights=weights)
+                            stop_check=stop_check_note(), adapters=adapters, cache_read=cache_read, weights=weights,
+                            step_graph=STEP_GRAPH if graphs else f"CUDA graph trees ({why_not})")
+    trainer.vlmrl_step_graphs = graphs
     log.info("fast generation: static KV cache + torch.compile(mode=%s), cache bucketed to %d, attention %s, "
              "autocast %s, adapter weights %s, prefill %s, stop check %s, attention reads %s, 4-bit weights %s",
              mode, bucket, attention or "unchanged", dtype, adapters, prefill, record.stop_check, cache_read, weights)
     return record
+
+
+def step_graph_reason(trainer: Any, *, mode: str, kernels: bool) -> str | None:
+    """Why a trainer's token steps stay on CUDA graph trees rather than one recorded graph each
+    (`vlmrl.engine.rollout.step_graph`), or None where they are recorded: where it was measured faster, a 4-bit
+    base whose token steps run vlmrl's nf4 kernel (so on the GPUs `nf4.gpu_reason` allows), compiled with
+    `reduce-overhead`. Elsewhere nobody has measured it (bf16 included), so the graph trees stay."""
+    if mode != "reduce-overhead":
+        return f"torch.compile mode {mode}"
+    if not kernels:
+        return "vlmrl's kernels are off"
+    if getattr(trainer, "vlmrl_nf4_decode", None) is None:
+        return "the recorded step is on where it was measured: a 4-bit base on vlmrl's nf4 kernel"
+    return None
 
 
 def _rollout_adapters(trainer: Any, dtype: torch.dtype | None, *, kernels: bool) -> tuple[Any, Any, str]:

@@ -1,0 +1,197 @@
+"""Each `generate` call's token step recorded once as one CUDA graph and replayed, with no dynamo on the host.
+
+With `torch.compile(mode="reduce-overhead")`, before every token step dynamo checks its guards (thousands, on the
+model's attributes and inputs) and runs the compiled frame's Python prologue, and inductor's CUDA graph trees check
+and copy their inputs, then launch one graph per compiled piece: on the host, that took longer than the GPU's own
+work of a 4-bit token step (benchmarks/NOTES.md, "The token step as one CUDA graph"). Here the token step is
+compiled without CUDA graph trees (inductor's kernels, launched from Python), and once a step of the call has run
+without compiling anything, the next is recorded in one `torch.cuda.CUDAGraph` around the whole compiled call;
+every later step of the call copies its input tensors into the graph's and replays it: one launch, no guards. The
+kernels are the compiled step's own, so the tokens and log-probabilities are too.
+
+- `StepGraph`: one call's token step. Its inputs are keyed (`signature`: each tensor's shape, strides, dtype and
+  device; None, numbers and strings by value; any other object, the cache for one, by identity); a step whose key
+  differs from the recorded one runs compiled and is recorded again once steady (at most `MAX_RECORDINGS` a call).
+  Recording runs the step once more (the warm-up a capture needs): the cache's position counters it advances
+  (transformers' static layers keep theirs in a tensor, `cumulative_length`) are put back after, and the keys and
+  values it wrote one position ahead are written over by the next step before anything reads them.
+- `step_graphs(model, graphs, on_failure)`: inside the block, the compiled call `generate` takes (its
+  `get_compiled_call`, transformers 5.x, once per call) is a `StepGraph`.
+- `RolloutGraphs(config, fallback_mode)`: a trainer's rollouts, for its life: the first step that cannot be
+  recorded (said once, with why) puts the trainer's compile mode back to `fallback_mode` (CUDA graph trees) for
+  the rollouts after, and its own call finishes compiled.
+`vlmrl.engine.rollout.fast` turns it on where it was measured (`fast.step_graph_reason`). Limits: CUDA only; a
+cache that keeps its positions in Python numbers (sliding-window layers) is refused, not recorded; graphs are not
+kept across calls (each rollout's adapter copies and rope offsets are new tensors); Python state the compiled step
+would change at each call other than those counters is changed only when it runs compiled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from vlmrl.engine.patch import replaced
+
+log = logging.getLogger(__name__)
+MAX_RECORDINGS = 4  # recordings per `generate` call before its steps stay compiled (a key that keeps changing)
+
+
+def signature(kwargs: dict[str, Any]) -> tuple:
+    """What a recorded step's inputs must match: each tensor's shape, strides, dtype and device; None, numbers and
+    strings by value; any other object by identity (the cache object, for one)."""
+    key = []
+    for name in sorted(kwargs):
+        value = kwargs[name]
+        if isinstance(value, torch.Tensor):
+            key.append((name, "tensor", tuple(value.shape), value.stride(), value.dtype, str(value.device)))
+        elif value is None or isinstance(value, (bool, int, float, str)):
+            key.append((name, "value", type(value).__name__, value))
+        else:
+            key.append((name, "object", id(value)))
+    return tuple(key)
+
+
+def position_counters(kwargs: dict[str, Any]) -> tuple[list[torch.Tensor], str | None]:
+    """The tensors a token step advances in place besides the cache's keys and values (each cache layer's
+    `cumulative_length`, for any cache among the arguments), and why the step cannot be recorded when a layer keeps
+    its position in a Python number instead (None when none does)."""
+    counters: list[torch.Tensor] = []
+    for value in kwargs.values():
+        for layer in getattr(value, "layers", None) or ():
+            counter = getattr(layer, "cumulative_length", None)
+            if isinstance(counter, torch.Tensor) and not hasattr(layer, "cumulative_length_int"):
+                counters.append(counter)
+            elif counter is not None:
+                return [], f"the cache's {type(layer).__name__} keeps its position in a Python number"
+    return counters, None
+
+
+class CudaGraphs:
+    """Record and replay with `torch.cuda.CUDAGraph` (a warm-up run on a side stream first, as CUDA graphs need)."""
+
+    def record(self, step: Callable[[], Any]) -> tuple[Any, Callable[[], None]]:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            output = step()
+        return output, graph.replay
+
+
+class StepGraph:
+    """One `generate` call's compiled token step: run compiled until a step compiles nothing, then recorded by
+    `graphs` and replayed while the inputs' `signature` holds (see the module's docstring). `on_failure(why)` is
+    called when a step cannot be recorded; the call's steps then stay compiled."""
+
+    def __init__(self, compiled: Callable[..., Any], graphs: Any,
+                 on_failure: Callable[[str], None] | None = None):
+        self.compiled, self.graphs, self.on_failure = compiled, graphs, on_failure
+        self.key: tuple | None = None
+        self.inputs: dict[str, torch.Tensor] = {}
+        self.output: Any = None
+        self.replay: Callable[[], None] | None = None
+        self.recordings = 0
+        self.replays = 0
+        self.failed: str | None = None
+
+    def __call__(self, **kwargs: Any) -> Any:
+        key = signature(kwargs)
+        if self.replay is not None:
+            if key == self.key:
+                for name, buffer in self.inputs.items():
+                    buffer.copy_(kwargs[name])
+                self.replay()
+                self.replays += 1
+                return self.output
+            self.replay = None  # a new key: run compiled again, and record it once steady
+        from torch._dynamo.utils import counters
+
+        compiles = counters["frames"]["total"]
+        output = self.compiled(**kwargs)
+        if counters["frames"]["total"] == compiles and self.failed is None and self.recordings < MAX_RECORDINGS:
+            self._record(kwargs, key)
+        return output
+
+    def _record(self, kwargs: dict[str, Any], key: tuple) -> None:
+        counters, refused = position_counters(kwargs)
+        if refused is not None:
+            self._fail(refused)
+            return
+        inputs = {name: value.clone() for name, value in kwargs.items() if isinstance(value, torch.Tensor)}
+        before = [counter.clone() for counter in counters]
+        self.recordings += 1
+        try:
+            output, replay = self.graphs.record(lambda: self.compiled(**{**kwargs, **inputs}))
+        except Exception as error:  # noqa: BLE001  recording is an optimization: the step stays compiled
+            self._fail(f"{type(error).__name__}: {error}".splitlines()[0])
+            return
+        finally:
+            for counter, value in zip(counters, before, strict=True):
+                counter.copy_(value)
+        self.key, self.inputs, self.output, self.replay = key, inputs, output, replay
+
+    def _fail(self, why: str) -> None:
+        self.failed = why
+        log.warning("the token step could not be recorded as one CUDA graph (%s); this generate call's steps stay "
+                    "compiled", why)
+        if self.on_failure is not None:
+            self.on_failure(why)
+
+
+@contextlib.contextmanager
+def step_graphs(model: Any, graphs: Any = None,
+                on_failure: Callable[[str], None] | None = None) -> Iterator[list[StepGraph]]:
+    """Inside the block, each `generate` call's compiled token steps run as a `StepGraph` recorded by `graphs`
+    (`CudaGraphs()` when None). Yields the list of the calls' `StepGraph`s. Nothing changes for a model that is not
+    a transformers generator."""
+    from vlmrl.engine.rollout.attention import base_model
+
+    made: list[StepGraph] = []
+    base = base_model(model)
+    original = getattr(base, "get_compiled_call", None)
+    if original is None:
+        yield made
+        return
+    graphs = graphs if graphs is not None else CudaGraphs()
+
+    def get_compiled_call(compile_config: Any) -> Callable[..., Any]:
+        made.append(StepGraph(original(compile_config), graphs, on_failure))
+        return made[-1]
+
+    with replaced(base, "get_compiled_call", get_compiled_call):
+        yield made
+
+
+class RolloutGraphs:
+    """A trainer's rollouts with their token steps recorded (`step_graphs`), for its life. `config` is the
+    GenerationConfig whose `compile_config` compiles them (without CUDA graph trees); the first step that cannot be
+    recorded sets its mode to `fallback_mode` and turns recording off for the rollouts after (`off` says why)."""
+
+    def __init__(self, config: Any, fallback_mode: str, graphs: Any = None):
+        self.config, self.fallback_mode, self.graphs = config, fallback_mode, graphs
+        self.off: str | None = None
+        self.replays = 0  # token steps replayed, over the trainer's life
+
+    @contextlib.contextmanager
+    def active(self, model: Any) -> Iterator[None]:
+        if self.off is not None:
+            yield
+            return
+        with step_graphs(model, self.graphs, self._failed) as made:
+            yield
+        self.replays += sum(call.replays for call in made)
+
+    def _failed(self, why: str) -> None:
+        if self.off is None:
+            self.off = why
+            self.config.compile_config.mode = self.fallback_mode
+            log.warning("token steps go back to CUDA graph trees (torch.compile mode %s) from the next rollout on",
+                        self.fallback_mode)
