@@ -325,6 +325,10 @@ def test_the_fast_path_routes_a_trainers_token_steps_for_its_life(launches, monk
     assert nf4.lookups() == ("table lookups by loads (Triton's interpreter runs no PTX)" if DEVICE == "cpu" else on_gpu)
     assert launches == [2]  # the probe
     assert fast.step_graph == STEP_GRAPH and fast.mode == trainer.generation_config.compile_config.mode == "default"
+    fast.graphs._failed("a capture error")  # the first step that cannot be recorded: graph trees from then on
+    assert trainer.generation_config.compile_config.mode == "reduce-overhead"
+    assert fast.as_dict()["step_graph"] == f"{STEP_GRAPH}, then CUDA graph trees from a later rollout on (a capture error)"
+    assert "graphs" not in fast.as_dict()
     assert [name for name, _ in trainer.vlmrl_rollout_contexts][-2:] == ["step_graph", "compile_over_4bit"]
     trainer._generate_single_turn()
     trainer._generate_single_turn()

@@ -158,7 +158,7 @@ def apply(trainer: Any, fast: FastGeneration, *, merge: bool = False, filled_win
         contexts = [(name, factory) for name, factory in contexts if name != "step_graph"]
         trainer.generation_config.compile_config.mode = "reduce-overhead"
         changes["mode"] = "reduce-overhead"
-        changes["step_graph"] = "CUDA graph trees (a bench variant)"
+        changes["step_graph"], changes["graphs"] = "CUDA graph trees (a bench variant)", None
     if nf4_kernel and fast.weights is not None:  # (None: not a 4-bit base)
         changes["weights"] = _nf4_for_life(trainer, nf4_kernel)
     wrap_rollouts(trainer, contexts)

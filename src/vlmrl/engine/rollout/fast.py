@@ -65,9 +65,14 @@ class FastGeneration:
     cache_read: str | None = None  # which static-cache positions a token step's attention reads
     weights: str | None = None  # how token steps read 4-bit base weights (None: not a 4-bit base)
     step_graph: str | None = None  # how token steps are launched: one recorded CUDA graph, or CUDA graph trees
+    graphs: Any = dataclasses.field(default=None, repr=False, compare=False)  # the live `RolloutGraphs`, if on
 
     def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The record's fields; `step_graph` says so if the recorded step went back to CUDA graph trees since."""
+        record = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "graphs"}
+        if self.graphs is not None and self.graphs.off is not None:
+            record["step_graph"] = f"{self.step_graph}, then CUDA graph trees from a later rollout on ({self.graphs.off})"
+        return record
 
 
 def wanted(setting: str) -> bool:
@@ -136,11 +141,11 @@ def enable_fast_generation(
     record = FastGeneration(True, "static KV cache + torch.compile", bucket=bucket, mode=mode, attention=attention,
                             autocast=_dtype_name(dtype) if dtype is not None else None, prefill=prefill,
                             stop_check=stop_check_note(), adapters=adapters, cache_read=cache_read, weights=weights,
-                            step_graph=STEP_GRAPH if graphs else f"CUDA graph trees ({why_not})")
-    trainer.vlmrl_step_graphs = graphs
+                            step_graph=STEP_GRAPH if graphs else f"CUDA graph trees ({why_not})", graphs=graphs)
     log.info("fast generation: static KV cache + torch.compile(mode=%s), cache bucketed to %d, attention %s, "
-             "autocast %s, adapter weights %s, prefill %s, stop check %s, attention reads %s, 4-bit weights %s",
-             mode, bucket, attention or "unchanged", dtype, adapters, prefill, record.stop_check, cache_read, weights)
+             "autocast %s, adapter weights %s, prefill %s, stop check %s, attention reads %s, 4-bit weights %s, "
+             "token steps: %s", mode, bucket, attention or "unchanged", dtype, adapters, prefill, record.stop_check,
+             cache_read, weights, record.step_graph)
     return record
 
 
