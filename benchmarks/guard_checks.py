@@ -27,9 +27,16 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from variants.rollout import guards_once
 
 from vlmrl.data.synthetic import generate_items
-from vlmrl.engine.rollout.fast import bucket_static_cache, compile_settings, prefill_into_dynamic_cache
+from vlmrl.engine.rollout.fast import (
+    bucket_static_cache,
+    compile_settings,
+    deferred_stop_check,
+    prefill_into_dynamic_cache,
+)
+from vlmrl.engine.rollout.finished import finished_rows_read_one_block
 from vlmrl.engine.rollout.generation import encode_batch
 from vlmrl.engine.rollout.stacked import StackedProjections
+from vlmrl.engine.rollout.step_inputs import step_token_inputs
 from vlmrl.models.tiny import build_tiny_model
 
 DEPTHS = (2, 8)
@@ -59,6 +66,23 @@ def compiled_policy(layers: int, work: Path, prompts: int = 2) -> tuple:
     return policy, StackedProjections(policy), batch, settings
 
 
+@contextlib.contextmanager
+def decoding_as_vlmrl(policy, stack):
+    """What vlmrl's compiled generation runs `generate` inside (`vlmrl.engine.rollout.generation`): the stacked
+    projections, the stop check read a step late, ended rows masked, each step's own token type ids; no grad."""
+    with (stack.active(), deferred_stop_check(), finished_rows_read_one_block(policy), step_token_inputs(policy),
+          torch.no_grad()):
+        yield
+
+
+def seeded_in_tmp(out: Path, run):
+    """`run(work)`'s result, OUT made first, torch seeded, `work` a temporary folder (the tiny models' home)."""
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as work:
+        return run(Path(work))
+
+
 def measure(layers: int, tokens: int, work: Path) -> dict:
     policy, stack, batch, settings = compiled_policy(layers, work)
     call = {"max_new_tokens": tokens, "min_new_tokens": tokens, "do_sample": False, **settings}
@@ -75,10 +99,7 @@ def measure(layers: int, tokens: int, work: Path) -> dict:
 
 
 def main(out: Path, tokens: int) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(0)
-    with tempfile.TemporaryDirectory() as work:
-        rows = [measure(layers, tokens, Path(work)) for layers in DEPTHS]
+    rows = seeded_in_tmp(out, lambda work: [measure(layers, tokens, work) for layers in DEPTHS])
     (out / "guard_checks.json").write_text(json.dumps({"tokens": tokens, "rows": rows}, indent=2))
     title = (f"TorchDynamo Cache Lookup per compiled token step, tiny Qwen3-VL (hidden 64) + LoRA, {tokens} tokens, "
              f"torch {torch.__version__}, CPU")

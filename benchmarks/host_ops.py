@@ -20,16 +20,11 @@ from __future__ import annotations
 import collections
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
-from guard_checks import compiled_policy
+from guard_checks import compiled_policy, decoding_as_vlmrl, seeded_in_tmp
 from torch.profiler import ProfilerActivity, profile
-
-from vlmrl.engine.rollout.fast import deferred_stop_check
-from vlmrl.engine.rollout.finished import finished_rows_read_one_block
-from vlmrl.engine.rollout.step_inputs import step_token_inputs
 
 SOURCES = ("transformers/", "vlmrl/", "trl/", "peft/")  # the frames an op is attributed to (the innermost of them)
 
@@ -56,8 +51,7 @@ def census(tokens: int, layers: int, work: Path) -> dict:
     policy, stack, batch, settings = compiled_policy(layers, work, prompts=4)
     call = {"max_new_tokens": tokens, "min_new_tokens": tokens, "do_sample": True, "temperature": 1.0, "top_k": 0,
             "top_p": 1.0, **settings}
-    with (stack.active(), deferred_stop_check(), finished_rows_read_one_block(policy), step_token_inputs(policy),
-          torch.no_grad()):
+    with decoding_as_vlmrl(policy, stack):
         policy.generate(**batch, **call)  # compiles
         with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
             policy.generate(**batch, **call)
@@ -89,10 +83,7 @@ def markdown(record: dict) -> str:
 
 
 def main(out: Path, tokens: int, layers: int) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(0)
-    with tempfile.TemporaryDirectory() as work:
-        record = census(tokens, layers, Path(work))
+    record = seeded_in_tmp(out, lambda work: census(tokens, layers, work))
     (out / "host_ops.json").write_text(json.dumps(record, indent=2))
     (out / "host_ops.md").write_text(markdown(record))
     print(markdown(record))

@@ -17,17 +17,13 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
-from guard_checks import compiled_policy
+from guard_checks import compiled_policy, decoding_as_vlmrl, seeded_in_tmp
 
-from vlmrl.engine.rollout.fast import deferred_stop_check
-from vlmrl.engine.rollout.finished import finished_rows_read_one_block
 from vlmrl.engine.rollout.stacked import StackedProjections
 from vlmrl.engine.rollout.step_graph import CudaGraphs, step_graphs
-from vlmrl.engine.rollout.step_inputs import step_token_inputs
 
 
 class StandIn:
@@ -50,8 +46,7 @@ def check(tokens: int, layers: int, work: Path) -> dict:
     runs: dict = {}
     for name, graphs in (("compiled", None), ("recorded", CudaGraphs() if cuda else StandIn())):
         wrap = step_graphs(policy, graphs) if graphs is not None else contextlib.nullcontext([])
-        with (stack.active(), deferred_stop_check(), finished_rows_read_one_block(policy), step_token_inputs(policy),
-              torch.no_grad(), wrap as made):
+        with decoding_as_vlmrl(policy, stack), wrap as made:
             runs[name] = [policy.generate(**batch, **call).tolist() for _ in range(2)]
         runs[f"{name} calls"] = [{"replays": c.replays, "recordings": c.recordings, "failed": c.failed} for c in made]
     return {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
@@ -60,10 +55,7 @@ def check(tokens: int, layers: int, work: Path) -> dict:
 
 
 def main(out: Path, tokens: int, layers: int) -> int:
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(0)
-    with tempfile.TemporaryDirectory() as work:
-        result = check(tokens, layers, Path(work))
+    result = seeded_in_tmp(out, lambda work: check(tokens, layers, work))
     (out / "step_graph_check.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
     return 0 if result["same_tokens"] and all(c["replays"] > 0 for c in result["calls"]) else 1
