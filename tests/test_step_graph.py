@@ -90,6 +90,12 @@ def test_a_cache_that_keeps_its_position_in_a_python_number_is_not_recorded():
     assert graphs.records == 0 and len(failures) == 1 and outputs == [4, 8, 12]  # compiled, every step
     counters, why = position_counters({"cache": static_cache(2), "ids": torch.ones(1)})
     assert why is None and [int(c) for c in counters] == [0]
+    from transformers.cache_utils import DynamicLayer, StaticLayer
+
+    static = StaticLayer(max_cache_len=4)
+    assert position_counters({"cache": SimpleNamespace(layers=[static])})[1] is None
+    assert position_counters({"cache": SimpleNamespace(layers=[static, DynamicLayer()])})[1] == (
+        "the cache's DynamicLayer is not a full-attention static layer")
 
 
 def test_the_first_failure_puts_the_trainer_back_on_graph_trees_for_the_rollouts_after(caplog):

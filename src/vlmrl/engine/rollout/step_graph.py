@@ -21,9 +21,10 @@ kernels are the compiled step's own, so the tokens and log-probabilities are too
   recorded (said once, with why) puts the trainer's compile mode back to `fallback_mode` (CUDA graph trees) for
   the rollouts after, and its own call finishes compiled.
 `vlmrl.engine.rollout.fast` turns it on where it was measured (`fast.step_graph_reason`). Limits: CUDA only; a
-cache that keeps its positions in Python numbers (sliding-window layers) is refused, not recorded; graphs are not
-kept across calls (each rollout's adapter copies and rope offsets are new tensors); Python state the compiled step
-would change at each call other than those counters is changed only when it runs compiled.
+cache of other layers than transformers' full-attention `StaticLayer` (sliding-window ones keep Python numbers) is
+refused, not recorded; graphs are not kept across calls (each rollout's adapter copies and rope offsets are new
+tensors); Python state the compiled step would change at each call other than those counters is changed only when
+it runs compiled.
 """
 
 from __future__ import annotations
@@ -58,16 +59,22 @@ def signature(kwargs: dict[str, Any]) -> tuple:
 
 def position_counters(kwargs: dict[str, Any]) -> tuple[list[torch.Tensor], str | None]:
     """The tensors a token step advances in place besides the cache's keys and values (each cache layer's
-    `cumulative_length`, for any cache among the arguments), and why the step cannot be recorded when a layer keeps
-    its position in a Python number instead (None when none does)."""
+    `cumulative_length`, for any cache among the arguments), and why the step cannot be recorded, or None: a
+    transformers cache layer other than the full-attention `StaticLayer` (sliding-window, indexed, linear-attention
+    layers keep state a replay would not update), or a layer that keeps its position in a Python number."""
+    from transformers.cache_utils import StaticLayer
+
     counters: list[torch.Tensor] = []
     for value in kwargs.values():
         for layer in getattr(value, "layers", None) or ():
+            kind = type(layer)
+            if kind.__module__.startswith("transformers.") and kind is not StaticLayer:
+                return [], f"the cache's {kind.__name__} is not a full-attention static layer"
             counter = getattr(layer, "cumulative_length", None)
-            if isinstance(counter, torch.Tensor) and not hasattr(layer, "cumulative_length_int"):
+            if isinstance(counter, torch.Tensor):
                 counters.append(counter)
             elif counter is not None:
-                return [], f"the cache's {type(layer).__name__} keeps its position in a Python number"
+                return [], f"the cache's {kind.__name__} keeps its position in a Python number"
     return counters, None
 
 
