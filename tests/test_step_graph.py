@@ -41,11 +41,13 @@ def static_cache(length, layer=None):
                            layers=[layer or SimpleNamespace(cumulative_length=torch.tensor(0))])
 
 
-def cache_step(input_ids, past_key_values, return_dict=True):
-    """A token step: writes the step's value at the cache's position and advances it, reads the positions so far."""
+def cache_step(input_ids, past_key_values, return_dict=True, attention_mask=None):
+    """A token step: writes the step's value (plus its mask's, given as transformers' dict of masks) at the cache's
+    position and advances it, reads the positions so far."""
     layer = past_key_values.layers[0]
     position = int(layer.cumulative_length)
-    past_key_values.values[position] = input_ids.float().sum()
+    masks = sum(mask.float().sum() for mask in (attention_mask or {}).values())
+    past_key_values.values[position] = input_ids.float().sum() + masks
     if isinstance(layer.cumulative_length, torch.Tensor):
         layer.cumulative_length.add_(1)
     else:
@@ -65,9 +67,25 @@ def test_a_recorded_step_replays_with_each_steps_inputs_and_records_again_for_a_
     assert torch.equal(cache.values, reference.values) and int(cache.layers[0].cumulative_length) == 5
     assert (graphs.records, call.recordings, call.replays) == (1, 1, 4)  # recorded after the first step
     call(input_ids=torch.tensor([[1], [2], [3]]), past_key_values=cache)  # another shape: compiled, then recorded
-    assert (call.recordings, call.replays) == (2, 4) and call.key[0][2] == (3, 1)
+    assert (call.recordings, call.replays) == (2, 4) and call.key[1][0][1] == (3, 1)
     assert signature({"a": None, "b": 2}) != signature({"a": None, "b": 3})  # values are part of the key
     assert signature({"c": cache.values}) != signature({"c": cache.values.view(2, 4)})
+
+
+def test_tensors_inside_containers_are_inputs_too():
+    """A mask given as a new dict each step (transformers' masks for models with `layer_types`) is keyed by its
+    leaves, not by the dict's identity, and its tensor copied in at each replay."""
+    cache, reference = static_cache(6), static_cache(6)
+    call = StepGraph(cache_step, Replayed())
+    for position in range(6):
+        masks = {"full_attention": torch.arange(6) <= position}  # a static length, new values each step
+        got = call(input_ids=torch.tensor([[1]]), past_key_values=cache, attention_mask=masks).logits.clone()
+        assert torch.equal(got, cache_step(torch.tensor([[1]]), reference, attention_mask=masks).logits)
+    assert (call.recordings, call.replays) == (1, 5)
+    held = call.leaves[1]  # the recorded cache: held, so no other object can take its identity
+    assert held is cache
+    call.release()
+    assert call.leaves == [] and call.output is None and call.replay is None
 
 
 def test_a_step_that_cannot_be_recorded_stays_compiled_and_says_why(caplog):
@@ -96,6 +114,9 @@ def test_a_cache_that_keeps_its_position_in_a_python_number_is_not_recorded():
     assert position_counters({"cache": SimpleNamespace(layers=[static])})[1] is None
     assert position_counters({"cache": SimpleNamespace(layers=[static, DynamicLayer()])})[1] == (
         "the cache's DynamicLayer is not a full-attention static layer")
+    kept = StepGraph(lambda **kwargs: cache_step(kwargs["input_ids"], kwargs["past_key_values"]), Replayed())
+    kept(input_ids=torch.tensor([[1]]), past_key_values=static_cache(2), output_hidden_states=True)
+    assert kept.failed.startswith("hidden states or attentions are kept across steps")
 
 
 def test_the_first_failure_puts_the_trainer_back_on_graph_trees_for_the_rollouts_after(caplog):
@@ -124,3 +145,21 @@ def test_the_first_failure_puts_the_trainer_back_on_graph_trees_for_the_rollouts
     assert "back to CUDA graph trees" in caplog.text
     with step_graphs(torch.nn.Linear(2, 2)) as made:  # not a generator: nothing changes
         assert made == []
+
+
+def test_the_fast_path_records_token_steps_only_where_it_was_measured():
+    from vlmrl.engine.rollout.fast import step_graph_reason
+
+    def trainer(layer_types=None, nf4=True):
+        text = SimpleNamespace(layer_types=layer_types)
+        return SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(get_text_config=lambda: text)),
+                               vlmrl_nf4_decode=object() if nf4 else None)
+
+    assert step_graph_reason(trainer(["full_attention"] * 4), mode="reduce-overhead", kernels=True) is None
+    assert step_graph_reason(trainer(), mode="default", kernels=True) == "torch.compile mode default"
+    assert step_graph_reason(trainer(), mode="reduce-overhead", kernels=False) == "vlmrl's kernels are off"
+    assert "a 4-bit base on vlmrl's nf4 kernel" in step_graph_reason(trainer(nf4=False), mode="reduce-overhead",
+                                                                      kernels=True)
+    gemma = trainer(["sliding_attention"] * 5 + ["full_attention"])
+    assert step_graph_reason(gemma, mode="reduce-overhead", kernels=True) == (
+        "the model has sliding_attention layers, whose cache a replay would not update")

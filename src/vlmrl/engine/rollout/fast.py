@@ -72,6 +72,7 @@ class FastGeneration:
         record = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "graphs"}
         if self.graphs is not None and self.graphs.off is not None:
             record["step_graph"] = f"{self.step_graph}, then CUDA graph trees from a later rollout on ({self.graphs.off})"
+            record["mode"] = f"{self.mode}, then {self.graphs.fallback_mode}"
         return record
 
 
@@ -160,6 +161,11 @@ def step_graph_reason(trainer: Any, *, mode: str, kernels: bool) -> str | None:
         return "vlmrl's kernels are off"
     if getattr(trainer, "vlmrl_nf4_decode", None) is None:
         return "the recorded step is on where it was measured: a 4-bit base on vlmrl's nf4 kernel"
+    config = getattr(trainer.model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    kinds = set(getattr(text, "layer_types", None) or ())
+    if kinds - {"full_attention"}:
+        return f"the model has {', '.join(sorted(kinds - {'full_attention'}))} layers, whose cache a replay would not update"
     return None
 
 

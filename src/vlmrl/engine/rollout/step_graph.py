@@ -5,13 +5,15 @@ model's attributes and inputs) and runs the compiled frame's Python prologue, an
 and copy their inputs, then launch one graph per compiled piece: on the host, that took longer than the GPU's own
 work of a 4-bit token step (benchmarks/NOTES.md, "The token step as one CUDA graph"). Here the token step is
 compiled without CUDA graph trees (inductor's kernels, launched from Python), and once a step of the call has run
-without compiling anything, the next is recorded in one `torch.cuda.CUDAGraph` around the whole compiled call;
-every later step of the call copies its input tensors into the graph's and replays it: one launch, no guards. The
-kernels are the compiled step's own, so the tokens and log-probabilities are too.
+without compiling anything, that step is run once more and recorded in one `torch.cuda.CUDAGraph` around the whole
+compiled call; every later step of the call copies its input tensors into the graph's and replays it: one launch, no
+guards. The kernels are the compiled step's own, so the tokens and log-probabilities are too.
 
-- `StepGraph`: one call's token step. Its inputs are keyed (`signature`: each tensor's shape, strides, dtype and
-  device; None, numbers and strings by value; any other object, the cache for one, by identity); a step whose key
-  differs from the recorded one runs compiled and is recorded again once steady (at most `MAX_RECORDINGS` a call).
+- `StepGraph`: one call's token step. Its inputs are keyed over every leaf, inside dicts and lists too
+  (`signature`: each tensor's shape, strides, dtype and device; None, numbers and strings by value; any other
+  object, the cache for one, by identity, held while recorded); a step whose key differs from the recorded one runs
+  compiled and is recorded again once steady (at most `MAX_RECORDINGS` a call). A step that returns hidden states or
+  attentions is not recorded (`generate` keeps those across steps, and a replay writes over them).
   Recording runs the step once more (the warm-up a capture needs): the cache's position counters it advances
   (transformers' static layers keep theirs in a tensor, `cumulative_length`) are put back after, and the keys and
   values it wrote one position ahead are written over by the next step before anything reads them.
@@ -22,9 +24,10 @@ kernels are the compiled step's own, so the tokens and log-probabilities are too
   the rollouts after, and its own call finishes compiled.
 `vlmrl.engine.rollout.fast` turns it on where it was measured (`fast.step_graph_reason`). Limits: CUDA only; a
 cache of other layers than transformers' full-attention `StaticLayer` (sliding-window ones keep Python numbers) is
-refused, not recorded; graphs are not kept across calls (each rollout's adapter copies and rope offsets are new
-tensors); Python state the compiled step would change at each call other than those counters is changed only when
-it runs compiled.
+refused, not recorded (`fast.step_graph_reason` keeps models with such layers off it from the start); a call's
+graph goes when the next call starts or the block ends (each rollout's adapter copies and rope offsets are new
+tensors); Python state the compiled step would change at each call, other than those counters, is changed only
+when it runs compiled.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from vlmrl.engine.patch import replaced
 
@@ -43,18 +47,20 @@ MAX_RECORDINGS = 4  # recordings per `generate` call before its steps stay compi
 
 
 def signature(kwargs: dict[str, Any]) -> tuple:
-    """What a recorded step's inputs must match: each tensor's shape, strides, dtype and device; None, numbers and
-    strings by value; any other object by identity (the cache object, for one)."""
-    key = []
-    for name in sorted(kwargs):
-        value = kwargs[name]
+    """What a recorded step's inputs must match, over every leaf of the arguments (dicts and lists included, e.g. a
+    mask given as a dict of masks): their structure; each tensor's shape, strides, dtype and device; None, numbers
+    and strings by value; any other object by identity (the cache, for one: a `StepGraph` holds the recorded ones,
+    so an identity cannot be reused by another object)."""
+    leaves, spec = pytree.tree_flatten(kwargs)
+    key: list[tuple] = []
+    for value in leaves:
         if isinstance(value, torch.Tensor):
-            key.append((name, "tensor", tuple(value.shape), value.stride(), value.dtype, str(value.device)))
+            key.append(("tensor", tuple(value.shape), value.stride(), value.dtype, str(value.device)))
         elif value is None or isinstance(value, (bool, int, float, str)):
-            key.append((name, "value", type(value).__name__, value))
+            key.append(("value", type(value).__name__, value))
         else:
-            key.append((name, "object", id(value)))
-    return tuple(key)
+            key.append(("object", id(value)))
+    return spec, tuple(key)
 
 
 def position_counters(kwargs: dict[str, Any]) -> tuple[list[torch.Tensor], str | None]:
@@ -82,14 +88,21 @@ class CudaGraphs:
     """Record and replay with `torch.cuda.CUDAGraph` (a warm-up run on a side stream first, as CUDA graphs need)."""
 
     def record(self, step: Callable[[], Any]) -> tuple[Any, Callable[[], None]]:
+        caller = torch.cuda.current_stream()
         stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            step()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            output = step()
+        stream.wait_stream(caller)
+        try:
+            with torch.cuda.stream(stream):
+                step()
+            caller.wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                output = step()
+        except BaseException:
+            # a capture that failed can leave the capture's stream current (its exit raises before restoring it)
+            torch.cuda.set_stream(caller)
+            torch.cuda.synchronize()
+            raise
         return output, graph.replay
 
 
@@ -102,7 +115,7 @@ class StepGraph:
                  on_failure: Callable[[str], None] | None = None):
         self.compiled, self.graphs, self.on_failure = compiled, graphs, on_failure
         self.key: tuple | None = None
-        self.inputs: dict[str, torch.Tensor] = {}
+        self.leaves: list[Any] = []  # the recorded inputs' leaves: the graph's input tensors, the objects it read
         self.output: Any = None
         self.replay: Callable[[], None] | None = None
         self.recordings = 0
@@ -113,12 +126,13 @@ class StepGraph:
         key = signature(kwargs)
         if self.replay is not None:
             if key == self.key:
-                for name, buffer in self.inputs.items():
-                    buffer.copy_(kwargs[name])
+                for buffer, value in zip(self.leaves, pytree.tree_leaves(kwargs), strict=True):
+                    if isinstance(buffer, torch.Tensor):
+                        buffer.copy_(value)
                 self.replay()
                 self.replays += 1
                 return self.output
-            self.replay = None  # a new key: run compiled again, and record it once steady
+            self.release()  # a new key: run compiled again, and record it once steady
         from torch._dynamo.utils import counters
 
         compiles = counters["frames"]["total"]
@@ -127,23 +141,33 @@ class StepGraph:
             self._record(kwargs, key)
         return output
 
+    def release(self) -> None:
+        """Let the recorded graph, its inputs and its output go (the counts stay)."""
+        self.key, self.leaves, self.output, self.replay = None, [], None, None
+
     def _record(self, kwargs: dict[str, Any], key: tuple) -> None:
+        """Record the step `kwargs` just ran (`graphs` runs it once more first, on copies of its inputs)."""
         counters, refused = position_counters(kwargs)
+        if refused is None and (kwargs.get("output_hidden_states") or kwargs.get("output_attentions")):
+            refused = "hidden states or attentions are kept across steps, and a replay would overwrite them"
         if refused is not None:
             self._fail(refused)
             return
-        inputs = {name: value.clone() for name, value in kwargs.items() if isinstance(value, torch.Tensor)}
+        leaves, spec = pytree.tree_flatten(kwargs)
+        leaves = [value.clone() if isinstance(value, torch.Tensor) else value for value in leaves]
+        inputs = pytree.tree_unflatten(leaves, spec)
         before = [counter.clone() for counter in counters]
         self.recordings += 1
         try:
-            output, replay = self.graphs.record(lambda: self.compiled(**{**kwargs, **inputs}))
+            output, replay = self.graphs.record(lambda: self.compiled(**inputs))
         except Exception as error:  # noqa: BLE001  recording is an optimization: the step stays compiled
-            self._fail(f"{type(error).__name__}: {error}".splitlines()[0])
+            cause = error.__context__ or error  # a failed capture's exit raises over the cause
+            self._fail(f"{type(cause).__name__}: {cause}".splitlines()[0])
             return
         finally:
             for counter, value in zip(counters, before, strict=True):
                 counter.copy_(value)
-        self.key, self.inputs, self.output, self.replay = key, inputs, output, replay
+        self.key, self.leaves, self.output, self.replay = key, leaves, output, replay
 
     def _fail(self, why: str) -> None:
         self.failed = why
@@ -170,11 +194,17 @@ def step_graphs(model: Any, graphs: Any = None,
     graphs = graphs if graphs is not None else CudaGraphs()
 
     def get_compiled_call(compile_config: Any) -> Callable[..., Any]:
+        if made:
+            made[-1].release()  # the call before has ended: its graph goes
         made.append(StepGraph(original(compile_config), graphs, on_failure))
         return made[-1]
 
-    with replaced(base, "get_compiled_call", get_compiled_call):
-        yield made
+    try:
+        with replaced(base, "get_compiled_call", get_compiled_call):
+            yield made
+    finally:
+        for call in made:
+            call.release()
 
 
 class RolloutGraphs:
