@@ -163,3 +163,21 @@ def test_the_fast_path_records_token_steps_only_where_it_was_measured():
     gemma = trainer(["sliding_attention"] * 5 + ["full_attention"])
     assert step_graph_reason(gemma, mode="reduce-overhead", kernels=True) == (
         "the model has sliding_attention layers, whose cache a replay would not update")
+
+
+def test_a_cache_stays_one_leaf_even_where_torch_s_pytree_knows_its_type():
+    """transformers registers `DynamicCache` with torch's pytree (for export): flattened there, a recording would
+    copy the cache and write into the copy. Only Python's containers are opened."""
+    import torch.utils._pytree as pytree
+
+    from vlmrl.engine.rollout.step_graph import flatten
+
+    class Registered:
+        def __init__(self, keys):
+            self.keys = keys
+
+    pytree.register_pytree_node(Registered, lambda c: ([c.keys], None), lambda leaves, _: Registered(leaves[0]))
+    cache = Registered(torch.zeros(3))
+    assert len(pytree.tree_leaves({"c": cache})) == 1 and pytree.tree_leaves({"c": cache})[0] is not cache
+    leaves, _ = flatten({"c": cache, "m": {"full": torch.ones(2)}, "ids": [torch.ones(1)]})
+    assert leaves[0] is cache and len(leaves) == 3

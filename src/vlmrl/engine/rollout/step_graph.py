@@ -46,12 +46,19 @@ log = logging.getLogger(__name__)
 MAX_RECORDINGS = 4  # recordings per `generate` call before its steps stay compiled (a key that keeps changing)
 
 
+def flatten(kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
+    """The arguments' leaves and structure, opening Python's dicts, lists and tuples only: a cache object stays one
+    leaf even where its type is registered with torch's pytree (transformers registers `DynamicCache` for export),
+    so it is read in place, never copied."""
+    return pytree.tree_flatten(kwargs, is_leaf=lambda value: not isinstance(value, (dict, list, tuple)))
+
+
 def signature(kwargs: dict[str, Any]) -> tuple:
     """What a recorded step's inputs must match, over every leaf of the arguments (dicts and lists included, e.g. a
     mask given as a dict of masks): their structure; each tensor's shape, strides, dtype and device; None, numbers
     and strings by value; any other object by identity (the cache, for one: a `StepGraph` holds the recorded ones,
     so an identity cannot be reused by another object)."""
-    leaves, spec = pytree.tree_flatten(kwargs)
+    leaves, spec = flatten(kwargs)
     key: list[tuple] = []
     for value in leaves:
         if isinstance(value, torch.Tensor):
@@ -126,7 +133,7 @@ class StepGraph:
         key = signature(kwargs)
         if self.replay is not None:
             if key == self.key:
-                for buffer, value in zip(self.leaves, pytree.tree_leaves(kwargs), strict=True):
+                for buffer, value in zip(self.leaves, flatten(kwargs)[0], strict=True):
                     if isinstance(buffer, torch.Tensor):
                         buffer.copy_(value)
                 self.replay()
@@ -153,7 +160,7 @@ class StepGraph:
         if refused is not None:
             self._fail(refused)
             return
-        leaves, spec = pytree.tree_flatten(kwargs)
+        leaves, spec = flatten(kwargs)
         leaves = [value.clone() if isinstance(value, torch.Tensor) else value for value in leaves]
         inputs = pytree.tree_unflatten(leaves, spec)
         before = [counter.clone() for counter in counters]
