@@ -35,6 +35,14 @@ class Replayed:
         return output, lambda: output.logits.copy_(step().logits)
 
 
+def _capture_end_over_its_cause(step):
+    """A capture whose end raises while its cause is being handled, as `torch.cuda.graph`'s exit does."""
+    try:
+        raise RuntimeError("operation not permitted when stream is capturing")
+    except RuntimeError:
+        raise RuntimeError("the capture was invalidated")
+
+
 def static_cache(length, layer=None):
     """A static cache as transformers 5.x keeps one: values, and a layer whose position counter is a tensor."""
     return SimpleNamespace(values=torch.zeros(length),
@@ -96,6 +104,10 @@ def test_a_step_that_cannot_be_recorded_stays_compiled_and_says_why(caplog):
     assert failures == [call.failed] == ["RuntimeError: operation not permitted when stream is capturing"]
     assert call.recordings == 1 and call.replays == 0 and cache.values.tolist() == [1, 1, 1, 0]
     assert caplog.text.count("could not be recorded") == 1
+    chained = StepGraph(cache_step, SimpleNamespace(record=_capture_end_over_its_cause), [].append)
+    chained(input_ids=torch.tensor([[1]]), past_key_values=static_cache(4))  # runs, then its recording fails
+    assert chained.failed == ("RuntimeError: the capture was invalidated (after RuntimeError: operation not permitted "
+                              "when stream is capturing)")
 
 
 def test_a_cache_that_keeps_its_position_in_a_python_number_is_not_recorded():

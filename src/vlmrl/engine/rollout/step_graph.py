@@ -168,8 +168,11 @@ class StepGraph:
         try:
             output, replay = self.graphs.record(lambda: self.compiled(**inputs))
         except Exception as error:  # noqa: BLE001  recording is an optimization: the step stays compiled
-            cause = error.__context__ or error  # a failed capture's exit raises over the cause
-            self._fail(f"{type(cause).__name__}: {cause}".splitlines()[0])
+            why = f"{type(error).__name__}: {error}".splitlines()[0]
+            if error.__context__ is not None:  # a failed capture's exit raises over what made it fail
+                context = error.__context__
+                why += f" (after {type(context).__name__}: {str(context).splitlines()[0] if str(context) else ''})"
+            self._fail(why)
             return
         finally:
             for counter, value in zip(counters, before, strict=True):
