@@ -143,8 +143,8 @@ def test_the_first_failure_puts_the_trainer_back_on_graph_trees_for_the_rollouts
             return [float(call(input_ids=torch.tensor([[1]]), past_key_values=cache).logits) for _ in range(steps)]
 
     model = Generator()
-    config = SimpleNamespace(compile_config=SimpleNamespace(mode="default"))
-    rollouts = RolloutGraphs(config, fallback_mode="reduce-overhead", graphs=Replayed())
+    config = SimpleNamespace(compile_config=SimpleNamespace(mode="reduce-overhead"))
+    rollouts = RolloutGraphs(config, graphs=Replayed())
     with rollouts.active(model):
         assert model.generate(4, static_cache(8)) == [2, 4, 6, 8]
     assert rollouts.replays == 3 and rollouts.off is None and config.compile_config.mode == "default"

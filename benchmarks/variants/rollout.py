@@ -162,12 +162,10 @@ def apply(trainer: Any, fast: FastGeneration, *, merge: bool = False, filled_win
         changes["mode"] = "reduce-overhead"
         changes["step_graph"], changes["graphs"] = "CUDA graph trees (a bench variant)", None
     if step_graph and "step_graph" not in names:
-        from vlmrl.engine.rollout.fast import RECORDED_MODE, STEP_GRAPH
-        from vlmrl.engine.rollout.step_graph import RolloutGraphs
+        from vlmrl.engine.rollout.fast import STEP_GRAPH
+        from vlmrl.engine.rollout.step_graph import RECORDED_MODE, RolloutGraphs
 
-        config = trainer.generation_config
-        graphs = RolloutGraphs(config, fallback_mode=config.compile_config.mode)
-        config.compile_config.mode = RECORDED_MODE
+        graphs = RolloutGraphs(trainer.generation_config)
         _insert(contexts, ("step_graph", lambda: graphs.active(trainer.model)), before=("compile_over_4bit",))
         changes.update(mode=RECORDED_MODE, step_graph=f"{STEP_GRAPH} (a bench variant)", graphs=graphs)
     if nf4_kernel and fast.weights is not None:  # (None: not a 4-bit base)

@@ -47,7 +47,6 @@ FINISHED_READ = ", and rows that have ended attend to their own position only (v
 KERNEL_READ = "; token steps skip the blocks nothing attends to (vlmrl.engine.rollout.decode_attention)" + FINISHED_READ
 SECOND_KERNEL = "; token steps: each group's second step one Triton kernel (vlmrl.engine.rollout.second_factors)"
 STEP_GRAPH = "each rollout's token step recorded once as one CUDA graph and replayed (vlmrl.engine.rollout.step_graph)"
-RECORDED_MODE = "default"  # torch.compile's mode under the step graph: inductor's kernels, no CUDA graph trees
 SECOND_KERNEL_FALLBACK = "; token steps: each group's second step on cuBLAS (the Triton kernel is bfloat16 only)"
 
 
@@ -118,9 +117,8 @@ def enable_fast_generation(
     kernel, cache_read = _cache_read(wanted=kernels, attention=attention is not None)
     weights = nf4_token_steps(trainer, wanted=kernels)
     why_not = step_graph_reason(trainer, mode=mode, kernels=kernels)
-    graphs = RolloutGraphs(config, fallback_mode=mode) if why_not is None else None
-    if graphs is not None:
-        config.compile_config.mode = mode = RECORDED_MODE  # inductor's kernels; the step graph launches them
+    graphs = RolloutGraphs(config) if why_not is None else None  # compiled without CUDA graph trees then
+    mode = config.compile_config.mode
     contexts = [
         ("attention", (lambda: packed_gqa(trainer.model)) if attention else None),
         ("decode_kernel", decode_kernel_context if kernel else None),

@@ -19,9 +19,9 @@ guards. The kernels are the compiled step's own, so the tokens and log-probabili
   values it wrote one position ahead are written over by the next step before anything reads them.
 - `step_graphs(model, graphs, on_failure)`: inside the block, the compiled call `generate` takes (its
   `get_compiled_call`, transformers 5.x, once per call) is a `StepGraph`.
-- `RolloutGraphs(config, fallback_mode)`: a trainer's rollouts, for its life: the first step that cannot be
-  recorded (said once, with why) puts the trainer's compile mode back to `fallback_mode` (CUDA graph trees) for
-  the rollouts after, and its own call finishes compiled.
+- `RolloutGraphs(config)`: a trainer's rollouts, for its life, compiled in `RECORDED_MODE`: the first step that
+  cannot be recorded (said once, with why) puts the trainer's compile mode back to the one it had (CUDA graph
+  trees) for the rollouts after, and its own call finishes compiled.
 `vlmrl.engine.rollout.fast` turns it on where it was measured (`fast.step_graph_reason`). Limits: CUDA only; a
 cache of other layers than transformers' full-attention `StaticLayer` (sliding-window ones keep Python numbers) is
 refused, not recorded (`fast.step_graph_reason` keeps models with such layers off it from the start); a call's
@@ -44,6 +44,7 @@ from vlmrl.engine.patch import replaced
 
 log = logging.getLogger(__name__)
 MAX_RECORDINGS = 4  # recordings per `generate` call before its steps stay compiled (a key that keeps changing)
+RECORDED_MODE = "default"  # torch.compile's mode under recorded steps: inductor's kernels, no CUDA graph trees
 
 
 def flatten(kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
@@ -58,7 +59,11 @@ def signature(kwargs: dict[str, Any]) -> tuple:
     mask given as a dict of masks): their structure; each tensor's shape, strides, dtype and device; None, numbers
     and strings by value; any other object by identity (the cache, for one: a `StepGraph` holds the recorded ones,
     so an identity cannot be reused by another object)."""
-    leaves, spec = flatten(kwargs)
+    return leaves_signature(*flatten(kwargs))
+
+
+def leaves_signature(leaves: list[Any], spec: Any) -> tuple:
+    """`signature` of arguments already flattened (`flatten`)."""
     key: list[tuple] = []
     for value in leaves:
         if isinstance(value, torch.Tensor):
@@ -130,10 +135,11 @@ class StepGraph:
         self.failed: str | None = None
 
     def __call__(self, **kwargs: Any) -> Any:
-        key = signature(kwargs)
+        leaves, spec = flatten(kwargs)
+        key = leaves_signature(leaves, spec)
         if self.replay is not None:
             if key == self.key:
-                for buffer, value in zip(self.leaves, flatten(kwargs)[0], strict=True):
+                for buffer, value in zip(self.leaves, leaves, strict=True):
                     if isinstance(buffer, torch.Tensor):
                         buffer.copy_(value)
                 self.replay()
@@ -145,22 +151,22 @@ class StepGraph:
         compiles = counters["frames"]["total"]
         output = self.compiled(**kwargs)
         if counters["frames"]["total"] == compiles and self.failed is None and self.recordings < MAX_RECORDINGS:
-            self._record(kwargs, key)
+            self._record(kwargs, leaves, spec, key)
         return output
 
     def release(self) -> None:
         """Let the recorded graph, its inputs and its output go (the counts stay)."""
         self.key, self.leaves, self.output, self.replay = None, [], None, None
 
-    def _record(self, kwargs: dict[str, Any], key: tuple) -> None:
-        """Record the step `kwargs` just ran (`graphs` runs it once more first, on copies of its inputs)."""
+    def _record(self, kwargs: dict[str, Any], leaves: list[Any], spec: Any, key: tuple) -> None:
+        """Record the step `kwargs` (flattened: `leaves`, `spec`) just ran (`graphs` runs it once more first, on copies
+        of its inputs)."""
         counters, refused = position_counters(kwargs)
         if refused is None and (kwargs.get("output_hidden_states") or kwargs.get("output_attentions")):
             refused = "hidden states or attentions are kept across steps, and a replay would overwrite them"
         if refused is not None:
             self._fail(refused)
             return
-        leaves, spec = flatten(kwargs)
         leaves = [value.clone() if isinstance(value, torch.Tensor) else value for value in leaves]
         inputs = pytree.tree_unflatten(leaves, spec)
         before = [counter.clone() for counter in counters]
@@ -219,11 +225,13 @@ def step_graphs(model: Any, graphs: Any = None,
 
 class RolloutGraphs:
     """A trainer's rollouts with their token steps recorded (`step_graphs`), for its life. `config` is the
-    GenerationConfig whose `compile_config` compiles them (without CUDA graph trees); the first step that cannot be
-    recorded sets its mode to `fallback_mode` and turns recording off for the rollouts after (`off` says why)."""
+    GenerationConfig that compiles them: its `compile_config`'s mode becomes `RECORDED_MODE` (no CUDA graph trees),
+    and the mode it had is `fallback_mode`, which the first step that cannot be recorded puts back, turning
+    recording off for the rollouts after (`off` says why)."""
 
-    def __init__(self, config: Any, fallback_mode: str, graphs: Any = None):
-        self.config, self.fallback_mode, self.graphs = config, fallback_mode, graphs
+    def __init__(self, config: Any, graphs: Any = None):
+        self.config, self.fallback_mode, self.graphs = config, config.compile_config.mode, graphs
+        config.compile_config.mode = RECORDED_MODE
         self.off: str | None = None
         self.replays = 0  # token steps replayed, over the trainer's life
 
