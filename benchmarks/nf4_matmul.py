@@ -157,14 +157,15 @@ def weight_bytes(module: torch.nn.Module) -> int:
             + qs.state2.absmax.numel() * 4)
 
 
-# per kernel: its label, module, function and config chooser
-KERNELS = {"v1": ("nf4 kernel", "variants.nf4_v1", "nf4_matmul_v1", "_config"),
-           "v2": ("nf4 kernel v2", "vlmrl.engine.rollout.nf4", "nf4_matmul", "_config"),
-           "pairs": ("nf4 kernel, one lookup a byte", "variants.nf4_pairs", "nf4_matmul_pairs", "_config"),
-           "loads": ("nf4 kernel v2, lookups by table loads", "variants.nf4_loads", "nf4_matmul_loads", "_config"),
-           "shuffle": ("nf4 kernel, lookups by warp shuffle", "variants.nf4_loads", "nf4_matmul_shuffle",
-                       "_config"),
-           "bytes": ("nf4 kernel, a byte decoded at a time", "variants.nf4_bytes", "nf4_matmul_bytes", "_config")}
+# per kernel: its label, module, function and config chooser ("module:name"); all but the first design's take the
+# product's settings for the shape
+SETTINGS = "vlmrl.engine.rollout.nf4_settings:config"
+KERNELS = {"v1": ("nf4 kernel", "variants.nf4_v1", "nf4_matmul_v1", "variants.nf4_v1:_config"),
+           "v2": ("nf4 kernel v2", "vlmrl.engine.rollout.nf4", "nf4_matmul", SETTINGS),
+           "pairs": ("nf4 kernel, one lookup a byte", "variants.nf4_pairs", "nf4_matmul_pairs", SETTINGS),
+           "loads": ("nf4 kernel v2, lookups by table loads", "variants.nf4_loads", "nf4_matmul_loads", SETTINGS),
+           "shuffle": ("nf4 kernel, lookups by warp shuffle", "variants.nf4_loads", "nf4_matmul_shuffle", SETTINGS),
+           "bytes": ("nf4 kernel, a byte decoded at a time", "variants.nf4_bytes", "nf4_matmul_bytes", SETTINGS)}
 
 
 def _column(kernel: str) -> str:
@@ -342,8 +343,8 @@ class _fallbacks:
 def _kernel(name: str) -> tuple[Callable, Callable]:
     """A kernel's (matmul, config chooser), by KERNELS' name."""
     _, module, function, chooser = KERNELS[name]
-    loaded = importlib.import_module(module)
-    return getattr(loaded, function), getattr(loaded, chooser)
+    settings, setting = chooser.split(":")
+    return getattr(importlib.import_module(module), function), getattr(importlib.import_module(settings), setting)
 
 
 def _time_config(modules: list, x: torch.Tensor, config: list[int], replays: int, nf4: object,

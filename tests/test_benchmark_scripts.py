@@ -258,3 +258,14 @@ def test_host_ops_counts_the_eager_ops_of_a_compiled_token_step(monkeypatch, tmp
     assert record["ops_per_step"] == pytest.approx(sum(record["by_op"].values()))
     assert any("generation/utils.py" in name for name in record["by_source"])
     assert "| op | per token step |" in host_ops.markdown(record)
+
+
+def test_nf4_matmul_finds_every_kernel_and_its_settings(monkeypatch):
+    """nf4_matmul.py's kernels resolve to their matmul and settings chooser (the product's settings moved once
+    from `nf4` to `nf4_settings`, and the table kept pointing at the old place)."""
+    nf4_matmul = _load(ROOT / "benchmarks" / "nf4_matmul.py", monkeypatch)
+    from vlmrl.engine.rollout import nf4_settings
+
+    choosers = {name: nf4_matmul._kernel(name)[1] for name in nf4_matmul.KERNELS}
+    assert all(choosers[name] is nf4_settings.config for name in ("v2", "pairs", "loads", "shuffle", "bytes"))
+    assert choosers["v1"].__module__ == "variants.nf4_v1" and callable(nf4_matmul._kernel("v2")[0])

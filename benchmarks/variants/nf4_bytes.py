@@ -17,9 +17,6 @@ product's (`nf4_lookups`).
 
 from __future__ import annotations
 
-from vlmrl.engine.rollout import nf4_settings
-
 from . import nf4_lookups
 
 nf4_matmul_bytes = nf4_lookups.lookup_matmul("bytes")
-_config = nf4_settings.config  # the product's settings for the shape

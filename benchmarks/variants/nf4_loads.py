@@ -16,10 +16,7 @@ forced on, unchecked). Both run the product's kernel and settings, their splits 
 
 from __future__ import annotations
 
-from vlmrl.engine.rollout import nf4_settings
-
 from . import nf4_lookups
 
 nf4_matmul_loads = nf4_lookups.lookup_matmul("loads")
 nf4_matmul_shuffle = nf4_lookups.lookup_matmul("shuffle")
-_config = nf4_settings.config  # the product's settings for the shape

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import torch
 
-from vlmrl.engine.rollout import nf4_settings
-
 from . import nf4_lookups
 
 _tables: dict[tuple, torch.Tensor] = {}  # (device, the table's address) -> its pair table, made once
@@ -40,4 +38,3 @@ def pair_table(lut: torch.Tensor) -> torch.Tensor:
 
 # the extended table's first 16 values are the table itself, so the reference (where Triton cannot run) reads it
 nf4_matmul_pairs = nf4_lookups.lookup_matmul("pairs", pair_table)
-_config = nf4_settings.config  # the product's settings for the shape (its tile loop's shape is the product's)
