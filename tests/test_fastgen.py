@@ -240,7 +240,7 @@ def test_the_static_cache_length_is_bucketed_and_the_prompt_is_not_padded(tiny):
     assert out.sequences.shape[1] == width + 5 and torch.equal(out.sequences, plain.sequences)
 
 
-def test_rollouts_run_under_the_training_autocast_when_adapters_are_fp32():
+def test_rollouts_run_under_the_training_autocast_when_adapters_are_fp32(monkeypatch):
     from types import SimpleNamespace
 
     from vlmrl.engine.rollout.fast import rollout_autocast_dtype
@@ -263,8 +263,16 @@ def test_rollouts_run_under_the_training_autocast_when_adapters_are_fp32():
         return args
 
     trainer = fake_trainer(mixed, rollout)
+    from vlmrl.engine.rollout import fast as fast_path
+    from vlmrl.engine.rollout.fast import STEP_GRAPH
+
+    monkeypatch.setattr(fast_path, "_not_on_cuda", lambda model: None)  # as on a GPU
     fast = enable_fast_generation(trainer)
     assert fast.autocast == "bfloat16"
+
+    # a bf16 base: each rollout's token step recorded as one graph, compiled without CUDA graph trees for that
+    assert fast.step_graph == STEP_GRAPH and fast.mode == trainer.generation_config.compile_config.mode == "default"
+    assert [name for name, _ in trainer.vlmrl_rollout_contexts][-2:] == ["step_graph", "compile_over_4bit"]
     assert trainer._generate_single_turn(1, 2) == (1, 2)
     # under the training autocast, without its cast cache (it would hold a bf16 copy of every adapter weight)
     assert seen == [(True, torch.bfloat16, False)]

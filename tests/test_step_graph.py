@@ -170,8 +170,13 @@ def test_the_fast_path_records_token_steps_only_where_it_was_measured():
     assert step_graph_reason(trainer(["full_attention"] * 4), mode="reduce-overhead", kernels=True) is None
     assert step_graph_reason(trainer(), mode="default", kernels=True) == "torch.compile mode default"
     assert step_graph_reason(trainer(), mode="reduce-overhead", kernels=False) == "vlmrl's kernels are off"
-    assert "a 4-bit base on vlmrl's nf4 kernel" in step_graph_reason(trainer(nf4=False), mode="reduce-overhead",
-                                                                      kernels=True)
+    assert step_graph_reason(trainer(nf4=False), mode="reduce-overhead", kernels=True) is None  # bf16: on
+    assert step_graph_reason(trainer(), mode="reduce-overhead", kernels=True, quantized=True) is None
+    assert "stay on bitsandbytes" in step_graph_reason(trainer(nf4=False), mode="reduce-overhead", kernels=True,
+                                                       quantized=True)
+    on_cpu = SimpleNamespace(model=torch.nn.Linear(2, 2))
+    assert step_graph_reason(on_cpu, mode="reduce-overhead", kernels=True) == (
+        "weights on cpu (CUDA graphs need a CUDA device)")
     gemma = trainer(["sliding_attention"] * 5 + ["full_attention"])
     assert step_graph_reason(gemma, mode="reduce-overhead", kernels=True) == (
         "the model has sliding_attention layers, whose cache a replay would not update")

@@ -70,7 +70,7 @@ def test_each_variant_changes_only_its_own_setting():
         "vlmrl-merged": {"merge": True}, "vlmrl-filled": {"filled_window": 128},
         "vlmrl-filled-copies": {"filled_window": 128}, "vlmrl-sdpa-decode": {"sdpa_decode": True},
         "vlmrl-guards-once": {"guards_once": True, "graph_trees": True},
-        "vlmrl-graph-trees": {"graph_trees": True}, "vlmrl-step-graph-anywhere": {"step_graph": True},
+        "vlmrl-graph-trees": {"graph_trees": True},
         "vlmrl-second-cublas": {"second_cublas": True},
         "vlmrl-bnb": {"nf4_kernel": "off"}, "vlmrl-nf4-v1": {"nf4_kernel": "v1"},
         "vlmrl-nf4-folded": {"nf4_kernel": "folded"}, "vlmrl-nf4-summed": {"nf4_kernel": "summed"},
@@ -246,15 +246,6 @@ def test_the_graph_trees_variant_takes_the_recorded_step_out_again():
     assert "step_graph" not in [name for name, _ in trainer.vlmrl_rollout_contexts]
     assert trainer.generation_config.compile_config.mode == done.mode == "reduce-overhead"
     assert done.step_graph == "CUDA graph trees (a bench variant)"
-    # and the other way: the recorded step where the product keeps the graph trees (bf16)
-    wrap_rollouts(trainer, contexts)
-    done = rollout.apply(trainer, FastGeneration(True, "", mode="reduce-overhead"), step_graph=True)
-    assert [name for name, _ in trainer.vlmrl_rollout_contexts][-2:] == ["step_graph", "compile_over_4bit"]
-    assert trainer.generation_config.compile_config.mode == done.mode == "default"
-    assert done.step_graph.endswith("(a bench variant)") and done.graphs.fallback_mode == "reduce-overhead"
-    seen.clear()
-    trainer._generate_single_turn()  # a model without `get_compiled_call`: the recording changes nothing
-    assert seen[-2:] == ["compile_over_4bit", ("rollout", False)]
 
 
 # --- the merged rollout (merge.py) -----------------------------------------------------------------------------

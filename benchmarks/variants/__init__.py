@@ -98,8 +98,7 @@ VARIANTS: dict[str, Variant] = {
     # CUDA graph (the product's step_graph, on where it was measured: a 4-bit base on the nf4 kernel)
     "vlmrl-graph-trees": Variant(rollout={"graph_trees": True}),
     "vlmrl-step-graph": Variant(),  # the default now, where it applies
-    # each rollout's token step recorded as one CUDA graph where the product keeps the graph trees (bf16)
-    "vlmrl-step-graph-anywhere": Variant(rollout={"step_graph": True}),
+    "vlmrl-step-graph-anywhere": Variant(),  # the default now, bf16 included
     "vlmrl-stacked-kernel": Variant(),  # the default now
     # the stacked groups' second step as a cuBLAS matmul and a sum instead of one Triton kernel
     "vlmrl-second-cublas": Variant(rollout={"second_cublas": True}),

@@ -86,7 +86,7 @@ def input_cast(trainer: Any, loss_pass: Any) -> Any:
 def apply(trainer: Any, fast: FastGeneration, *, merge: bool = False, filled_window: int = 0,
           guards_once: bool = False, sdpa_decode: bool = False, second_cublas: bool = False,
           nf4_kernel: str = "", finished_read: bool = False, second_inline: bool = False,
-          inductor: dict | None = None, graph_trees: bool = False, step_graph: bool = False) -> FastGeneration:
+          inductor: dict | None = None, graph_trees: bool = False) -> FastGeneration:
     """Add the variants to `trainer`'s rollouts (set up by `enable_fast_generation`, which returned
     `fast`) and return `fast` with what was done. `merge`: the adapter merged for each rollout; `filled_window` > 0:
     attention over the filled cache positions in windows of that many; `guards_once`: dynamo's guards checked until
@@ -103,9 +103,7 @@ def apply(trainer: Any, fast: FastGeneration, *, merge: bool = False, filled_win
     `second_inline`: the stacked groups' second step as pointwise products inductor may fold into the kernels around
     it (`second_inline`), instead of one kernel a group; `inductor`: inductor settings patched while rollouts run
     (their compile included), e.g. {"combo_kernels": True}; `graph_trees`: token steps launched by torch.compile's
-    CUDA graph trees (reduce-overhead), as before the product recorded each rollout's step as one graph;
-    `step_graph`: each rollout's token step recorded as one graph where the product does not (bf16: not measured
-    there), as `vlmrl.engine.rollout.step_graph.RolloutGraphs` does over a 4-bit base. Call it right
+    CUDA graph trees (reduce-overhead), as before the product recorded each rollout's step as one graph. Call it right
     after `enable_fast_generation`, before anything else wraps the trainer's rollout call. Returns a `VariantRecord`
     (`fast` itself when fast generation is off)."""
     if not fast.enabled:
@@ -161,13 +159,6 @@ def apply(trainer: Any, fast: FastGeneration, *, merge: bool = False, filled_win
         trainer.generation_config.compile_config.mode = "reduce-overhead"
         changes["mode"] = "reduce-overhead"
         changes["step_graph"], changes["graphs"] = "CUDA graph trees (a bench variant)", None
-    if step_graph and "step_graph" not in names:
-        from vlmrl.engine.rollout.fast import STEP_GRAPH
-        from vlmrl.engine.rollout.step_graph import RECORDED_MODE, RolloutGraphs
-
-        graphs = RolloutGraphs(trainer.generation_config)
-        _insert(contexts, ("step_graph", lambda: graphs.active(trainer.model)), before=("compile_over_4bit",))
-        changes.update(mode=RECORDED_MODE, step_graph=f"{STEP_GRAPH} (a bench variant)", graphs=graphs)
     if nf4_kernel and fast.weights is not None:  # (None: not a 4-bit base)
         changes["weights"] = _nf4_for_life(trainer, nf4_kernel)
     wrap_rollouts(trainer, contexts)

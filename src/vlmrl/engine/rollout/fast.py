@@ -17,8 +17,8 @@ the duration of each rollout only:
   (`vlmrl.engine.recompiles`);
 - compiling over a bitsandbytes 4-bit base where bitsandbytes' ops are traceable (`quantized_base`), whose
   token steps run vlmrl's nf4 kernel for the trainer's life where it applies (`quantized_base.nf4_token_steps`);
-- there, each rollout's token step recorded once as one CUDA graph and replayed without dynamo (`step_graph`,
-  compiled without CUDA graph trees; `step_graph_reason` says where it is on and why not elsewhere).
+- each rollout's token step recorded once as one CUDA graph and replayed without dynamo (`step_graph`, compiled
+  without CUDA graph trees; `step_graph_reason` says where it is on and why not elsewhere).
 Once per trainer: the static cache's length rounded up to a multiple of `bucket` (`bucket_static_cache`: a
 compile per new bucket, not per prompt length; prompts are not padded), and the prompt pass run on a dynamic
 cache then moved into the static one (`prefill_into_dynamic_cache`: the rollout's peak stays plain TRL's).
@@ -116,7 +116,7 @@ def enable_fast_generation(
     offload = OptimizerStateOffload(trainer) if copies is not None or stack is not None else None
     kernel, cache_read = _cache_read(wanted=kernels, attention=attention is not None)
     weights = nf4_token_steps(trainer, wanted=kernels)
-    why_not = step_graph_reason(trainer, mode=mode, kernels=kernels)
+    why_not = step_graph_reason(trainer, mode=mode, kernels=kernels, quantized=weights is not None)
     graphs = RolloutGraphs(config) if why_not is None else None  # compiled without CUDA graph trees then
     mode = config.compile_config.mode
     contexts = [
@@ -148,23 +148,34 @@ def enable_fast_generation(
     return record
 
 
-def step_graph_reason(trainer: Any, *, mode: str, kernels: bool) -> str | None:
+def step_graph_reason(trainer: Any, *, mode: str, kernels: bool, quantized: bool = False) -> str | None:
     """Why a trainer's token steps stay on CUDA graph trees rather than one recorded graph each
-    (`vlmrl.engine.rollout.step_graph`), or None where they are recorded: where it was measured faster, a 4-bit
-    base whose token steps run vlmrl's nf4 kernel (so on the GPUs `nf4.gpu_reason` allows), compiled with
-    `reduce-overhead`. Elsewhere nobody has measured it (bf16 included), so the graph trees stay."""
+    (`vlmrl.engine.rollout.step_graph`), or None where they are recorded: compiled with `reduce-overhead` and
+    vlmrl's kernels on, weights on a CUDA device, over a bf16/fp16 base or a 4-bit one whose token steps run vlmrl's
+    nf4 kernel (`quantized`: the base is 4-bit), for models whose layers all attend to the whole cache. A 4-bit
+    base left on bitsandbytes was not measured, so the graph trees stay there."""
     if mode != "reduce-overhead":
         return f"torch.compile mode {mode}"
     if not kernels:
         return "vlmrl's kernels are off"
-    if getattr(trainer, "vlmrl_nf4_decode", None) is None:
-        return "the recorded step is on where it was measured: a 4-bit base on vlmrl's nf4 kernel"
+    if (off_cuda := _not_on_cuda(trainer.model)) is not None:
+        return off_cuda
+    if quantized and getattr(trainer, "vlmrl_nf4_decode", None) is None:
+        return "a 4-bit base whose token steps stay on bitsandbytes (the recorded step was measured over the nf4 kernel)"
     config = getattr(trainer.model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     kinds = set(getattr(text, "layer_types", None) or ())
     if kinds - {"full_attention"}:
         return f"the model has {', '.join(sorted(kinds - {'full_attention'}))} layers, whose cache a replay would not update"
     return None
+
+
+def _not_on_cuda(model: Any) -> str | None:
+    """Why CUDA graphs cannot record `model`'s token steps where its weights are, or None (on CUDA)."""
+    device = next((p.device for p in model.parameters()), None) if isinstance(model, torch.nn.Module) else None
+    if device is None or device.type == "cuda":
+        return None
+    return f"weights on {device} (CUDA graphs need a CUDA device)"
 
 
 def _rollout_adapters(trainer: Any, dtype: torch.dtype | None, *, kernels: bool) -> tuple[Any, Any, str]:
