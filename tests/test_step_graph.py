@@ -174,6 +174,9 @@ def test_the_fast_path_records_token_steps_only_where_it_was_measured():
     assert step_graph_reason(trainer(), mode="reduce-overhead", kernels=True, quantized=True) is None
     assert "stay on bitsandbytes" in step_graph_reason(trainer(nf4=False), mode="reduce-overhead", kernels=True,
                                                        quantized=True)
+    fsdp = trainer(["full_attention"])
+    fsdp.is_fsdp_enabled = True
+    assert step_graph_reason(fsdp, mode="reduce-overhead", kernels=True) == "parameters are sharded by FSDP / DeepSpeed"
     on_cpu = SimpleNamespace(model=torch.nn.Linear(2, 2))
     assert step_graph_reason(on_cpu, mode="reduce-overhead", kernels=True) == (
         "weights on cpu (CUDA graphs need a CUDA device)")

@@ -151,15 +151,17 @@ def enable_fast_generation(
 def step_graph_reason(trainer: Any, *, mode: str, kernels: bool, quantized: bool = False) -> str | None:
     """Why a trainer's token steps stay on CUDA graph trees rather than one recorded graph each
     (`vlmrl.engine.rollout.step_graph`), or None where they are recorded: compiled with `reduce-overhead` and
-    vlmrl's kernels on, weights on a CUDA device, over a bf16/fp16 base or a 4-bit one whose token steps run vlmrl's
-    nf4 kernel (`quantized`: the base is 4-bit), for models whose layers all attend to the whole cache. A 4-bit
-    base left on bitsandbytes was not measured, so the graph trees stay there."""
+    vlmrl's kernels on, weights on a CUDA device and not sharded, over a bf16/fp16 base or a 4-bit one whose token
+    steps run vlmrl's nf4 kernel (`quantized`: the base is 4-bit), for models whose layers all attend to the whole
+    cache. A 4-bit base left on bitsandbytes was not measured, so the graph trees stay there."""
     if mode != "reduce-overhead":
         return f"torch.compile mode {mode}"
     if not kernels:
         return "vlmrl's kernels are off"
     if (off_cuda := _not_on_cuda(trainer.model)) is not None:
         return off_cuda
+    if sharded(trainer):  # a replay would skip the hooks that gather and free the shards
+        return "parameters are sharded by FSDP / DeepSpeed"
     if quantized and getattr(trainer, "vlmrl_nf4_decode", None) is None:
         return "a 4-bit base whose token steps stay on bitsandbytes (the recorded step was measured over the nf4 kernel)"
     config = getattr(trainer.model, "config", None)
