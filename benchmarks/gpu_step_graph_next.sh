@@ -3,15 +3,17 @@
 #   record       the 4-bit record, vlmrl (the recorded step) beside plain TRL, 24 GiB cap (gpu_record_4bit.sh)
 #   record-bf16  the bf16 record, plain TRL beside vlmrl (the recorded step there too since commit 14e6891's
 #                measurements, claim h100-step-graph-bf16), with the warm-cache step after (gpu_record_bf16.sh)
-#   stacked      4-bit: the LoRA first factors stacked by shared input (vlmrl-4bit-stacked) against the product's
-#                PEFT branch (on an H100, h100_4bit_stacked_step_graph{,_reversed}: decode 2-4% faster both ways
-#                round, the step within the order effect)
+#   stacked      4-bit: the product (the LoRA first factors stacked by shared input, since commit 14e6891's
+#                measurements h100_4bit_stacked_step_graph{,_reversed}: decode 2-4% faster both ways round) against
+#                PEFT's branch per projection over the adapter copies (vlmrl-copies), each first once, 3 steps each
 OUT=${1:?usage: bash benchmarks/gpu_step_graph_next.sh OUT record|record-bf16|stacked}
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}src:benchmarks
 case "$2" in
   record) bash benchmarks/gpu_record_4bit.sh "$OUT" ;;
   record-bf16) bash benchmarks/gpu_record_bf16.sh "$OUT" ;;
-  stacked) python benchmarks/engine_variants.py bench --paths vlmrl,vlmrl-4bit-stacked --load-in-4bit \
-             --memory-cap-gib 24 --steps 2 --completion 1024 --out "$OUT" ;;
+  stacked) for P in vlmrl,vlmrl-copies vlmrl-copies,vlmrl; do
+             python benchmarks/engine_variants.py bench --paths $P --load-in-4bit --memory-cap-gib 24 --steps 3 \
+               --completion 1024 --out "$OUT/${P%%,*}-first"
+           done ;;
   *) echo "usage: bash benchmarks/gpu_step_graph_next.sh OUT record|record-bf16|stacked" >&2; exit 2 ;;
 esac

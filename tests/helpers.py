@@ -459,3 +459,13 @@ def write_json(path: Path, data) -> None:
 def write_jsonl(path: Path, rows: list[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def nf4_block():
+    """`Block(64)` with bitsandbytes nf4 base layers (the kernel's smallest block is 64 inputs) and a LoRA on each
+    (k of rank 2, v with its own alpha)."""
+    block = Block(64)
+    for seed, name in enumerate(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj")):
+        linear = getattr(block, name)
+        setattr(block, name, nf4_layer(64, linear.out_features, bias=linear.bias is not None, seed=seed))
+    return lora_policy(block, rank_pattern={"k_proj": 2}, alpha_pattern={"v_proj": 2}).requires_grad_(False)

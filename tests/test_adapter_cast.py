@@ -113,7 +113,7 @@ def test_fast_generation_swaps_the_copies_in_for_rollouts_where_they_are_the_fal
 
     original_check = generation.DeferredStopCheck.__dict__["is_supported"]
     # stacking refused (as for a LoRA with dropout): the copies are the fallback
-    monkeypatch.setattr(stacked, "StackedProjections", lambda model, dtype=None: SimpleNamespace(groups=[], reason="refused"))
+    monkeypatch.setattr(stacked, "StackedProjections", lambda model, dtype=None, **_: SimpleNamespace(groups=[], reason="refused"))
     model = adapted()
     seen = []
 

@@ -4,6 +4,7 @@ compute, with 8 matmuls per layer instead of 21, the base weights moved once and
 from __future__ import annotations
 
 import collections
+import importlib.util
 
 import pytest
 import torch
@@ -167,3 +168,54 @@ def test_in_bf16_under_the_rollout_autocast_it_computes_what_the_adapter_copies_
         got = block(x, y)
     for a, b in zip(got, expected, strict=True):
         assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes")
+def test_over_a_4bit_base_the_first_factors_are_stacked_and_compute_what_the_copies_compute(monkeypatch):
+    """Over bitsandbytes nf4 bases only the first factors are stacked (one matmul for q/k/v, one for gate/up), each
+    member's second step one kernel over its nf4 output: bit for bit what PEFT's branch over the bf16 adapter copies
+    computes, eager and compiled in one graph."""
+    from tests.helpers import NF4_DEVICE, nf4_block
+    from vlmrl.engine.rollout import nf4, second_factors
+    from vlmrl.engine.rollout.adapter_cast import LowPrecisionAdapters
+
+    block = nf4_block()
+    assert StackedProjections(block, first_factors=False).reason.startswith("a Linear4bit base layer")
+    torch.manual_seed(2)
+    x, y = (torch.randn(4, 5, 64, dtype=torch.bfloat16, device=NF4_DEVICE) for _ in range(2))
+    autocast = torch.autocast(torch.device(NF4_DEVICE).type, dtype=torch.bfloat16, cache_enabled=False)
+    with torch.no_grad(), autocast, nf4.nf4_decode(block), LowPrecisionAdapters(block, torch.bfloat16).active():
+        expected = block(x, y)  # PEFT's forwards over the nf4 kernel, with the bf16 adapter copies
+    stack = StackedProjections(block, torch.bfloat16)
+    assert stack.reason is None and stack.first_factors_only and [len(g.layers) for g in stack.groups] == [3, 2, 1]
+    assert all(g.weight.shape == (sum(g.ranks), 64) for g in stack.groups)
+    assert stack.nbytes == (4 + 2 + 4 + 4 + 4 + 4) * 64 * 2
+    # each member's own [out, rank] second factor in bf16, no block-diagonal zeros: q, k (rank 2), v, o, gate, up
+    assert stack.second_nbytes() == (64 * 4 + 32 * 2 + 32 * 4 + 64 * 4 + 128 * 4 + 128 * 4) * 2
+    calls = collections.Counter()
+    real = second_factors.added_second
+    monkeypatch.setattr(second_factors, "added_second", lambda *a: calls.update(["kernel"]) or real(*a))
+    for fused in (True, False):
+        with torch.no_grad(), autocast, nf4.nf4_decode(block), stack.active(fused=fused):
+            got = block(x, y)
+        for a, b in zip(got, expected, strict=True):
+            assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+    # per member computed (3 q/k/v computes, 2 gate/up, 1 o: the owed outputs as in the bf16 stacking): the fused
+    # step where asked (20 rows, bf16), the unfused one otherwise
+    assert calls == {"kernel": 14}
+    assert all(not g.seconds and not g.owed for g in stack.groups)
+    assert all("forward" not in vars(layer) for layer in lora_layers(block))
+    monkeypatch.undo()
+    nodes = []
+
+    def backend(gm, example_inputs):
+        nodes.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad(), autocast, nf4.nf4_decode(block), stack.active(fused=True):
+        compiled = torch.compile(block, backend=backend, fullgraph=True)(x, y)
+    assert all(torch.equal(a, b) for a, b in zip(compiled, expected, strict=True))
+    counted = collections.Counter(nodes)
+    assert (counted["vlmrl.nf4_matmul.default"], counted["vlmrl.added_second.default"]) == (14, 14)
+    assert counted["<built-in function linear>"] == 6  # one first-factor matmul per group computed, no second one

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.helpers import AttentionModule, Block, Net, fake_trainer, lora_net, lora_policy
+from tests.helpers import AttentionModule, Block, Net, fake_trainer, lora_net, lora_policy, nf4_block
 from vlmrl.engine.lora_layers import lora_layers
 from vlmrl.engine.rollout import attention
 from vlmrl.engine.rollout.fast import FastGeneration, enable_fast_generation, wrap_rollouts
@@ -56,7 +56,7 @@ def test_each_variant_changes_only_its_own_setting():
     assert table["vlmrl-stacked"] == table["vlmrl-stacked-kernel"] == table["vlmrl-nf4-v2"] == Variant()  # defaults
     # the nf4 branch experiments and their A/B partner run PEFT's branch over the adapter copies, as when they ran
     assert table["vlmrl-nf4-unfused"] == Variant(stacked=False)
-    assert table["vlmrl-4bit-stacked"] == Variant(first_factors=True)
+    assert table["vlmrl-4bit-stacked"] == Variant()
     assert not table["vlmrl-nf4-folded"].stacked and not table["vlmrl-nf4-summed"].stacked
     assert table["vlmrl-copies"] == Variant(stacked=False)
     assert table["vlmrl-merged"] == Variant(stacked=False, rollout={"merge": True})
@@ -79,8 +79,7 @@ def test_each_variant_changes_only_its_own_setting():
         "vlmrl-finished-read": {"finished_read": True},
         "vlmrl-second-inline": {"second_inline": True}, "vlmrl-4bit-stacked-inline": {"second_inline": True},
         "vlmrl-4bit-inline": {"second_inline": True}, "vlmrl-combo-kernels": {"inductor": {"combo_kernels": True}}}
-    assert table["vlmrl-4bit-stacked-inline"].first_factors is True
-    assert table["vlmrl-4bit-inline"].first_factors == "apart"
+    assert table["vlmrl-4bit-inline"].apart and not table["vlmrl-4bit-stacked-inline"].apart
     for keywords in options.values():
         inspect.signature(rollout.apply).bind("trainer", "fast", **keywords)  # apply takes these keywords
 
@@ -530,82 +529,21 @@ def test_the_loop_before_the_words_gives_the_products_values_on_a_gpu():
             assert torch.equal(got, nf4.nf4_matmul(x, packed, quant_state=qs)), (n, k, rows)
 
 
-def _4bit_block():
-    """`Block(64)` with bitsandbytes nf4 base layers (the kernel's smallest block is 64 inputs) and a LoRA on each."""
-    from tests.helpers import nf4_layer
-
-    block = Block(64)
-    for seed, name in enumerate(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj")):
-        linear = getattr(block, name)
-        setattr(block, name, nf4_layer(64, linear.out_features, bias=linear.bias is not None, seed=seed))
-    return lora_policy(block, rank_pattern={"k_proj": 2}, alpha_pattern={"v_proj": 2}).requires_grad_(False)
-
-
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes")
-def test_first_factors_stacked_over_a_4bit_base_compute_what_the_copies_compute(monkeypatch):
-    """The lost experiment computes what the product computes (PEFT's branch over the bf16 copies), in one graph."""
-    import collections
-
-    from variants import stacked_4bit
-
-    from tests.helpers import NF4_DEVICE
+def test_vlmrl_copies_keeps_peft_s_branch_over_a_4bit_base_where_the_product_stacks_the_first_factors(monkeypatch):
+    from vlmrl.engine.rollout import fast as fast_path
     from vlmrl.engine.rollout import nf4
-    from vlmrl.engine.rollout.adapter_cast import LowPrecisionAdapters
-    from vlmrl.engine.rollout.stacked import StackedProjections
 
-    block = _4bit_block()
-    assert StackedProjections(block).reason.startswith("a Linear4bit base layer")  # the product does not stack it
-    torch.manual_seed(2)
-    x, y = (torch.randn(4, 5, 64, dtype=torch.bfloat16, device=NF4_DEVICE) for _ in range(2))
-    autocast = torch.autocast(torch.device(NF4_DEVICE).type, dtype=torch.bfloat16, cache_enabled=False)
-    with torch.no_grad(), autocast, nf4.nf4_decode(block), LowPrecisionAdapters(block, torch.bfloat16).active():
-        expected = block(x, y)  # PEFT's forwards over the nf4 kernel, with the bf16 adapter copies
-    stack = stacked_4bit.FirstFactorsStacked(block)
-    assert stack.reason is None and [len(g.layers) for g in stack.groups] == [3, 2, 1]
-    assert all(g.weight.shape == (sum(g.ranks), 64) for g in stack.groups)
-    assert stack.nbytes == (4 + 2 + 4 + 4 + 4 + 4) * 64 * 2
-    calls = collections.Counter()
-    for name in ("added_second", "reference_added"):
-        real = getattr(stacked_4bit, name)
-        monkeypatch.setattr(stacked_4bit, name, lambda *a, name=name, real=real: calls.update([name]) or real(*a))
-    for fused in (True, False):
-        with torch.no_grad(), autocast, nf4.nf4_decode(block), stack.active(fused=fused):
-            got = block(x, y)
-        for a, b in zip(got, expected, strict=True):
-            assert a.dtype == torch.bfloat16 and torch.equal(a, b)
-    # per member computed (3 q/k/v computes, 2 gate/up, 1 o: the owed outputs as in the product's stacking), the
-    # fused step where asked (20 rows, bf16), the unfused one otherwise
-    assert calls == {"added_second": 14, "reference_added": 14}
-    assert all(not g.seconds and not g.owed for g in stack.groups)
-    assert all("forward" not in vars(layer) for layer in lora_layers(block))
-    monkeypatch.undo()
-    nodes = []
-
-    def backend(gm, example_inputs):
-        nodes.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-        return gm.forward
-
-    torch._dynamo.reset()
-    with torch.no_grad(), autocast, nf4.nf4_decode(block), stack.active(fused=True):
-        compiled = torch.compile(block, backend=backend, fullgraph=True)(x, y)
-    assert all(torch.equal(a, b) for a, b in zip(compiled, expected, strict=True))
-    counted = collections.Counter(nodes)
-    assert (counted["vlmrl.nf4_matmul.default"], counted["vlmrl_bench.added_second.default"]) == (14, 14)
-    assert counted["<built-in function linear>"] == 6  # one first-factor matmul per group computed, no second one
-
-
-@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes")
-def test_the_4bit_stacked_path_sets_the_experiment_up_where_the_product_makes_copies():
-    model = _4bit_block()
-    product = enable_fast_generation(fake_trainer(model, lambda: None))
-    assert product.adapters.startswith("not stacked (a Linear4bit base layer")
-    from variants import stacked_4bit
-
-    trainer = fake_trainer(_4bit_block(), lambda: None)
-    with stacked_4bit.first_factors_stacked():  # what the path `vlmrl-4bit-stacked` sets the engine up inside
+    monkeypatch.setattr(nf4, "gpu_reason", lambda device: None)
+    monkeypatch.setattr(fast_path, "_not_on_cuda", lambda model: None)  # token steps recorded, as on an H100
+    product = enable_fast_generation(fake_trainer(nf4_block(), lambda: None))
+    assert product.adapters.startswith("stacked by shared input for rollouts (3 groups of 3/2/1 projections, over "
+                                       "the 4-bit base their first factors only")
+    trainer = fake_trainer(nf4_block(), lambda: None)
+    with rollout.unstacked():  # what the path `vlmrl-copies` sets the engine up inside
         fast = enable_fast_generation(trainer)
-    assert fast.adapters.startswith("stacked by shared input for rollouts (3 groups of 3/2/1 projections")
-    assert [name for name, _ in trainer.vlmrl_rollout_contexts if name in ("adapter_copies", "stacked")] == ["stacked"]
+    assert fast.adapters.startswith("not stacked (turned off by a bench variant)")
+    assert "stacked" not in [name for name, _ in trainer.vlmrl_rollout_contexts]  # PEFT's own forwards
 
 
 def test_the_second_step_as_pointwise_products_computes_the_stacked_groups_outputs():
@@ -651,13 +589,13 @@ def test_over_a_4bit_base_the_pointwise_second_step_keeps_peft_s_first_factors_a
     from vlmrl.engine.rollout import nf4
     from vlmrl.engine.rollout.adapter_cast import LowPrecisionAdapters
 
-    block = _4bit_block()
+    block = nf4_block()
     torch.manual_seed(2)
     x, y = (torch.randn(4, 5, 64, dtype=torch.bfloat16, device=NF4_DEVICE) for _ in range(2))
     autocast = torch.autocast(torch.device(NF4_DEVICE).type, dtype=torch.bfloat16, cache_enabled=False)
     with torch.no_grad(), autocast, nf4.nf4_decode(block), LowPrecisionAdapters(block, torch.bfloat16).active():
         expected = block(x, y)
-    with stacked_4bit.first_factors_stacked(apart=True):
+    with stacked_4bit.first_factors_apart():
         stack = stacked_4bit.stacked.StackedProjections(block)  # what enable_fast_generation builds there
     assert stack.reason is None and [len(g.layers) for g in stack.groups] == [1] * 6
     assert stacked_4bit.stacked.SHARED_INPUT  # the product's grouping again after the block

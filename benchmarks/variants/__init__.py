@@ -20,8 +20,7 @@ The modules (what each was worth: benchmarks/NOTES.md):
 - `nf4_v1`: the first design of the nf4 token-step kernel (`nf4_matmul_v1`), and `nf4_decode_with(model, matmul)`.
 - `nf4_lora`: a 4-bit base's LoRA branch folded into the product nf4 kernel's last pass (or only its sum).
 - `nf4_launch`: the nf4 kernel's launch with another tile kernel, or a LoRA branch in its split sum.
-- `stacked_4bit`: over a 4-bit base, the LoRA first factors stacked by shared input and each member's second step
-  one kernel (`first_factors_stacked`).
+- `stacked_4bit`: over a 4-bit base, each projection's first factor a group of its own (`first_factors_apart`).
 - `second_inline`: the stacked groups' second step as pointwise products inductor may fold into its neighbours.
 - `nf4_lookups`: the nf4 tile loop with other table lookups, behind `nf4_pairs` (one lookup a byte in a table of
   weight pairs), `nf4_loads` (the product's kernel with table loads, not warp shuffles) and `nf4_bytes` (the product's
@@ -40,14 +39,14 @@ FILLED_WINDOW = 128  # the filled-cache window measured: 11 windows over the see
 @dataclass(frozen=True)
 class Variant:
     """One variant path: the `vlmrl` path's set-up, then `rollout.apply(**rollout)` on its rollout record; with
-    `stacked` False nothing is stacked (the product's adapter copies then), with `first_factors` the first factors
-    over a 4-bit base are stacked too (`stacked_4bit`; "apart": each projection a group of its own), with
+    `stacked` False nothing is stacked (the product's adapter copies then), with `apart` each projection is a
+    stacked group of its own (`stacked_4bit`: over a 4-bit base, PEFT's first factors as they are), with
     `input_cast` PEFT's LoRA input casts stay in the loss pass, and `loss_pass` passes the product's own
     `enable_loss_pass` options."""
 
     rollout: dict = field(default_factory=dict)
     stacked: bool = True
-    first_factors: bool | str = False
+    apart: bool = False
     input_cast: bool = False
     loss_pass: dict = field(default_factory=dict)
 
@@ -61,8 +60,8 @@ class Variant:
 
         if not self.stacked:
             setup = rollout.unstacked()
-        elif self.first_factors:
-            setup = stacked_4bit.first_factors_stacked(apart=self.first_factors == "apart")
+        elif self.apart:
+            setup = stacked_4bit.first_factors_apart()
         else:
             setup = contextlib.nullcontext()
         with setup:
@@ -129,15 +128,15 @@ VARIANTS: dict[str, Variant] = {
     "vlmrl-nf4-unfused": Variant(stacked=False),
     # rows that have ended keep reading their whole cache at token steps (the product narrows their mask)
     "vlmrl-finished-read": Variant(rollout={"finished_read": True}),
-    # over a 4-bit base, the LoRA first factors stacked by shared input and each member's second step one kernel,
-    # instead of PEFT's branch per projection over the adapter copies (stacked_4bit)
-    "vlmrl-4bit-stacked": Variant(first_factors=True),
+    # over a 4-bit base, the LoRA first factors stacked by shared input and each member's second step one kernel:
+    # the default now (its A/B partner, PEFT's branch per projection over the adapter copies: vlmrl-copies)
+    "vlmrl-4bit-stacked": Variant(),
     # the stacked groups' second step as pointwise products that inductor may fold into the kernels around it
     # (second_inline), in bf16 and over a 4-bit base with the first factors stacked
     "vlmrl-second-inline": Variant(rollout={"second_inline": True}),
-    "vlmrl-4bit-stacked-inline": Variant(first_factors=True, rollout={"second_inline": True}),
+    "vlmrl-4bit-stacked-inline": Variant(rollout={"second_inline": True}),
     # over a 4-bit base, PEFT's first factors per projection as the product runs them, the second step pointwise
-    "vlmrl-4bit-inline": Variant(first_factors="apart", rollout={"second_inline": True}),
+    "vlmrl-4bit-inline": Variant(apart=True, rollout={"second_inline": True}),
     # inductor's combo kernels (independent small kernels of the token step launched as one) while rollouts compile
     "vlmrl-combo-kernels": Variant(rollout={"inductor": {"combo_kernels": True}}),
 }

@@ -60,7 +60,7 @@ class VariantRecord(FastGeneration):
 class _Unstacked(stacked.StackedProjections):
     """`StackedProjections` that stacks nothing: the product then makes its bf16 adapter copies instead."""
 
-    def __init__(self, model: Any):
+    def __init__(self, model: Any, dtype: Any = None, **_: Any):
         self.groups = []
         self.reason = "turned off by a bench variant"
 

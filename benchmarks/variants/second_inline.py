@@ -10,7 +10,7 @@ that read the outputs next (q/k norm and rotary, the residual add and RMSNorm, t
 of its own. Whether it does, and whether that wins, is for a GPU to say.
 
 - `inline_added(base, first, second, scale)`: `base + scale * (first @ secondᵀ)` as pointwise products.
-- `second_inline()`: inside the block, the product's stacked groups (and `stacked_4bit`'s first-factor groups)
+- `second_inline()`: inside the block, the product's stacked groups (over a 4-bit base, its first-factor groups)
   compute their second step that way at token steps.
 Values: within the rounding of the fp32 sum's order, and of inductor's handling of the intermediate roundings
 (it may keep them in float32 inside one kernel); tests/test_variants.py checks eager values on the CPU.
@@ -27,10 +27,8 @@ import torch
 from vlmrl.engine.patch import replaced
 from vlmrl.engine.rollout import second_factors, stacked
 
-from . import stacked_4bit
-
 MAX_RANK = 64  # beyond this the spelled-out sum is no longer small pointwise work
-_FIRST_FACTORS_COMPUTE = stacked_4bit._FirstFactors.compute  # the experiment's own, kept for other row counts
+_FIRST_FACTORS_COMPUTE = stacked._FirstFactors.compute  # the product's own, kept for other row counts
 
 
 def inline_added(base: torch.Tensor, first: torch.Tensor, second: torch.Tensor, scale: Any) -> torch.Tensor:
@@ -68,7 +66,7 @@ def _stacked_compute(self: stacked._Group, x: torch.Tensor) -> tuple[torch.Tenso
                  for start, n, col, rank, scale in _members(self))
 
 
-def _first_factors_compute(self: stacked_4bit._FirstFactors, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _first_factors_compute(self: stacked._FirstFactors, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     if not (self.fused and usable(x, self.ranks)):
         return _FIRST_FACTORS_COMPUTE(self, x)
     first = torch.nn.functional.linear(x, self.weight)
@@ -83,5 +81,5 @@ def _first_factors_compute(self: stacked_4bit._FirstFactors, x: torch.Tensor) ->
 def second_inline() -> Iterator[None]:
     """Inside the block, stacked groups compute their second step at token steps as pointwise products."""
     with replaced(stacked._Group, "compute", _stacked_compute), \
-            replaced(stacked_4bit._FirstFactors, "compute", _first_factors_compute):
+            replaced(stacked._FirstFactors, "compute", _first_factors_compute):
         yield

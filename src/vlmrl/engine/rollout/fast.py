@@ -112,11 +112,12 @@ def enable_fast_generation(
     # What each rollout runs inside, and what the record says of each piece.
     dtype = rollout_autocast_dtype(trainer.model, trainer.args)
     attention = NAME if packed_gqa_applies(trainer.model) else None
-    stack, copies, adapters = _rollout_adapters(trainer, dtype, kernels=kernels)
-    offload = OptimizerStateOffload(trainer) if copies is not None or stack is not None else None
-    kernel, cache_read = _cache_read(wanted=kernels, attention=attention is not None)
     weights = nf4_token_steps(trainer, wanted=kernels)
     why_not = step_graph_reason(trainer, mode=mode, kernels=kernels, quantized=weights is not None)
+    # over a 4-bit base the first factors are stacked where they were measured faster: on the recorded step
+    stack, copies, adapters = _rollout_adapters(trainer, dtype, kernels=kernels, first_factors=why_not is None)
+    offload = OptimizerStateOffload(trainer) if copies is not None or stack is not None else None
+    kernel, cache_read = _cache_read(wanted=kernels, attention=attention is not None)
     graphs = RolloutGraphs(config) if why_not is None else None  # compiled without CUDA graph trees then
     mode = config.compile_config.mode
     contexts = [
@@ -180,11 +181,13 @@ def _not_on_cuda(model: Any) -> str | None:
     return f"weights on {device} (CUDA graphs need a CUDA device)"
 
 
-def _rollout_adapters(trainer: Any, dtype: torch.dtype | None, *, kernels: bool) -> tuple[Any, Any, str]:
-    """How rollouts read the LoRA weights: the stacked projections (`stacked`) where they apply, with `kernels` each
-    group's second step one Triton kernel; else the bf16 adapter copies (`adapter_cast`) where they help. Returns
-    the stack or None, the copies or None, and what the record says."""
-    stack, stacked = _stacked(trainer, dtype)
+def _rollout_adapters(trainer: Any, dtype: torch.dtype | None, *, kernels: bool,
+                      first_factors: bool = True) -> tuple[Any, Any, str]:
+    """How rollouts read the LoRA weights: the stacked projections (`stacked`; over a 4-bit base, with
+    `first_factors`, the first factors stacked) where they apply, with `kernels` each group's second step one Triton
+    kernel; else the bf16 adapter copies (`adapter_cast`) where they help. Returns the stack or None, the copies or
+    None, and what the record says."""
+    stack, stacked = _stacked(trainer, dtype, first_factors)
     if stack is None:
         copies, copied = _adapter_copies(trainer, dtype)
         return None, copies, f"{stacked}; {copied}"
@@ -194,7 +197,7 @@ def _rollout_adapters(trainer: Any, dtype: torch.dtype | None, *, kernels: bool)
                                    else SECOND_KERNEL_FALLBACK)
 
 
-def _stacked(trainer: Any, dtype: torch.dtype | None) -> tuple[Any, str]:
+def _stacked(trainer: Any, dtype: torch.dtype | None, first_factors: bool = True) -> tuple[Any, str]:
     """The stacked projections for rollouts (`stacked`) where possible, and what was done or why not."""
     refused = "not stacked ({})"
     if sharded(trainer):
@@ -205,14 +208,15 @@ def _stacked(trainer: Any, dtype: torch.dtype | None) -> tuple[Any, str]:
         return None, refused.format("the adapters' dtype differs from the base's and rollouts run without autocast")
     from vlmrl.engine.rollout.stacked import StackedProjections
 
-    stack = StackedProjections(trainer.model)
+    stack = StackedProjections(trainer.model, _base_dtype(trainer, dtype), first_factors=first_factors)
     if not stack.groups:
         return None, refused.format(stack.reason)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the base weights' old places
     sizes = sorted({len(g.layers) for g in stack.groups}, reverse=True)
+    only = ", over the 4-bit base their first factors only" if stack.first_factors_only else ""
     return stack, (f"stacked by shared input for rollouts ({len(stack.groups)} groups of {'/'.join(map(str, sizes))} "
-                   f"projections; first factors' rows {stack.nbytes / 2**30:.2f} GiB kept, second factors "
+                   f"projections{only}; first factors' rows {stack.nbytes / 2**30:.2f} GiB kept, second factors "
                    f"{stack.second_nbytes() / 2**30:.2f} GiB while it runs; the optimizer state waits on the host)")
 
 

@@ -1,7 +1,9 @@
 """The stacked projections' second step (`vlmrl.engine.rollout.stacked`) as one Triton kernel for a token step's few rows.
 
 A stacked group's first matmul gives, per row, the base outputs and then the adapters' rank-space inputs side by
-side. What follows is `base + scale * (first @ secondᵀ)`, `second` the group's block-diagonal second factors. At a
+side. What follows is `base + scale * (first @ secondᵀ)`, `second` the group's block-diagonal second factors
+(`stacked_second`; over a 4-bit base, whose members compute their base outputs apart, one member's at a time:
+`added_second`). At a
 token step (a few dozen rows) cuBLAS runs that small matmul (K = the group's summed ranks) bound by latency rather
 than bandwidth, and the scaled sum after it is another kernel, for every group of every layer (what that costs:
 benchmarks/NOTES.md). Here one kernel reads the rank-space inputs, multiplies them by a tile of the second factors
@@ -79,6 +81,28 @@ def stacked_second(stacked: torch.Tensor, second: torch.Tensor, scale: Any) -> t
     if isinstance(scale, torch.Tensor):
         return _stacked_second(stacked, second, scale, 1.0)
     return _stacked_second(stacked, second, None, float(scale))
+
+
+@torch.library.custom_op("vlmrl::added_second", mutates_args=(), tags=(torch.Tag.flexible_layout,))
+def _added_second(base: torch.Tensor, first: torch.Tensor, second: torch.Tensor, scale: float) -> torch.Tensor:
+    flat_base, flat_first = base.reshape(-1, base.shape[-1]), first.reshape(-1, first.shape[-1])
+    if flat_base.stride(-1) != 1:
+        flat_base = flat_base.contiguous()
+    if flat_first.stride(-1) != 1:
+        flat_first = flat_first.contiguous()
+    return step(flat_base, flat_first, second, None, scale).view(*base.shape)
+
+
+@_added_second.register_fake
+def _(base: torch.Tensor, first: torch.Tensor, second: torch.Tensor, scale: float) -> torch.Tensor:
+    return base.new_empty(base.shape)
+
+
+def added_second(base: torch.Tensor, first: torch.Tensor, second: torch.Tensor, scale: float) -> torch.Tensor:
+    """`base + scale * (first @ secondᵀ)` for one projection whose base computed apart (over a 4-bit base):
+    `base` [..., width] its base outputs, `first` [..., rank] its rank-space inputs (any row stride), `second`
+    [width, rank], `scale` a float. Call `usable(base, second)` first."""
+    return _added_second(base, first, second, float(scale))
 
 
 def step(base: torch.Tensor, first: torch.Tensor, second: torch.Tensor, scales: torch.Tensor | None,

@@ -19,10 +19,18 @@ Per layer that is 4 + 4 matmuls where PEFT's forward runs 7 + 14. The values are
 the rollout's autocast (base and adapter matmuls in the base dtype, the same scale and sum) up to the order in
 which a matmul kernel sums its products.
 
+Over a bitsandbytes 4-bit base (`Linear4bit`), which cannot share a matmul with bf16 factors, a group stacks only
+its members' first factors (in the rollouts' compute dtype, `dtype`): one matmul gives the group's rank-space
+inputs, each member's base runs on its own (vlmrl's nf4 kernel at token steps), and each member's second factor,
+scale and sum are one step over its base output (`second_factors.added_second`): per layer 7 base calls, 4 first
+factor matmuls and 7 second steps where PEFT runs 7 + 14 matmuls and 7 sums. The values are those of PEFT's forward
+over the bf16 adapter copies under the rollout's autocast, up to the order in which a matmul sums its products.
+
 Applies to plain LoRA (no DoRA or other variant, no dropout, no bias of its own, one active adapter) over
-unquantized float base weights that are not sharded (FSDP / ZeRO-3); elsewhere the adapter copies apply
+float or bitsandbytes 4-bit base weights that are not sharded (FSDP / ZeRO-3); elsewhere the adapter copies apply
 (`vlmrl.engine.rollout.adapter_cast`); `enable_fast_generation` picks one and records which. What it is
-worth beside the copies: benchmarks/NOTES.md ("stacked projections").
+worth beside the copies: benchmarks/NOTES.md ("stacked projections", "The recorded step in bf16, and the 4-bit
+first factors stacked again").
 """
 
 from __future__ import annotations
@@ -36,19 +44,23 @@ import torch
 import torch.nn.functional as F
 
 from vlmrl.engine.rollout import second_factors
+from vlmrl.engine.rollout.nf4 import is_linear4bit
 
 # Projections that every supported family calls with the same input, in the order it calls them.
 SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-def _member_reason(layer: Any) -> str | None:
-    """Why a PEFT LoRA layer cannot be stacked; None when it can."""
+def _member_reason(layer: Any, first_factors: bool = True) -> str | None:
+    """Why a PEFT LoRA layer cannot be stacked (`first_factors`: over a 4-bit base, its first factor may be); None
+    when it can."""
     from vlmrl.engine.lora_layers import plain_reason
 
     reason = plain_reason(layer)
     if reason is not None:
         return reason
     base = layer.get_base_layer()
+    if is_linear4bit(base):
+        return None if first_factors else "a Linear4bit base layer (its first factors stacked only where asked)"
     if type(base) is not torch.nn.Linear:
         return f"a {type(base).__name__} base layer (quantized or not a plain Linear)"
     if not base.weight.is_floating_point() or base.weight.requires_grad:
@@ -80,6 +92,40 @@ class _Group:
         second_step = second_factors.stacked_second if fused else second_factors.reference
         return second_step(stacked, self.second, self.scale).split(self.outs, dim=-1)
 
+    def spare_nbytes(self) -> int:
+        """What stacking adds to the weights and keeps between rollouts: the first factors' rows."""
+        return self.weight[self.width:].nbytes + (self.bias[self.width:].nbytes if self.bias is not None else 0)
+
+    def second_nbytes(self) -> int:
+        """What the second factors take while a rollout runs (block-diagonal: zeros off the blocks)."""
+        return self.width * sum(self.ranks) * self.weight.element_size()
+
+    def load(self) -> None:
+        """The adapters' current factors, in the base dtype: first factors into the spare rows, second factors into
+        a fresh block-diagonal matrix; the scale PEFT applies (one number, or one per output column)."""
+        dtype, device = self.weight.dtype, self.weight.device
+        row, col, out_start = self.width, 0, 0
+        second = torch.zeros(self.width, sum(self.ranks), dtype=dtype, device=device)
+        scales = []
+        for layer, out, rank in zip(self.layers, self.outs, self.ranks):
+            name = next(iter(layer.lora_A))
+            self.weight[row:row + rank].copy_(layer.lora_A[name].weight)
+            second[out_start:out_start + out, col:col + rank].copy_(layer.lora_B[name].weight)
+            scales.append(layer.scaling[name])
+            row, col, out_start = row + rank, col + rank, out_start + out
+        self.second = second
+        if len(set(scales)) == 1:
+            self.scale = scales[0]
+        else:
+            self.scale = torch.cat([torch.full((out,), float(s), dtype=dtype, device=device)
+                                    for out, s in zip(self.outs, scales)])
+        _static(self.second, self.scale)
+
+    def release(self) -> None:
+        """Drop what `load` made for one rollout and what is still owed."""
+        self.second = self.scale = self.source = None
+        self.owed, self.fused = {}, False
+
     def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Member `index`'s output for input `x`: its share of a result computed for this very tensor by the
         group's first member, or the whole group computed afresh. The first member always computes, so nothing
@@ -95,16 +141,61 @@ class _Group:
         return outs[index]
 
 
-class StackedProjections:
-    """Stacks the frozen base weights of `model`'s LoRA projections by shared input (see the module's text);
-    `active()` makes rollouts use them. `reason` says why nothing was stacked (then `active()` changes nothing)."""
+@dataclass
+class _FirstFactors(_Group):
+    """A group over 4-bit bases, which compute apart: `weight` [sum(ranks), in] holds only the first factors, and
+    each member keeps its own second factor and scale while a rollout runs."""
 
-    def __init__(self, model: Any):
+    seconds: list[torch.Tensor] = field(default_factory=list)
+    scales: list[Any] = field(default_factory=list)
+
+    def compute(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        first = F.linear(x, self.weight)
+        outs, col = [], 0
+        for layer, rank, second, scale in zip(self.layers, self.ranks, self.seconds, self.scales):
+            base = layer.get_base_layer()(x)
+            part = first[..., col:col + rank]
+            if self.fused and second_factors.usable(base, second):
+                outs.append(second_factors.added_second(base, part, second, scale))
+            else:
+                outs.append(base + F.linear(part, second) * scale)  # PEFT's `result + lora_B(...) * scaling`
+            col += rank
+        return tuple(outs)
+
+    def spare_nbytes(self) -> int:
+        return self.weight.nbytes
+
+    def second_nbytes(self) -> int:
+        return sum(o * r for o, r in zip(self.outs, self.ranks)) * self.weight.element_size()
+
+    def load(self) -> None:
+        row, self.seconds, self.scales = 0, [], []
+        for layer, rank in zip(self.layers, self.ranks):
+            name = next(iter(layer.lora_A))
+            self.weight[row:row + rank].copy_(layer.lora_A[name].weight)
+            self.seconds.append(layer.lora_B[name].weight.detach().to(self.weight.dtype, copy=True))
+            self.scales.append(layer.scaling[name])
+            row += rank
+        _static(*self.seconds)
+
+    def release(self) -> None:
+        super().release()
+        self.seconds, self.scales = [], []
+
+
+class StackedProjections:
+    """Stacks the frozen base weights of `model`'s LoRA projections by shared input (see the module's text), or over
+    4-bit bases (with `first_factors`) their first factors, kept in `dtype` (the rollouts' compute dtype; left out,
+    bf16); `active()` makes rollouts use them. `reason` says why nothing was stacked (then `active()` changes
+    nothing)."""
+
+    def __init__(self, model: Any, dtype: torch.dtype | None = None, *, first_factors: bool = True):
         from vlmrl.engine.lora_layers import lora_layers
 
         self.groups: list[_Group] = []
         layers = lora_layers(model)
-        self.reason = "no LoRA layers" if not layers else next(filter(None, map(_member_reason, layers)), None)
+        self.reason = "no LoRA layers" if not layers else next(
+            filter(None, (_member_reason(layer, first_factors) for layer in layers)), None)
         if self.reason is not None:
             return
         adapted = {id(layer) for layer in layers}
@@ -117,18 +208,22 @@ class StackedProjections:
             left = dict(siblings)
             for names in SHARED_INPUT:
                 if all(n in left for n in names) and _compatible([left[n] for n in names]):
-                    self.groups.append(_stack([left.pop(n) for n in names]))
-            self.groups.extend(_stack([layer]) for layer in left.values())
+                    self.groups.append(_group([left.pop(n) for n in names], dtype))
+            self.groups.extend(_group([layer], dtype) for layer in left.values())
+
+    @property
+    def first_factors_only(self) -> bool:
+        """Whether some group holds only first factors (over 4-bit bases)."""
+        return any(isinstance(g, _FirstFactors) for g in self.groups)
 
     @property
     def nbytes(self) -> int:
         """What the first factors' rows add to the weights (kept between rollouts)."""
-        return sum(g.weight[g.width:].nbytes + (g.bias[g.width:].nbytes if g.bias is not None else 0)
-                   for g in self.groups)
+        return sum(g.spare_nbytes() for g in self.groups)
 
     def second_nbytes(self) -> int:
-        """What the block-diagonal second factors take while a rollout runs."""
-        return sum(g.width * sum(g.ranks) * g.weight.element_size() for g in self.groups)
+        """What the second factors take while a rollout runs."""
+        return sum(g.second_nbytes() for g in self.groups)
 
     @contextlib.contextmanager
     def active(self, fused: bool = False) -> Iterator[None]:
@@ -142,7 +237,7 @@ class StackedProjections:
         try:
             with torch.no_grad():
                 for group in self.groups:
-                    _load_factors(group)
+                    group.load()
                     group.fused = fused
             for group in self.groups:
                 for index, layer in enumerate(group.layers):
@@ -153,8 +248,7 @@ class StackedProjections:
             for layer in installed:
                 del layer.forward
             for group in self.groups:
-                group.second = group.scale = group.source = None
-                group.owed, group.fused = {}, False
+                group.release()
 
 
 def _compatible(layers: list[Any]) -> bool:
@@ -162,7 +256,23 @@ def _compatible(layers: list[Any]) -> bool:
     first = bases[0]
     return all(b.in_features == first.in_features and b.weight.dtype == first.weight.dtype
                and b.weight.device == first.weight.device and (b.bias is None) == (first.bias is None)
-               for b in bases)
+               and is_linear4bit(b) == is_linear4bit(first) for b in bases)
+
+
+def _group(layers: list[Any], dtype: torch.dtype | None) -> _Group:
+    """The layers' group: their base weights stacked, or over 4-bit bases their first factors only."""
+    if is_linear4bit(layers[0].get_base_layer()):
+        return _first_factors(layers, dtype or torch.bfloat16)
+    return _stack(layers)
+
+
+def _first_factors(layers: list[Any], dtype: torch.dtype) -> _FirstFactors:
+    """A tensor for the layers' first factors, filled at each rollout (`_FirstFactors.load`)."""
+    ranks = [next(iter(layer.lora_A.values())).out_features for layer in layers]
+    bases = [layer.get_base_layer() for layer in layers]
+    weight = torch.zeros(sum(ranks), bases[0].in_features, dtype=dtype, device=bases[0].weight.device)
+    _static(weight)
+    return _FirstFactors(layers, weight, None, [b.out_features for b in bases], ranks)
 
 
 def _stack(layers: list[Any]) -> _Group:
@@ -195,28 +305,6 @@ def _static(*tensors: Any) -> None:
     for tensor in tensors:
         if isinstance(tensor, torch.Tensor):
             torch._dynamo.mark_static_address(tensor, guard=False)
-
-
-def _load_factors(group: _Group) -> None:
-    """The adapters' current factors, in the base dtype: first factors into the spare rows, second factors into
-    a fresh block-diagonal matrix; the scale PEFT applies (one number, or one per output column)."""
-    dtype, device = group.weight.dtype, group.weight.device
-    row, col, out_start = group.width, 0, 0
-    second = torch.zeros(group.width, sum(group.ranks), dtype=dtype, device=device)
-    scales = []
-    for layer, out, rank in zip(group.layers, group.outs, group.ranks):
-        name = next(iter(layer.lora_A))
-        group.weight[row:row + rank].copy_(layer.lora_A[name].weight)
-        second[out_start:out_start + out, col:col + rank].copy_(layer.lora_B[name].weight)
-        scales.append(layer.scaling[name])
-        row, col, out_start = row + rank, col + rank, out_start + out
-    group.second = second
-    if len(set(scales)) == 1:
-        group.scale = scales[0]
-    else:
-        group.scale = torch.cat([torch.full((out,), float(s), dtype=dtype, device=device)
-                                 for out, s in zip(group.outs, scales)])
-    _static(group.second, group.scale)
 
 
 def _stacked_forward(group: _Group, index: int, layer: Any) -> Any:
