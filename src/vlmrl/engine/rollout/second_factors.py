@@ -3,10 +3,9 @@
 A stacked group's first matmul gives, per row, the base outputs and then the adapters' rank-space inputs side by
 side. What follows is `base + scale * (first @ secondᵀ)`, `second` the group's block-diagonal second factors
 (`stacked_second`; over a 4-bit base, whose members compute their base outputs apart, one member's at a time:
-`added_second`). At a
-token step (a few dozen rows) cuBLAS runs that small matmul (K = the group's summed ranks) bound by latency rather
-than bandwidth, and the scaled sum after it is another kernel, for every group of every layer (what that costs:
-benchmarks/NOTES.md). Here one kernel reads the rank-space inputs, multiplies them by a tile of the second factors
+`added_second`). At a token step (a few dozen rows) cuBLAS runs that small matmul (K = the group's summed ranks)
+bound by latency rather than bandwidth, and the scaled sum after it is another kernel, for every group of every
+layer (what that costs: benchmarks/NOTES.md). Here one kernel reads the rank-space inputs, multiplies them by a tile of the second factors
 on the tensor cores, scales, adds the base outputs and writes the outputs; one program per block of output columns
 (and of rows). On with `train.rollout.kernels`.
 
