@@ -135,7 +135,7 @@ VARIANTS: dict[str, Variant] = {
     # (second_inline), in bf16 and over a 4-bit base with the first factors stacked
     "vlmrl-second-inline": Variant(rollout={"second_inline": True}),
     "vlmrl-4bit-stacked-inline": Variant(rollout={"second_inline": True}),
-    # over a 4-bit base, PEFT's first factors per projection as the product runs them, the second step pointwise
+    # over a 4-bit base, each projection's first factor apart (as PEFT runs it), the second step pointwise
     "vlmrl-4bit-inline": Variant(apart=True, rollout={"second_inline": True}),
     # inductor's combo kernels (independent small kernels of the token step launched as one) while rollouts compile
     "vlmrl-combo-kernels": Variant(rollout={"inductor": {"combo_kernels": True}}),
