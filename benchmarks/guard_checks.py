@@ -48,11 +48,11 @@ def lookup_ms(prof) -> tuple[float, int]:
     return sum(e.self_cpu_time_total for e in events) / 1e3, sum(e.count for e in events)
 
 
-def compiled_policy(layers: int, work: Path, prompts: int = 2) -> tuple:
-    """(policy, its stacked projections, a prompt batch, `generate`'s compile settings): a tiny random Qwen3-VL
-    (hidden 64) of `layers` layers with LoRA on the seven projections, its cache static and bucketed, decoding
-    compiled with an eager backend (so only dynamo's own host work is added)."""
-    path = build_tiny_model("qwen3_vl", work / f"qwen3_vl_{layers}", num_layers=layers)
+def compiled_policy(layers: int, work: Path, prompts: int = 2, arch: str = "qwen3_vl") -> tuple:
+    """(policy, its stacked projections, a prompt batch, `generate`'s compile settings): a tiny random model of
+    family `arch` (a Qwen3-VL unless said; hidden 64) of `layers` layers with LoRA on the seven projections, its cache
+    static and bucketed, decoding compiled with an eager backend (so only dynamo's own host work is added)."""
+    path = build_tiny_model(arch, work / f"{arch}_{layers}", num_layers=layers)
     model = AutoModelForImageTextToText.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa")
     processor = AutoProcessor.from_pretrained(str(path))
     processor.tokenizer.padding_side = "left"

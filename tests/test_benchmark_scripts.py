@@ -260,6 +260,22 @@ def test_host_ops_counts_the_eager_ops_of_a_compiled_token_step(monkeypatch, tmp
     assert "| op | per token step |" in host_ops.markdown(record)
 
 
+@pytest.mark.slow  # ~7 s: two tiny models' compiled generate, twice each way
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "idefics3"])
+def test_other_families_decode_the_same_tokens_with_the_recorded_step(arch, monkeypatch, tmp_path):
+    """The recorded token step is on for every full-attention family: transformers' loop over a tiny Qwen2.5-VL and
+    SmolVLM (Idefics3), with step_graph_check.py's stand-in recorder, gives the compiled tokens, each `generate`
+    call recorded once and replayed (real CUDA graphs: the same script on a GPU)."""
+    import torch
+
+    check = _load(ROOT / "benchmarks" / "step_graph_check.py", monkeypatch)
+    torch.manual_seed(0)
+    result = check.check(6, 1, tmp_path, arch)
+    assert result["same_tokens"] and result["arch"] == arch, result
+    assert [(c["recordings"], c["failed"]) for c in result["calls"]] == [(1, None), (1, None)]
+    assert all(c["replays"] > 0 for c in result["calls"])
+
+
 def test_nf4_matmul_finds_every_kernel_and_its_settings(monkeypatch):
     """nf4_matmul.py's kernels resolve to their matmul and settings chooser (the product's settings moved once
     from `nf4` to `nf4_settings`, and the table kept pointing at the old place)."""
