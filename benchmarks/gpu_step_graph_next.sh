@@ -7,11 +7,11 @@
 #                measurements, claim h100-step-graph-bf16), with the warm-cache step after (gpu_record_bf16.sh)
 #   stacked      4-bit: the product (the LoRA first factors stacked by shared input, since commit 14e6891's
 #                measurements h100_4bit_stacked_step_graph{,_reversed}: decode 2-4% faster both ways round) against
-#                PEFT's branch per projection over the adapter copies (vlmrl-copies), each first once, 3 steps each
+#                PEFT's own branch per projection (vlmrl-copies), each first once, 3 steps each
 OUT=${1:?usage: bash benchmarks/gpu_step_graph_next.sh OUT check|record|record-bf16|stacked}
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}src:benchmarks
 case "$2" in
-  check) for A in qwen2_5_vl idefics3; do python benchmarks/step_graph_check.py "$OUT" 24 2 $A; done ;;
+  check) for A in qwen2_5_vl idefics3; do python benchmarks/step_graph_check.py "$OUT" 24 2 $A || exit 1; done ;;
   record) bash benchmarks/gpu_record_4bit.sh "$OUT" ;;
   record-bf16) bash benchmarks/gpu_record_bf16.sh "$OUT" ;;
   stacked) for P in vlmrl,vlmrl-copies vlmrl-copies,vlmrl; do

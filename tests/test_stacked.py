@@ -186,7 +186,8 @@ def test_over_a_4bit_base_the_first_factors_are_stacked_and_compute_what_the_cop
     autocast = torch.autocast(torch.device(NF4_DEVICE).type, dtype=torch.bfloat16, cache_enabled=False)
     with torch.no_grad(), autocast, nf4.nf4_decode(block), LowPrecisionAdapters(block, torch.bfloat16).active():
         expected = block(x, y)  # PEFT's forwards over the nf4 kernel, with the bf16 adapter copies
-    stack = StackedProjections(block, torch.bfloat16)
+    assert StackedProjections(block).reason.startswith("a Linear4bit base layer")  # only where asked
+    stack = StackedProjections(block, torch.bfloat16, first_factors=True)
     assert stack.reason is None and stack.first_factors_only and [len(g.layers) for g in stack.groups] == [3, 2, 1]
     assert all(g.weight.shape == (sum(g.ranks), 64) for g in stack.groups)
     assert stack.nbytes == (4 + 2 + 4 + 4 + 4 + 4) * 64 * 2
@@ -219,3 +220,7 @@ def test_over_a_4bit_base_the_first_factors_are_stacked_and_compute_what_the_cop
     counted = collections.Counter(nodes)
     assert (counted["vlmrl.nf4_matmul.default"], counted["vlmrl.added_second.default"]) == (14, 14)
     assert counted["<built-in function linear>"] == 6  # one first-factor matmul per group computed, no second one
+    # once the token steps are back on CUDA graph trees, the rollouts after run PEFT's own branch again
+    with torch.no_grad(), autocast, nf4.nf4_decode(block), stack.active(fused=True, first_factors=lambda: False):
+        assert all("forward" not in vars(layer) for layer in lora_layers(block))
+        assert all(torch.equal(a, b) for a, b in zip(block(x, y), expected, strict=True))

@@ -148,7 +148,7 @@ def test_the_kernel_variants_take_the_products_pieces_out_again():
     _, cublas = _block_trainer()  # the bench's vlmrl-second-cublas
     fast = rollout.apply(cublas, enable_fast_generation(cublas), second_cublas=True)
     assert "second_factors" not in fast.adapters
-    assert dict(cublas.vlmrl_rollout_contexts)["stacked"].keywords == {"fused": False}
+    assert dict(cublas.vlmrl_rollout_contexts)["stacked"].keywords == {"fused": False, "first_factors": None}
     _, sdpa = _block_trainer()  # vlmrl-sdpa-decode: no decode kernel to take out here (no vlmrl_sdpa)
     fast = rollout.apply(sdpa, enable_fast_generation(sdpa), sdpa_decode=True)
     assert fast.cache_read == "the whole static cache (the decode kernel needs vlmrl_sdpa)"
@@ -535,10 +535,16 @@ def test_vlmrl_copies_keeps_peft_s_branch_over_a_4bit_base_where_the_product_sta
     from vlmrl.engine.rollout import nf4
 
     monkeypatch.setattr(nf4, "gpu_reason", lambda device: None)
+    unrecorded = enable_fast_generation(fake_trainer(nf4_block(), lambda: None))  # weights on the CPU: no graphs
+    assert unrecorded.step_graph.startswith("CUDA graph trees (weights on cpu")
+    assert unrecorded.adapters.startswith("not stacked (a Linear4bit base layer (its first factors are stacked only "
+                                          "where token steps are recorded)")
     monkeypatch.setattr(fast_path, "_not_on_cuda", lambda model: None)  # token steps recorded, as on an H100
     product = enable_fast_generation(fake_trainer(nf4_block(), lambda: None))
     assert product.adapters.startswith("stacked by shared input for rollouts (3 groups of 3/2/1 projections, over "
                                        "the 4-bit base their first factors only")
+    product.graphs._failed("a capture error")  # back to the graph trees: PEFT's own branch from the next rollout
+    assert product.as_dict()["adapters"].endswith("; PEFT's own branch over the 4-bit base with the graph trees")
     trainer = fake_trainer(nf4_block(), lambda: None)
     with rollout.unstacked():  # what the path `vlmrl-copies` sets the engine up inside
         fast = enable_fast_generation(trainer)
@@ -596,7 +602,7 @@ def test_over_a_4bit_base_the_pointwise_second_step_keeps_peft_s_first_factors_a
     with torch.no_grad(), autocast, nf4.nf4_decode(block), LowPrecisionAdapters(block, torch.bfloat16).active():
         expected = block(x, y)
     with stacked_4bit.first_factors_apart():
-        stack = stacked_4bit.stacked.StackedProjections(block)  # what enable_fast_generation builds there
+        stack = stacked_4bit.stacked.StackedProjections(block, first_factors=True)  # as enable_fast_generation builds
     assert stack.reason is None and [len(g.layers) for g in stack.groups] == [1] * 6
     assert stacked_4bit.stacked.SHARED_INPUT  # the product's grouping again after the block
     with torch.no_grad(), autocast, nf4.nf4_decode(block), stack.active(fused=True), second_inline.second_inline():

@@ -79,8 +79,8 @@ VARIANTS: dict[str, Variant] = {
     "vlmrl-merged": Variant(stacked=False, rollout={"merge": True}),
     # a token step's attention reads only the filled cache positions, in windows of FILLED_WINDOW
     "vlmrl-filled": Variant(rollout={"filled_window": FILLED_WINDOW}),
-    # bf16 adapter copies for rollouts instead of the stacked projections (over a 4-bit base: PEFT's branch for
-    # each projection, as before the first factors were stacked there)
+    # bf16 adapter copies for rollouts instead of the stacked projections (over a 4-bit base: PEFT's own branch for
+    # each projection, over copies only where the adapters are float32, as before the first factors were stacked)
     "vlmrl-copies": Variant(stacked=False),
     "vlmrl-filled-copies": Variant(stacked=False, rollout={"filled_window": FILLED_WINDOW}),
     # PEFT's float32 casts of the LoRA inputs kept in the loss pass
@@ -94,7 +94,7 @@ VARIANTS: dict[str, Variant] = {
     # step checks none)
     "vlmrl-guards-once": Variant(rollout={"guards_once": True, "graph_trees": True}),
     # token steps launched by torch.compile's CUDA graph trees, as before each rollout's step was recorded as one
-    # CUDA graph (the product's step_graph, on where it was measured: a 4-bit base on the nf4 kernel)
+    # CUDA graph (the product's step_graph), over a 4-bit base with PEFT's own LoRA branch, as then
     "vlmrl-graph-trees": Variant(rollout={"graph_trees": True}),
     "vlmrl-step-graph": Variant(),  # the default now, where it applies
     "vlmrl-step-graph-anywhere": Variant(),  # the default now, bf16 included
@@ -107,8 +107,8 @@ VARIANTS: dict[str, Variant] = {
     "vlmrl-nf4-v1": Variant(rollout={"nf4_kernel": "v1"}),
     "vlmrl-nf4-v2": Variant(),  # the default now (on the GPUs where it was measured: nf4.gpu_reason)
     # the product's nf4 kernel with the LoRA branch's second factor and sum folded into its last pass
-    # (nf4_lora); vlmrl-nf4-unfused, its A/B partner in gpu_issue39_next.plan, is the default
-    # (all three over PEFT's branch with the adapter copies: nf4_lora replaces the LoRA layers' forwards, which
+    # (nf4_lora); vlmrl-nf4-unfused, its A/B partner in gpu_issue39_next.plan, was the default then
+    # (all three over PEFT's own branch, nothing stacked: nf4_lora replaces the LoRA layers' forwards, which
     # the stacked groups would replace too)
     "vlmrl-nf4-folded": Variant(stacked=False, rollout={"nf4_kernel": "folded"}),
     # the same kernel with only the branch's scale and sum in its last pass, both factors as PEFT runs them
@@ -129,7 +129,7 @@ VARIANTS: dict[str, Variant] = {
     # rows that have ended keep reading their whole cache at token steps (the product narrows their mask)
     "vlmrl-finished-read": Variant(rollout={"finished_read": True}),
     # over a 4-bit base, the LoRA first factors stacked by shared input and each member's second step one kernel:
-    # the default now (its A/B partner, PEFT's branch per projection over the adapter copies: vlmrl-copies)
+    # the default now where token steps are recorded (its A/B partner, PEFT's own branch per projection: vlmrl-copies)
     "vlmrl-4bit-stacked": Variant(),
     # the stacked groups' second step as pointwise products that inductor may fold into the kernels around it
     # (second_inline), in bf16 and over a 4-bit base with the first factors stacked

@@ -32,6 +32,7 @@ from vlmrl.engine.patch import replaced
 from vlmrl.engine.rollout import stacked
 from vlmrl.engine.rollout.fast import (
     FINISHED_READ,
+    FIRST_FACTORS_ONLY,
     KERNEL_READ,
     SECOND_KERNEL,
     FastGeneration,
@@ -103,7 +104,8 @@ def apply(trainer: Any, fast: FastGeneration, *, merge: bool = False, filled_win
     `second_inline`: the stacked groups' second step as pointwise products inductor may fold into the kernels around
     it (`second_inline`), instead of one kernel a group; `inductor`: inductor settings patched while rollouts run
     (their compile included), e.g. {"combo_kernels": True}; `graph_trees`: token steps launched by torch.compile's
-    CUDA graph trees (reduce-overhead), as before the product recorded each rollout's step as one graph. Call it right
+    CUDA graph trees (reduce-overhead), as before the product recorded each rollout's step as one graph, and over a
+    4-bit base PEFT's own LoRA branch, as then (what the product falls back to). Call it right
     after `enable_fast_generation`, before anything else wraps the trainer's rollout call. Returns a `VariantRecord`
     (`fast` itself when fast generation is off)."""
     if not fast.enabled:
@@ -137,8 +139,8 @@ def apply(trainer: Any, fast: FastGeneration, *, merge: bool = False, filled_win
         changes["cache_read"] = changes.get("cache_read", fast.cache_read or "").replace(
             FINISHED_READ, ", rows that have ended reading all of theirs (a bench variant)")
     if second_cublas:
-        contexts = [(name, functools.partial(factory.func, fused=False) if name == "stacked" else factory)
-                    for name, factory in contexts]
+        contexts = [(name, functools.partial(factory.func, **{**factory.keywords, "fused": False})
+                     if name == "stacked" else factory) for name, factory in contexts]
         changes["adapters"] = changes.get("adapters", fast.adapters or "").replace(SECOND_KERNEL, "")
     if second_inline:
         from .second_inline import second_inline as inline
@@ -155,10 +157,14 @@ def apply(trainer: Any, fast: FastGeneration, *, merge: bool = False, filled_win
         _insert(contexts, ("guards_once", lambda: _guards_once(trainer.model)), before=("compile_over_4bit",))
         changes["guards"] = "first step"
     if graph_trees and "step_graph" in names:
-        contexts = [(name, factory) for name, factory in contexts if name != "step_graph"]
+        # as the product falls back: the graph trees, and over a 4-bit base PEFT's branch, not the first factors
+        contexts = [(name, functools.partial(factory.func, **{**factory.keywords, "first_factors": lambda: False})
+                     if name == "stacked" else factory) for name, factory in contexts if name != "step_graph"]
         trainer.generation_config.compile_config.mode = "reduce-overhead"
         changes["mode"] = "reduce-overhead"
         changes["step_graph"], changes["graphs"] = "CUDA graph trees (a bench variant)", None
+        if FIRST_FACTORS_ONLY in (fast.adapters or ""):
+            changes["adapters"] = f"{fast.adapters}; PEFT's own branch over the 4-bit base with the graph trees"
     if nf4_kernel and fast.weights is not None:  # (None: not a 4-bit base)
         changes["weights"] = _nf4_for_life(trainer, nf4_kernel)
     wrap_rollouts(trainer, contexts)

@@ -18,7 +18,9 @@ The prediction is arithmetic on the same quantities that fill the card:
                        AdamW) wait on the host (vlmrl.engine.rollout.offload)
     stacked projections with fast generation over an unquantized base, instead of the copies: the first factors' rows kept beside the
                        base weights (about half the LoRA parameters x 2 bytes, always) and the block-diagonal
-                       second factors in rollouts (about the LoRA parameters x 2 bytes; vlmrl.engine.rollout.stacked)
+                       second factors in rollouts (about the LoRA parameters x 2 bytes; vlmrl.engine.rollout.stacked);
+                       over a 4-bit base whose token steps are recorded only the first factors are stacked, a few
+                       hundredths of a GiB for an 8B model, not counted
     training           one micro-batch: checkpointed layer inputs (tokens x hidden x 2 bytes x layers) plus one
                        one layer's backward (3x its activations: the recomputed activations, their gradients and
                        the backward's temporaries; the factor the H200 peaks give) and the chunked log-prob pass

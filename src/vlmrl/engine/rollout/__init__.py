@@ -21,7 +21,7 @@ The pieces, and where each is switched on:
                  GPUs where it was measured faster (`nf4.gpu_reason`) and `train.rollout.kernels` is on;
                  bitsandbytes otherwise, the reason recorded. Its Triton source is `nf4_triton`.
   step_graph     each rollout's token step recorded once as one CUDA graph and replayed without dynamo's guard
-                 checks; `fast` turns it on where it was measured (a bf16 base, a 4-bit one on the nf4 kernel)
+                 checks; `fast` turns it on where it was measured (an unquantized base, a 4-bit one on the nf4 kernel)
                  and goes back to torch.compile's CUDA graph trees for good if a step cannot be recorded.
   adapter_cast   bf16 copies of the float32 LoRA weights, made for each rollout where stacking does not apply.
   offload        the optimizer state in host memory while a rollout runs, which pays for those copies.

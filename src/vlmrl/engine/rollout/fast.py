@@ -47,6 +47,7 @@ FINISHED_READ = ", and rows that have ended attend to their own position only (v
 KERNEL_READ = "; token steps skip the blocks nothing attends to (vlmrl.engine.rollout.decode_attention)" + FINISHED_READ
 SECOND_KERNEL = "; token steps: each group's second step one Triton kernel (vlmrl.engine.rollout.second_factors)"
 STEP_GRAPH = "each rollout's token step recorded once as one CUDA graph and replayed (vlmrl.engine.rollout.step_graph)"
+FIRST_FACTORS_ONLY = ", over the 4-bit base their first factors only"
 SECOND_KERNEL_FALLBACK = "; token steps: each group's second step on cuBLAS (the Triton kernel is bfloat16 only)"
 
 
@@ -72,6 +73,8 @@ class FastGeneration:
         if self.graphs is not None and self.graphs.off is not None:
             record["step_graph"] = f"{self.step_graph}, then CUDA graph trees from a later rollout on ({self.graphs.off})"
             record["mode"] = f"{self.mode}, then {self.graphs.fallback_mode}"
+            if self.adapters and FIRST_FACTORS_ONLY in self.adapters:
+                record["adapters"] = f"{self.adapters}; PEFT's own branch over the 4-bit base with the graph trees"
         return record
 
 
@@ -126,7 +129,10 @@ def enable_fast_generation(
         ("finished_rows", (lambda: finished_rows_read_one_block(trainer.model)) if kernel else None),
         ("offload", offload.active if offload else None),  # frees the optimizer state before the copies take theirs
         ("adapter_copies", copies.active if copies else None),
-        ("stacked", functools.partial(stack.active, fused=kernels) if stack else None),
+        # (over a 4-bit base, the first factors only while the token steps are recorded: `RolloutGraphs.off`)
+        ("stacked", functools.partial(stack.active, fused=kernels,
+                                      first_factors=(lambda: graphs.off is None) if graphs else None)
+         if stack else None),
         # cache_enabled=False: autocast would otherwise hold a bf16 copy of every fp32 LoRA weight for the whole
         # rollout.
         ("autocast", (lambda: torch.autocast(device_type=_device_type(), dtype=dtype, cache_enabled=False))
@@ -152,9 +158,10 @@ def enable_fast_generation(
 def step_graph_reason(trainer: Any, *, mode: str, kernels: bool, quantized: bool = False) -> str | None:
     """Why a trainer's token steps stay on CUDA graph trees rather than one recorded graph each
     (`vlmrl.engine.rollout.step_graph`), or None where they are recorded: compiled with `reduce-overhead` and
-    vlmrl's kernels on, weights on a CUDA device and not sharded, over a bf16/fp16 base or a 4-bit one whose token
-    steps run vlmrl's nf4 kernel (`quantized`: the base is 4-bit), for models whose layers all attend to the whole
-    cache. A 4-bit base left on bitsandbytes was not measured, so the graph trees stay there."""
+    vlmrl's kernels on, weights on a CUDA device and not sharded, over an unquantized base (measured in bf16) or a
+    4-bit one whose token steps run vlmrl's nf4 kernel (`quantized`: the base is 4-bit), for models whose layers
+    all attend to the whole cache. A 4-bit base left on bitsandbytes was not measured, so the graph trees stay
+    there."""
     if mode != "reduce-overhead":
         return f"torch.compile mode {mode}"
     if not kernels:
@@ -182,7 +189,7 @@ def _not_on_cuda(model: Any) -> str | None:
 
 
 def _rollout_adapters(trainer: Any, dtype: torch.dtype | None, *, kernels: bool,
-                      first_factors: bool = True) -> tuple[Any, Any, str]:
+                      first_factors: bool = False) -> tuple[Any, Any, str]:
     """How rollouts read the LoRA weights: the stacked projections (`stacked`; over a 4-bit base, with
     `first_factors`, the first factors stacked) where they apply, with `kernels` each group's second step one Triton
     kernel; else the bf16 adapter copies (`adapter_cast`) where they help. Returns the stack or None, the copies or
@@ -197,7 +204,7 @@ def _rollout_adapters(trainer: Any, dtype: torch.dtype | None, *, kernels: bool,
                                    else SECOND_KERNEL_FALLBACK)
 
 
-def _stacked(trainer: Any, dtype: torch.dtype | None, first_factors: bool = True) -> tuple[Any, str]:
+def _stacked(trainer: Any, dtype: torch.dtype | None, first_factors: bool = False) -> tuple[Any, str]:
     """The stacked projections for rollouts (`stacked`) where possible, and what was done or why not."""
     refused = "not stacked ({})"
     if sharded(trainer):
@@ -208,13 +215,13 @@ def _stacked(trainer: Any, dtype: torch.dtype | None, first_factors: bool = True
         return None, refused.format("the adapters' dtype differs from the base's and rollouts run without autocast")
     from vlmrl.engine.rollout.stacked import StackedProjections
 
-    stack = StackedProjections(trainer.model, _base_dtype(trainer, dtype), first_factors=first_factors)
+    stack = StackedProjections(trainer.model, dtype, first_factors=first_factors)
     if not stack.groups:
         return None, refused.format(stack.reason)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the base weights' old places
     sizes = sorted({len(g.layers) for g in stack.groups}, reverse=True)
-    only = ", over the 4-bit base their first factors only" if stack.first_factors_only else ""
+    only = FIRST_FACTORS_ONLY if stack.first_factors_only else ""
     return stack, (f"stacked by shared input for rollouts ({len(stack.groups)} groups of {'/'.join(map(str, sizes))} "
                    f"projections{only}; first factors' rows {stack.nbytes / 2**30:.2f} GiB kept, second factors "
                    f"{stack.second_nbytes() / 2**30:.2f} GiB while it runs; the optimizer state waits on the host)")

@@ -24,7 +24,8 @@ its members' first factors (in the rollouts' compute dtype, `dtype`): one matmul
 inputs, each member's base runs on its own (vlmrl's nf4 kernel at token steps), and each member's second factor,
 scale and sum are one step over its base output (`second_factors.added_second`): per layer 7 base calls, 4 first
 factor matmuls and 7 second steps where PEFT runs 7 + 14 matmuls and 7 sums. The values are those of PEFT's forward
-over the bf16 adapter copies under the rollout's autocast, up to the order in which a matmul sums its products.
+(its adapters in bf16, as stored or copied, under the rollout's autocast), up to the order in which a matmul sums
+its products. Only where the token steps are recorded as one graph (`first_factors`; measured faster there only).
 
 Applies to plain LoRA (no DoRA or other variant, no dropout, no bias of its own, one active adapter) over
 float or bitsandbytes 4-bit base weights that are not sharded (FSDP / ZeRO-3); elsewhere the adapter copies apply
@@ -36,7 +37,7 @@ first factors stacked again").
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,7 +51,7 @@ from vlmrl.engine.rollout.nf4 import is_linear4bit
 SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-def _member_reason(layer: Any, first_factors: bool = True) -> str | None:
+def _member_reason(layer: Any, first_factors: bool = False) -> str | None:
     """Why a PEFT LoRA layer cannot be stacked (`first_factors`: over a 4-bit base, its first factor may be); None
     when it can."""
     from vlmrl.engine.lora_layers import plain_reason
@@ -60,7 +61,7 @@ def _member_reason(layer: Any, first_factors: bool = True) -> str | None:
         return reason
     base = layer.get_base_layer()
     if is_linear4bit(base):
-        return None if first_factors else "a Linear4bit base layer (its first factors stacked only where asked)"
+        return None if first_factors else "a Linear4bit base layer (its first factors are stacked only where token steps are recorded)"
     if type(base) is not torch.nn.Linear:
         return f"a {type(base).__name__} base layer (quantized or not a plain Linear)"
     if not base.weight.is_floating_point() or base.weight.requires_grad:
@@ -150,7 +151,7 @@ class _FirstFactors(_Group):
     scales: list[Any] = field(default_factory=list)
 
     def compute(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        first = F.linear(x, self.weight)
+        first = F.linear(x.to(self.weight.dtype), self.weight)  # PEFT casts the input to its adapters' dtype too
         outs, col = [], 0
         for layer, rank, second, scale in zip(self.layers, self.ranks, self.seconds, self.scales):
             base = layer.get_base_layer()(x)
@@ -185,11 +186,11 @@ class _FirstFactors(_Group):
 
 class StackedProjections:
     """Stacks the frozen base weights of `model`'s LoRA projections by shared input (see the module's text), or over
-    4-bit bases (with `first_factors`) their first factors, kept in `dtype` (the rollouts' compute dtype; left out,
-    bf16); `active()` makes rollouts use them. `reason` says why nothing was stacked (then `active()` changes
-    nothing)."""
+    4-bit bases (with `first_factors`) their first factors, kept in `dtype` (the rollouts' autocast dtype; left out,
+    the adapters' own); `active()` makes rollouts use them. `reason` says why nothing was stacked (then `active()`
+    changes nothing)."""
 
-    def __init__(self, model: Any, dtype: torch.dtype | None = None, *, first_factors: bool = True):
+    def __init__(self, model: Any, dtype: torch.dtype | None = None, *, first_factors: bool = False):
         from vlmrl.engine.lora_layers import lora_layers
 
         self.groups: list[_Group] = []
@@ -226,20 +227,25 @@ class StackedProjections:
         return sum(g.second_nbytes() for g in self.groups)
 
     @contextlib.contextmanager
-    def active(self, fused: bool = False) -> Iterator[None]:
+    def active(self, fused: bool = False, first_factors: Callable[[], bool] | None = None) -> Iterator[None]:
         """Within the block the stacked groups hold the adapters' current factors and their layers compute
         through them; after it, PEFT's own forwards again (and the second factors are freed). `fused`: token
-        steps run each group's second step as one Triton kernel (`vlmrl.engine.rollout.second_factors`)."""
-        if not self.groups:
+        steps run each group's second step as one Triton kernel (`vlmrl.engine.rollout.second_factors`).
+        `first_factors`, asked as the block starts: False leaves the groups over 4-bit bases to PEFT's own forwards
+        for this block (where their token steps went back to CUDA graph trees)."""
+        groups = self.groups
+        if first_factors is not None and not first_factors():
+            groups = [g for g in groups if not isinstance(g, _FirstFactors)]
+        if not groups:
             yield
             return
         installed: list[Any] = []
         try:
             with torch.no_grad():
-                for group in self.groups:
+                for group in groups:
                     group.load()
                     group.fused = fused
-            for group in self.groups:
+            for group in groups:
                 for index, layer in enumerate(group.layers):
                     layer.forward = _stacked_forward(group, index, layer)
                     installed.append(layer)
@@ -247,7 +253,7 @@ class StackedProjections:
         finally:
             for layer in installed:
                 del layer.forward
-            for group in self.groups:
+            for group in groups:
                 group.release()
 
 
@@ -262,7 +268,7 @@ def _compatible(layers: list[Any]) -> bool:
 def _group(layers: list[Any], dtype: torch.dtype | None) -> _Group:
     """The layers' group: their base weights stacked, or over 4-bit bases their first factors only."""
     if is_linear4bit(layers[0].get_base_layer()):
-        return _first_factors(layers, dtype or torch.bfloat16)
+        return _first_factors(layers, dtype or next(iter(layers[0].lora_A.values())).weight.dtype)
     return _stack(layers)
 
 
