@@ -102,7 +102,8 @@ VARIANTS: dict[str, Variant] = {
     # the stacked groups' second step as a cuBLAS matmul and a sum instead of one Triton kernel
     "vlmrl-second-cublas": Variant(rollout={"second_cublas": True}),
     # a 4-bit base's token steps on bitsandbytes' Linear4bit instead of vlmrl's nf4 kernel, or through the
-    # kernel's first design
+    # kernel's first design (the rest of the set-up as the product's over the kernel: the token steps recorded, the
+    # first factors stacked; the product itself keeps neither where bitsandbytes runs its token steps)
     "vlmrl-bnb": Variant(rollout={"nf4_kernel": "off"}),
     "vlmrl-nf4-v1": Variant(rollout={"nf4_kernel": "v1"}),
     "vlmrl-nf4-v2": Variant(),  # the default now (on the GPUs where it was measured: nf4.gpu_reason)
