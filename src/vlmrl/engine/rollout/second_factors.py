@@ -5,9 +5,9 @@ side. What follows is `base + scale * (first @ secondᵀ)`, `second` the group's
 (`stacked_second`; over a 4-bit base, whose members compute their base outputs apart, one member's at a time:
 `added_second`). At a token step (a few dozen rows) cuBLAS runs that small matmul (K = the group's summed ranks)
 bound by latency rather than bandwidth, and the scaled sum after it is another kernel, for every group of every
-layer (what that costs: benchmarks/NOTES.md). Here one kernel reads the rank-space inputs, multiplies them by a tile of the second factors
-on the tensor cores, scales, adds the base outputs and writes the outputs; one program per block of output columns
-(and of rows). On with `train.rollout.kernels`.
+layer (what that costs: benchmarks/NOTES.md). Here one kernel reads the rank-space inputs, multiplies them by a
+tile of the second factors on the tensor cores, scales, adds the base outputs and writes the outputs; one program
+per block of output columns (and of rows). On with `train.rollout.kernels`.
 
 Rounded as the unfused path rounds, in bf16 (fp16 stays on the unfused step): the product is rounded, then scaled
 (a float, or one value per output column in bf16) and rounded, then added to the base outputs and rounded. Only the dot's
