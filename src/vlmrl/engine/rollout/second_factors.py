@@ -50,11 +50,23 @@ def usable(outputs: torch.Tensor, second: torch.Tensor) -> bool:
     )
 
 
+def added(base: torch.Tensor, first: torch.Tensor, second: torch.Tensor, scale: Any) -> torch.Tensor:
+    """The unfused arithmetic the kernel computes: `base + F.linear(first, second) * scale` (PEFT's
+    `result + lora_B(...) * scaling`)."""
+    return base + F.linear(first, second) * scale
+
+
 def reference(stacked: torch.Tensor, second: torch.Tensor, scale: Any) -> torch.Tensor:
     """The unfused arithmetic: what `vlmrl.engine.rollout.stacked` computes without the kernel."""
     width = second.shape[0]
-    base, first = stacked[..., :width], stacked[..., width:]
-    return base + F.linear(first, second) * scale
+    return added(stacked[..., :width], stacked[..., width:], second, scale)
+
+
+def _rows(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` as [rows, last dim], copied only where its last dim is not contiguous (the kernel reads rows through
+    their stride)."""
+    flat = tensor.reshape(-1, tensor.shape[-1])
+    return flat if flat.stride(-1) == 1 else flat.contiguous()
 
 
 # flexible_layout: the kernel reads `stacked` through its row stride, so a compiled step hands it the stacked matmul's
@@ -63,9 +75,7 @@ def reference(stacked: torch.Tensor, second: torch.Tensor, scale: Any) -> torch.
 def _stacked_second(stacked: torch.Tensor, second: torch.Tensor, scales: torch.Tensor | None,
                     scale: float) -> torch.Tensor:
     width = second.shape[0]
-    flat = stacked.reshape(-1, stacked.shape[-1])
-    if flat.stride(-1) != 1:
-        flat = flat.contiguous()
+    flat = _rows(stacked)
     return step(flat[:, :width], flat[:, width:], second, scales, scale).view(*stacked.shape[:-1], width)
 
 
@@ -84,12 +94,7 @@ def stacked_second(stacked: torch.Tensor, second: torch.Tensor, scale: Any) -> t
 
 @torch.library.custom_op("vlmrl::added_second", mutates_args=(), tags=(torch.Tag.flexible_layout,))
 def _added_second(base: torch.Tensor, first: torch.Tensor, second: torch.Tensor, scale: float) -> torch.Tensor:
-    flat_base, flat_first = base.reshape(-1, base.shape[-1]), first.reshape(-1, first.shape[-1])
-    if flat_base.stride(-1) != 1:
-        flat_base = flat_base.contiguous()
-    if flat_first.stride(-1) != 1:
-        flat_first = flat_first.contiguous()
-    return step(flat_base, flat_first, second, None, scale).view(*base.shape)
+    return step(_rows(base), _rows(first), second, None, scale).view(*base.shape)
 
 
 @_added_second.register_fake
@@ -110,7 +115,7 @@ def step(base: torch.Tensor, first: torch.Tensor, second: torch.Tensor, scales: 
     arithmetic in torch, with one warning, where Triton cannot build or launch it. For a custom op's body."""
     return kernel_or_fallback(
         _failed, (str(base.device), base.dtype), lambda: _launch(base, first, second, scales, scale),
-        lambda: base + F.linear(first, second) * (scales if scales is not None else scale),
+        lambda: added(base, first, second, scales if scales is not None else scale),
         what="stacked second-factor kernel", instead="cuBLAS", logger=log)
 
 

@@ -156,10 +156,8 @@ class _FirstFactors(_Group):
         for layer, rank, second, scale in zip(self.layers, self.ranks, self.seconds, self.scales):
             base = layer.get_base_layer()(x)
             part = first[..., col:col + rank]
-            if self.fused and second_factors.usable(base, second):
-                outs.append(second_factors.added_second(base, part, second, scale))
-            else:
-                outs.append(base + F.linear(part, second) * scale)  # PEFT's `result + lora_B(...) * scaling`
+            fused = self.fused and second_factors.usable(base, second)
+            outs.append((second_factors.added_second if fused else second_factors.added)(base, part, second, scale))
             col += rank
         return tuple(outs)
 
