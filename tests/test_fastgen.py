@@ -263,10 +263,10 @@ def test_rollouts_run_under_the_training_autocast_when_adapters_are_fp32(monkeyp
         return args
 
     trainer = fake_trainer(mixed, rollout)
-    from vlmrl.engine.rollout import fast as fast_path
+    from vlmrl.engine.rollout import step_graph
     from vlmrl.engine.rollout.fast import STEP_GRAPH
 
-    monkeypatch.setattr(fast_path, "_not_on_cuda", lambda model: None)  # as on a GPU
+    monkeypatch.setattr(step_graph, "cuda_reason", lambda model: None)  # as on a GPU
     fast = enable_fast_generation(trainer)
     assert fast.autocast == "bfloat16"
 

@@ -311,11 +311,11 @@ def test_nf4_decode_routes_token_steps_and_leaves_the_rest_to_bitsandbytes(launc
 def test_the_fast_path_routes_a_trainers_token_steps_for_its_life(launches, monkeypatch):
     """`enable_fast_generation` on a 4-bit base, where the GPU rule lets it (here patched to, as on an H200): every
     rollout's token steps go through the kernel, the loss pass stays on bitsandbytes, the record says so."""
-    from vlmrl.engine.rollout import fast as fast_path
+    from vlmrl.engine.rollout import step_graph
     from vlmrl.engine.rollout.fast import STEP_GRAPH, enable_fast_generation
 
     monkeypatch.setattr(nf4, "gpu_reason", lambda device: None)
-    monkeypatch.setattr(fast_path, "_not_on_cuda", lambda model: None)  # (Triton's interpreter on a CPU)
+    monkeypatch.setattr(step_graph, "cuda_reason", lambda model: None)  # (Triton's interpreter on a CPU)
     model = nf4_model(nf4_layer(256, 192))
     step = torch.randn(4, 1, 256).to(DEVICE, torch.bfloat16)
     trainer = nf4_rollout_trainer(model, step)

@@ -531,15 +531,14 @@ def test_the_loop_before_the_words_gives_the_products_values_on_a_gpu():
 
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes")
 def test_vlmrl_copies_keeps_peft_s_branch_over_a_4bit_base_where_the_product_stacks_the_first_factors(monkeypatch):
-    from vlmrl.engine.rollout import fast as fast_path
-    from vlmrl.engine.rollout import nf4
+    from vlmrl.engine.rollout import nf4, step_graph
 
     monkeypatch.setattr(nf4, "gpu_reason", lambda device: None)
     unrecorded = enable_fast_generation(fake_trainer(nf4_block(), lambda: None))  # weights on the CPU: no graphs
     assert unrecorded.step_graph.startswith("CUDA graph trees (weights on cpu")
     assert unrecorded.adapters.startswith("not stacked (a Linear4bit base layer (its first factors are stacked only "
                                           "where token steps are recorded)")
-    monkeypatch.setattr(fast_path, "_not_on_cuda", lambda model: None)  # token steps recorded, as on an H100
+    monkeypatch.setattr(step_graph, "cuda_reason", lambda model: None)  # token steps recorded, as on an H100
     product = enable_fast_generation(fake_trainer(nf4_block(), lambda: None))
     assert product.adapters.startswith("stacked by shared input for rollouts (3 groups of 3/2/1 projections, over "
                                        "the 4-bit base their first factors only")

@@ -33,6 +33,7 @@ from vlmrl.engine.rollout import stacked
 from vlmrl.engine.rollout.fast import (
     FINISHED_READ,
     FIRST_FACTORS_ONLY,
+    GRAPH_TREES_BRANCH,
     KERNEL_READ,
     SECOND_KERNEL,
     FastGeneration,
@@ -139,8 +140,7 @@ def apply(trainer: Any, fast: FastGeneration, *, merge: bool = False, filled_win
         changes["cache_read"] = changes.get("cache_read", fast.cache_read or "").replace(
             FINISHED_READ, ", rows that have ended reading all of theirs (a bench variant)")
     if second_cublas:
-        contexts = [(name, functools.partial(factory.func, **{**factory.keywords, "fused": False})
-                     if name == "stacked" else factory) for name, factory in contexts]
+        contexts = _stacked_with(contexts, fused=False)
         changes["adapters"] = changes.get("adapters", fast.adapters or "").replace(SECOND_KERNEL, "")
     if second_inline:
         from .second_inline import second_inline as inline
@@ -158,19 +158,24 @@ def apply(trainer: Any, fast: FastGeneration, *, merge: bool = False, filled_win
         changes["guards"] = "first step"
     if graph_trees and "step_graph" in names:
         # as the product falls back: the graph trees, and over a 4-bit base PEFT's branch, not the first factors
-        contexts = [(name, functools.partial(factory.func, **{**factory.keywords, "first_factors": lambda: False})
-                     if name == "stacked" else factory) for name, factory in contexts if name != "step_graph"]
+        contexts = _stacked_with([c for c in contexts if c[0] != "step_graph"], first_factors=lambda: False)
         trainer.generation_config.compile_config.mode = "reduce-overhead"
         changes["mode"] = "reduce-overhead"
         changes["step_graph"], changes["graphs"] = "CUDA graph trees (a bench variant)", None
         if FIRST_FACTORS_ONLY in (fast.adapters or ""):
-            changes["adapters"] = f"{fast.adapters}; PEFT's own branch over the 4-bit base with the graph trees"
+            changes["adapters"] = fast.adapters + GRAPH_TREES_BRANCH
     if nf4_kernel and fast.weights is not None:  # (None: not a 4-bit base)
         changes["weights"] = _nf4_for_life(trainer, nf4_kernel)
     wrap_rollouts(trainer, contexts)
     log.warning("rollout variants (benchmarks/variants): %s", changes or "none")
     record = {field.name: getattr(fast, field.name) for field in dataclasses.fields(fast)}
     return VariantRecord(**(record | changes))
+
+
+def _stacked_with(contexts: list, **keywords: Any) -> list:
+    """`contexts` with the product's "stacked" context (a partial of `StackedProjections.active`) given `keywords`."""
+    return [(name, functools.partial(factory.func, **{**factory.keywords, **keywords}) if name == "stacked" else factory)
+            for name, factory in contexts]
 
 
 def _nf4_for_life(trainer: Any, kernel: str) -> str:

@@ -48,6 +48,7 @@ KERNEL_READ = "; token steps skip the blocks nothing attends to (vlmrl.engine.ro
 SECOND_KERNEL = "; token steps: each group's second step one Triton kernel (vlmrl.engine.rollout.second_factors)"
 STEP_GRAPH = "each rollout's token step recorded once as one CUDA graph and replayed (vlmrl.engine.rollout.step_graph)"
 FIRST_FACTORS_ONLY = ", over the 4-bit base their first factors only"
+GRAPH_TREES_BRANCH = "; PEFT's own branch over the 4-bit base with the graph trees"  # what follows the first factors
 SECOND_KERNEL_FALLBACK = "; token steps: each group's second step on cuBLAS (the Triton kernel is bfloat16 only)"
 
 
@@ -74,7 +75,7 @@ class FastGeneration:
             record["step_graph"] = f"{self.step_graph}, then CUDA graph trees from a later rollout on ({self.graphs.off})"
             record["mode"] = f"{self.mode}, then {self.graphs.fallback_mode}"
             if self.adapters and FIRST_FACTORS_ONLY in self.adapters:
-                record["adapters"] = f"{self.adapters}; PEFT's own branch over the 4-bit base with the graph trees"
+                record["adapters"] = self.adapters + GRAPH_TREES_BRANCH
         return record
 
 
@@ -166,7 +167,9 @@ def step_graph_reason(trainer: Any, *, mode: str, kernels: bool, quantized: bool
         return f"torch.compile mode {mode}"
     if not kernels:
         return "vlmrl's kernels are off"
-    if (off_cuda := _not_on_cuda(trainer.model)) is not None:
+    from vlmrl.engine.rollout import step_graph
+
+    if (off_cuda := step_graph.cuda_reason(trainer.model)) is not None:
         return off_cuda
     if sharded(trainer):  # a replay would skip the hooks that gather and free the shards
         return "parameters are sharded by FSDP / DeepSpeed"
@@ -178,14 +181,6 @@ def step_graph_reason(trainer: Any, *, mode: str, kernels: bool, quantized: bool
     if kinds - {"full_attention"}:
         return f"the model has {', '.join(sorted(kinds - {'full_attention'}))} layers, whose cache a replay would not update"
     return None
-
-
-def _not_on_cuda(model: Any) -> str | None:
-    """Why CUDA graphs cannot record `model`'s token steps where its weights are, or None (on CUDA)."""
-    device = next((p.device for p in model.parameters()), None) if isinstance(model, torch.nn.Module) else None
-    if device is None or device.type == "cuda":
-        return None
-    return f"weights on {device} (CUDA graphs need a CUDA device)"
 
 
 def _rollout_adapters(trainer: Any, dtype: torch.dtype | None, *, kernels: bool,

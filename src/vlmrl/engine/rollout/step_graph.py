@@ -22,12 +22,12 @@ guards. The kernels are the compiled step's own, so the tokens and log-probabili
 - `RolloutGraphs(config)`: a trainer's rollouts, for its life, compiled in `RECORDED_MODE`: the first step that
   cannot be recorded (said once, with why) puts the trainer's compile mode back to the one it had (CUDA graph
   trees) for the rollouts after, and its own call finishes compiled.
-`vlmrl.engine.rollout.fast` turns it on where it was measured (`fast.step_graph_reason`). Limits: CUDA only; a
-cache of other layers than transformers' full-attention `StaticLayer` (sliding-window ones keep Python numbers) is
-refused, not recorded (`fast.step_graph_reason` keeps models with such layers off it from the start); a call's
-graph goes when the next call starts or the block ends (each rollout's adapter copies and rope offsets are new
-tensors); Python state the compiled step would change at each call, other than those counters, is changed only
-when it runs compiled.
+`vlmrl.engine.rollout.fast` turns it on where it was measured (`fast.step_graph_reason`, which asks `cuda_reason`
+where the weights are). Limits: CUDA only; a cache of other layers than transformers' full-attention `StaticLayer`
+(sliding-window ones keep Python numbers) is refused, not recorded (`fast.step_graph_reason` keeps models with such
+layers off it from the start); a call's graph goes when the next call starts or the block ends (each rollout's
+adapter copies and rope offsets are new tensors); Python state the compiled step would change at each call, other
+than those counters, is changed only when it runs compiled.
 """
 
 from __future__ import annotations
@@ -94,6 +94,14 @@ def position_counters(kwargs: dict[str, Any]) -> tuple[list[torch.Tensor], str |
             elif counter is not None:
                 return [], f"the cache's {kind.__name__} keeps its position in a Python number"
     return counters, None
+
+
+def cuda_reason(model: Any) -> str | None:
+    """Why CUDA graphs cannot record `model`'s token steps where its weights are, or None (on CUDA, or not a module)."""
+    device = next((p.device for p in model.parameters()), None) if isinstance(model, torch.nn.Module) else None
+    if device is None or device.type == "cuda":
+        return None
+    return f"weights on {device} (CUDA graphs need a CUDA device)"
 
 
 class CudaGraphs:
