@@ -291,11 +291,11 @@ def load_sdpa(path: Path):
 def launches(monkeypatch):
     """Each launch of the nf4 token-step kernel (`vlmrl.engine.rollout.nf4.launch`), by its rows, recorded (and the
     kernel's fallbacks, shuffle checks and split counters cleared); cuBLAS's reduced-precision reductions off, so that references sum in fp32."""
-    from vlmrl.engine.rollout import nf4
+    from vlmrl.engine.rollout import arrivals, nf4
 
     monkeypatch.setattr(nf4, "_failed", {})
     monkeypatch.setattr(nf4, "_shuffles", {})
-    monkeypatch.setattr(nf4, "_counters", {})
+    monkeypatch.setattr(arrivals, "_counters", {})
     calls = []
     real = nf4.launch
     monkeypatch.setattr(nf4, "launch", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))

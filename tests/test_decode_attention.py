@@ -58,6 +58,36 @@ def test_it_is_sdpas_attention(dtype, tolerance, splits, block):
     assert (out.double() - reference).abs().max() <= 2 * (sdpa.double() - reference).abs().max() + 1e-3
 
 
+@pytest.mark.parametrize("splits", [2, 3])
+def test_the_last_share_to_finish_merges_them_as_the_second_kernel_did(splits, monkeypatch):
+    from vlmrl.engine.rollout import arrivals
+
+    monkeypatch.setattr(arrivals, "_counters", {})
+    query, key, value, mask = _inputs(torch.bfloat16)
+    launched = []
+    real = kernel_module._kernels
+
+    def counted(interpret):
+        partial, combine = real(interpret)
+
+        class Counted:
+            def __getitem__(self, grid):
+                return lambda *a, **k: launched.append(grid) or combine[grid](*a, **k)
+
+        return partial, Counted()
+
+    monkeypatch.setattr(kernel_module, "_kernels", counted)
+    # on a GPU the shares finish in any order: launch after launch, the last reads every other's (acquire/release)
+    runs = [decode_attention(query, key, value, mask, block=32, splits=splits) for _ in range(50 if DEVICE == "cuda" else 1)]
+    in_kernel = runs[0]
+    assert not launched  # merged in the first kernel,
+    assert all(torch.equal(run, in_kernel) for run in runs)
+    assert not arrivals._counters[torch.device(DEVICE)].any()  # every counter back at 0 for the next launch
+    monkeypatch.setattr(arrivals, "COUNTERS", 0)  # no counters to be had: the second kernel merges them
+    two_kernels = decode_attention(query, key, value, mask, block=32, splits=splits)
+    assert launched and torch.equal(in_kernel, two_kernels)  # bit for bit: the same order
+
+
 def test_a_scale_and_a_mask_shared_by_the_batch():
     query, key, value, mask = _inputs(torch.float16)
     shared = mask[:1]

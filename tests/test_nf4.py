@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers import compiled_calls, nf4_layer, nf4_model, nf4_quantized, nf4_rollout_trainer, nf4_units
-from vlmrl.engine.rollout import nf4, nf4_settings
+from vlmrl.engine.rollout import arrivals, nf4, nf4_settings
 
 bnb = pytest.importorskip("bitsandbytes")
 BF = bnb.functional
@@ -149,17 +149,17 @@ def test_the_last_split_to_finish_sums_them_as_the_second_kernel_did(rows, k, co
     monkeypatch.setattr(nf4, "sum_splits", lambda *a: second.append(1) or real_sum(*a))
     in_kernel = matmul(x, packed, b, quant_state=qs, config=config)
     assert not second  # summed in the tile kernel,
-    assert not nf4._counters[torch.device(DEVICE)].any()  # every counter back at 0 for the next launch
-    monkeypatch.setattr(nf4, "COUNTERS", 0)  # no buffer large enough: the second kernel sums them
+    assert not arrivals._counters[torch.device(DEVICE)].any()  # every counter back at 0 for the next launch
+    monkeypatch.setattr(arrivals, "COUNTERS", 0)  # no buffer large enough: the second kernel sums them
     two_kernels = matmul(x, packed, b, quant_state=qs, config=config)
     assert second and torch.equal(in_kernel, two_kernels)  # bit for bit: the same order, rounded once
 
 
 def test_split_counters_are_not_made_inside_a_graph_capture(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert nf4.split_counters(torch.device("cuda"), 8) is None  # an allocation there would belong to the graph
-    assert nf4.split_counters(torch.device("cpu"), nf4.COUNTERS + 1) is None  # more tiles than counters
-    assert nf4.split_counters(torch.device("cpu"), 8).dtype == torch.int32
+    assert arrivals.split_counters(torch.device("cuda"), 8) is None  # an allocation there would belong to the graph
+    assert arrivals.split_counters(torch.device("cpu"), arrivals.COUNTERS + 1) is None  # more tiles than counters
+    assert arrivals.split_counters(torch.device("cpu"), 8).dtype == torch.int32
 
 
 def test_the_record_counts_the_layers_that_take_measured_settings(monkeypatch):
@@ -430,13 +430,13 @@ def _splits_summed_in_the_kernel_as_by_the_second(dtype, matmul, repeats=50):
     x = torch.randn(32, k, device="cuda").to(dtype)
     bias = torch.randn(n, device="cuda").to(dtype)
     runs = [matmul(x, packed, bias, quant_state=qs) for _ in range(repeats)]
-    counters = nf4._counters[torch.device("cuda", torch.cuda.current_device())]
+    counters = arrivals._counters[torch.device("cuda", torch.cuda.current_device())]
     assert not counters.any()
-    saved, nf4.COUNTERS = nf4.COUNTERS, 0
+    saved, arrivals.COUNTERS = arrivals.COUNTERS, 0
     try:
         expected = matmul(x, packed, bias, quant_state=qs)
     finally:
-        nf4.COUNTERS = saved
+        arrivals.COUNTERS = saved
     assert all(torch.equal(run, expected) for run in runs)
 
 

@@ -10,8 +10,10 @@ This kernel keeps the shapes and reads the mask instead: the cache is cut into b
 program of the first kernel walks its share of one sequence's blocks for one KV head, loads a block's mask entries
 (a few bytes) and skips the block when none of them is attended (the unwritten tail, a left-padded prompt's start).
 Its G query rows (padded to 16 for the tensor cores) keep a running max, sum and weighted value sum in float32, as
-flash attention does; the second kernel merges the shares of a (sequence, head). The shares split the cache so
-that there are enough programs to keep every SM streaming (`splits`).
+flash attention does. The shares split the cache so that there are enough programs to keep every SM streaming
+(`splits`); the last share of a (sequence, head) to finish merges them in split order (a counter each,
+`arrivals.split_counters`), or a second kernel does where no counters can be had (inside a CUDA graph capture that
+comes before the device's counters exist). One share writes the output itself.
 
 The result is SDPA's attention up to float summation order; like other flash kernels, the probabilities are
 rounded to the values' dtype before they weight the values. It serves inference only: no gradient, one query
@@ -35,6 +37,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
+
+from vlmrl.engine.rollout.arrivals import split_counters
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -132,6 +136,9 @@ def _launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: t
     keep = mask.view(torch.uint8)  # same bytes, a type Triton loads as integers
     interpret = interpreted()
     partial, combine = _kernels(interpret)
+    # the last share of a (sequence, head) to finish merges them (one counter each); a second kernel where no
+    # counters can be had
+    counters = split_counters(query.device, batch * heads) if splits > 1 else None
     log2e = 1.4426950408889634
     partial[(batch, heads, splits)](
         query, key, value, keep, acc, top, total,
@@ -139,13 +146,16 @@ def _launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: t
         key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2),
         keep.stride(0) if keep.shape[0] > 1 else 0, keep.stride(3),
-        positions, chunk, scale * log2e,
-        G=rows, D=dim, R=ROWS, BLOCK=block, DOT_F32=interpret, num_warps=WARPS,
+        positions, chunk, scale * log2e, out, out.stride(0), out.stride(1), out.stride(2),
+        counters if counters is not None else out,
+        G=rows, D=dim, R=ROWS, BLOCK=block, DOT_F32=interpret, MERGE=counters is not None,
+        num_warps=WARPS,
     )
-    combine[(batch, heads)](
-        acc, top, total, out, splits, out.stride(0), out.stride(1), out.stride(2),
-        G=rows, D=dim, R=ROWS,
-    )
+    if splits > 1 and counters is None:
+        combine[(batch, heads)](
+            acc, top, total, out, splits, out.stride(0), out.stride(1), out.stride(2),
+            G=rows, D=dim, R=ROWS,
+        )
     return out
 
 
@@ -168,16 +178,51 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 @functools.cache
 def _kernels(interpret: bool) -> tuple[Any, Any]:
-    """The two Triton kernels, built on first use (importing vlmrl needs no Triton), once for the GPU and once for
-    the interpreter (Triton picks it when a kernel is defined)."""
+    """The two Triton kernels (the shares, and their merge where the first does not merge them), built on first use
+    (importing vlmrl needs no Triton), once for the GPU and once for the interpreter (Triton picks it when a kernel
+    is defined)."""
     import triton
     import triton.language as tl
 
     @triton.jit
+    def shares_loaded(Ptr, where, ok, other, L2: tl.constexpr):
+        # L2: read through L2 (.cg), past a stale L1, as the last program to arrive reads the others' shares
+        if L2:
+            return tl.load(Ptr + where, mask=ok, other=other, cache_modifier=".cg")
+        return tl.load(Ptr + where, mask=ok, other=other)
+
+    globals()["shares_loaded"] = shares_loaded  # a kernel finds the functions it calls among its module's globals
+
+    @triton.jit
+    def merged(Acc, Top, Total, Out, b, h, first, splits, sob, soh, sog, G: tl.constexpr, D: tl.constexpr,
+               R: tl.constexpr, L2: tl.constexpr):
+        # the shares of (sequence b, head h), `first` the index of its first, merged in split order into Out
+        rows = tl.arange(0, R)
+        cols = tl.arange(0, D)
+        real = rows < G
+        top = tl.full((R,), float("-inf"), tl.float32)
+        for s in range(splits):
+            top = tl.maximum(top, shares_loaded(Top, (first + s) * G + rows, real, float("-inf"), L2))
+        top = tl.where(top == float("-inf"), 0.0, top)  # no attended position anywhere: every weight below is 0
+        total = tl.zeros((R,), tl.float32)
+        acc = tl.zeros((R, D), tl.float32)
+        for s in range(splits):
+            weight = tl.exp2(shares_loaded(Top, (first + s) * G + rows, real, float("-inf"), L2) - top)
+            total += weight * shares_loaded(Total, (first + s) * G + rows, real, 0.0, L2)
+            acc += weight[:, None] * shares_loaded(Acc, (first + s) * G * D + rows[:, None] * D + cols[None, :],
+                                                   real[:, None], 0.0, L2)
+        out = acc / tl.where(total > 0, total, 1.0)[:, None]
+        tl.store(Out + b * sob + h * soh + rows[:, None] * sog + cols[None, :], out.to(Out.dtype.element_ty),
+                 mask=real[:, None])
+
+    globals()["merged"] = merged
+
+    @triton.jit
     def partial(Q, K, V, Keep, Acc, Top, Total,
                 sqb, sqh, sqg, skb, skh, skl, svb, svh, svl, smb, sml,
-                positions, chunk, scale_log2,
-                G: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr, DOT_F32: tl.constexpr):
+                positions, chunk, scale_log2, Out, sob, soh, sog, Counters,
+                G: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr, DOT_F32: tl.constexpr,
+                MERGE: tl.constexpr):
         # DOT_F32: the interpreter's tl.dot reads bf16 as raw integers, so there the dots take float32 copies (exact:
         # bf16 values and their products are float32 values); compiled kernels multiply in the inputs' dtype.
         b = tl.program_id(0)
@@ -216,32 +261,29 @@ def _kernels(interpret: bool) -> tuple[Any, Any]:
                 top = new_top
         share = (b * tl.num_programs(1) + h) * splits + s
         real = rows < G
-        tl.store(Acc + share * G * D + rows[:, None] * D + cols[None, :], acc, mask=real[:, None])
-        tl.store(Top + share * G + rows, top, mask=real)
-        tl.store(Total + share * G + rows, total, mask=real)
+        if splits == 1:  # the only share: the output itself (what merging one share gives, bit for bit)
+            out = acc / tl.where(total > 0, total, 1.0)[:, None]
+            tl.store(Out + b * sob + h * soh + rows[:, None] * sog + cols[None, :], out.to(Out.dtype.element_ty),
+                     mask=real[:, None])
+        else:
+            tl.store(Acc + share * G * D + rows[:, None] * D + cols[None, :], acc, mask=real[:, None])
+            tl.store(Top + share * G + rows, top, mask=real)
+            tl.store(Total + share * G + rows, total, mask=real)
+            if MERGE:
+                # every thread's stores before the count (released at GPU scope); the last share of this (sequence,
+                # head) to arrive merges them, read through L2 after its acquire, and sets the counter back to 0
+                tl.debug_barrier()
+                pair = b * tl.num_programs(1) + h
+                if tl.atomic_add(Counters + pair, 1, sem="acq_rel", scope="gpu") == splits - 1:
+                    merged(Acc, Top, Total, Out, b, h, pair * splits, splits, sob, soh, sog, G, D, R, True)
+                    tl.atomic_xchg(Counters + pair, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
     def combine(Acc, Top, Total, Out, splits, sob, soh, sog,
                 G: tl.constexpr, D: tl.constexpr, R: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
-        rows = tl.arange(0, R)
-        cols = tl.arange(0, D)
-        real = rows < G
-        first = (b * tl.num_programs(1) + h) * splits
-        top = tl.full((R,), float("-inf"), tl.float32)
-        for s in range(splits):
-            top = tl.maximum(top, tl.load(Top + (first + s) * G + rows, mask=real, other=float("-inf")))
-        top = tl.where(top == float("-inf"), 0.0, top)  # no attended position anywhere: every weight below is 0
-        total = tl.zeros((R,), tl.float32)
-        acc = tl.zeros((R, D), tl.float32)
-        for s in range(splits):
-            weight = tl.exp2(tl.load(Top + (first + s) * G + rows, mask=real, other=float("-inf")) - top)
-            total += weight * tl.load(Total + (first + s) * G + rows, mask=real, other=0.0)
-            acc += weight[:, None] * tl.load(Acc + (first + s) * G * D + rows[:, None] * D + cols[None, :],
-                                             mask=real[:, None], other=0.0)
-        out = acc / tl.where(total > 0, total, 1.0)[:, None]
-        tl.store(Out + b * sob + h * soh + rows[:, None] * sog + cols[None, :], out.to(Out.dtype.element_ty),
-                 mask=real[:, None])
+        merged(Acc, Top, Total, Out, b, h, (b * tl.num_programs(1) + h) * splits, splits, sob, soh, sog, G, D, R,
+               False)
 
     return partial, combine

@@ -13,8 +13,8 @@ order: each weight bit-equal, each output within one bf16/fp16 unit in the last 
 outputs near zero are counted). Its Triton source is `nf4_triton`; the first design, which lost to this one, is a
 benchmark plugin (benchmarks/variants/nf4_v1.py), as is the byte-at-a-time loop before the words (nf4_bytes).
 
-Public: `nf4_matmul`; `launch`, `split_counters` (the per-tile counters of the in-kernel split sum) and
-`sum_splits` (the second kernel's in-order sum), which it runs; `nf4_decode(model)`,
+Public: `nf4_matmul`; `launch` (a split K summed in the tile kernel, its arrivals counted by
+`arrivals.split_counters`) and `sum_splits` (the second kernel's in-order sum), which it runs; `nf4_decode(model)`,
 which routes `Linear4bit` forwards of `MIN_ROWS` to `MAX_ROWS` rows without gradients through the kernel while
 active (one-row steps, where bitsandbytes runs its gemv, prompt passes, training and unsupported layers stay on
 bitsandbytes, the fallback); `unsupported_reason(model)`, for the caller to record why a model stays there;
@@ -44,18 +44,17 @@ import torch
 import torch.nn.functional as F
 
 from vlmrl.engine.rollout import nf4_settings, nf4_triton
+from vlmrl.engine.rollout.arrivals import split_counters
 from vlmrl.engine.rollout.decode_attention import HAS_TRITON, interpreted, kernel_or_fallback
 
 log = logging.getLogger(__name__)
 _failed: dict[tuple, str] = {}  # (device, dtype) -> why the kernel could not run there
 _shuffles: dict[tuple, bool] = {}  # a launch's device, dtype, shape and settings -> its shuffles read the table
-_counters: dict[torch.device, torch.Tensor] = {}  # a device's split counters (`split_counters`)
 
 MAX_ROWS = 64  # rows of a token step (the rollout batch); a prompt pass's many rows stay on bitsandbytes
 MIN_ROWS = 2  # one row: bitsandbytes' own gemv is faster (benchmarks/NOTES.md, "The nf4 token-step kernel")
 BLOCKSIZES = (32, 64, 128, 256)
 WORD = 4  # bytes the kernel reads packed weights in: their address must be a multiple of it
-COUNTERS = 4096  # output tiles a launch whose K is split may have for its splits to be summed in the tile kernel
 DTYPES = (torch.bfloat16, torch.float16)
 _ROUNDING = {torch.bfloat16: 1, torch.float16: 2}  # the dequantized weight's dtype -> the kernel's code (0: fp32)
 
@@ -367,22 +366,6 @@ def shuffles_hold(x: torch.Tensor, n: int, tiles: Callable[[torch.Tensor, bool],
                 log.warning("nf4 kernel: table lookups by warp shuffle read other values than the loads with this "
                             "Triton build (%s); loads instead", key)
         _shuffles[key] = held
-    return held
-
-
-def split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """The per-tile arrival counters with which the last of a tile's K splits sums them in the tile kernel
-    (`nf4_triton.sum_if_last`): int32 zeros, one buffer per device, each launch leaving them at zero; launches on one
-    device must not overlap (one stream at a time, as token steps run). None, the splits then summed by a second
-    kernel (`sum_splits`), for more tiles than the buffer holds, and while a CUDA graph is being captured before the
-    device's buffer exists (an allocation there would belong to the graph)."""
-    if tiles > COUNTERS:
-        return None
-    held = _counters.get(device)
-    if held is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        held = _counters[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
     return held
 
 

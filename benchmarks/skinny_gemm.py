@@ -1,0 +1,207 @@
+"""Whether a Triton split-K kernel reads a token step's stacked bf16 projection weights closer to the bandwidth than
+cuBLAS does, at Qwen3-VL-8B's four group shapes (an experiment: nothing in `src` uses it).
+
+Why: in the H200 shape sweep (`results/h200_stacked_matmul_shapes.md`) cuBLAS reads the gate/up group at 3.8 TB/s
+but o at 2.4, q/k/v at 3.05 and down at 3.2 (split-K kernels plus a separate reduction kernel), 114.9 us a layer
+against 90.8 us at gate/up's rate: about 0.9 ms of a token step over 36 layers.
+
+The kernel: out = x @ W.T for x [M, K] (M <= 64 token rows) and W [N, K] row-major, computed transposed (W's tile is
+the tensor cores' wide operand, x's the narrow one) over a grid of (N tiles, K splits). Each program accumulates its
+split's share in float32; with one split it rounds and stores, with several it stores the share and the tile's last
+program to arrive (one atomic counter a tile) sums the shares in split order and stores the bf16 output, so there
+is no second kernel and the sum's order is fixed. Each configuration (tile, K step, splits, pipeline stages, warps)
+is timed as cuBLAS is in `stacked_matmul_shapes.py`: 64 calls in one CUDA graph cycling through 16 copies of W
+(each call reads W from memory), 20 replays; its outputs are checked against float64 sums (in bf16 units).
+
+Usage: python benchmarks/skinny_gemm.py OUTDIR [ROWS]   (CUDA; ROWS default 32)
+       python benchmarks/skinny_gemm.py --check           (the kernel against float64 sums, small shapes, any device;
+                                                           on a CPU run it with TRITON_INTERPRET=1)
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+GROUPS = {"q/k/v": (6192, 4096), "o": (4112, 4096), "gate/up": (24608, 4096), "down": (4112, 12288)}  # stacked rows, in
+COPIES, CALLS, REPLAYS = 16, 64, 20
+
+
+@functools.cache
+def kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def skinny(X, W, Out, Partial, Counters, M, N, K, sxm, swn, per_split,
+               BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
+               DOT_F32: tl.constexpr):
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m = tl.arange(0, BLOCK_M)
+        n_ok = n < N
+        m_ok = m < M
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        start = tl.program_id(1) * per_split
+        for k in range(start, start + per_split, BLOCK_K):
+            kk = k + tl.arange(0, BLOCK_K)
+            w = tl.load(W + n[:, None] * swn + kk[None, :], mask=n_ok[:, None], other=0.0)
+            xt = tl.load(X + m[None, :] * sxm + kk[:, None], mask=m_ok[None, :], other=0.0)
+            if DOT_F32:  # the interpreter's dot reads bf16 as integers: exact float32 copies there
+                acc += tl.dot(w.to(tl.float32), xt.to(tl.float32))
+            else:
+                acc = tl.dot(w, xt, acc)
+        where = m[None, :] * N + n[:, None]
+        ok = m_ok[None, :] & n_ok[:, None]
+        if SPLITS == 1:
+            tl.store(Out + where, acc.to(Out.dtype.element_ty), mask=ok)
+        else:
+            tl.store(Partial + tl.program_id(1) * M * N + where, acc, mask=ok)
+            tl.debug_barrier()
+            seen = tl.atomic_add(Counters + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+            if seen == SPLITS - 1:
+                total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                for s in tl.static_range(SPLITS):
+                    total += tl.load(Partial + s * M * N + where, mask=ok, other=0.0, cache_modifier=".cg")
+                tl.store(Out + where, total.to(Out.dtype.element_ty), mask=ok)
+                tl.atomic_xchg(Counters + tl.program_id(0), 0, sem="relaxed", scope="gpu")
+
+    return skinny
+
+
+class Skinny:
+    """One configuration's launch, with its buffers made before any CUDA graph capture."""
+
+    def __init__(self, rows: int, n: int, k: int, device: torch.device, *, block_n: int, block_k: int, splits: int,
+                 stages: int, warps: int):
+        if k % (splits * block_k):
+            raise ValueError(f"K={k} is not a multiple of splits x block_k = {splits * block_k}")
+        self.rows, self.n, self.k = rows, n, k
+        self.block_n, self.block_k, self.splits, self.stages, self.warps = block_n, block_k, splits, stages, warps
+        self.block_m = max(16, 1 << (rows - 1).bit_length())
+        self.tiles = -(-n // block_n)
+        self.partial = torch.empty(splits, rows, n, device=device, dtype=torch.float32)
+        self.counters = torch.zeros(self.tiles, device=device, dtype=torch.int32)
+        self.out = torch.empty(rows, n, device=device, dtype=torch.bfloat16)
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        interpret = x.device.type == "cpu"
+        kernel()[(self.tiles, self.splits)](
+            x, w, self.out, self.partial, self.counters, self.rows, self.n, self.k, x.stride(0), w.stride(0),
+            self.k // self.splits, BLOCK_N=self.block_n, BLOCK_M=self.block_m, BLOCK_K=self.block_k,
+            SPLITS=self.splits, DOT_F32=interpret, num_warps=self.warps, num_stages=self.stages)
+        return self.out
+
+    def label(self) -> str:
+        return f"n{self.block_n} k{self.block_k} s{self.splits} st{self.stages} w{self.warps}"
+
+
+def units(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
+    """The largest distance of `out` from the float64 product, in bf16 units in the last place of the exact value
+    (rounding to nearest is within 0.5, Triton's interpreter, which truncates, within 1), the unit floored at 2^-12
+    of the row's sum of |x w| so that outputs near zero are not counted in tiny units."""
+    exact = x.double() @ w.double().T
+    scale = (x.double().abs() @ w.double().abs().T) * 2.0**-12
+    unit = torch.maximum(torch.exp2(torch.floor(torch.log2(exact.abs())) - 7), scale)
+    return float(((out.double() - exact).abs() / unit).max())
+
+
+def configs(rows: int, n: int, k: int, sms: int) -> list[dict]:
+    out = []
+    for block_n, block_k, stages, warps in itertools.product((64, 128), (128, 256), (3, 5), (4,)):
+        tiles = -(-n // block_n)
+        for splits in (1, 2, 3, 4, 6, 8, 12, 16):
+            programs = tiles * splits
+            if k % (splits * block_k) or not sms <= programs <= 4 * sms:
+                continue
+            out.append({"block_n": block_n, "block_k": block_k, "splits": splits, "stages": stages, "warps": warps})
+    return out
+
+
+def timed(call, weights: list[torch.Tensor], x: torch.Tensor) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for w in weights:
+            call(x, w)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(CALLS):
+            call(x, weights[i % COPIES])
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(REPLAYS):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return 1e3 * start.elapsed_time(end) / (REPLAYS * CALLS)
+
+
+def main(out: Path, rows: int) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    result: dict = {"device": torch.cuda.get_device_name(), "rows": rows, "groups": {}}
+    lines = [f"{result['device']}; x [{rows}, in] @ W.T, bf16, W cycling through {COPIES} copies in one CUDA graph",
+             "", "| group | rows x in | cuBLAS us | TB/s | units | best Triton us | TB/s | units | config | configs |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, (n, k) in GROUPS.items():
+        torch.manual_seed(0)
+        weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(COPIES)]
+        x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+        mb = n * k * 2 / 1e6  # MB of W: MB per us is TB/s
+        cublas = timed(lambda x, w: torch.nn.functional.linear(x, w), weights, x)
+        cublas_units = units(torch.nn.functional.linear(x, weights[0]), x, weights[0])
+        tried = []
+        for c in configs(rows, n, k, sms):
+            call = Skinny(rows, n, k, device, **c)
+            try:
+                us = timed(call, weights, x)
+                err = units(call(x, weights[0]).clone(), x, weights[0])
+            except Exception as error:  # noqa: BLE001 (a config Triton cannot build: out of shared memory, say)
+                tried.append({**c, "error": f"{type(error).__name__}: {str(error)[:200]}"})
+                continue
+            tried.append({**c, "us": us, "tb_per_s": mb / us, "units": err})
+            print(f"{name} {call.label()}: {us:.1f} us, {err:.2f} units", flush=True)
+        ok = [t for t in tried if "us" in t]
+        best = min(ok, key=lambda t: t["us"])
+        result["groups"][name] = {"n": n, "k": k, "cublas_us": cublas, "cublas_units": cublas_units, "tried": tried,
+                                  "best": best}
+        label = f"n{best['block_n']} k{best['block_k']} s{best['splits']} st{best['stages']} w{best['warps']}"
+        lines.append(f"| {name} | {n} x {k} | {cublas:.1f} | {mb / cublas:.2f} | {cublas_units:.2f} | "
+                     f"{best['us']:.1f} | {mb / best['us']:.2f} | {best['units']:.2f} | {label} | {len(ok)} |")
+        print(lines[-1], flush=True)
+        (out / "skinny_gemm.json").write_text(json.dumps(result, indent=2))
+        (out / "skinny_gemm.md").write_text("\n".join(lines) + "\n")
+
+
+def check() -> float:
+    """The kernel against float64 sums at small shapes, one split and several (returns the largest distance)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    worst = 0.0
+    for rows, n, k, splits in ((5, 70, 256, 1), (5, 70, 256, 2), (16, 64, 512, 4), (32, 130, 384, 3)):
+        torch.manual_seed(rows + n)
+        x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+        w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
+        call = Skinny(rows, n, k, device, block_n=64, block_k=64, splits=splits, stages=2, warps=4)
+        for _ in range(2):  # the second launch finds the counters the first set back to zero
+            worst = max(worst, units(call(x, w), x, w))
+        if int(call.counters.abs().sum()):
+            raise AssertionError("the split counters were not set back to zero")
+    return worst
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--check"]:
+        distance = check()
+        limit = 0.6 if torch.cuda.is_available() else 1.05  # rounding to nearest, or the interpreter's truncation
+        print(f"largest distance from the float64 product: {distance:.3f} bf16 units (limit {limit})")
+        sys.exit(0 if distance <= limit else 1)
+    main(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 32)
