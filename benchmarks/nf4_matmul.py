@@ -242,7 +242,8 @@ def sweep(a: argparse.Namespace, layers: list, rows_list: list[int], dtype: torc
         cell_deadline = time.monotonic() + (deadline - time.monotonic()) / (len(cells) - index)
         x = torch.randn(rows, k, device=device).to(dtype)
         default = chooser(rows, n, k, 64, device)
-        splits = sorted({max(1, default[4] // 2), default[4], default[4] * 2})
+        # four times the splits too: the tile kernel sums its splits itself now, so more of them cost no launches
+        splits = sorted({max(1, default[4] // 2), default[4], default[4] * 2, default[4] * 4})
         grid = [[block_n, tile, warps, stages, split] for block_n in (32, 64, 128)
                 for tile in SWEEP[kernel]["tiles"] for warps in (4, 8)
                 for stages in SWEEP[kernel]["stages"] for split in splits]
