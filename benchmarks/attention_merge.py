@@ -56,14 +56,14 @@ def main(out: Path, filled_lengths: list[int]) -> None:
     query = torch.randn(BATCH, KV_HEADS, GROUPS, DIM, device=dev, dtype=dt)
     result = {"device": torch.cuda.get_device_name(), "layers": LAYERS, "batch": BATCH, "positions": POSITIONS,
               "splits": splits_for(BATCH, KV_HEADS, POSITIONS, dev), "rows": []}
-    lines = [f"{result['device']}: {LAYERS} layers' decode attention in one CUDA graph, {BATCH} rows, {KV_HEADS} KV "
-             f"heads x {GROUPS}, dim {DIM}, {POSITIONS} cache positions, {result['splits']} shares a (row, head)", "",
+    lines = [(f"{result['device']}: {LAYERS} layers' decode attention in one CUDA graph, {BATCH} rows, {KV_HEADS} KV "
+              f"heads x {GROUPS}, dim {DIM}, {POSITIONS} cache positions, {result['splits']} shares a (row, head)"), "",
              "| attended positions | merged in the kernel us | second kernel us | saved us | outputs equal |",
              "|---|---|---|---|---|"]
     for filled in filled_lengths:
         mask = torch.zeros(BATCH, 1, 1, POSITIONS, dtype=torch.bool, device=dev)
         mask[..., :filled] = True
-        calls = [lambda k=k, v=v: decode_attention(query, k, v, mask) for k, v in caches]
+        calls = [lambda k=k, v=v, mask=mask: decode_attention(query, k, v, mask) for k, v in caches]
         merged_graph, merged_outs = graph_of(calls)
         saved, arrivals.COUNTERS = arrivals.COUNTERS, 0
         try:

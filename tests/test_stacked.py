@@ -173,12 +173,13 @@ def test_in_bf16_under_the_rollout_autocast_it_computes_what_the_adapter_copies_
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes")
 def test_over_a_4bit_base_the_first_factors_are_stacked_and_compute_what_the_copies_compute(monkeypatch):
     """Over bitsandbytes nf4 bases only the first factors are stacked (one matmul for q/k/v, one for gate/up), each
-    member's second step one kernel over its nf4 output: bit for bit what PEFT's branch over the bf16 adapter copies
-    computes, eager and compiled in one graph."""
+    member's second step one kernel over its nf4 output where the members' bases are not all on the nf4 kernel: bit
+    for bit what PEFT's branch over the bf16 adapter copies computes, eager and compiled in one graph."""
     from tests.helpers import NF4_DEVICE, nf4_block
-    from vlmrl.engine.rollout import nf4, second_factors
+    from vlmrl.engine.rollout import nf4, nf4_branch, second_factors
     from vlmrl.engine.rollout.adapter_cast import LowPrecisionAdapters
 
+    monkeypatch.setattr(nf4_branch, "takes", lambda layer, dtype: False)  # (the next test: where they are)
     block = nf4_block()
     assert StackedProjections(block, first_factors=False).reason.startswith("a Linear4bit base layer")
     torch.manual_seed(2)
@@ -207,6 +208,7 @@ def test_over_a_4bit_base_the_first_factors_are_stacked_and_compute_what_the_cop
     assert all(not g.seconds and not g.owed for g in stack.groups)
     assert all("forward" not in vars(layer) for layer in lora_layers(block))
     monkeypatch.undo()
+    monkeypatch.setattr(nf4_branch, "takes", lambda layer, dtype: False)
     nodes = []
 
     def backend(gm, example_inputs):
@@ -224,3 +226,54 @@ def test_over_a_4bit_base_the_first_factors_are_stacked_and_compute_what_the_cop
     with torch.no_grad(), autocast, nf4.nf4_decode(block), stack.active(fused=True, first_factors=lambda: False):
         assert all("forward" not in vars(layer) for layer in lora_layers(block))
         assert all(torch.equal(a, b) for a, b in zip(block(x, y), expected, strict=True))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes")
+def test_over_bases_on_the_nf4_kernel_each_member_and_its_branch_are_one_launch(monkeypatch):
+    """Where every member's base is on the nf4 kernel, a token step runs each member, base and LoRA branch, in one
+    launch of it (`nf4_branch`): no first-factor matmul, no second-step kernel; PEFT's branch over the bf16 adapter
+    copies to the bit in Triton's interpreter (its sums' order is the kernel's), eager and compiled in one graph."""
+    from tests.helpers import NF4_DEVICE, nf4_block
+    from vlmrl.engine.rollout import nf4, nf4_branch, second_factors
+    from vlmrl.engine.rollout.adapter_cast import LowPrecisionAdapters
+
+    block = nf4_block()
+    torch.manual_seed(2)
+    x, y = (torch.randn(4, 5, 64, dtype=torch.bfloat16, device=NF4_DEVICE) for _ in range(2))
+    autocast = torch.autocast(torch.device(NF4_DEVICE).type, dtype=torch.bfloat16, cache_enabled=False)
+    with torch.no_grad(), autocast, nf4.nf4_decode(block), LowPrecisionAdapters(block, torch.bfloat16).active():
+        expected = block(x, y)
+    stack = StackedProjections(block, torch.bfloat16, first_factors=True)
+
+    def same(got):
+        for a, b in zip(got, expected, strict=True):
+            if NF4_DEVICE == "cpu":
+                assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+            else:  # the first factors' sums in another order than cuBLAS's: within a unit in the last place
+                torch.testing.assert_close(a, b, rtol=2**-7, atol=2**-7)
+
+    calls = collections.Counter()
+    for module, name in ((second_factors, "added_second"), (nf4_branch, "branch_step")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, name=name, real=real: calls.update([name]) or real(*a))
+    with torch.no_grad(), autocast, nf4.nf4_decode(block), stack.active(fused=True):
+        same(block(x, y))
+    assert calls == {"branch_step": 14}  # one launch per member computed, no second step apart
+    assert all(not g.seconds and not g.in_kernel for g in stack.groups)  # released after the block
+    calls.clear()
+    with torch.no_grad(), autocast, nf4.nf4_decode(block), stack.active(fused=False):
+        same(block(x, y))
+    assert not calls  # without the kernels the branch is PEFT's arithmetic, apart
+    monkeypatch.undo()
+    nodes = []
+
+    def backend(gm, example_inputs):
+        nodes.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad(), autocast, nf4.nf4_decode(block), stack.active(fused=True):
+        same(torch.compile(block, backend=backend, fullgraph=True)(x, y))
+    counted = collections.Counter(nodes)
+    assert counted["vlmrl.nf4_branch.default"] == 14
+    assert counted["vlmrl.added_second.default"] == counted["<built-in function linear>"] == 0

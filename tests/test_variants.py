@@ -26,6 +26,7 @@ import torch
 from tests.helpers import AttentionModule, Block, Net, fake_trainer, lora_net, lora_policy, nf4_block
 from vlmrl.engine.lora_layers import lora_layers
 from vlmrl.engine.rollout import attention
+from vlmrl.engine.rollout import fast as fast_module
 from vlmrl.engine.rollout.fast import FastGeneration, enable_fast_generation, wrap_rollouts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -542,6 +543,13 @@ def test_vlmrl_copies_keeps_peft_s_branch_over_a_4bit_base_where_the_product_sta
     product = enable_fast_generation(fake_trainer(nf4_block(), lambda: None))
     assert product.adapters.startswith("stacked by shared input for rollouts (3 groups of 3/2/1 projections, over "
                                        "the 4-bit base their first factors only")
+    assert product.adapters.endswith(fast_module.BRANCH_KERNEL)  # each member and its branch one nf4 launch
+    apart_trainer = fake_trainer(nf4_block(), lambda: None)
+    apart = rollout.apply(apart_trainer, enable_fast_generation(apart_trainer), branch_apart=True)
+    assert apart.adapters.endswith(fast_module.SECOND_KERNEL + ", apart from each projection's nf4 kernel (a bench "
+                                   "variant)")
+    names = [name for name, _ in apart_trainer.vlmrl_rollout_contexts]
+    assert names.index("branch_apart") < names.index("stacked")  # in place before the groups are loaded
     product.graphs._failed("a capture error")  # back to the graph trees: PEFT's own branch from the next rollout
     assert product.as_dict()["adapters"].endswith("; PEFT's own branch over the 4-bit base with the graph trees")
     trainer = fake_trainer(nf4_block(), lambda: None)

@@ -138,6 +138,9 @@ VARIANTS: dict[str, Variant] = {
     "vlmrl-4bit-stacked-inline": Variant(rollout={"second_inline": True}),
     # over a 4-bit base, each projection's first factor apart (as PEFT runs it), the second step pointwise
     "vlmrl-4bit-inline": Variant(apart=True, rollout={"second_inline": True}),
+    # over a 4-bit base, each projection's LoRA branch apart from its nf4 kernel (the group's first-factor matmul and
+    # the member's second-step kernel), as before the product ran both in one launch (nf4_branch)
+    "vlmrl-branch-apart": Variant(rollout={"branch_apart": True}),
     # inductor's combo kernels (independent small kernels of the token step launched as one) while rollouts compile
     "vlmrl-combo-kernels": Variant(rollout={"inductor": {"combo_kernels": True}}),
 }

@@ -31,6 +31,7 @@ import torch
 from vlmrl.engine.patch import replaced
 from vlmrl.engine.rollout import stacked
 from vlmrl.engine.rollout.fast import (
+    BRANCH_KERNEL,
     FINISHED_READ,
     FIRST_FACTORS_ONLY,
     GRAPH_TREES_BRANCH,
@@ -88,7 +89,7 @@ def input_cast(trainer: Any, loss_pass: Any) -> Any:
 def apply(trainer: Any, fast: FastGeneration, *, merge: bool = False, filled_window: int = 0,
           guards_once: bool = False, sdpa_decode: bool = False, second_cublas: bool = False,
           nf4_kernel: str = "", finished_read: bool = False, second_inline: bool = False,
-          inductor: dict | None = None, graph_trees: bool = False) -> FastGeneration:
+          inductor: dict | None = None, graph_trees: bool = False, branch_apart: bool = False) -> FastGeneration:
     """Add the variants to `trainer`'s rollouts (set up by `enable_fast_generation`, which returned
     `fast`) and return `fast` with what was done. `merge`: the adapter merged for each rollout; `filled_window` > 0:
     attention over the filled cache positions in windows of that many; `guards_once`: dynamo's guards checked until
@@ -106,7 +107,9 @@ def apply(trainer: Any, fast: FastGeneration, *, merge: bool = False, filled_win
     it (`second_inline`), instead of one kernel a group; `inductor`: inductor settings patched while rollouts run
     (their compile included), e.g. {"combo_kernels": True}; `graph_trees`: token steps launched by torch.compile's
     CUDA graph trees (reduce-overhead), as before the product recorded each rollout's step as one graph, and over a
-    4-bit base PEFT's own LoRA branch, as then (what the product falls back to). Call it right
+    4-bit base PEFT's own LoRA branch, as then (what the product falls back to); `branch_apart`: over a 4-bit base
+    whose first factors are stacked, each projection's LoRA branch apart from its nf4 kernel (the group's first-factor
+    matmul, the member's second-step kernel), as before `nf4_branch`. Call it right
     after `enable_fast_generation`, before anything else wraps the trainer's rollout call. Returns a `VariantRecord`
     (`fast` itself when fast generation is off)."""
     if not fast.enabled:
@@ -148,6 +151,10 @@ def apply(trainer: Any, fast: FastGeneration, *, merge: bool = False, filled_win
         contexts.append(("second_inline", inline))
         changes["adapters"] = changes.get("adapters", fast.adapters or "").replace(
             SECOND_KERNEL, "; token steps: each group's second step as pointwise products (a bench variant)")
+    if branch_apart:
+        _insert(contexts, ("branch_apart", _branch_apart), before=("stacked",))
+        changes["adapters"] = changes.get("adapters", fast.adapters or "").replace(
+            BRANCH_KERNEL, SECOND_KERNEL + ", apart from each projection's nf4 kernel (a bench variant)")
     if inductor:
         import torch._inductor.config
 
@@ -170,6 +177,16 @@ def apply(trainer: Any, fast: FastGeneration, *, merge: bool = False, filled_win
     log.warning("rollout variants (benchmarks/variants): %s", changes or "none")
     record = {field.name: getattr(fast, field.name) for field in dataclasses.fields(fast)}
     return VariantRecord(**(record | changes))
+
+
+@contextlib.contextmanager
+def _branch_apart() -> Iterator[None]:
+    """Inside the block no 4-bit group's members are taken by `nf4_branch`: its first-factor matmul, each member's
+    nf4 kernel and second-step kernel, as the product ran them before."""
+    from vlmrl.engine.rollout import nf4_branch
+
+    with replaced(nf4_branch, "takes", lambda layer, dtype: False):
+        yield
 
 
 def _stacked_with(contexts: list, **keywords: Any) -> list:

@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 FINISHED_READ = ", and rows that have ended attend to their own position only (vlmrl.engine.rollout.finished)"
 KERNEL_READ = "; token steps skip the blocks nothing attends to (vlmrl.engine.rollout.decode_attention)" + FINISHED_READ
 SECOND_KERNEL = "; token steps: each group's second step one Triton kernel (vlmrl.engine.rollout.second_factors)"
+BRANCH_KERNEL = "; token steps: each projection's base and LoRA branch one nf4 kernel (vlmrl.engine.rollout.nf4_branch)"
 STEP_GRAPH = "each rollout's token step recorded once as one CUDA graph and replayed (vlmrl.engine.rollout.step_graph)"
 FIRST_FACTORS_ONLY = ", over the 4-bit base their first factors only"
 GRAPH_TREES_BRANCH = "; PEFT's own branch over the 4-bit base with the graph trees"  # what follows the first factors
@@ -195,8 +196,9 @@ def _rollout_adapters(trainer: Any, dtype: torch.dtype | None, *, kernels: bool,
         return None, copies, f"{stacked}; {copied}"
     if not kernels:
         return stack, None, stacked
-    return stack, None, stacked + (SECOND_KERNEL if _base_dtype(trainer, dtype) == torch.bfloat16
-                                   else SECOND_KERNEL_FALLBACK)
+    if _base_dtype(trainer, dtype) != torch.bfloat16:
+        return stack, None, stacked + SECOND_KERNEL_FALLBACK
+    return stack, None, stacked + (BRANCH_KERNEL if stack.first_factors_only else SECOND_KERNEL)
 
 
 def _stacked(trainer: Any, dtype: torch.dtype | None, first_factors: bool = False) -> tuple[Any, str]:

@@ -20,7 +20,7 @@ active (one-row steps, where bitsandbytes runs its gemv, prompt passes, training
 bitsandbytes, the fallback); `unsupported_reason(model)`, for the caller to record why a model stays there;
 `gpu_reason(device)`, the product's rule for where the kernel is on; `probe(model)`, a launch on the model's first
 routed layer, and `failure(x)`, why the kernel fell back; `shuffles_hold`, the check that decides each setting's
-lookups, and `lookups()`, what it decided; `is_linear4bit` and `layer_reason(layer)`, which layers it
+lookups, and `lookups()`, what it decided; `quant_state(layer)`; `reference`, its fallback's arithmetic; `is_linear4bit` and `layer_reason(layer)`, which layers it
 takes; `forwards_replaced`, its patching of forwards; `measured_settings(model)`, how many routed layers take the
 settings measured on sm_90 (the tile settings are `nf4_settings`'s).
 `vlmrl.engine.rollout.fast` turns it on for a 4-bit base's rollouts. Limits: nf4 (not fp4), blocksizes 32-256
@@ -198,7 +198,7 @@ def _routable(layers: list[torch.nn.Module]) -> list[torch.nn.Module]:
     return [layer for layer in layers if layer_reason(layer) is None]
 
 
-def _quant_state(layer: torch.nn.Module) -> Any:
+def quant_state(layer: torch.nn.Module) -> Any:
     """A `Linear4bit` layer's quant state, where bitsandbytes finds it (on its weight, else on the layer); None before
     quantization."""
     return getattr(layer.weight, "quant_state", None) or getattr(layer, "quant_state", None)
@@ -208,7 +208,7 @@ def layer_reason(layer: torch.nn.Module) -> str | None:
     """Why the kernel cannot take `Linear4bit` layer `layer` (its quant state, shape, device or dtype); None when
     it can."""
     weight = layer.weight
-    qs = _quant_state(layer)
+    qs = quant_state(layer)
     if qs is None:
         return "weights not quantized yet"
     if qs.quant_type != "nf4":
@@ -239,7 +239,7 @@ def _routed(layer: torch.nn.Module, fallback: Callable[..., torch.Tensor], min_r
         if (args or kwargs or not min_rows <= rows <= max_rows or dtype not in DTYPES or x.device != layer.weight.device
                 or (torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)))):
             return fallback(x, *args, **kwargs)
-        qs = _quant_state(layer)
+        qs = quant_state(layer)
         return nf4_matmul(x.to(dtype), layer.weight, bias, quant_state=qs).to(x.dtype)
 
     return forward
@@ -251,8 +251,8 @@ def _nf4_matmul(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, cod
                 blocksize: int, blocksize2: int, rounding: int, config: list[int]) -> torch.Tensor:
     args = (x, packed, absmax, code2, absmax2, offset, lut, bias, blocksize, blocksize2, rounding, config)
     if packed.data_ptr() % WORD:  # this tensor's layout, not the device: nothing to record
-        return _reference(*args)
-    return kernel_or_fallback(_failed, _where(x), lambda: launch(*args), lambda: _reference(*args),
+        return reference(*args)
+    return kernel_or_fallback(_failed, _where(x), lambda: launch(*args), lambda: reference(*args),
                               what="nf4 matmul kernel", instead="dequantize + matmul", logger=log)
 
 
@@ -267,7 +267,7 @@ def output_like(x: torch.Tensor, packed: torch.Tensor, *args: Any) -> torch.Tens
     return x.new_empty((x.shape[0], packed.shape[0]))
 
 
-def _reference(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: torch.Tensor | None,
+def reference(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: torch.Tensor | None,
                absmax2: torch.Tensor | None, offset: torch.Tensor | None, lut: torch.Tensor, bias: torch.Tensor | None,
                blocksize: int, blocksize2: int, rounding: int, config: list[int]) -> torch.Tensor:
     weight = dequantize(packed, absmax, code2, absmax2, offset, lut, blocksize, blocksize2)
@@ -281,16 +281,19 @@ def measured_settings(model: torch.nn.Module) -> str:
     `nf4_settings.TUNED_SM90` (at 2-32 rows), the rest by rule."""
     routed = _routable(_linear4bit_layers(model))
     tuned = sum(all((*qs.shape, qs.blocksize, rows) in nf4_settings.TUNED_SM90 for rows in (16, 32))
-                for qs in map(_quant_state, routed))
+                for qs in map(quant_state, routed))
     return (f"tile settings measured on an H200 for {tuned} of {len(routed)} layers at 2-32 rows "
             "(nf4_settings.TUNED_SM90), by rule otherwise")
 
 
 def launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: torch.Tensor | None,
            absmax2: torch.Tensor | None, offset: torch.Tensor | None, lut: torch.Tensor, bias: torch.Tensor | None,
-           blocksize: int, blocksize2: int, rounding: int, config: list[int]) -> torch.Tensor:
+           blocksize: int, blocksize2: int, rounding: int, config: list[int],
+           lora: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
     """Launch the tile kernel on x [rows, k], with `config` or else `nf4_settings.config`'s settings; a split K is
-    summed by its last split to finish (`split_counters`), or by `sum_splits` where no counters can be had."""
+    summed by its last split to finish (`split_counters`), or by `sum_splits` where no counters can be had.
+    `lora` = (first [rank, k], second [n, rank], scale), bf16 only: the output is the base's plus the LoRA branch,
+    as `nf4_branch` says (None where K is split and no counters can be had: the caller computes it apart)."""
     rows, k = x.shape
     n = packed.shape[0]
     if rows == 0:
@@ -318,16 +321,27 @@ def launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: t
     xq = 1 if x.dtype == torch.bfloat16 else 2
     grid = (-(-n // block_n), split, -(-rows // block_m))
     counters = split_counters(x.device, grid[0] * grid[2]) if partial else None
+    if lora is not None and partial and counters is None:
+        return None
     weights = (packed, absmax, code2 if nested else absmax, absmax2 if nested else absmax,
                offset if nested else absmax, lut, bias if bias is not None else out)
+    rp = 16 if lora is None else max(16, 1 << (lora[0].shape[0] - 1).bit_length())
     settings = {"BLOCKSIZE2": blocksize2, "HALF": half, "NB": tile // half, "BLOCK_N": block_n, "BLOCK_M": block_m,
                 "NESTED": nested, "HAS_BIAS": bias is not None and (not partial or counters is not None),
                 "PARTIAL": partial, "WQ": rounding, "XQ": xq, "EXACT": interpret, "EVEN": (k // 2) % tile == 0,
-                "SPLITS": split if counters is not None else 0, "num_warps": warps, "num_stages": stages}
+                "SPLITS": split if counters is not None else 0, "LORA": lora is not None, "RP": rp,
+                "num_warps": warps, "num_stages": stages}
+    branch = {}
+    if lora is not None:  # the rank-space shares of each split (a split tile's last program sums them)
+        first, second, scale = lora
+        shares = torch.empty(grid[0] * grid[2], split, rp, block_m, device=x.device, dtype=torch.float32)
+        branch = {"First": first, "Second": second, "SharesA": shares if partial else out, "R": first.shape[0],
+                  "lora_scale": float(scale)}
 
     def tiles(xs: torch.Tensor, shuffle: bool) -> torch.Tensor:
         main[grid](xs, *weights, target, rows, n, k, xs.stride(0), per_split, SHUFFLE=shuffle, Final=out,
-                   Counters=counters, **settings, enable_fp_fusion=False)  # round a*b and +c apart, as bnb does
+                   Counters=counters, **settings, **branch,
+                   enable_fp_fusion=False)  # round a*b and +c apart, as bitsandbytes does
         return target if counters is None else out  # what it wrote
 
     tiles(x, not interpret and shuffles_hold(x, n, tiles, settings))

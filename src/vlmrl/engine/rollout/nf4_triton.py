@@ -99,9 +99,8 @@ def kernels(interpret: bool) -> tuple[Any, Any]:
     globals()["block_scales"] = block_scales
 
     @triton.jit
-    def times_x(acc, w, X, m, m_ok, stride_x, kh, end, KH: tl.constexpr, EVEN: tl.constexpr, EXACT: tl.constexpr):
-        # acc + the step's weights w [BLOCK_N, 2 KH], in the row's order, times x's [2 KH, BLOCK_M] tile, read along
-        # k, contiguous: coalesced 16-byte loads
+    def x_tile(X, m, m_ok, stride_x, kh, end, KH: tl.constexpr, EVEN: tl.constexpr, EXACT: tl.constexpr):
+        # x's [2 KH, BLOCK_M] tile of the step, read along k, contiguous: coalesced 16-byte loads
         t = 2 * kh + tl.arange(0, 2 * KH)
         xk = X + m[None, :] * stride_x + t[:, None]
         if EVEN:
@@ -110,9 +109,76 @@ def kernels(interpret: bool) -> tuple[Any, Any]:
             xs = tl.load(xk, mask=m_ok[None, :] & (t < 2 * end)[:, None], other=0.0)
         if EXACT:
             xs = xs.to(tl.float32)
-        return tl.dot(w, xs, acc)
+        return xs
+
+    globals()["x_tile"] = x_tile
+
+    @triton.jit
+    def times_x(acc, w, X, m, m_ok, stride_x, kh, end, KH: tl.constexpr, EVEN: tl.constexpr, EXACT: tl.constexpr):
+        # acc + the step's weights w [BLOCK_N, 2 KH], in the row's order, times x's tile
+        return tl.dot(w, x_tile(X, m, m_ok, stride_x, kh, end, KH, EVEN, EXACT), acc)
 
     globals()["times_x"] = times_x
+
+    @triton.jit
+    def first_times_x(acc_a, First, r, r_ok, K, xs, kh, end, KH: tl.constexpr, EVEN: tl.constexpr,
+                      EXACT: tl.constexpr):
+        # acc_a + the LoRA first factors' rows r (bf16 [RP, 2 KH] of the step, read along k) times x's tile xs
+        t = 2 * kh + tl.arange(0, 2 * KH)
+        at = First + r[:, None] * K + t[None, :]
+        if EVEN:
+            a = tl.load(at, mask=r_ok[:, None], other=0.0)
+        else:
+            a = tl.load(at, mask=r_ok[:, None] & (t < 2 * end)[None, :], other=0.0)
+        if EXACT:
+            a = a.to(tl.float32)
+        return tl.dot(a, xs, acc_a)
+
+    globals()["first_times_x"] = first_times_x
+
+    @triton.jit
+    def with_second(acc, acc_a, Second, Bias, Final, n, m, n_ok, m_ok, r, r_ok, M, N, R, lora_scale,
+                    HAS_BIAS: tl.constexpr, EXACT: tl.constexpr):
+        # the member's output: its base output (+ bias) rounded, plus its LoRA branch as the product's second step
+        # rounds it (second_factors.added: the rank-space inputs rounded, their product by the second factor rounded,
+        # scaled and rounded, added and rounded), in bf16
+        if HAS_BIAS:
+            acc += tl.load(Bias + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        base = rounded(acc, 1, EXACT)
+        first = rounded(acc_a, 1, EXACT)
+        second = tl.load(Second + n[:, None] * R + r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+        if EXACT:
+            product = tl.dot(second.to(tl.float32), first)
+        else:
+            product = tl.dot(second, first.to(tl.bfloat16))
+        scaled = rounded(rounded(product, 1, EXACT) * lora_scale, 1, EXACT)
+        tl.store(Final + m[None, :] * N + n[:, None], rounded(base + scaled, 1, EXACT).to(Final.dtype.element_ty),
+                 mask=m_ok[None, :] & n_ok[:, None])
+
+    globals()["with_second"] = with_second
+
+    @triton.jit
+    def lora_sum_if_last(Partial, SharesA, Second, Bias, Final, Counters, n, m, n_ok, m_ok, r, r_ok, M, N, R,
+                         lora_scale, SPLITS: tl.constexpr, RP: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr, EXACT: tl.constexpr):
+        # `sum_if_last` for a launch with the LoRA branch: the last split of a tile sums the base shares and the
+        # rank-space shares in split order and writes the member's output (`with_second`)
+        tl.debug_barrier()
+        tile = tl.program_id(0) * tl.num_programs(2) + tl.program_id(2)
+        seen = tl.atomic_add(Counters + tile, 1, sem="acq_rel", scope="gpu")
+        if seen == SPLITS - 1:
+            where = m[None, :] * N + n[:, None]
+            mask = m_ok[None, :] & n_ok[:, None]
+            acc = shares_summed(tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), Partial, where, mask, M * N, SPLITS,
+                                True)
+            where_a = (tile * SPLITS * RP + tl.arange(0, RP)[:, None]) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+            acc_a = shares_summed(tl.zeros((RP, BLOCK_M), dtype=tl.float32), SharesA, where_a,
+                                  tl.full((RP, BLOCK_M), 1, tl.int1), RP * BLOCK_M, SPLITS, True)
+            with_second(acc, acc_a, Second, Bias, Final, n, m, n_ok, m_ok, r, r_ok, M, N, R, lora_scale, HAS_BIAS,
+                        EXACT)
+            tl.atomic_xchg(Counters + tile, 0, sem="relaxed", scope="gpu")
+
+    globals()["lora_sum_if_last"] = lora_sum_if_last
 
     @triton.jit
     def lane_table(Lut, like):
@@ -219,7 +285,8 @@ def kernels(interpret: bool) -> tuple[Any, Any]:
                   BLOCKSIZE2: tl.constexpr, HALF: tl.constexpr, NB: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_M: tl.constexpr, NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
                   WQ: tl.constexpr, XQ: tl.constexpr, EXACT: tl.constexpr, EVEN: tl.constexpr,
-                  SHUFFLE: tl.constexpr = False, Final=None, Counters=None, SPLITS: tl.constexpr = 0):
+                  SHUFFLE: tl.constexpr = False, Final=None, Counters=None, SPLITS: tl.constexpr = 0, First=None,
+                  Second=None, SharesA=None, R=0, lora_scale=1.0, RP: tl.constexpr = 16, LORA: tl.constexpr = False):
         # out[m, n] (or split s's share, fp32) = sum over this split's k of x[m, k] * W[n, k]; W[n, k] is the
         # nibble k % 2 (high first) of byte n * K/2 + k // 2, times absmax[(n * K + k) // blocksize].
         # On 2-D tiles only: the packed bytes read as int32 words, [BLOCK_N, KW] a step (KH bytes a row, contiguous
@@ -230,6 +297,9 @@ def kernels(interpret: bool) -> tuple[Any, Any]:
         # (SHUFFLE, compiled only) warp shuffles: every thread holds, once, the table value of its lane, and each
         # lookup reads the one held by the lane the code names, no address and no memory.
         # benchmarks/nf4_sass.py counts the loop's instructions (benchmarks/NOTES.md).
+        # LORA (bf16): the member's LoRA branch too. Each step also multiplies x's tile by the first factor's rows
+        # (First [R, K], bf16, RP of them) into rank-space sums; where the tile's output is written (the last split
+        # to finish, or the only one), both are rounded and the second step is done on the tile (`with_second`).
         KH: tl.constexpr = NB * HALF  # packed bytes per row per step
         KW: tl.constexpr = KH // 4  # words per row per step (HALF >= 16 bytes)
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -239,6 +309,9 @@ def kernels(interpret: bool) -> tuple[Any, Any]:
         row = blocks * HALF  # packed bytes per weight row: a multiple of HALF, so Triton vectorizes the row loads
         j = tl.arange(0, KW)
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        r = tl.arange(0, RP)
+        r_ok = r < R
+        acc_a = tl.zeros((RP, BLOCK_M), dtype=tl.float32)
         start = tl.program_id(1) * per_split
         end = tl.multiple_of(tl.minimum(start + per_split, row), HALF)  # (per_split: whole steps)
         offset = tl.load(Offset) if NESTED else 0.0
@@ -261,9 +334,24 @@ def kernels(interpret: bool) -> tuple[Any, Any]:
             scale = block_scales(Absmax, Code2, Absmax2, offset, n, n_ok, blocks, kh, 4 * j, BLOCKSIZE2, HALF, NB,
                                  BLOCK_N, KW, NESTED)
             weights = word_weights(held, Lut, w, scale, WQ, XQ, X.dtype.element_ty, EXACT, SHUFFLE)
-            acc = times_x(acc, weights, X, m, m_ok, stride_x, kh, end, KH, EVEN, EXACT)
-        store_tile(acc, Out, Bias, n, m, n_ok, m_ok, M, N, PARTIAL, HAS_BIAS, XQ, EXACT)
-        if SPLITS:  # the splits summed by the last of them to finish (else by nf4_splits, a second kernel)
+            if LORA:
+                xs = x_tile(X, m, m_ok, stride_x, kh, end, KH, EVEN, EXACT)
+                acc = tl.dot(weights, xs, acc)
+                acc_a = first_times_x(acc_a, First, r, r_ok, K, xs, kh, end, KH, EVEN, EXACT)
+            else:
+                acc = times_x(acc, weights, X, m, m_ok, stride_x, kh, end, KH, EVEN, EXACT)
+        if LORA and not PARTIAL:
+            with_second(acc, acc_a, Second, Bias, Out, n, m, n_ok, m_ok, r, r_ok, M, N, R, lora_scale, HAS_BIAS,
+                        EXACT)
+        else:
+            store_tile(acc, Out, Bias, n, m, n_ok, m_ok, M, N, PARTIAL, HAS_BIAS, XQ, EXACT)
+        if LORA and PARTIAL:  # (a LoRA launch that splits K always has counters)
+            tile = tl.program_id(0) * tl.num_programs(2) + tl.program_id(2)
+            tl.store(SharesA + ((tile * SPLITS + tl.program_id(1)) * RP + r[:, None]) * BLOCK_M
+                     + tl.arange(0, BLOCK_M)[None, :], acc_a)
+            lora_sum_if_last(Out, SharesA, Second, Bias, Final, Counters, n, m, n_ok, m_ok, r, r_ok, M, N, R,
+                             lora_scale, SPLITS, RP, BLOCK_N, BLOCK_M, HAS_BIAS, EXACT)
+        elif SPLITS:  # the splits summed by the last of them to finish (else by nf4_splits, a second kernel)
             sum_if_last(Out, Bias, Final, Counters, n, m, n_ok, m_ok, M, N, SPLITS, BLOCK_N, BLOCK_M, HAS_BIAS, XQ,
                         EXACT)
 

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from vlmrl.engine.rollout import second_factors
+from vlmrl.engine.rollout import nf4_branch, second_factors
 from vlmrl.engine.rollout.nf4 import is_linear4bit
 
 # Projections that every supported family calls with the same input, in the order it calls them.
@@ -149,8 +149,11 @@ class _FirstFactors(_Group):
 
     seconds: list[torch.Tensor] = field(default_factory=list)
     scales: list[Any] = field(default_factory=list)
+    in_kernel: bool = False  # every member's base on the nf4 kernel: token steps run each member in one launch
 
     def compute(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.fused and self.in_kernel and all(nf4_branch.usable(x, second) for second in self.seconds):
+            return self._in_the_kernel(x)
         first = F.linear(x.to(self.weight.dtype), self.weight)  # PEFT casts the input to its adapters' dtype too
         outs, col = [], 0
         for layer, rank, second, scale in zip(self.layers, self.ranks, self.seconds, self.scales):
@@ -159,6 +162,16 @@ class _FirstFactors(_Group):
             fused = self.fused and second_factors.usable(base, second)
             outs.append((second_factors.added_second if fused else second_factors.added)(base, part, second, scale))
             col += rank
+        return tuple(outs)
+
+    def _in_the_kernel(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each member's base and LoRA branch in one launch of the nf4 kernel (`nf4_branch`): no first-factor matmul
+        for the group, no second-step kernel per member."""
+        outs, row = [], 0
+        for layer, rank, second, scale in zip(self.layers, self.ranks, self.seconds, self.scales):
+            outs.append(nf4_branch.branch_step(x, layer.get_base_layer(), self.weight[row:row + rank], second,
+                                               scale))
+            row += rank
         return tuple(outs)
 
     def spare_nbytes(self) -> int:
@@ -176,10 +189,11 @@ class _FirstFactors(_Group):
             self.scales.append(layer.scaling[name])
             row += rank
         _static(*self.seconds)
+        self.in_kernel = all(nf4_branch.takes(layer.get_base_layer(), self.weight.dtype) for layer in self.layers)
 
     def release(self) -> None:
         super().release()
-        self.seconds, self.scales = [], []
+        self.seconds, self.scales, self.in_kernel = [], [], False
 
 
 class StackedProjections:
