@@ -79,7 +79,8 @@ def test_each_variant_changes_only_its_own_setting():
         "vlmrl-nf4-split-sum": {"nf4_kernel": "split_sum"}, "vlmrl-nf4-bytes": {"nf4_kernel": "bytes"},
         "vlmrl-finished-read": {"finished_read": True},
         "vlmrl-second-inline": {"second_inline": True}, "vlmrl-4bit-stacked-inline": {"second_inline": True},
-        "vlmrl-4bit-inline": {"second_inline": True}, "vlmrl-combo-kernels": {"inductor": {"combo_kernels": True}}}
+        "vlmrl-4bit-inline": {"second_inline": True}, "vlmrl-combo-kernels": {"inductor": {"combo_kernels": True}},
+        "vlmrl-branch-apart": {"branch_apart": True}}
     assert table["vlmrl-4bit-inline"].apart and not table["vlmrl-4bit-stacked-inline"].apart
     for keywords in options.values():
         inspect.signature(rollout.apply).bind("trainer", "fast", **keywords)  # apply takes these keywords
