@@ -80,7 +80,7 @@ def test_each_variant_changes_only_its_own_setting():
         "vlmrl-finished-read": {"finished_read": True},
         "vlmrl-second-inline": {"second_inline": True}, "vlmrl-4bit-stacked-inline": {"second_inline": True},
         "vlmrl-4bit-inline": {"second_inline": True}, "vlmrl-combo-kernels": {"inductor": {"combo_kernels": True}},
-        "vlmrl-branch-apart": {"branch_apart": True}}
+        "vlmrl-branch-apart": {"branch_apart": True}, "vlmrl-group-apart": {"group_apart": True}}
     assert table["vlmrl-4bit-inline"].apart and not table["vlmrl-4bit-stacked-inline"].apart
     for keywords in options.values():
         inspect.signature(rollout.apply).bind("trainer", "fast", **keywords)  # apply takes these keywords
@@ -155,6 +155,15 @@ def test_the_kernel_variants_take_the_products_pieces_out_again():
     fast = rollout.apply(sdpa, enable_fast_generation(sdpa), sdpa_decode=True)
     assert fast.cache_read == "the whole static cache (the decode kernel needs vlmrl_sdpa)"
     assert "decode_kernel" not in dict(sdpa.vlmrl_rollout_contexts)
+    _, apart = _block_trainer()  # vlmrl-group-apart: cuBLAS's matmul, then the second-step kernel
+    fast = rollout.apply(apart, enable_fast_generation(apart), group_apart=True)
+    assert "group_step" not in fast.adapters and fast.adapters.endswith("its second step one Triton kernel (a bench "
+                                                                        "variant)")
+    from vlmrl.engine.rollout import group_step
+
+    with dict(apart.vlmrl_rollout_contexts)["group_apart"]():
+        assert not group_step.usable(torch.zeros(2, 128, dtype=torch.bfloat16), None, None, None)
+    assert group_step.usable.__name__ == "usable"  # the product's again after the block
 
 
 def test_the_finished_read_variant_lets_ended_rows_read_their_whole_cache():

@@ -141,6 +141,9 @@ VARIANTS: dict[str, Variant] = {
     # over a 4-bit base, each projection's LoRA branch apart from its nf4 kernel (the group's first-factor matmul and
     # the member's second-step kernel), as before the product ran both in one launch (nf4_branch)
     "vlmrl-branch-apart": Variant(rollout={"branch_apart": True}),
+    # each stacked group's token step as cuBLAS's matmul, then the second-step kernel, as before the product ran both
+    # in one kernel (group_step)
+    "vlmrl-group-apart": Variant(rollout={"group_apart": True}),
     # inductor's combo kernels (independent small kernels of the token step launched as one) while rollouts compile
     "vlmrl-combo-kernels": Variant(rollout={"inductor": {"combo_kernels": True}}),
 }

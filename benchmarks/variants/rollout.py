@@ -89,7 +89,8 @@ def input_cast(trainer: Any, loss_pass: Any) -> Any:
 def apply(trainer: Any, fast: FastGeneration, *, merge: bool = False, filled_window: int = 0,
           guards_once: bool = False, sdpa_decode: bool = False, second_cublas: bool = False,
           nf4_kernel: str = "", finished_read: bool = False, second_inline: bool = False,
-          inductor: dict | None = None, graph_trees: bool = False, branch_apart: bool = False) -> FastGeneration:
+          inductor: dict | None = None, graph_trees: bool = False, branch_apart: bool = False,
+          group_apart: bool = False) -> FastGeneration:
     """Add the variants to `trainer`'s rollouts (set up by `enable_fast_generation`, which returned
     `fast`) and return `fast` with what was done. `merge`: the adapter merged for each rollout; `filled_window` > 0:
     attention over the filled cache positions in windows of that many; `guards_once`: dynamo's guards checked until
@@ -109,7 +110,8 @@ def apply(trainer: Any, fast: FastGeneration, *, merge: bool = False, filled_win
     CUDA graph trees (reduce-overhead), as before the product recorded each rollout's step as one graph, and over a
     4-bit base PEFT's own LoRA branch, as then (what the product falls back to); `branch_apart`: over a 4-bit base
     whose first factors are stacked, each projection's LoRA branch apart from its nf4 kernel (the group's first-factor
-    matmul, the member's second-step kernel), as before `nf4_branch`. Call it right
+    matmul, the member's second-step kernel), as before `nf4_branch`; `group_apart`: each stacked group's token step as
+    cuBLAS's matmul, then the second-step kernel, as before `group_step`. Call it right
     after `enable_fast_generation`, before anything else wraps the trainer's rollout call. Returns a `VariantRecord`
     (`fast` itself when fast generation is off)."""
     if not fast.enabled:
@@ -155,6 +157,11 @@ def apply(trainer: Any, fast: FastGeneration, *, merge: bool = False, filled_win
         _insert(contexts, ("branch_apart", _branch_apart), before=("stacked",))
         changes["adapters"] = changes.get("adapters", fast.adapters or "").replace(
             BRANCH_KERNEL, SECOND_KERNEL + ", apart from each projection's nf4 kernel (a bench variant)")
+    if group_apart:
+        contexts.append(("group_apart", _group_apart))
+        changes["adapters"] = changes.get("adapters", fast.adapters or "").replace(
+            SECOND_KERNEL, "; token steps: each group's matmul on cuBLAS, its second step one Triton kernel (a bench "
+                           "variant)")
     if inductor:
         import torch._inductor.config
 
@@ -186,6 +193,15 @@ def _branch_apart() -> Iterator[None]:
     from vlmrl.engine.rollout import nf4_branch
 
     with replaced(nf4_branch, "takes", lambda layer, dtype: False):
+        yield
+
+
+@contextlib.contextmanager
+def _group_apart() -> Iterator[None]:
+    """Inside the block no stacked group runs `group_step`'s kernel: cuBLAS's matmul, then the second-step kernel."""
+    from vlmrl.engine.rollout import group_step
+
+    with replaced(group_step, "usable", lambda *args: False):
         yield
 
 

@@ -45,7 +45,8 @@ log = logging.getLogger(__name__)
 # What the record adds when token steps run vlmrl's kernels.
 FINISHED_READ = ", and rows that have ended attend to their own position only (vlmrl.engine.rollout.finished)"
 KERNEL_READ = "; token steps skip the blocks nothing attends to (vlmrl.engine.rollout.decode_attention)" + FINISHED_READ
-SECOND_KERNEL = "; token steps: each group's second step one Triton kernel (vlmrl.engine.rollout.second_factors)"
+SECOND_KERNEL = ("; token steps: each group's matmul and second step one Triton kernel where in_features is a "
+                 "multiple of 128 (vlmrl.engine.rollout.group_step), else its second step one (second_factors)")
 BRANCH_KERNEL = "; token steps: each projection's base and LoRA branch one nf4 kernel (vlmrl.engine.rollout.nf4_branch)"
 STEP_GRAPH = "each rollout's token step recorded once as one CUDA graph and replayed (vlmrl.engine.rollout.step_graph)"
 FIRST_FACTORS_ONLY = ", over the 4-bit base their first factors only"

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from vlmrl.engine.rollout import nf4_branch, second_factors
+from vlmrl.engine.rollout import group_step, nf4_branch, second_factors
 from vlmrl.engine.rollout.nf4 import is_linear4bit
 
 # Projections that every supported family calls with the same input, in the order it calls them.
@@ -79,6 +79,7 @@ class _Group:
     second: torch.Tensor | None = None  # [sum(outs), sum(ranks)], block-diagonal; only while a rollout runs
     scale: Any = None
     fused: bool = False  # token steps run the second step as one kernel (`vlmrl.engine.rollout.second_factors`)
+    windows: Any = None  # each output tile's ranks, for the group-step kernel (`group_step.rank_windows`)
     # the outputs still owed to the siblings of the member that computed them, and the input they were for
     source: torch.Tensor | None = None
     owed: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -88,6 +89,9 @@ class _Group:
         return sum(self.outs)
 
     def compute(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.fused and group_step.usable(x, self.weight, self.second, self.windows):  # one kernel, a token step
+            return group_step.group_step(x, self.weight, self.bias, self.second, self.scale,
+                                         self.windows).split(self.outs, dim=-1)
         stacked = F.linear(x, self.weight, self.bias)
         fused = self.fused and second_factors.usable(stacked, self.second)
         second_step = second_factors.stacked_second if fused else second_factors.reference
@@ -313,8 +317,9 @@ def _stack(layers: list[Any]) -> _Group:
         if bias is not None:
             base.bias = torch.nn.Parameter(bias[start:start + out], requires_grad=False)
         start += out
-    _static(weight, bias)
-    return _Group(layers, weight, bias, outs, ranks)
+    windows = group_step.rank_windows(outs, ranks, first.device)
+    _static(weight, bias, windows[0] if windows else None)
+    return _Group(layers, weight, bias, outs, ranks, windows=windows)
 
 
 def _static(*tensors: Any) -> None:
