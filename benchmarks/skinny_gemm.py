@@ -13,7 +13,8 @@ is no second kernel and the sum's order is fixed. Each configuration (tile, K st
 is timed as cuBLAS is in `stacked_matmul_shapes.py`: 64 calls in one CUDA graph cycling through 16 copies of W
 (each call reads W from memory), 20 replays; its outputs are checked against float64 sums (in bf16 units).
 
-Usage: python benchmarks/skinny_gemm.py OUTDIR [ROWS]   (CUDA; ROWS default 32)
+Usage: python benchmarks/skinny_gemm.py OUTDIR [ROWS] [--no-sweep]   (CUDA; ROWS default 32; --no-sweep: cuBLAS, the
+                                                                      path before and the product's group step only)
        python benchmarks/skinny_gemm.py --check           (the kernel against float64 sums, small shapes, any device;
                                                            on a CPU run it with TRITON_INTERPRET=1)
 """
@@ -188,7 +189,7 @@ def timed(call, weights: list[torch.Tensor], x: torch.Tensor) -> float:
     return 1e3 * start.elapsed_time(end) / (REPLAYS * CALLS)
 
 
-def main(out: Path, rows: int) -> None:
+def main(out: Path, rows: int, sweep: bool = True) -> None:
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -213,7 +214,7 @@ def main(out: Path, rows: int) -> None:
         product = timed(lambda x, w, second=second: product_step(x, w, second, SCALE), weights, x)
         expected = product_step(x, weights[0], second, SCALE).clone()
         tried = []
-        for c in configs(rows, n, k, sms):
+        for c in configs(rows, n, k, sms) if sweep else []:
             call = Skinny(rows, n, k, device, **c)
             try:
                 us = timed(call, weights, x)
@@ -231,7 +232,8 @@ def main(out: Path, rows: int) -> None:
                      "product": lora_units(expected, x, weights[0], second, width),
                      "equal": float((got == expected).float().mean())}
         print(f"{name} fused: {fused:.1f} us, {distances}", flush=True)
-        best = ok[0]
+        best = ok[0] if ok else {"us": float("nan"), "block_n": "-", "block_k": "-", "splits": "-", "stages": "-",
+                                 "warps": "-"}
         result["groups"][name] = {"outs": outs, "ranks": ranks, "k": k, "cublas_us": cublas, "product_us": product,
                                   "tried": tried, "best": best, "fused_us": fused, "units": distances}
         label = f"n{best['block_n']} k{best['block_k']} s{best['splits']} st{best['stages']} w{best['warps']}"
@@ -288,4 +290,5 @@ if __name__ == "__main__":
         print(f"split-K matmul: largest distance from the float64 product {distance:.3f} bf16 units (limit {limit}); "
               f"group step: at most {fused_distance:.2f} units farther from the exact result than the path before (limit 1)")
         sys.exit(0 if distance <= limit and fused_distance <= 1 else 1)
-    main(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 32)
+    args = [a for a in sys.argv[1:] if a != "--no-sweep"]
+    main(Path(args[0]), int(args[1]) if len(args) > 1 else 32, sweep="--no-sweep" not in sys.argv)
