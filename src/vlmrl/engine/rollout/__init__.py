@@ -16,6 +16,10 @@ The pieces, and where each is switched on:
                  adapters' first factors, one for the second; the base weights moved once into stacked tensors.
                  Wherever it applies.
   second_factors the stacked groups' second step as one Triton kernel at token steps (`train.rollout.kernels`).
+  group_step     a bf16 stacked group's whole token step (matmul over base and first-factor rows, second step) as
+                 one split-K Triton kernel, where in_features is a multiple of 128 (`train.rollout.kernels`).
+  nf4_branch     over a 4-bit base, each projection's base and LoRA branch in one launch of the nf4 kernel.
+  arrivals       the per-tile counters with which a kernel's last split sums the others' shares.
   nf4            a Triton kernel for token steps over bitsandbytes nf4 weights: `fast` routes a 4-bit base's
                  `Linear4bit` forwards of 2-64 rows without gradients through it for the trainer's life, on the
                  GPUs where it was measured faster (`nf4.gpu_reason`) and `train.rollout.kernels` is on;

@@ -15,15 +15,17 @@ stacked instead:
   A group's first member then runs one matmul for the base outputs and the rank-space inputs together, one
   for the adapter outputs, and the scaled sum PEFT computes; its siblings take their slice of the result when
   they are called with the same input tensor (anything else runs PEFT's own forward).
-Per layer that is 4 + 4 matmuls where PEFT's forward runs 7 + 14. The values are those of PEFT's forward under
-the rollout's autocast (base and adapter matmuls in the base dtype, the same scale and sum) up to the order in
-which a matmul kernel sums its products.
+Per layer that is 4 + 4 matmuls where PEFT's forward runs 7 + 14; at a token step in bf16, with vlmrl's kernels, one
+kernel a group does both and the sum (`group_step`). The values are those of PEFT's forward under the rollout's
+autocast (base and adapter matmuls in the base dtype, the same scale and sum) up to the order in which a matmul
+kernel sums its products.
 
 Over a bitsandbytes 4-bit base (`Linear4bit`), which cannot share a matmul with bf16 factors, a group stacks only
 its members' first factors (in the rollouts' compute dtype, `dtype`): one matmul gives the group's rank-space
 inputs, each member's base runs on its own (vlmrl's nf4 kernel at token steps), and each member's second factor,
 scale and sum are one step over its base output (`second_factors.added_second`): per layer 7 base calls, 4 first
-factor matmuls and 7 second steps where PEFT runs 7 + 14 matmuls and 7 sums. The values are those of PEFT's forward
+factor matmuls and 7 second steps where PEFT runs 7 + 14 matmuls and 7 sums; at a token step on vlmrl's nf4 kernel,
+with its kernels, each member's base and branch are one launch of it (`nf4_branch`). The values are those of PEFT's forward
 (its adapters in bf16, as stored or copied, under the rollout's autocast), up to the order in which a matmul sums
 its products. Only where the token steps are recorded as one graph (`first_factors`; measured faster there only).
 
