@@ -6,9 +6,11 @@ looked up from the word shifted and joined back into the rows' order (high nibbl
 along k, each program writing its fp32 share when K is split, else the rounded output, its table lookups loads or,
 compiled, warp shuffles (`SHUFFLE`); with `SPLITS` and per-tile `Counters`, the last split of a tile to finish sums
 the shares into `Final` (`sum_if_last`); `nf4_splits`: the same fixed-order sum as a second kernel, unrolled over the
-split count, bias added and rounded once). Building them also puts their device helpers (`rounded`, `dot_operand`,
-`store_tile`, `block_scales`, `times_x`, `lane_table`, `held_by`, `nibble`, `word_weights`, `shares_summed`,
-`sum_if_last`) in this module's globals, where Triton finds them (and other kernels built on them may take them).
+split count, bias added and rounded once). With `LORA`, `nf4_tiles` computes a projection's LoRA branch too
+(`vlmrl.engine.rollout.nf4_branch` says how). Building them also puts their device helpers (`rounded`, `dot_operand`,
+`store_tile`, `block_scales`, `x_tile`, `times_x`, `first_times_x`, `with_second`, `lane_table`, `held_by`, `nibble`,
+`word_weights`, `shares_summed`, `sum_if_last`, `lora_sum_if_last`) in this module's globals, where Triton finds
+them (and other kernels built on them may take them).
 Limits: those of `nf4` (nf4 codes, bf16/fp16 activations, CUDA or Triton's interpreter); the shuffles are inline
 PTX (compiled only) and read the right values only where each thread keeps its own lane's table value, which
 a compiler's re-layout could break: `nf4.launch` checks them against the loads once per setting. The in-kernel split
