@@ -15,36 +15,12 @@ import sys
 from pathlib import Path
 
 import torch
+from stacked_matmul_shapes import graph_of, replay_us
 
 from vlmrl.engine.rollout import arrivals
 from vlmrl.engine.rollout.decode_attention import decode_attention, splits_for
 
 LAYERS, BATCH, KV_HEADS, GROUPS, DIM, POSITIONS, REPLAYS = 36, 32, 8, 4, 128, 1408, 50
-
-
-def graph_of(calls) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor]]:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls:  # build and warm the kernels (and the device's counters) outside the capture
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = [call() for call in calls]
-    return graph, outs
-
-
-def timed(graph: torch.cuda.CUDAGraph) -> float:
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(REPLAYS):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return 1e3 * start.elapsed_time(end) / REPLAYS  # microseconds per token step (36 layers)
 
 
 def main(out: Path, filled_lengths: list[int]) -> None:
@@ -70,7 +46,7 @@ def main(out: Path, filled_lengths: list[int]) -> None:
             second_graph, second_outs = graph_of(calls)
         finally:
             arrivals.COUNTERS = saved
-        merged_us, second_us = timed(merged_graph), timed(second_graph)
+        merged_us, second_us = replay_us(merged_graph, REPLAYS), replay_us(second_graph, REPLAYS)
         merged_graph.replay()
         second_graph.replay()
         torch.cuda.synchronize()

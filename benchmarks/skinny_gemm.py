@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 import torch
+from stacked_matmul_shapes import graph_of, replay_us
 
 GROUPS = {  # name: (the members' output widths, their LoRA ranks, in): Qwen3-VL-8B's stacked groups at rank 16
     "q/k/v": ([4096, 1024, 1024], [16, 16, 16], 4096),
@@ -168,25 +169,9 @@ def configs(rows: int, n: int, k: int, sms: int) -> list[dict]:
 
 
 def timed(call, weights: list[torch.Tensor], x: torch.Tensor) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for w in weights:
-            call(x, w)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(CALLS):
-            call(x, weights[i % COPIES])
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(REPLAYS):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return 1e3 * start.elapsed_time(end) / (REPLAYS * CALLS)
+    """Microseconds per `call(x, w)`, CALLS of them cycling through `weights` in one CUDA graph."""
+    graph, _ = graph_of([lambda w=weights[i % COPIES]: call(x, w) for i in range(CALLS)])
+    return replay_us(graph, REPLAYS) / CALLS
 
 
 def main(out: Path, rows: int, sweep: bool = True) -> None:

@@ -34,28 +34,39 @@ def padded(rows: int, multiple: int) -> int:
     return -(-rows // multiple) * multiple
 
 
-def measure(rows: int, width: int) -> dict:
-    weights = [torch.randn(rows, width, device="cuda", dtype=torch.bfloat16) for _ in range(COPIES)]
-    x = torch.randn(BATCH, width, device="cuda", dtype=torch.bfloat16)
+def graph_of(calls: list) -> tuple[torch.cuda.CUDAGraph, list]:
+    """`calls` (no-argument callables) recorded in one CUDA graph, after a warm-up on a side stream (kernels built and
+    cuBLAS's choices cached outside the capture); the graph and what the captured calls returned."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for w in weights:  # warm up: cuBLAS picks and caches its kernel outside the capture
-            torch.nn.functional.linear(x, w)
+        for call in calls:
+            call()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for i in range(CALLS):
-            torch.nn.functional.linear(x, weights[i % COPIES])
+        outs = [call() for call in calls]
+    return graph, outs
+
+
+def replay_us(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    """Microseconds per replay of `graph` (CUDA events, after one untimed replay)."""
     graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(REPLAYS):
+    for _ in range(replays):
         graph.replay()
     end.record()
     torch.cuda.synchronize()
-    us = 1e3 * start.elapsed_time(end) / (REPLAYS * CALLS)
+    return 1e3 * start.elapsed_time(end) / replays
+
+
+def measure(rows: int, width: int) -> dict:
+    weights = [torch.randn(rows, width, device="cuda", dtype=torch.bfloat16) for _ in range(COPIES)]
+    x = torch.randn(BATCH, width, device="cuda", dtype=torch.bfloat16)
+    graph, _ = graph_of([lambda w=weights[i % COPIES]: torch.nn.functional.linear(x, w) for i in range(CALLS)])
+    us = replay_us(graph, REPLAYS) / CALLS
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         torch.nn.functional.linear(x, weights[0])
         torch.cuda.synchronize()

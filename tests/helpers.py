@@ -301,6 +301,21 @@ def nf4_rollout_trainer(model, step):
     return fake_trainer(model, rollout)
 
 
+def nf4_block_with_expected():
+    """`nf4_block()`, two inputs on NF4_DEVICE, the bf16 autocast rollouts run under, and PEFT's forwards over the nf4
+    kernel with the bf16 adapter copies on them: (block, x, y, autocast, expected)."""
+    from vlmrl.engine.rollout import nf4
+    from vlmrl.engine.rollout.adapter_cast import LowPrecisionAdapters
+
+    block = nf4_block()
+    torch.manual_seed(2)
+    x, y = (torch.randn(4, 5, 64, dtype=torch.bfloat16, device=NF4_DEVICE) for _ in range(2))
+    autocast = torch.autocast(torch.device(NF4_DEVICE).type, dtype=torch.bfloat16, cache_enabled=False)
+    with torch.no_grad(), autocast, nf4.nf4_decode(block), LowPrecisionAdapters(block, torch.bfloat16).active():
+        expected = block(x, y)
+    return block, x, y, autocast, expected
+
+
 def compiled_calls(module, *args):
     """`module(*args)` compiled in one graph (dynamo reset first), and the functions its graph calls."""
     nodes = []

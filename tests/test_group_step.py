@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import Block, lora_policy
+from tests.helpers import Block, compiled_calls, lora_policy
 from vlmrl.engine.rollout import arrivals, group_step, second_factors
 from vlmrl.engine.rollout.decode_attention import HAS_TRITON, interpreted
 from vlmrl.engine.rollout.stacked import StackedProjections
@@ -92,15 +92,8 @@ def test_the_stacked_projections_run_each_group_in_one_launch_at_token_steps(mon
         _close(a, b)
     assert calls == {"group": 6}  # per group computed: q/k/v for x, y and x again, o once, gate/up for y and x
     monkeypatch.undo()
-    nodes = []
-
-    def backend(gm, example_inputs):
-        nodes.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-        return gm.forward
-
-    torch._dynamo.reset()
     with torch.no_grad(), stack.active(fused=True):
-        compiled = torch.compile(block, backend=backend, fullgraph=True)(x, y)
+        compiled, nodes = compiled_calls(block, x, y)
     assert all(torch.equal(a, b) for a, b in zip(compiled, got, strict=True))
     counted = collections.Counter(nodes)
     assert counted["vlmrl.group_step.default"] == 6 and counted["<built-in function linear>"] == 0

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import load_sdpa
-from tests.helpers import Block, fake_trainer, lora_policy
+from tests.helpers import Block, compiled_calls, fake_trainer, lora_policy
 from vlmrl.data.synthetic import generate_items
 from vlmrl.engine.lora_layers import lora_layers
 from vlmrl.engine.rollout.fast import (
@@ -175,18 +175,13 @@ def test_over_a_4bit_base_the_first_factors_are_stacked_and_compute_what_the_cop
     """Over bitsandbytes nf4 bases only the first factors are stacked (one matmul for q/k/v, one for gate/up), each
     member's second step one kernel over its nf4 output where the members' bases are not all on the nf4 kernel: bit
     for bit what PEFT's branch over the bf16 adapter copies computes, eager and compiled in one graph."""
-    from tests.helpers import NF4_DEVICE, nf4_block
+    from tests.helpers import nf4_block_with_expected
     from vlmrl.engine.rollout import nf4, nf4_branch, second_factors
-    from vlmrl.engine.rollout.adapter_cast import LowPrecisionAdapters
 
     monkeypatch.setattr(nf4_branch, "takes", lambda layer, dtype: False)  # (the next test: where they are)
-    block = nf4_block()
+    # PEFT's forwards over the nf4 kernel, with the bf16 adapter copies
+    block, x, y, autocast, expected = nf4_block_with_expected()
     assert StackedProjections(block, first_factors=False).reason.startswith("a Linear4bit base layer")
-    torch.manual_seed(2)
-    x, y = (torch.randn(4, 5, 64, dtype=torch.bfloat16, device=NF4_DEVICE) for _ in range(2))
-    autocast = torch.autocast(torch.device(NF4_DEVICE).type, dtype=torch.bfloat16, cache_enabled=False)
-    with torch.no_grad(), autocast, nf4.nf4_decode(block), LowPrecisionAdapters(block, torch.bfloat16).active():
-        expected = block(x, y)  # PEFT's forwards over the nf4 kernel, with the bf16 adapter copies
     assert StackedProjections(block).reason.startswith("a Linear4bit base layer")  # only where asked
     stack = StackedProjections(block, torch.bfloat16, first_factors=True)
     assert stack.reason is None and stack.first_factors_only and [len(g.layers) for g in stack.groups] == [3, 2, 1]
@@ -209,15 +204,8 @@ def test_over_a_4bit_base_the_first_factors_are_stacked_and_compute_what_the_cop
     assert all("forward" not in vars(layer) for layer in lora_layers(block))
     monkeypatch.undo()
     monkeypatch.setattr(nf4_branch, "takes", lambda layer, dtype: False)
-    nodes = []
-
-    def backend(gm, example_inputs):
-        nodes.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-        return gm.forward
-
-    torch._dynamo.reset()
     with torch.no_grad(), autocast, nf4.nf4_decode(block), stack.active(fused=True):
-        compiled = torch.compile(block, backend=backend, fullgraph=True)(x, y)
+        compiled, nodes = compiled_calls(block, x, y)
     assert all(torch.equal(a, b) for a, b in zip(compiled, expected, strict=True))
     counted = collections.Counter(nodes)
     assert (counted["vlmrl.nf4_matmul.default"], counted["vlmrl.added_second.default"]) == (14, 14)
@@ -233,16 +221,10 @@ def test_over_bases_on_the_nf4_kernel_each_member_and_its_branch_are_one_launch(
     """Where every member's base is on the nf4 kernel, a token step runs each member, base and LoRA branch, in one
     launch of it (`nf4_branch`): no first-factor matmul, no second-step kernel; PEFT's branch over the bf16 adapter
     copies to the bit in Triton's interpreter (its sums' order is the kernel's), eager and compiled in one graph."""
-    from tests.helpers import NF4_DEVICE, nf4_block
+    from tests.helpers import NF4_DEVICE, nf4_block_with_expected
     from vlmrl.engine.rollout import nf4, nf4_branch, second_factors
-    from vlmrl.engine.rollout.adapter_cast import LowPrecisionAdapters
 
-    block = nf4_block()
-    torch.manual_seed(2)
-    x, y = (torch.randn(4, 5, 64, dtype=torch.bfloat16, device=NF4_DEVICE) for _ in range(2))
-    autocast = torch.autocast(torch.device(NF4_DEVICE).type, dtype=torch.bfloat16, cache_enabled=False)
-    with torch.no_grad(), autocast, nf4.nf4_decode(block), LowPrecisionAdapters(block, torch.bfloat16).active():
-        expected = block(x, y)
+    block, x, y, autocast, expected = nf4_block_with_expected()
     stack = StackedProjections(block, torch.bfloat16, first_factors=True)
 
     def same(got):
@@ -265,15 +247,9 @@ def test_over_bases_on_the_nf4_kernel_each_member_and_its_branch_are_one_launch(
         same(block(x, y))
     assert not calls  # without the kernels the branch is PEFT's arithmetic, apart
     monkeypatch.undo()
-    nodes = []
-
-    def backend(gm, example_inputs):
-        nodes.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-        return gm.forward
-
-    torch._dynamo.reset()
     with torch.no_grad(), autocast, nf4.nf4_decode(block), stack.active(fused=True):
-        same(torch.compile(block, backend=backend, fullgraph=True)(x, y))
+        compiled, nodes = compiled_calls(block, x, y)
+    same(compiled)
     counted = collections.Counter(nodes)
     assert counted["vlmrl.nf4_branch.default"] == 14
     assert counted["vlmrl.added_second.default"] == counted["<built-in function linear>"] == 0

@@ -608,16 +608,10 @@ def test_over_a_4bit_base_the_pointwise_second_step_keeps_peft_s_first_factors_a
     pointwise; the product's values to bf16 rounding."""
     from variants import second_inline, stacked_4bit
 
-    from tests.helpers import NF4_DEVICE
+    from tests.helpers import nf4_block_with_expected
     from vlmrl.engine.rollout import nf4
-    from vlmrl.engine.rollout.adapter_cast import LowPrecisionAdapters
 
-    block = nf4_block()
-    torch.manual_seed(2)
-    x, y = (torch.randn(4, 5, 64, dtype=torch.bfloat16, device=NF4_DEVICE) for _ in range(2))
-    autocast = torch.autocast(torch.device(NF4_DEVICE).type, dtype=torch.bfloat16, cache_enabled=False)
-    with torch.no_grad(), autocast, nf4.nf4_decode(block), LowPrecisionAdapters(block, torch.bfloat16).active():
-        expected = block(x, y)
+    block, x, y, autocast, expected = nf4_block_with_expected()
     with stacked_4bit.first_factors_apart():
         stack = stacked_4bit.stacked.StackedProjections(block, first_factors=True)  # as enable_fast_generation builds
     assert stack.reason is None and [len(g.layers) for g in stack.groups] == [1] * 6

@@ -37,6 +37,7 @@ MAX_ROWS = 64
 BLOCK_N, BLOCK_K, STAGES, WARPS = 64, 128, 3, 4  # the best of an H100 sweep at every group shape, 32 rows
 PROGRAMS_PER_SM = 1.4  # split K (by powers of two) until the grid has about this many programs an SM
 MAX_RP = 64
+to_bf16: Any = None  # second_factors' rounding helper, put here when the kernel is built (Triton reads globals)
 
 
 def rank_windows(outs: list[int], ranks: list[int], device: torch.device) -> tuple[torch.Tensor, int] | None:
@@ -139,14 +140,8 @@ def _kernel(interpret: bool) -> Any:
     import triton
     import triton.language as tl
 
-    @triton.jit
-    def to_bf16(x):
-        # float32 -> the nearest bf16 value (ties to even), kept in float32, on the bits (the interpreter truncates)
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return tl.where(x == x, bits.to(tl.float32, bitcast=True), x)  # noqa: PLR0124 (False for NaN only)
-
-    globals()["to_bf16"] = to_bf16  # a kernel finds the functions it calls among its module's globals
+    second_factors.kernel(interpret)  # builds the rounding helper this kernel shares with the second step's
+    globals()["to_bf16"] = second_factors.to_bf16  # a kernel finds the functions it calls among its module's globals
 
     @triton.jit
     def finished(acc, acc_a, Second, Scales, Bias, Out, n, m, n_ok, m_ok, r, r_ok, N, R, scale,

@@ -9,7 +9,7 @@ the shares into `Final` (`sum_if_last`); `nf4_splits`: the same fixed-order sum 
 split count, bias added and rounded once). With `LORA`, `nf4_tiles` computes a projection's LoRA branch too
 (`vlmrl.engine.rollout.nf4_branch` says how). Building them also puts their device helpers (`rounded`, `dot_operand`,
 `store_tile`, `block_scales`, `x_tile`, `times_x`, `first_times_x`, `with_second`, `lane_table`, `held_by`, `nibble`,
-`word_weights`, `shares_summed`, `sum_if_last`, `lora_sum_if_last`) in this module's globals, where Triton finds
+`word_weights`, `shares_summed`, `arrived`, `sum_if_last`, `lora_sum_if_last`) in this module's globals, where Triton finds
 them (and other kernels built on them may take them).
 Limits: those of `nf4` (nf4 codes, bf16/fp16 activations, CUDA or Triton's interpreter); the shuffles are inline
 PTX (compiled only) and read the right values only where each thread keeps its own lane's table value, which
@@ -165,10 +165,8 @@ def kernels(interpret: bool) -> tuple[Any, Any]:
                          BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr, EXACT: tl.constexpr):
         # `sum_if_last` for a launch with the LoRA branch: the last split of a tile sums the base shares and the
         # rank-space shares in split order and writes the member's output (`with_second`)
-        tl.debug_barrier()
-        tile = tl.program_id(0) * tl.num_programs(2) + tl.program_id(2)
-        seen = tl.atomic_add(Counters + tile, 1, sem="acq_rel", scope="gpu")
-        if seen == SPLITS - 1:
+        tile, last = arrived(Counters, SPLITS)
+        if last:
             where = m[None, :] * N + n[:, None]
             mask = m_ok[None, :] & n_ok[:, None]
             acc = shares_summed(tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), Partial, where, mask, M * N, SPLITS,
@@ -260,6 +258,16 @@ def kernels(interpret: bool) -> tuple[Any, Any]:
         tl.store(Out + i, rounded(acc, XQ, EXACT).to(Out.dtype.element_ty), mask=ok)
 
     @triton.jit
+    def arrived(Counters, SPLITS: tl.constexpr):
+        # (this program's output tile, whether it is the tile's last split to arrive): the barrier puts every thread's
+        # stores before the count, released at GPU scope; the last one's acquire makes the others' shares visible
+        tl.debug_barrier()
+        tile = tl.program_id(0) * tl.num_programs(2) + tl.program_id(2)
+        return tile, tl.atomic_add(Counters + tile, 1, sem="acq_rel", scope="gpu") == SPLITS - 1
+
+    globals()["arrived"] = arrived
+
+    @triton.jit
     def sum_if_last(Partial, Bias, Final, Counters, n, m, n_ok, m_ok, M, N, SPLITS: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr, XQ: tl.constexpr,
                     EXACT: tl.constexpr):
@@ -267,10 +275,8 @@ def kernels(interpret: bool) -> tuple[Any, Any]:
         # the SPLITS shares in order, adds the bias, rounds once, writes Final and sets the counter back to 0 for
         # the next launch. The barrier puts every thread's stores before the count (released at GPU scope); the
         # last program's shares are read through L2 (.cg) after its acquire, as CUTLASS's split-K semaphore does.
-        tl.debug_barrier()
-        tile = tl.program_id(0) * tl.num_programs(2) + tl.program_id(2)
-        seen = tl.atomic_add(Counters + tile, 1, sem="acq_rel", scope="gpu")
-        if seen == SPLITS - 1:
+        tile, last = arrived(Counters, SPLITS)
+        if last:
             where = m[None, :] * N + n[:, None]
             mask = m_ok[None, :] & n_ok[:, None]
             acc = shares_summed(tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), Partial, where, mask, M * N, SPLITS,

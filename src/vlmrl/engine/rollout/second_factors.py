@@ -127,20 +127,22 @@ def _launch(base: torch.Tensor, first: torch.Tensor, second: torch.Tensor, scale
     rows = base.shape[0]
     out = torch.empty(rows, width, device=base.device, dtype=base.dtype)
     interpret = interpreted()
-    kernel = _kernel(interpret)
     block_r = max(16, 1 << (ranks - 1).bit_length())
     grid = (-(-rows // BLOCK_M), -(-width // BLOCK_N))
-    kernel[grid](base, first, second, scales if scales is not None else out, out, rows, width, ranks, base.stride(0),
-                 first.stride(0), scale, PER_COLUMN=scales is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                 BLOCK_R=block_r, DOT_F32=interpret)
+    kernel(interpret)[grid](base, first, second, scales if scales is not None else out, out, rows, width, ranks,
+                            base.stride(0), first.stride(0), scale, PER_COLUMN=scales is not None, BLOCK_M=BLOCK_M,
+                            BLOCK_N=BLOCK_N, BLOCK_R=block_r, DOT_F32=interpret)
     return out
 
 
 @functools.cache
-def _kernel(interpret: bool) -> Any:
-    """The Triton kernel, built on first use (importing vlmrl needs no Triton)."""
+def kernel(interpret: bool) -> Any:
+    """The Triton kernel, built on first use (importing vlmrl needs no Triton); building it also puts its rounding
+    helper `to_bf16` in this module's globals (`group_step`'s kernel takes it from there)."""
     import triton
     import triton.language as tl
+
+    globals()["tl"] = tl  # Triton's interpreter looks for the language among a device function's globals
 
     @triton.jit
     def to_bf16(x):
