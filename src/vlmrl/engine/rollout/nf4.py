@@ -20,9 +20,9 @@ active (one-row steps, where bitsandbytes runs its gemv, prompt passes, training
 bitsandbytes, the fallback); `unsupported_reason(model)`, for the caller to record why a model stays there;
 `gpu_reason(device)`, the product's rule for where the kernel is on; `probe(model)`, a launch on the model's first
 routed layer, and `failure(x)`, why the kernel fell back; `shuffles_hold`, the check that decides each setting's
-lookups, and `lookups()`, what it decided; `quant_state(layer)`; `reference`, its fallback's arithmetic; `is_linear4bit` and `layer_reason(layer)`, which layers it
-takes; `forwards_replaced`, its patching of forwards; `measured_settings(model)`, how many routed layers take the
-settings measured on sm_90 (the tile settings are `nf4_settings`'s).
+lookups, and `lookups()`, what it decided; `quant_state(layer)`; `reference`, its fallback's arithmetic;
+`is_linear4bit` and `layer_reason(layer)`, which layers it takes; `forwards_replaced`, its patching of forwards;
+`measured_settings(model)`, how many routed layers take the settings measured on sm_90 (the tile settings are `nf4_settings`'s).
 `vlmrl.engine.rollout.fast` turns it on for a 4-bit base's rollouts. Limits: nf4 (not fp4), blocksizes 32-256
 dividing in_features, packed weights on a 4-byte boundary (`WORD`), bf16/fp16 activations, CUDA (Triton's
 interpreter on a CPU, for tests); on by default only on the GPUs where it was measured faster than bitsandbytes
@@ -268,8 +268,8 @@ def output_like(x: torch.Tensor, packed: torch.Tensor, *args: Any) -> torch.Tens
 
 
 def reference(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: torch.Tensor | None,
-               absmax2: torch.Tensor | None, offset: torch.Tensor | None, lut: torch.Tensor, bias: torch.Tensor | None,
-               blocksize: int, blocksize2: int, rounding: int, config: list[int]) -> torch.Tensor:
+              absmax2: torch.Tensor | None, offset: torch.Tensor | None, lut: torch.Tensor, bias: torch.Tensor | None,
+              blocksize: int, blocksize2: int, rounding: int, config: list[int]) -> torch.Tensor:
     weight = dequantize(packed, absmax, code2, absmax2, offset, lut, blocksize, blocksize2)
     if rounding:  # bitsandbytes dequantizes to the weight's dtype, then casts to the activations'
         weight = weight.to(torch.bfloat16 if rounding == 1 else torch.float16)
@@ -289,7 +289,7 @@ def measured_settings(model: torch.nn.Module) -> str:
 def launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code2: torch.Tensor | None,
            absmax2: torch.Tensor | None, offset: torch.Tensor | None, lut: torch.Tensor, bias: torch.Tensor | None,
            blocksize: int, blocksize2: int, rounding: int, config: list[int],
-           lora: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
+           lora: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor | None:
     """Launch the tile kernel on x [rows, k], with `config` or else `nf4_settings.config`'s settings; a split K is
     summed by its last split to finish (`split_counters`), or by `sum_splits` where no counters can be had.
     `lora` = (first [rank, k], second [n, rank], scale), bf16 only: the output is the base's plus the LoRA branch,
