@@ -22,7 +22,8 @@ bitsandbytes, the fallback); `unsupported_reason(model)`, for the caller to reco
 routed layer, and `failure(x)`, why the kernel fell back; `shuffles_hold`, the check that decides each setting's
 lookups, and `lookups()`, what it decided; `quant_state(layer)`; `reference`, its fallback's arithmetic;
 `is_linear4bit` and `layer_reason(layer)`, which layers it takes; `forwards_replaced`, its patching of forwards;
-`measured_settings(model)`, how many routed layers take the settings measured on sm_90 (the tile settings are `nf4_settings`'s).
+`measured_settings(model)`, how many routed layers take the settings measured on sm_90 (the tile settings are
+`nf4_settings`'s).
 `vlmrl.engine.rollout.fast` turns it on for a 4-bit base's rollouts. Limits: nf4 (not fp4), blocksizes 32-256
 dividing in_features, packed weights on a 4-byte boundary (`WORD`), bf16/fp16 activations, CUDA (Triton's
 interpreter on a CPU, for tests); on by default only on the GPUs where it was measured faster than bitsandbytes
