@@ -105,6 +105,9 @@ def build(rows: int, blocksize: int, dtype: str, shape: tuple[int, int, int] | N
         constants |= {"SPLITS": splits, "HAS_BIAS": True}
     elif product:
         constants |= {"Final": None, "Counters": None, "SPLITS": 0}  # (defaults left out fail to build)
+    if product:  # without the LoRA branch (nf4_branch), as a plain projection's token step runs
+        constants |= {"First": None, "Second": None, "SharesA": None, "R": 0, "lora_scale": 1.0, "RP": 16,
+                      "LORA": False}
     signature |= dict.fromkeys(constants, "constexpr")
     index = tiles.arg_names.index
     divisible = [name for name in signature if name not in constants and name != "Offset"]
