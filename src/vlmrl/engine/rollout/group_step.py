@@ -37,7 +37,10 @@ MAX_ROWS = 64
 BLOCK_N, BLOCK_K, STAGES, WARPS = 64, 128, 3, 4  # the best of an H100 sweep at every group shape, 32 rows
 PROGRAMS_PER_SM = 1.4  # split K (by powers of two) until the grid has about this many programs an SM
 MAX_RP = 64
-to_bf16: Any = None  # second_factors' rounding helper, put here when the kernel is built (Triton reads globals)
+# second_factors' device helpers (rounding, the second step on a tile), put here when the kernel is built: Triton
+# finds the functions a kernel calls among its module's globals
+to_bf16: Any = None
+added_rounded: Any = None
 
 
 def rank_windows(outs: list[int], ranks: list[int], device: torch.device) -> tuple[torch.Tensor, int] | None:
@@ -140,8 +143,9 @@ def _kernel(interpret: bool) -> Any:
     import triton
     import triton.language as tl
 
-    second_factors.kernel(interpret)  # builds the rounding helper this kernel shares with the second step's
-    globals()["to_bf16"] = second_factors.to_bf16  # a kernel finds the functions it calls among its module's globals
+    second_factors.kernel(interpret)  # builds the second step's arithmetic on a tile, which this kernel ends in
+    # a kernel finds the functions it calls among its module's globals
+    globals().update(to_bf16=second_factors.to_bf16, added_rounded=second_factors.added_rounded)
 
     @triton.jit
     def finished(acc, acc_a, Second, Scales, Bias, Out, n, m, n_ok, m_ok, r, r_ok, N, R, scale,
@@ -149,20 +153,12 @@ def _kernel(interpret: bool) -> Any:
         # the tile's outputs: base (+ bias) rounded, plus the second step as second_factors rounds it
         if HAS_BIAS:
             acc += tl.load(Bias + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        base = to_bf16(acc)
-        first = to_bf16(acc_a)  # (the first factors' rows of a stacked bias are zeros)
         factors = tl.load(Second + n[:, None] * R + r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
-        if DOT_F32:
-            product = tl.dot(factors.to(tl.float32), first)
-        else:
-            product = tl.dot(factors, first.to(tl.bfloat16))
-        product = to_bf16(product)
         if PER_COLUMN:
-            scaled = to_bf16(product * tl.load(Scales + n, mask=n_ok, other=0.0).to(tl.float32)[:, None])
-        else:
-            scaled = to_bf16(product * scale)
-        tl.store(Out + m[None, :] * N + n[:, None], to_bf16(base + scaled).to(Out.dtype.element_ty),
-                 mask=m_ok[None, :] & n_ok[:, None])
+            scale = tl.load(Scales + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        # the rank-space inputs rounded (the first factors' rows of a stacked bias are zeros)
+        out = added_rounded(to_bf16(acc), factors, to_bf16(acc_a), scale, DOT_F32)
+        tl.store(Out + m[None, :] * N + n[:, None], out.to(Out.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
 
     globals()["finished"] = finished
 

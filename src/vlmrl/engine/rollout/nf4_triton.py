@@ -9,8 +9,9 @@ the shares into `Final` (`sum_if_last`); `nf4_splits`: the same fixed-order sum 
 split count, bias added and rounded once). With `LORA`, `nf4_tiles` computes a projection's LoRA branch too
 (`vlmrl.engine.rollout.nf4_branch` says how). Building them also puts their device helpers (`rounded`, `dot_operand`,
 `store_tile`, `block_scales`, `x_tile`, `times_x`, `first_times_x`, `with_second`, `lane_table`, `held_by`, `nibble`,
-`word_weights`, `shares_summed`, `arrived`, `sum_if_last`, `lora_sum_if_last`) in this module's globals, where Triton finds
-them (and other kernels built on them may take them).
+`word_weights`, `shares_summed`, `split_shares_summed`, `arrived`, `sum_if_last`, `lora_sum_if_last`) in this
+module's globals, where Triton finds them (and other kernels built on them may take them); the second step's
+arithmetic on a tile is `second_factors`' (`added_rounded`).
 Limits: those of `nf4` (nf4 codes, bf16/fp16 activations, CUDA or Triton's interpreter); the shuffles are inline
 PTX (compiled only) and read the right values only where each thread keeps its own lane's table value, which
 a compiler's re-layout could break: `nf4.launch` checks them against the loads once per setting. The in-kernel split
@@ -22,6 +23,13 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from vlmrl.engine.rollout import second_factors
+
+# second_factors' device helpers (rounding, the second step on a tile), put here when the kernels are built: Triton
+# finds the functions a kernel calls among its module's globals
+to_bf16: Any = None
+added_rounded: Any = None
+
 
 @functools.cache
 def kernels(interpret: bool) -> tuple[Any, Any]:
@@ -31,6 +39,8 @@ def kernels(interpret: bool) -> tuple[Any, Any]:
     import triton.language as tl
 
     globals()["tl"] = tl  # Triton's interpreter looks for the language among a device function's globals
+    second_factors.kernel(interpret)  # the second step's arithmetic on a tile, which the LoRA branch ends in
+    globals().update(to_bf16=second_factors.to_bf16, added_rounded=second_factors.added_rounded)
 
     @triton.jit
     def rounded(x, CODE: tl.constexpr, EXACT: tl.constexpr):
@@ -146,16 +156,9 @@ def kernels(interpret: bool) -> tuple[Any, Any]:
         # scaled and rounded, added and rounded), in bf16
         if HAS_BIAS:
             acc += tl.load(Bias + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        base = rounded(acc, 1, EXACT)
-        first = rounded(acc_a, 1, EXACT)
         second = tl.load(Second + n[:, None] * R + r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
-        if EXACT:
-            product = tl.dot(second.to(tl.float32), first)
-        else:
-            product = tl.dot(second, first.to(tl.bfloat16))
-        scaled = rounded(rounded(product, 1, EXACT) * lora_scale, 1, EXACT)
-        tl.store(Final + m[None, :] * N + n[:, None], rounded(base + scaled, 1, EXACT).to(Final.dtype.element_ty),
-                 mask=m_ok[None, :] & n_ok[:, None])
+        out = added_rounded(to_bf16(acc), second, to_bf16(acc_a), lora_scale, EXACT)
+        tl.store(Final + m[None, :] * N + n[:, None], out.to(Final.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
 
     globals()["with_second"] = with_second
 
@@ -167,10 +170,7 @@ def kernels(interpret: bool) -> tuple[Any, Any]:
         # rank-space shares in split order and writes the member's output (`with_second`)
         tile, last = arrived(Counters, SPLITS)
         if last:
-            where = m[None, :] * N + n[:, None]
-            mask = m_ok[None, :] & n_ok[:, None]
-            acc = shares_summed(tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), Partial, where, mask, M * N, SPLITS,
-                                True)
+            _, _, acc = split_shares_summed(Partial, n, m, n_ok, m_ok, M, N, SPLITS, BLOCK_N, BLOCK_M)
             where_a = (tile * SPLITS * RP + tl.arange(0, RP)[:, None]) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
             acc_a = shares_summed(tl.zeros((RP, BLOCK_M), dtype=tl.float32), SharesA, where_a,
                                   tl.full((RP, BLOCK_M), 1, tl.int1), RP * BLOCK_M, SPLITS, True)
@@ -258,6 +258,17 @@ def kernels(interpret: bool) -> tuple[Any, Any]:
         tl.store(Out + i, rounded(acc, XQ, EXACT).to(Out.dtype.element_ty), mask=ok)
 
     @triton.jit
+    def split_shares_summed(Partial, n, m, n_ok, m_ok, M, N, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_M: tl.constexpr):
+        # (the tile's output offsets, their mask, its SPLITS fp32 shares summed in split order, read through L2)
+        where = m[None, :] * N + n[:, None]
+        mask = m_ok[None, :] & n_ok[:, None]
+        acc = shares_summed(tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), Partial, where, mask, M * N, SPLITS, True)
+        return where, mask, acc
+
+    globals()["split_shares_summed"] = split_shares_summed
+
+    @triton.jit
     def arrived(Counters, SPLITS: tl.constexpr):
         # (this program's output tile, whether it is the tile's last split to arrive): the barrier puts every thread's
         # stores before the count, released at GPU scope; the last one's acquire makes the others' shares visible
@@ -277,10 +288,7 @@ def kernels(interpret: bool) -> tuple[Any, Any]:
         # last program's shares are read through L2 (.cg) after its acquire, as CUTLASS's split-K semaphore does.
         tile, last = arrived(Counters, SPLITS)
         if last:
-            where = m[None, :] * N + n[:, None]
-            mask = m_ok[None, :] & n_ok[:, None]
-            acc = shares_summed(tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), Partial, where, mask, M * N, SPLITS,
-                                True)
+            where, mask, acc = split_shares_summed(Partial, n, m, n_ok, m_ok, M, N, SPLITS, BLOCK_N, BLOCK_M)
             if HAS_BIAS:
                 acc += tl.load(Bias + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
             tl.store(Final + where, rounded(acc, XQ, EXACT).to(Final.dtype.element_ty), mask=mask)

@@ -137,8 +137,9 @@ def _launch(base: torch.Tensor, first: torch.Tensor, second: torch.Tensor, scale
 
 @functools.cache
 def kernel(interpret: bool) -> Any:
-    """The Triton kernel, built on first use (importing vlmrl needs no Triton); building it also puts its rounding
-    helper `to_bf16` in this module's globals (`group_step`'s kernel takes it from there)."""
+    """The Triton kernel, built on first use (importing vlmrl needs no Triton); building it also puts its device
+    helpers `to_bf16` and `added_rounded` (the second step's arithmetic on a tile) in this module's globals, where the
+    kernels that end in the same second step (`group_step`, the nf4 kernel's LoRA branch) take them from."""
     import triton
     import triton.language as tl
 
@@ -155,11 +156,25 @@ def kernel(interpret: bool) -> Any:
     globals()["to_bf16"] = to_bf16  # a kernel finds the functions it calls among its module's globals
 
     @triton.jit
+    def added_rounded(base, lhs, rhs, scale, DOT_F32: tl.constexpr):
+        # base + scale * (lhs @ rhs), rounded as `added` rounds in bf16: the product rounded, then scaled and rounded,
+        # then added to `base` (bf16 values in float32) and rounded; lhs, rhs bf16 values (float32 copies where
+        # DOT_F32: the interpreter's dot reads bf16 as integers); scale a float or a tensor broadcast to the tile
+        if DOT_F32:
+            product = tl.dot(lhs.to(tl.float32), rhs.to(tl.float32))
+        else:
+            product = tl.dot(lhs.to(tl.bfloat16), rhs.to(tl.bfloat16))
+        return to_bf16(base + to_bf16(to_bf16(product) * scale))
+
+    globals()["added_rounded"] = added_rounded
+
+    @triton.jit
     def second_step(Base, First, Second, Scales, Out, rows, width, ranks, stride_base, stride_first, scale,
                     PER_COLUMN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                     DOT_F32: tl.constexpr):
         # DOT_F32: the interpreter's tl.dot reads bf16 as raw integers, so there the dot takes float32 copies
-        # (exact: bf16 values and their products are float32 values); compiled kernels multiply in the inputs' dtype.
+        # (exact: bf16 values and their products are float32 values); compiled kernels multiply in the inputs' dtype
+        # (`added_rounded`).
         r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         k = tl.arange(0, BLOCK_R)
@@ -168,20 +183,12 @@ def kernel(interpret: bool) -> Any:
                         mask=in_rows[:, None] & in_ranks[None, :], other=0.0)
         factors = tl.load(Second + c[None, :] * ranks + k[:, None], mask=in_ranks[:, None] & in_cols[None, :],
                           other=0.0)  # [BLOCK_R, BLOCK_N]: secondᵀ's tile
-        if DOT_F32:
-            product = tl.dot(first.to(tl.float32), factors.to(tl.float32))
-        else:
-            product = tl.dot(first, factors)
-        dtype = Out.dtype.element_ty  # bfloat16
-        product = to_bf16(product)  # the small matmul's output, rounded
         if PER_COLUMN:
-            scaled = product * tl.load(Scales + c, mask=in_cols, other=0.0).to(tl.float32)
-        else:
-            scaled = product * scale
-        scaled = to_bf16(scaled)
+            scale = tl.load(Scales + c, mask=in_cols, other=0.0).to(tl.float32)[None, :]
         base = tl.load(Base + r[:, None] * stride_base + c[None, :], mask=in_rows[:, None] & in_cols[None, :],
                        other=0.0).to(tl.float32)
-        tl.store(Out + r[:, None] * width + c[None, :], to_bf16(base + scaled).to(dtype),
+        tl.store(Out + r[:, None] * width + c[None, :],
+                 added_rounded(base, first, factors, scale, DOT_F32).to(Out.dtype.element_ty),
                  mask=in_rows[:, None] & in_cols[None, :])
 
     return second_step
