@@ -4,10 +4,10 @@ TRL's `_generate_single_turn` returns `(completion_ids, logprobs)`; its transfor
 second, its vLLM path the log-probs vLLM sampled with, which `_generate_and_score_completions` turns into
 `sampling_per_token_logps` ([B, T], beside `completion_mask`). `enable_sampler_logprobs` fills that channel for
 the transformers path, fast (`vlmrl.engine.rollout.fast`) or plain: each rollout's `generate` call gets one more
-logits processor, `SamplerLogprobs`, which keeps one step's temperature-scaled logits and their log-sum-exp and,
-at the next step, gathers the token that was sampled from them. So every sampled token's log-probability is
-read, at the cost of one log-sum-exp over the vocabulary and one gather per step; no [steps, B, V] logits are
-stored. Processors run outside the compiled forward, so compiled decoding (CUDA graphs included) is unchanged.
+logits processor, `SamplerLogprobs`, which keeps one step's log_softmax of the temperature-scaled logits and, at the
+next step, gathers the token that was sampled from them. So every sampled token's log-probability is read, at
+the cost of one log_softmax over the vocabulary (one kernel; a division before it where the temperature is not 1)
+and one gather per step; no [steps, B, V] logits are stored. Processors run outside the compiled forward, so compiled decoding (CUDA graphs included) is unchanged.
 
 What is measured is TRL's definition for vLLM: log_softmax(logits / temperature) of the logits the sampler
 saw, after transformers' own processors (`suppress_tokens`, `min_new_tokens`: what the tokens were really drawn
@@ -48,28 +48,27 @@ class SamplerLogprobs:
         self.temperature = float(temperature or 1.0)
         self.prompt_length: int | None = None
         self.steps: list[torch.Tensor] = []  # [B] per step: log p of the token sampled at that step
-        self._scaled: torch.Tensor | None = None  # [B, V] the last step's logits / temperature
-        self._lse: torch.Tensor | None = None  # [B] their log-sum-exp
+        self._logp: torch.Tensor | None = None  # [B, V] the last step's log_softmax(logits / temperature)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if self.prompt_length is None:
             self.prompt_length = input_ids.shape[1]
-        elif self._scaled is not None:  # input_ids now ends with the token sampled from the last step's scores
+        elif self._logp is not None:  # input_ids now ends with the token sampled from the last step's scores
             self.steps.append(self._gather(input_ids[:, -1]))
-        self._scaled = scores.float() / self.temperature  # a new tensor: later processors cannot change it
-        self._lse = torch.logsumexp(self._scaled, dim=-1)
+        scaled = scores.float() if self.temperature == 1.0 else scores.float() / self.temperature
+        self._logp = torch.log_softmax(scaled, dim=-1)  # a new tensor: later processors cannot change it
         return scores
 
     def _gather(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self._scaled.gather(-1, tokens[:, None].to(self._scaled.device)).squeeze(-1) - self._lse
+        return self._logp.gather(-1, tokens[:, None].to(self._logp.device)).squeeze(-1)
 
     def finish(self, sequences: torch.Tensor) -> torch.Tensor:
         """[B, completion tokens] log-probs, given `generate`'s output. The last step's token is gathered here; a
         step `generate` ran and then undid (the deferred stop check) is dropped."""
         generated = sequences.shape[1] - (self.prompt_length or sequences.shape[1])
-        if len(self.steps) < generated and self._scaled is not None:
+        if len(self.steps) < generated and self._logp is not None:
             self.steps.append(self._gather(sequences[:, self.prompt_length + len(self.steps)]))
-        self._scaled = self._lse = None
+        self._logp = None
         if not self.steps:
             return torch.zeros(sequences.shape[0], 0)
         return torch.stack(self.steps[:generated], dim=1)
