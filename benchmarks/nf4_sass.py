@@ -136,6 +136,61 @@ def build(rows: int, blocksize: int, dtype: str, shape: tuple[int, int, int] | N
             "instructions_per_weight": total / weights_per_thread, "opcodes": dict(opcodes.most_common())}
 
 
+# Qwen3-VL-8B's stacked groups at a token step: each member's outputs, and the group's in_features (LoRA rank 16)
+GROUPS = {"q/k/v": ([4096, 1024, 1024], 4096), "o": ([4096], 4096), "gate/up": ([12288, 12288], 4096),
+          "down": ([4096], 12288)}
+SMS = 132  # an H100 SXM's or an H200's
+
+
+def group_step_build(rows: int = 32) -> list[dict]:
+    """`vlmrl.engine.rollout.group_step`'s kernel as the product launches it for each group of `GROUPS` at `rows`
+    rows (its K splits by `group_step.splits_for` on `SMS` SMs, its rank window by `rank_windows`), built for sm_90:
+    registers, spilled bytes, whether its dots are Hopper's warpgroup MMA, and the split sum's memory order."""
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError as error:
+        print(f"nf4_sass: Triton with its NVIDIA backend is needed ({error})", file=sys.stderr)
+        raise SystemExit(2) from error
+    from vlmrl.engine.rollout import group_step
+
+    kernel = group_step._kernel(False)
+    index = kernel.arg_names.index
+    block_m = max(16, 1 << (rows - 1).bit_length())
+    results = []
+    for name, (outs, k) in GROUPS.items():
+        width, ranks = sum(outs), [16] * len(outs)
+        splits = group_step.splits_for(-(-width // group_step.BLOCK_N), k, SMS)
+        rp = group_step.rank_windows(outs, ranks, "cpu")[1]
+        split = "*fp32" if splits > 1 else "*bf16"  # a single split takes the output in the buffers' places
+        signature = {"X": "*bf16", "W": "*bf16", "A": "*bf16", "Second": "*bf16", "Scales": "*bf16",
+                     "Bias": "*bf16", "Out": "*bf16", "Partial": split, "Shares": split,
+                     "Counters": "*i32" if splits > 1 else "*bf16", "Starts": "*i32", "M": "i32", "N": "i32",
+                     "K": "i32", "R": "i32", "sxm": "i32", "swn": "i32", "per_split": "i32", "scale": "fp32"}
+        constants = {"BLOCK_N": group_step.BLOCK_N, "BLOCK_M": block_m, "BLOCK_K": group_step.BLOCK_K, "RP": rp,
+                     "SPLITS": splits, "PER_COLUMN": False, "HAS_BIAS": False, "DOT_F32": False}
+        divisible = [n for n in signature if n not in ("M", "R", "scale")]
+        signature |= dict.fromkeys(constants, "constexpr")
+        source = ASTSource(fn=kernel, signature=signature, constexprs={(index(c),): v for c, v in constants.items()},
+                           attrs={(index(n),): [["tt.divisibility", 16]] for n in divisible})
+        built = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                               options={"num_warps": group_step.WARPS, "num_stages": group_step.STAGES})
+        tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+        with tempfile.TemporaryDirectory() as tmp:
+            cubin = Path(tmp) / "group_step.cubin"
+            cubin.write_bytes(built.asm["cubin"])
+            usage = subprocess.run([str(tools / "cuobjdump"), "-res-usage", str(cubin)], capture_output=True,
+                                   text=True, check=True).stdout
+        ptx = built.asm["ptx"]
+        results.append({"group": name, "rows": rows, "splits": splits, "rank_rows": rp, "triton": triton.__version__,
+                        "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
+                        "spill_bytes": int(re.search(r"LOCAL:(\d+)", usage).group(1)),
+                        "shared_bytes": built.metadata.shared, "warpgroup_mma": ptx.count("wgmma.mma_async"),
+                        "split_sum_order": split_sum_order(ptx) if splits > 1 else []})
+    return results
+
+
 def tuned(design: str = "v2") -> list[dict]:
     """Each distinct tile of `nf4_settings.TUNED_SM90` (the measured settings the product takes on sm_90), built in
     bf16, with the projections that take it."""
@@ -160,7 +215,21 @@ def main(argv: list[str]) -> int:
                    help="the product's tile kernel (lookups by warp shuffle), or a variant: lookups by table loads, "
                    "one table lookup a byte, or the loop before it read words (a byte at a time; byte-loads: and before the "
                    "shuffles)")
+    p.add_argument("--group-step", action="store_true",
+                   help="build the bf16 group-step kernel (vlmrl.engine.rollout.group_step) at each Qwen3-VL-8B group "
+                   "instead, --rows rows, a line each")
     args = p.parse_args(argv)
+    if args.group_step:
+        results = group_step_build(args.rows)
+        print("| group | rows | K splits | rank rows | registers | spilled bytes | shared bytes | warpgroup MMAs "
+              "| split sum's order |\n|---|---|---|---|---|---|---|---|---|")
+        for r in results:
+            print(f"| {r['group']} | {r['rows']} | {r['splits']} | {r['rank_rows']} | {r['registers']} | "
+                  f"{r['spill_bytes']} | {r['shared_bytes']} | {r['warpgroup_mma']} | "
+                  f"{', '.join(r['split_sum_order']) or '-'} |")
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=1) + "\n")
+        return 0
     if args.tuned:
         results = tuned(args.kernel)
         print("| rows | blocksize | tile (block_n, packed bytes, warps) | projections | registers | spilled bytes "

@@ -107,3 +107,32 @@ def test_the_shuffles_and_the_pair_table_take_fewer_loop_instructions_than_table
     assert not loads["opcodes"].get("SHFL.IDX")
     assert shuffle["opcodes"].get("LDG.E", 0) < loads["opcodes"]["LDG.E"] // 4
     assert shuffle["instructions_per_weight"] < 0.85 * loads["instructions_per_weight"]
+
+
+@pytest.mark.slow  # ~6 s: four ptxas builds
+def test_the_group_step_kernel_builds_for_sm90_at_each_group_in_the_split_sums_order(tmp_path):
+    """The bf16 group-step kernel (vlmrl.engine.rollout.group_step), built offline for sm_90 as the product launches
+    it at Qwen3-VL-8B's four groups and 32 rows: its dots on Hopper's warpgroup MMA, no register spills, and where
+    K is split, the last split to finish reads the others' shares only after every thread's stores, a barrier and
+    the count (released and acquired at GPU scope), then a barrier, and resets the count last (what one program at a
+    time in the interpreter cannot tell)."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "group_step.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "nf4_sass.py"), "--group-step", "--json",
+                          str(out)], capture_output=True, text=True, env=env, timeout=600, check=False)
+    if run.returncode == 2:
+        pytest.skip(run.stderr.strip())
+    assert run.returncode == 0, run.stderr
+    built = {r["group"]: r for r in json.loads(out.read_text())}
+    assert {g: r["splits"] for g, r in built.items()} == {"q/k/v": 2, "o": 4, "gate/up": 1, "down": 4}  # as measured
+    for group, r in built.items():
+        assert r["spill_bytes"] == 0 and r["warpgroup_mma"] > 0, group
+        order = r["split_sum_order"]
+        if r["splits"] == 1:
+            assert order == [], group
+            continue
+        count = order.index("count (acquire, release)")
+        assert order[count - 2:count + 3] == ["stores", "barrier", "count (acquire, release)", "barrier",
+                                              "shares read through L2"], (group, order)
+        assert order.count("count (acquire, release)") == 1 and order[-1] == "counter reset", (group, order)

@@ -101,10 +101,9 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, second: 
     return x.new_empty((x.shape[0], second.shape[0]))
 
 
-def splits_for(tiles: int, k: int, device: torch.device) -> int:
+def splits_for(tiles: int, k: int, sms: int) -> int:
     """K splits (a power of two dividing K into whole `BLOCK_K` steps) until the grid has about `PROGRAMS_PER_SM`
-    programs an SM."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+    programs on each of `sms` SMs."""
     splits = 1
     while tiles * splits < PROGRAMS_PER_SM * sms and k % (2 * splits * BLOCK_K) == 0:
         splits *= 2
@@ -119,7 +118,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, se
         x = x.contiguous()
     second = second.contiguous()
     tiles = -(-width // BLOCK_N)
-    splits = splits_for(tiles, k, x.device)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 2
+    splits = splits_for(tiles, k, sms)
     counters = split_counters(x.device, tiles) if splits > 1 else None
     if splits > 1 and counters is None:
         return None
