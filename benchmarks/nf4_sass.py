@@ -203,6 +203,16 @@ def tuned(design: str = "v2") -> list[dict]:
             for (rows, blocksize, block_n, tile, warps, split), shapes in tiles.items()]
 
 
+def _table(results: list[dict], json_path: Path | None, header: str, row) -> int:
+    """Print `results` as a markdown table (`row` makes a line of one), and write them to `json_path` if given."""
+    print(header + "\n" + "|---" * header.count(" | ") + "|---|")
+    for r in results:
+        print(row(r))
+    if json_path:
+        json_path.write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, default=32)
@@ -220,28 +230,19 @@ def main(argv: list[str]) -> int:
                    "instead, --rows rows, a line each")
     args = p.parse_args(argv)
     if args.group_step:
-        results = group_step_build(args.rows)
-        print("| group | rows | K splits | rank rows | registers | spilled bytes | shared bytes | warpgroup MMAs "
-              "| split sum's order |\n|---|---|---|---|---|---|---|---|---|")
-        for r in results:
-            print(f"| {r['group']} | {r['rows']} | {r['splits']} | {r['rank_rows']} | {r['registers']} | "
-                  f"{r['spill_bytes']} | {r['shared_bytes']} | {r['warpgroup_mma']} | "
-                  f"{', '.join(r['split_sum_order']) or '-'} |")
-        if args.json:
-            args.json.write_text(json.dumps(results, indent=1) + "\n")
-        return 0
+        return _table(group_step_build(args.rows), args.json,
+                      "| group | rows | K splits | rank rows | registers | spilled bytes | shared bytes | warpgroup MMAs "
+                      "| split sum's order |",
+                      lambda r: f"| {r['group']} | {r['rows']} | {r['splits']} | {r['rank_rows']} | {r['registers']} | "
+                      f"{r['spill_bytes']} | {r['shared_bytes']} | {r['warpgroup_mma']} | "
+                      f"{', '.join(r['split_sum_order']) or '-'} |")
     if args.tuned:
-        results = tuned(args.kernel)
-        print("| rows | blocksize | tile (block_n, packed bytes, warps) | projections | registers | spilled bytes "
-              "| instructions per weight |\n|---|---|---|---|---|---|---|")
-        for r in results:
-            t = r["tile"]
-            print(f"| {r['rows']} | {r['blocksize']} | {t['block_n']}, {t['packed_bytes']}, {t['warps']} | "
-                  f"{', '.join(r['shapes'])} | {r['registers']} | {r['spill_bytes']} | "
-                  f"{r['instructions_per_weight']:.1f} |")
-        if args.json:
-            args.json.write_text(json.dumps(results, indent=1) + "\n")
-        return 0
+        return _table(tuned(args.kernel), args.json,
+                      "| rows | blocksize | tile (block_n, packed bytes, warps) | projections | registers | spilled bytes "
+                      "| instructions per weight |",
+                      lambda r: f"| {r['rows']} | {r['blocksize']} | {r['tile']['block_n']}, "
+                      f"{r['tile']['packed_bytes']}, {r['tile']['warps']} | {', '.join(r['shapes'])} | "
+                      f"{r['registers']} | {r['spill_bytes']} | {r['instructions_per_weight']:.1f} |")
     result = build(args.rows, args.blocksize, args.dtype, design=args.kernel)
     print(f"nf4_tiles for sm_90 (Triton {result['triton']}), {args.rows} rows, blocksize {args.blocksize}, "
           f"{args.dtype}: tile {result['tile']}, {result['registers']} registers, {result['spill_bytes']} bytes "
