@@ -231,15 +231,15 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if args.group_step:
         return _table(group_step_build(args.rows), args.json,
-                      "| group | rows | K splits | rank rows | registers | spilled bytes | shared bytes | warpgroup MMAs "
-                      "| split sum's order |",
-                      lambda r: f"| {r['group']} | {r['rows']} | {r['splits']} | {r['rank_rows']} | {r['registers']} | "
-                      f"{r['spill_bytes']} | {r['shared_bytes']} | {r['warpgroup_mma']} | "
+                      "| group | rows | K splits | rank rows | registers | spilled bytes | shared bytes "
+                      "| warpgroup MMAs | split sum's order |",
+                      lambda r: f"| {r['group']} | {r['rows']} | {r['splits']} | {r['rank_rows']} | "
+                      f"{r['registers']} | {r['spill_bytes']} | {r['shared_bytes']} | {r['warpgroup_mma']} | "
                       f"{', '.join(r['split_sum_order']) or '-'} |")
     if args.tuned:
         return _table(tuned(args.kernel), args.json,
-                      "| rows | blocksize | tile (block_n, packed bytes, warps) | projections | registers | spilled bytes "
-                      "| instructions per weight |",
+                      "| rows | blocksize | tile (block_n, packed bytes, warps) | projections | registers "
+                      "| spilled bytes | instructions per weight |",
                       lambda r: f"| {r['rows']} | {r['blocksize']} | {r['tile']['block_n']}, "
                       f"{r['tile']['packed_bytes']}, {r['tile']['warps']} | {', '.join(r['shapes'])} | "
                       f"{r['registers']} | {r['spill_bytes']} | {r['instructions_per_weight']:.1f} |")

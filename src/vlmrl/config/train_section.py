@@ -48,9 +48,10 @@ class RolloutConfig(_Section):
     kernels: bool = Field(
         True,
         description="vlmrl's Triton kernels in rollouts (decode attention, the stacked projections' token step, "
-        "each 4-bit projection's LoRA branch inside the nf4 kernel) and Liger's fused kernels in the loss pass, on CUDA where they apply, with each rollout's token step recorded "
-        "as one CUDA graph. False: PyTorch's own operations, the same functions up to float rounding (to rule the "
-        "kernels out when chasing a numerical question), token steps on torch.compile's CUDA graph trees.",
+        "each 4-bit projection's LoRA branch inside the nf4 kernel) and Liger's fused kernels in the loss pass, "
+        "on CUDA where they apply, with each rollout's token step recorded as one CUDA graph. False: PyTorch's own "
+        "operations, the same functions up to float rounding (to rule the kernels out when chasing a numerical "
+        "question), token steps on torch.compile's CUDA graph trees.",
     )
 
 

@@ -24,7 +24,6 @@ import logging
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from vlmrl.engine.rollout import second_factors
 from vlmrl.engine.rollout.arrivals import split_counters
@@ -84,9 +83,7 @@ def group_step(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 def _group_step(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, second: torch.Tensor,
                 scales: torch.Tensor | None, scale: float, starts: torch.Tensor, rp: int) -> torch.Tensor:
     def apart() -> torch.Tensor:
-        stacked = F.linear(x, weight, bias)
-        step = second_factors.stacked_second if second_factors.usable(stacked, second) else second_factors.reference
-        return step(stacked, second, scales if scales is not None else scale)
+        return second_factors.linear_and_second(x, weight, bias, second, scales if scales is not None else scale)
 
     def kernel() -> torch.Tensor:
         out = _launch(x, weight, bias, second, scales, scale, starts, rp)
@@ -97,7 +94,8 @@ def _group_step(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 @_group_step.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, second: torch.Tensor, *args: Any) -> torch.Tensor:
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, second: torch.Tensor,
+      *args: Any) -> torch.Tensor:
     return x.new_empty((x.shape[0], second.shape[0]))
 
 

@@ -158,7 +158,8 @@ def kernels(interpret: bool) -> tuple[Any, Any]:
             acc += tl.load(Bias + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         second = tl.load(Second + n[:, None] * R + r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
         out = added_rounded(to_bf16(acc), second, to_bf16(acc_a), lora_scale, EXACT)
-        tl.store(Final + m[None, :] * N + n[:, None], out.to(Final.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
+        tl.store(Final + m[None, :] * N + n[:, None], out.to(Final.dtype.element_ty),
+                 mask=m_ok[None, :] & n_ok[:, None])
 
     globals()["with_second"] = with_second
 

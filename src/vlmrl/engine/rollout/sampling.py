@@ -7,7 +7,8 @@ the transformers path, fast (`vlmrl.engine.rollout.fast`) or plain: each rollout
 logits processor, `SamplerLogprobs`, which keeps one step's log_softmax of the temperature-scaled logits and, at the
 next step, gathers the token that was sampled from them. So every sampled token's log-probability is read, at
 the cost of one log_softmax over the vocabulary (one kernel; a division before it where the temperature is not 1)
-and one gather per step; no [steps, B, V] logits are stored. Processors run outside the compiled forward, so compiled decoding (CUDA graphs included) is unchanged.
+and one gather per step; no [steps, B, V] logits are stored. Processors run outside the compiled forward, so
+compiled decoding (CUDA graphs included) is unchanged.
 
 What is measured is TRL's definition for vLLM: log_softmax(logits / temperature) of the logits the sampler
 saw, after transformers' own processors (`suppress_tokens`, `min_new_tokens`: what the tokens were really drawn

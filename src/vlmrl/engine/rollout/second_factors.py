@@ -3,11 +3,12 @@
 A stacked group's first matmul gives, per row, the base outputs and then the adapters' rank-space inputs side by
 side. What follows is `base + scale * (first @ secondᵀ)`, `second` the group's block-diagonal second factors
 (`stacked_second`; over a 4-bit base, whose members compute their base outputs apart, one member's at a time:
-`added_second`). At a token step (a few dozen rows) cuBLAS runs that small matmul (K = the group's summed ranks)
-bound by latency rather than bandwidth, and the scaled sum after it is another kernel, for every group of every
-layer (what that costs: benchmarks/NOTES.md). Here one kernel reads the rank-space inputs, multiplies them by a
-tile of the second factors on the tensor cores, scales, adds the base outputs and writes the outputs; one program
-per block of output columns (and of rows). On with `train.rollout.kernels`.
+`added_second`; the stacked matmul and this step one after the other: `linear_and_second`). At a token step (a
+few dozen rows) cuBLAS runs that small matmul (K = the group's summed ranks) bound by latency, not bandwidth, and
+the scaled sum after it is another kernel, for every group of every layer (what that costs: benchmarks/NOTES.md).
+Here one kernel reads the rank-space inputs, multiplies them by a tile of the second factors on the tensor cores,
+scales, adds the base outputs and writes the outputs; one program per block of output columns (and of rows). On
+with `train.rollout.kernels`.
 
 Rounded as the unfused path rounds, in bf16 (fp16 stays on the unfused step): the product is rounded, then scaled
 (a float, or one value per output column in bf16) and rounded, then added to the base outputs and rounded. Only the dot's
@@ -82,6 +83,15 @@ def _stacked_second(stacked: torch.Tensor, second: torch.Tensor, scales: torch.T
 @_stacked_second.register_fake
 def _(stacked: torch.Tensor, second: torch.Tensor, scales: torch.Tensor | None, scale: float) -> torch.Tensor:
     return stacked.new_empty((*stacked.shape[:-1], second.shape[0]))
+
+
+def linear_and_second(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, second: torch.Tensor,
+                      scale: Any, kernels: bool = True) -> torch.Tensor:
+    """A stacked group's outputs the two-step way: cuBLAS's matmul over the stacked weight (base rows, then the first
+    factors' rows), then the second step, this module's kernel where `kernels` and `usable`, else `reference`."""
+    stacked = F.linear(x, weight, bias)
+    step = stacked_second if kernels and usable(stacked, second) else reference
+    return step(stacked, second, scale)
 
 
 def stacked_second(stacked: torch.Tensor, second: torch.Tensor, scale: Any) -> torch.Tensor:

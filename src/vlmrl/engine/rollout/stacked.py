@@ -24,10 +24,11 @@ Over a bitsandbytes 4-bit base (`Linear4bit`), which cannot share a matmul with 
 its members' first factors (in the rollouts' compute dtype, `dtype`): one matmul gives the group's rank-space
 inputs, each member's base runs on its own (vlmrl's nf4 kernel at token steps), and each member's second factor,
 scale and sum are one step over its base output (`second_factors.added_second`): per layer 7 base calls, 4 first
-factor matmuls and 7 second steps where PEFT runs 7 + 14 matmuls and 7 sums; at a token step on vlmrl's nf4 kernel,
-with its kernels, each member's base and branch are one launch of it (`nf4_branch`). The values are those of PEFT's forward
-(its adapters in bf16, as stored or copied, under the rollout's autocast), up to the order in which a matmul sums
-its products. Only where the token steps are recorded as one graph (`first_factors`; measured faster there only).
+factor matmuls and 7 second steps where PEFT runs 7 + 14 matmuls and 7 sums; at a token step on vlmrl's nf4
+kernel, with its kernels, each member's base and branch are one launch of it (`nf4_branch`). The values are those of
+PEFT's forward (its adapters in bf16, as stored or copied, under the rollout's autocast), up to the order in which a
+matmul sums its products. Only where the token steps are recorded as one graph (`first_factors`; measured faster
+there only).
 
 Applies to plain LoRA (no DoRA or other variant, no dropout, no bias of its own, one active adapter) over
 float or bitsandbytes 4-bit base weights that are not sharded (FSDP / ZeRO-3); elsewhere the adapter copies apply
@@ -94,10 +95,8 @@ class _Group:
         if self.fused and group_step.usable(x, self.weight, self.second, self.windows):  # one kernel, a token step
             return group_step.group_step(x, self.weight, self.bias, self.second, self.scale,
                                          self.windows).split(self.outs, dim=-1)
-        stacked = F.linear(x, self.weight, self.bias)
-        fused = self.fused and second_factors.usable(stacked, self.second)
-        second_step = second_factors.stacked_second if fused else second_factors.reference
-        return second_step(stacked, self.second, self.scale).split(self.outs, dim=-1)
+        return second_factors.linear_and_second(x, self.weight, self.bias, self.second, self.scale,
+                                                self.fused).split(self.outs, dim=-1)
 
     def spare_nbytes(self) -> int:
         """What stacking adds to the weights and keeps between rollouts: the first factors' rows."""
